@@ -1,0 +1,90 @@
+"""Backend layer: the one place where code paths are chosen per MindSpore device target.
+
+Ascend 910 is the production target; CPU is where everything is built and tested (GPU is
+accepted but not a goal). Runtime Cells ask this module which implementation to use instead of
+testing ``device_target`` themselves, so every per-target choice is listed here, with the
+reason, in one table:
+
+    choice            Ascend     CPU / GPU                 why
+    ----------------  ---------  ------------------------  --------------------------------------
+    alltoall_impl()   "native"   world group:              ``ops.AlltoAll`` is Ascend-only; the
+                                 "allgather-emulation"     CPU (mccl) backend has no AlltoAll or
+                                 other groups:             ReduceScatter, and its AllGather kernel
+                                 "allreduce-emulation"     accepts only the world group (AllReduce
+                                                           accepts any group).
+
+Add a new choice as a function ``<thing>_impl(device_target=None) -> str`` that returns one of a
+few documented string constants, and list it in the table above.
+"""
+from typing import Optional
+
+import mindspore as ms
+from mindspore.communication import GlobalComm, get_group_size, get_rank
+
+__all__ = [
+    "ASCEND",
+    "CPU",
+    "GPU",
+    "ALLTOALL_NATIVE",
+    "ALLTOALL_ALLGATHER_EMULATION",
+    "ALLTOALL_ALLREDUCE_EMULATION",
+    "ALLTOALL_IMPLS",
+    "device_target",
+    "is_ascend",
+    "alltoall_impl",
+    "world_group",
+    "group_size",
+    "group_rank",
+]
+
+ASCEND = "Ascend"
+CPU = "CPU"
+GPU = "GPU"
+
+# All-to-All implementations (see ms_efficient.moe.alltoall.AllToAll).
+ALLTOALL_NATIVE = "native"  # ops.AlltoAll: one collective, Ascend only
+ALLTOALL_ALLGATHER_EMULATION = "allgather-emulation"  # AllGather + keep my column: exact
+ALLTOALL_ALLREDUCE_EMULATION = "allreduce-emulation"  # AllReduce of zero-padded buffers: exact
+ALLTOALL_IMPLS = (ALLTOALL_NATIVE, ALLTOALL_ALLGATHER_EMULATION, ALLTOALL_ALLREDUCE_EMULATION)
+
+
+def device_target() -> str:
+    """The MindSpore device target of this process: "Ascend", "CPU" or "GPU"."""
+    return ms.get_context("device_target")
+
+
+def is_ascend(target: Optional[str] = None) -> bool:
+    """True when `target` (default: this process's device target) is Ascend."""
+    return (target or device_target()) == ASCEND
+
+
+def alltoall_impl(target: Optional[str] = None, group: Optional[str] = None) -> str:
+    """The All-to-All implementation for `group` on `target` (defaults: world group, this process).
+
+    - ALLTOALL_NATIVE ("native") on Ascend, where ``ops.AlltoAll`` exists (MindSpore documents
+      it for Ascend only);
+    - elsewhere ALLTOALL_ALLGATHER_EMULATION ("allgather-emulation") on the world group, and
+      ALLTOALL_ALLREDUCE_EMULATION ("allreduce-emulation") on any other group, because the CPU
+      AllGather kernel raises "AllGather only support mccl_world_group on CPU" for named groups.
+    Both emulations are exact; see ms_efficient.moe.alltoall.
+    """
+    if is_ascend(target):
+        return ALLTOALL_NATIVE
+    if group is None or group == world_group():
+        return ALLTOALL_ALLGATHER_EMULATION
+    return ALLTOALL_ALLREDUCE_EMULATION
+
+
+def world_group() -> str:
+    """Name of the world communication group of the initialised backend (e.g. "mccl_world_group")."""
+    return GlobalComm.WORLD_COMM_GROUP
+
+
+def group_size(group: Optional[str] = None) -> int:
+    """Number of ranks in `group` (default: the world group); 1 before ``init()`` is called."""
+    return get_group_size(group or world_group())
+
+
+def group_rank(group: Optional[str] = None) -> int:
+    """This process's rank inside `group` (default: the world group); 0 before ``init()``."""
+    return get_rank(group or world_group())

@@ -1,0 +1,140 @@
+"""The ``ms-efficient`` command.
+
+    ms-efficient train CONFIG [--steps N] [--out DIR]    train the reference MoE model
+    ms-efficient train --resume DIR [--steps N]          continue a run from its checkpoint
+    ms-efficient graph CONFIG_OR_FILE [--mode M] [--out graph.json]
+    ms-efficient report RUN_DIR                          rebuild a run's report.md and plots
+
+Bad input (config, trace, graph) prints one line ``ms-efficient: error: ...`` and exits 2,
+without writing anything.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import List, Optional
+
+__all__ = ["main"]
+
+logger = logging.getLogger("ms_efficient")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, but got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, but got {value}")
+    return value
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from ms_efficient.train import train
+
+    if args.resume and args.config:
+        raise ValueError("give either CONFIG or --resume DIR, not both.")
+    if not args.resume and not args.config:
+        raise ValueError("train needs CONFIG (a YAML file) or --resume DIR.")
+    result = train(args.config, out_dir=args.out, steps=args.steps, resume=args.resume)
+    drop = result.first_val_loss - result.final_val_loss
+    print(f"run folder: {result.out_dir}")
+    print(f"validation loss: {result.first_val_loss:.4f} -> {result.final_val_loss:.4f} "
+          f"nats/byte ({drop:+.4f} fallen) after {result.steps} steps")
+    print(f"measured step time {result.step_time_s * 1e3:.1f} ms "
+          f"({result.tokens_per_s:.0f} tokens/s, MindSpore GRAPH_MODE on CPU)")
+    print(f"report: {os.path.join(result.out_dir, 'report.md')}")
+    return 0
+
+
+def _graph_from_config(path: str, mode: str):
+    import numpy as np
+    import mindspore as ms
+    from mindspore import Tensor, nn
+
+    from ms_efficient.config import load_config
+    from ms_efficient.graph import from_network
+    from ms_efficient.models.gpt_moe import build_model
+
+    cfg = load_config(path)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device(cfg.context.device_target)
+    ms.set_seed(cfg.context.seed)
+    net = build_model(cfg.model, cfg.moe, cfg.train.batch_size)
+    shape = (cfg.train.batch_size, cfg.model.seq_length)
+    tokens = Tensor(np.zeros(shape, np.int32))
+    optimizer = nn.AdamWeightDecay(net.trainable_params(), 1e-3) if mode == "train" else None
+    return from_network(net, tokens, tokens, mode=mode, optimizer=optimizer)
+
+
+def _cmd_graph(args: argparse.Namespace) -> int:
+    from ms_efficient.graph import graph_summary_table, load_graph
+
+    if not os.path.exists(args.source):
+        raise ValueError(f"'{args.source}' does not exist.")
+    if args.source.endswith((".yaml", ".yml")):
+        graph = _graph_from_config(args.source, args.mode)
+    else:
+        graph = load_graph(args.source)
+    print(graph_summary_table(graph))
+    if args.out:
+        graph.save_json(args.out)
+        print(f"graph written to {args.out}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from ms_efficient.report import write_report
+
+    print(f"report: {write_report(args.run_dir)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ms-efficient",
+        description="Faster, leaner MindSpore training of dense and MoE models.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train the reference GPT-MoE model on text (GRAPH_MODE)")
+    p.add_argument("config", nargs="?", help="YAML config, e.g. configs/gpt_moe_tiny.yaml")
+    p.add_argument("--steps", type=_positive_int, help="override train.steps")
+    p.add_argument("--out", help="run folder (default: train.out_dir of the config)")
+    p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint")
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("graph", help="extract or read an OpGraph and print its summary")
+    p.add_argument("source", help="config YAML (builds the reference model), graph JSON, "
+                                  "MINDIR file or PipeDream profile")
+    p.add_argument("--mode", choices=("forward", "train"), default="forward",
+                   help="for a config: forward graph, or the whole train step")
+    p.add_argument("--out", help="write the graph as JSON here")
+    p.set_defaults(func=_cmd_graph)
+
+    p = sub.add_parser("report", help="rebuild report.md and plots of a run folder")
+    p.add_argument("run_dir")
+    p.set_defaults(func=_cmd_report)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    try:
+        return args.func(args)
+    except ValueError as err:
+        print(f"ms-efficient: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ms-efficient: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

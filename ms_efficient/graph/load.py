@@ -1,0 +1,28 @@
+"""Open any supported graph file: OpGraph JSON, MINDIR, or a PipeDream profile."""
+from __future__ import annotations
+
+import os
+
+from ms_efficient.graph.opgraph import OpGraph
+from ms_efficient.graph.pipedream import load_pipedream
+
+__all__ = ["load_graph"]
+
+
+def load_graph(path: str) -> OpGraph:
+    """Read ``path`` by extension: ``.json`` -> OpGraph JSON, ``.mindir`` -> MINDIR (needs
+    MindSpore); anything else is sniffed: JSON if it starts with ``{``, else PipeDream text.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"graph file not found: {path}")
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".json":
+        return OpGraph.load_json(path)
+    if ext == ".mindir":
+        from ms_efficient.graph.mindir import from_mindir_file
+        return from_mindir_file(path)
+    with open(path, "rb") as fh:
+        head = fh.read(64).lstrip()
+    if head.startswith(b"{"):
+        return OpGraph.load_json(path)
+    return load_pipedream(path)

@@ -1,0 +1,1 @@
+"""Reference networks used by the demo, the tests and the benchmarks."""

@@ -1,0 +1,151 @@
+"""GPT-style decoder with Mixture-of-Experts feed-forward layers (the reference network).
+
+Pre-LayerNorm blocks (Radford et al. 2019): x + Attn(LN(x)), then x + FFN(LN(x)), where FFN is
+a :class:`~ms_efficient.moe.layer.MoEFeedForward` in every ``moe_every``-th block and a dense
+FFN elsewhere. Learned positions, tied input/output embeddings, byte-level vocabulary.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import Normal, initializer
+
+from ms_efficient.config import ModelConfig, MoEConfig
+from ms_efficient.moe.layer import MoEFeedForward, expert_capacity
+
+__all__ = ["GPTMoE", "CausalSelfAttention", "DenseFeedForward", "Block", "build_model"]
+
+
+class CausalSelfAttention(nn.Cell):
+    """Multi-head causal self-attention: x_BSH -> y_BSH."""
+
+    def __init__(self, hidden_size: int, num_heads: int, seq_length: int, init_std: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = hidden_size // num_heads
+        self.qkv = nn.Dense(hidden_size, 3 * hidden_size, weight_init=Normal(init_std))
+        self.proj = nn.Dense(hidden_size, hidden_size, weight_init=Normal(init_std))
+        self.bmm_qk = ops.BatchMatMul(transpose_b=True)
+        self.bmm_pv = ops.BatchMatMul()
+        self.softmax = nn.Softmax(axis=-1)
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        mask = np.triu(np.full((seq_length, seq_length), -1e9, dtype=np.float32), k=1)
+        self.mask_SS = Tensor(mask)
+
+    def construct(self, x):
+        b, s, h = x.shape
+        nh, hd = self.num_heads, self.head_dim
+        qkv = self.qkv(x.reshape(b * s, h)).reshape(b, s, 3, nh, hd).transpose(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]                                  # [B, nh, S, hd]
+        scores = self.bmm_qk(q, k) * self.scale + self.mask_SS[:s, :s]
+        y = self.bmm_pv(self.softmax(scores), v)                          # [B, nh, S, hd]
+        y = y.transpose(0, 2, 1, 3).reshape(b * s, h)
+        return self.proj(y).reshape(b, s, h)
+
+
+class DenseFeedForward(nn.Cell):
+    """Dense FFN gelu(x W1 + b1) W2 + b2, returning the same 4-tuple as the MoE FFN."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int,
+                 trace_ranks: int, init_std: float):
+        super().__init__()
+        self.fc1 = nn.Dense(hidden_size, ffn_hidden_size, weight_init=Normal(init_std))
+        self.fc2 = nn.Dense(ffn_hidden_size, hidden_size, weight_init=Normal(init_std))
+        self.gelu = nn.GELU(approximate=True)
+        self.zero_counts = Tensor(np.zeros((trace_ranks, num_experts), np.int32))
+
+    def construct(self, x):
+        b, s, h = x.shape
+        y = self.fc2(self.gelu(self.fc1(x.reshape(b * s, h)))).reshape(b, s, h)
+        return y, ops.zeros((), ms.float32), self.zero_counts, ops.zeros((), ms.int32)
+
+
+class Block(nn.Cell):
+    """Pre-LN transformer block: ``construct(x) -> (x, aux_loss, counts_RE, dropped)``."""
+
+    def __init__(self, hidden_size: int, num_heads: int, seq_length: int, ffn: nn.Cell,
+                 init_std: float, dropout: float):
+        super().__init__()
+        self.ln1 = nn.LayerNorm((hidden_size,))
+        self.attn = CausalSelfAttention(hidden_size, num_heads, seq_length, init_std)
+        self.ln2 = nn.LayerNorm((hidden_size,))
+        self.ffn = ffn
+        self.dropout = nn.Dropout(p=dropout) if dropout > 0 else nn.Identity()
+
+    def construct(self, x):
+        x = x + self.dropout(self.attn(self.ln1(x)))
+        y, aux, counts, dropped = self.ffn(self.ln2(x))
+        return x + self.dropout(y), aux, counts, dropped
+
+
+class GPTMoE(nn.Cell):
+    """Decoder-only LM: ``construct(tokens_BS, targets_BS) -> (loss, ce_loss, counts, dropped)``.
+
+    loss = cross-entropy + aux_loss_coef * mean aux loss of the MoE blocks (a scalar).
+    counts: int32 [L, R, E], assignments per block, trace group and expert (zero rows for
+        dense blocks; ``moe_index`` lists the MoE blocks).
+    dropped: int32 [L], assignments dropped per block.
+    """
+
+    def __init__(self, model: ModelConfig, moe: MoEConfig, batch_size: int,
+                 trace_ranks: int = 1):
+        super().__init__()
+        if batch_size % trace_ranks:
+            raise ValueError(f"'train.batch_size' ({batch_size}) must be a multiple of "
+                             f"'moe.trace_ranks' ({trace_ranks}).")
+        std = 0.02
+        h, tokens = model.hidden_size, batch_size * model.seq_length
+        self.vocab_size = model.vocab_size
+        self.aux_loss_coef = moe.aux_loss_coef
+        self.embed = nn.Embedding(model.vocab_size, h, embedding_table=Normal(std))
+        self.pos = Parameter(initializer(Normal(std), (1, model.seq_length, h), ms.float32),
+                             name="pos_embedding")
+        capacity = expert_capacity(tokens, moe.num_experts, moe.top_k, moe.capacity_factor,
+                                   moe.capacity_multiple)
+        blocks = []
+        moe_layers = []
+        for i in range(model.num_layers):
+            if (i + 1) % moe.moe_every == 0:
+                ffn = MoEFeedForward(h, model.ffn_hidden_size, moe.num_experts, moe.top_k,
+                                     capacity, trace_ranks, std)
+                moe_layers.append(i)
+            else:
+                ffn = DenseFeedForward(h, model.ffn_hidden_size, moe.num_experts, trace_ranks,
+                                       std)
+            blocks.append(Block(h, model.num_heads, model.seq_length, ffn, std, model.dropout))
+        self.blocks = nn.CellList(blocks)
+        self.moe_index = tuple(moe_layers)
+        self.num_moe = max(1, len(moe_layers))
+        self.ln_f = nn.LayerNorm((h,))
+        self.ce = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+        self.matmul_t = ops.MatMul(transpose_b=True)
+
+    def logits(self, tokens):
+        """tokens_BS int32 -> (logits [B*S, V], aux_sum, counts [L, R, E], dropped [L])."""
+        b, s = tokens.shape
+        x = self.embed(tokens) + self.pos[:, :s, :]
+        aux_sum = ops.zeros((), ms.float32)
+        counts = ()
+        dropped = ()
+        for block in self.blocks:
+            x, aux, c, d = block(x)
+            aux_sum = aux_sum + aux
+            counts = counts + (c,)
+            dropped = dropped + (d,)
+        x = self.ln_f(x).reshape(b * s, -1)
+        logits = self.matmul_t(x, self.embed.embedding_table)
+        return logits, aux_sum, ops.stack(counts), ops.stack(dropped)
+
+    def construct(self, tokens, targets):
+        logits, aux_sum, counts, dropped = self.logits(tokens)
+        ce = self.ce(logits, targets.reshape(-1))
+        loss = ce + self.aux_loss_coef * aux_sum / self.num_moe
+        return loss, ce, counts, dropped
+
+
+def build_model(model: ModelConfig, moe: MoEConfig, batch_size: int) -> GPTMoE:
+    """The reference network for a config (float32 master weights)."""
+    return GPTMoE(model, moe, batch_size, moe.trace_ranks)

@@ -1,0 +1,130 @@
+"""Top-k routed Mixture-of-Experts feed-forward layer with static per-expert capacity.
+
+Shapes (names carry their dimensions): T tokens, H hidden, F expert FFN width, E experts,
+K top-k, C slots per expert, R trace source ranks.
+
+    x_TH -> router logits_TE -> top-k (expert_ids_TK, weights_TK)
+         -> slot of every (token, choice) by arrival order inside its expert (k-major, so
+            first choices of all tokens are served before second choices, as in GShard)
+         -> gather into expert_in_ECH (empty slots read a zero row)
+         -> batched matmul experts -> expert_out_ECH
+         -> gather back per (token, choice), weight, sum over K -> y_TH
+
+Assignments beyond an expert's capacity C are dropped (their weight is zero; the residual
+connection of the block carries the token on), and counted.
+"""
+from __future__ import annotations
+
+import math
+
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import Normal, initializer
+
+__all__ = ["MoEFeedForward", "expert_capacity"]
+
+
+def expert_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float,
+                    multiple: int = 1) -> int:
+    """Slots per expert: ceil(cf * tokens * top_k / num_experts), rounded up to ``multiple``.
+
+    ``capacity_factor == 0`` means dropless: ``tokens`` slots (an expert appears at most once
+    in a token's top-k, so it can never receive more than ``tokens`` assignments).
+    """
+    if capacity_factor == 0:
+        cap = tokens
+    else:
+        cap = math.ceil(capacity_factor * tokens * top_k / num_experts)
+    cap = max(1, min(cap, tokens))
+    return int(math.ceil(cap / multiple) * multiple)
+
+
+class MoEFeedForward(nn.Cell):
+    """MoE FFN: ``construct(x_BSH) -> (y_BSH, aux_loss, counts_RE, dropped)``.
+
+    Args:
+        hidden_size: H.
+        ffn_hidden_size: F, width of every expert's FFN.
+        num_experts: E.
+        top_k: K experts per token; their gate weights are renormalised to sum to 1.
+        capacity: C slots per expert (see :func:`expert_capacity`).
+        trace_ranks: R; the T tokens are split into R equal groups (R virtual source ranks,
+            as data-parallel ranks would see them) and per-group expert counts are returned.
+
+    Outputs:
+        y_BSH: float [B, S, H].
+        aux_loss: Switch-Transformer load-balancing loss E * sum_e f_e * p_e, where f_e is the
+            fraction of assignments routed to e and p_e the mean router probability of e
+            (Fedus et al. 2021, eq. 4, with top-k assignments counted k times).
+        counts_RE: int32 [R, E], assignments each group routed to each expert (before drops).
+        dropped: int32 scalar, assignments that found no free slot.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
+                 capacity: int, trace_ranks: int = 1, init_std: float = 0.02):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.capacity = capacity
+        self.trace_ranks = trace_ranks
+        e, h, f = num_experts, hidden_size, ffn_hidden_size
+        self.router = nn.Dense(h, e, has_bias=False, weight_init=Normal(init_std))
+        self.w1 = Parameter(initializer(Normal(init_std), (e, h, f), ms.float32), name="w1")
+        self.b1 = Parameter(initializer("zeros", (e, 1, f), ms.float32), name="b1")
+        self.w2 = Parameter(initializer(Normal(init_std), (e, f, h), ms.float32), name="w2")
+        self.b2 = Parameter(initializer("zeros", (e, 1, h), ms.float32), name="b2")
+        self.bmm = ops.BatchMatMul()
+        self.gelu = nn.GELU(approximate=True)
+        self.softmax = nn.Softmax(axis=-1)
+        self.one_hot = ops.OneHot()
+        self.on = Tensor(1.0, ms.float32)
+        self.off = Tensor(0.0, ms.float32)
+
+    def construct(self, x):
+        b, s, h = x.shape
+        t = b * s
+        e, k, c = self.num_experts, self.top_k, self.capacity
+        x_TH = x.reshape(t, h)
+
+        # Step 1: route: top-k experts per token, gate weights renormalised over the k.
+        probs_TE = self.softmax(self.router(x_TH).astype(ms.float32))
+        weights_TK, expert_ids_TK = ops.topk(probs_TE, k)
+        weights_TK = weights_TK / weights_TK.sum(axis=-1, keepdims=True)
+
+        # Step 2: slot of every assignment, k-major: position inside its expert by arrival.
+        expert_ids_A = expert_ids_TK.transpose(1, 0).reshape(-1)          # A = K*T
+        onehot_AE = self.one_hot(expert_ids_A, e, self.on, self.off)
+        position_A = ((ops.cumsum(onehot_AE, 0) - 1.0) * onehot_AE).sum(axis=-1)
+        position_A = position_A.astype(ms.int32)
+        keep_A = position_A < c
+        dummy = e * c                                                      # the zero row
+        slot_A = ops.select(keep_A, expert_ids_A * c + position_A,
+                            ops.fill(ms.int32, (k * t,), dummy))
+
+        # Step 3: dispatch: token index held by every slot (T = empty slot -> zero row).
+        token_A = ops.tile(ops.arange(t, dtype=ms.int32), (k,))
+        slot_token = ops.fill(ms.int32, (e * c + 1,), t)
+        slot_token = ops.tensor_scatter_update(slot_token, slot_A.reshape(-1, 1), token_A)
+        x_pad = ops.concat((x_TH, ops.zeros((1, h), x_TH.dtype)), 0)
+        expert_in_ECH = ops.gather(x_pad, slot_token[:dummy], 0).reshape(e, c, h)
+
+        # Step 4: experts: one batched matmul per FFN projection.
+        hid = self.gelu(self.bmm(expert_in_ECH, self.w1) + self.b1)
+        expert_out_ECH = self.bmm(hid, self.w2) + self.b2
+
+        # Step 5: combine: every assignment reads its slot back, weighted; drops read zeros.
+        out_pad = ops.concat((expert_out_ECH.reshape(e * c, h),
+                              ops.zeros((1, h), expert_out_ECH.dtype)), 0)
+        gate_A = weights_TK.transpose(1, 0).reshape(-1) * keep_A.astype(ms.float32)
+        y_ATH = ops.gather(out_pad, slot_A, 0) * gate_A.reshape(-1, 1).astype(x.dtype)
+        y_TH = y_ATH.reshape(k, t, h).sum(axis=0)
+
+        # Step 6: statistics: load-balancing loss, per-group counts, drops.
+        frac_E = onehot_AE.mean(axis=0)
+        aux_loss = e * (frac_E * probs_TE.mean(axis=0)).sum()
+        r = self.trace_ranks
+        counts_RE = onehot_AE.reshape(k, r, t // r, e).sum(axis=(0, 2)).astype(ms.int32)
+        dropped = (k * t - keep_A.astype(ms.int32).sum()).astype(ms.int32)
+        return y_TH.reshape(b, s, h), aux_loss, counts_RE, dropped
+

@@ -1,0 +1,65 @@
+"""Pass framework: planners' plans applied to a network's Cell tree before compilation.
+
+A pass is a function ``(network, config) -> (network, plan)`` registered under a name with
+:func:`register_pass`. :func:`optimize` runs the passes named in ``config.optimize.passes``
+in order and returns the network and a ``{name: plan}`` dict of what it applied. With no pass
+enabled the network is returned untouched.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, Tuple
+
+__all__ = ["register_pass", "registered_passes", "optimize", "PassFn"]
+
+logger = logging.getLogger(__name__)
+
+PassFn = Callable[[Any, Any], Tuple[Any, Any]]
+
+_REGISTRY: Dict[str, PassFn] = {}
+
+
+def register_pass(name: str) -> Callable[[PassFn], PassFn]:
+    """Decorator: register ``fn`` as the pass called ``name`` (names are unique)."""
+
+    def wrap(fn: PassFn) -> PassFn:
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            raise ValueError(f"pass '{name}' is already registered by "
+                             f"{_REGISTRY[name].__module__}.{_REGISTRY[name].__qualname__}.")
+        _REGISTRY[name] = fn
+        return fn
+
+    return wrap
+
+
+def registered_passes() -> Dict[str, PassFn]:
+    """A copy of the name -> pass registry."""
+    return dict(_REGISTRY)
+
+
+def optimize(network, config) -> Tuple[Any, Dict[str, Any]]:
+    """Run the enabled passes on ``network`` (an ``nn.Cell``) before it is compiled.
+
+    Args:
+        network: the user's network; passes may modify it in place or return a new Cell.
+        config: a :class:`ms_efficient.config.RunConfig` (its ``optimize.passes`` list) or a
+            path to a YAML config file.
+
+    Returns:
+        (network, plans): the network to compile and ``{pass name: plan}`` it applied.
+    """
+    from ms_efficient.config import RunConfig, load_config
+
+    if isinstance(config, str):
+        config = load_config(config)
+    if not isinstance(config, RunConfig):
+        raise TypeError(f"optimize() takes a RunConfig or a config path, but got "
+                        f"{type(config).__name__}.")
+    plans: Dict[str, Any] = {}
+    for name in config.optimize.passes:
+        if name not in _REGISTRY:
+            raise ValueError(f"'optimize.passes' names unknown pass '{name}'; registered: "
+                             f"{sorted(_REGISTRY)}.")
+        logger.info("running pass %s", name)
+        network, plans[name] = _REGISTRY[name](network, config)
+    return network, plans

@@ -1,0 +1,34 @@
+"""Shared fixtures: a tiny config and a tiny text corpus built inside tests/ (no ../shared)."""
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+@pytest.fixture
+def text_dir(tmp_path):
+    """A folder of 40 small generated text files (about 60 kB)."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i in range(40):
+        lines = [f"def function_{i}_{j}(x):\n    return x * {j} + {i}\n" for j in range(40)]
+        (folder / f"mod_{i:02d}.py").write_text("".join(lines))
+    return str(folder)
+
+
+def tiny_config_dict(data_path: str, out_dir: str) -> dict:
+    """A 2-layer, 4-expert model small enough to train a few steps in seconds."""
+    return {
+        "context": {"seed": 7},
+        "model": {"seq_length": 32, "hidden_size": 32, "num_layers": 2, "num_heads": 2,
+                  "ffn_hidden_size": 64},
+        "moe": {"num_experts": 4, "top_k": 2, "capacity_factor": 1.25, "trace_ranks": 2},
+        "data": {"path": data_path, "max_bytes": 200000, "val_fraction": 0.1},
+        "train": {"steps": 6, "batch_size": 4, "learning_rate": 3e-3, "warmup_steps": 2,
+                  "log_every": 2, "eval_every": 3, "eval_batches": 2, "save_every": 3,
+                  "out_dir": out_dir},
+    }

@@ -1,0 +1,63 @@
+import pytest
+import yaml
+
+from ms_efficient.config import RunConfig, config_from_dict, load_config, save_config
+
+
+def test_defaults_validate_and_round_trip(tmp_path):
+    cfg = config_from_dict({})
+    assert cfg.moe.top_k == 2 and cfg.model.hidden_size == 256
+    path = tmp_path / "c.yaml"
+    save_config(cfg, str(path))
+    again = load_config(str(path))
+    assert again == cfg
+
+
+def test_shipped_config_loads():
+    cfg = load_config("configs/gpt_moe_tiny.yaml")
+    assert cfg.moe.num_experts == 8 and cfg.moe.top_k == 2
+    assert cfg.model.num_layers == 4 and cfg.model.hidden_size == 256
+    assert cfg.cluster_spec().name == "cpu-local"
+
+
+@pytest.mark.parametrize("data, match", [
+    ({"model": {"hiden_size": 3}}, r"Unknown config key 'model.hiden_size'"),
+    ({"trainn": {}}, r"Unknown config key 'trainn'"),
+    ({"moe": {"num_experts": -2}}, r"'moe.num_experts' must be a positive integer, but got -2"),
+    ({"moe": {"num_experts": 4, "top_k": 5}}, r"'moe.top_k' must be in \[1, moe.num_experts \(4\)\], but got 5"),
+    ({"moe": {"num_experts": "eight"}}, r"'moe.num_experts' must be an integer, but got 'eight'"),
+    ({"train": {"learning_rate": "fast"}}, r"'train.learning_rate' must be a number"),
+    ({"moe": {"capacity_factor": 0.5}}, r"'moe.capacity_factor' must be >= 1.0, or 0 for dropless, but got 0.5"),
+    ({"data": {"path": "/no/such/folder"}}, r"'data.path' must be 'stdlib' or an existing file or folder, but got '/no/such/folder'"),
+    ({"model": {"hidden_size": 30, "num_heads": 4}}, r"'model.hidden_size' must be a multiple of model.num_heads"),
+    ({"train": {"batch_size": 6}, "moe": {"trace_ranks": 4}}, r"'train.batch_size' must be a multiple of moe.trace_ranks \(4\)"),
+    ({"cluster": {"preset": "tpu-v9"}}, r"cluster.*tpu-v9"),
+    ({"optimize": {"passes": ["warp-drive"]}}, r"'optimize.passes\[0\]' must be one of"),
+    ({"model": {"dropout": True}}, r"'model.dropout' must be a number"),
+])
+def test_bad_values_name_the_key_the_value_and_the_rule(data, match):
+    with pytest.raises(ValueError, match=match):
+        config_from_dict(data)
+
+
+def test_overrides_are_validated_too(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"train": {"steps": 5}}))
+    assert load_config(str(path), {"train.steps": 9}).train.steps == 9
+    with pytest.raises(ValueError, match="'train.steps' must be a positive integer, but got 0"):
+        load_config(str(path), {"train.steps": 0})
+
+
+def test_invalid_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_config(str(bad))
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(str(tmp_path / "none.yaml"))
+
+
+def test_section_must_be_a_mapping():
+    with pytest.raises(ValueError, match="'model' must be a mapping"):
+        config_from_dict({"model": [1, 2]})
+    assert isinstance(config_from_dict({"model": None}), RunConfig)

@@ -1,0 +1,171 @@
+"""Multi-process checks on CPU: data-parallel training and the All-to-All used by expert parallelism.
+
+The slow tests launch 2 local CPU workers once, through scripts/msrun_launcher.sh (so the
+launcher is tested too), running tests/dist/check_collectives.py, which writes its results to a
+temporary directory; the expected values are computed here with numpy. The launch takes about
+20 s on 2 cores. msrun must be on PATH and the `python` beside it must have mindspore.
+"""
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER_SCRIPT = REPO / "tests" / "dist" / "check_collectives.py"
+LAUNCHER = REPO / "scripts" / "msrun_launcher.sh"
+WORLD = 2
+LAUNCH_TIMEOUT_S = 240
+
+MSRUN = shutil.which("msrun")
+needs_msrun = pytest.mark.skipif(
+    MSRUN is None, reason="msrun is not on PATH (put the venv's bin first on PATH, e.g. PATH=.venv/bin:$PATH)"
+)
+
+
+def _load_worker_module():
+    """The worker script as a module: its constants and seeded input generators (numpy only)."""
+    spec = importlib.util.spec_from_file_location("check_collectives", WORKER_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+worker = _load_worker_module()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _log_tail(log_dir: Path, chars: int = 3000) -> str:
+    parts = []
+    for log in sorted(log_dir.glob("*.log")):
+        parts.append(f"--- {log.name} ---\n{log.read_text(errors='replace')[-chars:]}")
+    return "\n".join(parts)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Run the workers once (GRAPH_MODE); return a loader `load(name, rank) -> np.ndarray`."""
+    if MSRUN is None:
+        pytest.skip("msrun is not on PATH")
+    run_dir = tmp_path_factory.mktemp("msrun")  # msrun's working dir: MindSpore may write rank_*/ here
+    out_dir, log_dir = run_dir / "out", run_dir / "log"
+    env = dict(os.environ)
+    # Workers run the `python` first on PATH: use the one installed beside msrun.
+    env["PATH"] = os.pathsep.join([os.path.dirname(MSRUN), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)
+    command = [
+        "bash", str(LAUNCHER), f"python {WORKER_SCRIPT} {out_dir} graph",
+        str(WORLD), str(WORLD), "127.0.0.1", str(_free_port()), "0", str(log_dir), "True", "60",
+    ]  # fmt: skip
+    proc = subprocess.run(
+        command, cwd=run_dir, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
+    )
+    done = [out_dir / f"done_rank{r}.json" for r in range(WORLD)]
+    if proc.returncode != 0 or not all(p.exists() for p in done):
+        pytest.fail(
+            f"msrun failed (rc={proc.returncode}).\nstdout:\n{proc.stdout[-2000:]}\n"
+            f"stderr:\n{proc.stderr[-2000:]}\n{_log_tail(log_dir)}"
+        )
+    return lambda name, rank: np.load(out_dir / f"{name}_rank{rank}.npy")
+
+
+def _block(a, j):
+    """Row block j of an AllToAll buffer [WORLD * C, ...]."""
+    chunk = a.shape[0] // WORLD
+    return a[j * chunk : (j + 1) * chunk]
+
+
+# --- data parallel ----------------------------------------------------------------------------
+
+
+def _reference_dp_params():
+    """The tiny MLP trained in one process on the whole global batch, gradients by hand."""
+    w1, b1, w2, b2 = (p.astype(np.float64) for p in worker.dp_initial_params())
+    for step in range(worker.DP_STEPS):
+        x, y = (a.astype(np.float64) for a in worker.dp_global_batch(step, WORLD))
+        h = np.tanh(x @ w1.T + b1)
+        out = h @ w2.T + b2
+        d_out = 2.0 * (out - y) / out.size  # MSELoss: mean over every element
+        d_pre = (d_out @ w2) * (1.0 - h**2)
+        grads = (d_pre.T @ x, d_pre.sum(0), d_out.T @ h, d_out.sum(0))
+        w1, b1, w2, b2 = (p - worker.DP_LR * g for p, g in zip((w1, b1, w2, b2), grads))
+    return w1, b1, w2, b2
+
+
+@pytest.mark.slow
+@needs_msrun
+def test_data_parallel_ranks_end_with_identical_parameters(results):
+    for i in range(4):
+        np.testing.assert_array_equal(results(f"dp_param{i}", 0), results(f"dp_param{i}", 1))
+
+
+@pytest.mark.slow
+@needs_msrun
+def test_data_parallel_equals_one_process_on_the_concatenated_batch(results):
+    for i, expected in enumerate(_reference_dp_params()):
+        np.testing.assert_allclose(results(f"dp_param{i}", 0), expected, rtol=1e-5, atol=1e-6)
+
+
+# --- AllToAll ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@needs_msrun
+@pytest.mark.parametrize("name", ["a2a_y", "a2a_group_y"], ids=["world_group", "named_group"])
+def test_alltoall_block_i_on_rank_r_is_block_r_sent_by_rank_i(results, name):
+    sent = [worker.alltoall_inputs(r, WORLD)[0] for r in range(WORLD)]
+    for r in range(WORLD):
+        expected = np.concatenate([_block(sent[i], r) for i in range(WORLD)])
+        np.testing.assert_array_equal(results(name, r), expected)
+
+
+@pytest.mark.slow
+@needs_msrun
+def test_alltoall_gradient_of_weighted_sum_is_the_transposed_weights(results):
+    # loss = sum_r sum(w_r * y_r) with y_r[i] = x_i[r], so dloss/dx_i[r] = w_r[i].
+    weights = [worker.alltoall_inputs(r, WORLD)[1] for r in range(WORLD)]
+    for i in range(WORLD):
+        expected = np.concatenate([_block(weights[r], i) for r in range(WORLD)])
+        np.testing.assert_array_equal(results("a2a_grad", i), expected)
+
+
+@pytest.mark.slow
+@needs_msrun
+def test_alltoall_twice_gives_back_the_input(results):
+    for r in range(WORLD):
+        np.testing.assert_array_equal(results("a2a_roundtrip", r), worker.alltoall_inputs(r, WORLD)[0])
+
+
+# --- single process ---------------------------------------------------------------------------
+
+
+@pytest.mark.mindspore
+def test_alltoall_with_one_rank_is_the_identity_forward_and_backward():
+    ms = pytest.importorskip("mindspore")
+    from ms_efficient.moe.alltoall import AllToAll
+
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    w = np.linspace(-1.0, 1.0, 12, dtype=np.float32).reshape(4, 3)
+    exchange = AllToAll()
+    assert exchange.world == 1
+    np.testing.assert_array_equal(exchange(ms.Tensor(x)).asnumpy(), x)
+    grad = ms.grad(lambda t: (ms.Tensor(w) * exchange(t)).sum())(ms.Tensor(x))
+    np.testing.assert_array_equal(grad.asnumpy(), w)
+
+
+@pytest.mark.mindspore
+def test_alltoall_rejects_an_unknown_implementation():
+    pytest.importorskip("mindspore")
+    from ms_efficient.moe.alltoall import AllToAll
+
+    with pytest.raises(ValueError, match="'impl' must be one of"):
+        AllToAll(impl="ring")
