@@ -89,3 +89,43 @@ def test_resume_restores_the_checkpointed_state_bit_for_bit(tmp_path, text_dir):
     assert resumed.step == 4
     for p in resumed.optimizer.get_parameters():
         np.testing.assert_array_equal(p.asnumpy(), state[p.name], err_msg=p.name)
+
+
+@pytest.mark.slow
+def test_a_run_killed_with_sigkill_loses_at_most_one_checkpoint_interval(tmp_path, text_dir):
+    """SIGKILL the CLI after its first checkpoint, resume, and compare with an unbroken run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    config = _write_config(tmp_path, text_dir, steps=40, save_every=4, eval_every=40,
+                           log_every=4)
+    killed = str(tmp_path / "killed")
+    cmd = [sys.executable, "-m", "ms_efficient.cli", "train", config, "--out", killed]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    state = os.path.join(killed, "state.json")
+    deadline = time.time() + 240
+    while time.time() < deadline and not os.path.exists(state):
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    with open(state) as fh:
+        saved = json.load(fh)["step"]
+    assert 4 <= saved < 40 and saved % 4 == 0
+    # every file is whole: the trace and metrics load, and end at the checkpoint's step or later
+    assert load_trace(os.path.join(killed, "trace.npz")).num_steps == saved
+    assert main(["train", "--resume", killed]) == 0
+    full = str(tmp_path / "full")
+    assert main(["train", config, "--out", full]) == 0
+    a = load_trace(os.path.join(full, "trace.npz")).counts
+    b = load_trace(os.path.join(killed, "trace.npz")).counts
+    assert a.shape == b.shape == (40, 2, 2, 4)
+    np.testing.assert_array_equal(a[:saved], b[:saved])
+    # after the resume the run continues on the same data from the same state
+    va, vb = _val_losses(full)[-1], _val_losses(killed)[-1]
+    assert va[0] == vb[0] == 40
+    assert vb[1] == pytest.approx(va[1], abs=2e-3)

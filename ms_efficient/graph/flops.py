@@ -47,6 +47,10 @@ _ZERO_FLOP_OPS = frozenset({
     "Assign", "Padding", "Pad", "PadV3", "ReverseV2", "Embedding", "EmbeddingLookup",
     "Select", "MaskedFill", "Contiguous", "View", "Dropout", "DropoutGenMask",
     "DropoutDoMask", "Argmax", "ArgMaxWithValue", "TopK", "Sort", "StopGradient",
+    "SplitWithSize", "SplitTensor", "StridedSliceGrad", "SliceGrad", "GatherDGrad",
+    "GatherDGradV2", "Range", "Arange", "ScalarToTensor", "TupleToTensor",
+    # control flow: the called sub-graphs carry the work
+    "Call", "Partial", "Switch", "SwitchLayer",
 })
 
 # FLOPs per output element (ops whose work scales with their result).
@@ -58,7 +62,9 @@ _PER_OUTPUT_ELEMENT: Dict[str, float] = {
         "PowTensorScalar", "Exp", "Log", "ReLU", "ReLU6", "ReluGrad", "ReLU6Grad",
         "BiasAdd", "Greater", "Less", "Equal", "GreaterEqual", "LessEqual", "LogicalAnd",
         "LogicalOr", "LogicalNot", "Floor", "Round", "Sign", "Clip", "ClipByValue",
-        "AssignAdd", "AssignSub", "LeakyReLU", "Erf",
+        "AssignAdd", "AssignSub", "LeakyReLU", "Erf", "Adds", "Subs", "Divs",
+        "LessScalar", "GreaterScalar", "EqualScalar", "NotEqual", "Mod", "FloorDiv",
+        "CumSum", "CumsumExt", "Atan2", "Cos", "Sin",
     )},
     # activations built from a few transcendental steps
     "Sigmoid": 4.0, "SigmoidGrad": 3.0, "Tanh": 4.0, "TanhGrad": 3.0,
@@ -68,16 +74,17 @@ _PER_OUTPUT_ELEMENT: Dict[str, float] = {
     "Softmax": 5.0, "LogSoftmax": 5.0, "SoftmaxBackward": 4.0, "LogSoftmaxGrad": 4.0,
     "LayerNorm": 8.0, "LayerNormV3": 8.0, "LayerNormGrad": 16.0, "LayerNormGradV3": 16.0,
     "BatchNorm": 8.0, "BatchNormGrad": 16.0, "RmsNorm": 6.0, "RmsNormGrad": 12.0,
-    "SoftmaxCrossEntropyWithLogits": 8.0, "SparseSoftmaxCrossEntropyWithLogits": 8.0,
 }
 
-# FLOPs per element of the first input (reductions; their output is small).
+# FLOPs per element of the first input (reductions and losses; their output is small).
 _PER_INPUT_ELEMENT: Dict[str, float] = {
-    op: 1.0 for op in (
+    **{op: 1.0 for op in (
         "ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "SumExt",
         "MeanExt", "MaxExt", "MinExt", "BiasAddGrad", "ArgMin", "ArgMax", "L2Loss",
-        "AddN", "AccumulateNV2",
-    )
+        "AddN", "AccumulateNV2", "UnsortedSegmentSum", "ScatterAdd", "TensorScatterAdd",
+    )},
+    # softmax (5) + log + pick + mean over the logits
+    "SoftmaxCrossEntropyWithLogits": 8.0, "SparseSoftmaxCrossEntropyWithLogits": 8.0,
 }
 
 # FLOPs per updated parameter element (optimizer update rules).

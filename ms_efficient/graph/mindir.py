@@ -17,7 +17,9 @@ folder and the protobuf (``mindspore.train.mind_ir_pb2.ModelProto``) is read bac
   dropped and data edges are traced through them (monad/control inputs are not edges).
 
 Phases: scope ``Gradients/...`` -> backward; a scope part ``name-<Optimizer class>`` ->
-optimizer; other scopes -> forward.
+optimizer; other scopes -> forward. Optimizer ops that update parameters in place
+(``side_effect_mem``) get ``output_bytes`` 0 (their outputs alias the parameters; the
+number is kept in ``attrs['aliased_output_bytes']``).
 
 Caveats (MindSpore 2.10): ``Load`` nodes of a Cell's first parameter often carry the parent
 scope, and parameter-free ops of a second identical block may carry the first block's scope;
@@ -159,6 +161,12 @@ class _MindIRReader:
         self.prims = {p.name: p for p in model.primitives}
         self.function_prim = pb2.PrimitiveProto.PrimType.Value("PRIMITIVE_FUNCTION")
         graphs = [model.graph, *model.functions]
+        self.main_graph = model.graph.name
+        self.functions = {g.name for g in model.functions}
+        if self.functions:
+            logger.warning("MINDIR has %d sub-graphs (control flow): their ops are read but "
+                           "calls into them are not inlined, so edges across calls are "
+                           "missing.", len(self.functions))
         self.nodes = [n for g in graphs for n in g.node]
         self.producer = {out: n for n in self.nodes for out in (n.output or [n.name])}
         self.params: Dict[str, Tensor] = {}
@@ -183,10 +191,19 @@ class _MindIRReader:
         return _DTYPE_RENAMES.get(name, name)
 
     def op_type(self, node: Any) -> str:
-        if node.op_type.startswith("REF::"):
-            prim = self.prims.get(node.op_type[5:])
-            return prim.op_type if prim is not None else node.op_type[5:].split(":")[0]
-        return node.op_type
+        """Primitive name; ``Call`` for a call of a sub-graph or of a computed callable."""
+        key = node.op_type[5:] if node.op_type.startswith("REF::") else node.op_type
+        prim = self.prims.get(key)
+        if prim is not None:
+            return prim.op_type
+        if key in self.functions or key in self.producer:
+            return "Call"
+        return key.split(":")[0]
+
+    def inputs_of(self, node: Any) -> List[str]:
+        """Input value names; a call of a computed callable (``Switch`` output) reads it too."""
+        key = node.op_type[5:] if node.op_type.startswith("REF::") else ""
+        return list(node.input) + ([key] if key in self.producer else [])
 
     def _tensors(self, attr: Any) -> List[Tensor]:
         kind = self.attr_type(attr.type)
@@ -321,7 +338,8 @@ class _MindIRReader:
         # Step 1: readable unique names from the domain (scope + op id).
         used: Set[str] = set()
         for n in compute:
-            base = n.domain or n.name
+            base = n.domain if "/" in n.domain else \
+                f"{self.op_type(n)}/{_strip_prefix(n.name, self.main_graph)}"
             unique, k = base, 1
             while unique in used:
                 unique, k = f"{base}#{k}", k + 1
@@ -344,12 +362,21 @@ class _MindIRReader:
             if params:
                 attrs["params"] = [self.short_name[p] for p in params]
             attrs["mindir_name"] = n.name
+            if op_type == "Call":
+                attrs["callee"] = _strip_prefix(n.op_type[5:] if n.op_type.startswith("REF::")
+                                                else n.op_type, self.main_graph)
             dynamic = any(d < 0 for s, _ in outputs for d in s) or \
                 any(d < 0 for s in input_shapes for d in s)
             if dynamic:
                 attrs["dynamic_shape"] = True
             if not is_known_op(op_type):
                 guessed.add(op_type)
+            phase = _phase(n.domain, self.optimizer_classes)
+            output_bytes = 0 if dynamic else _bytes(outputs)
+            if phase == "optimizer" and attrs.get("side_effect_mem"):
+                # In-place parameter update: its outputs alias the parameters it writes.
+                attrs["aliased_output_bytes"] = output_bytes
+                output_bytes = 0
             graph.add_node(OpNode(
                 name=self.compute_name[n.name],
                 op_type=op_type,
@@ -358,8 +385,8 @@ class _MindIRReader:
                 output_dtypes=[d for _, d in outputs],
                 flops=0.0 if dynamic else op_flops(op_type, input_shapes,
                                                    [s for s, _ in outputs], attrs),
-                output_bytes=0 if dynamic else _bytes(outputs),
-                phase=_phase(n.domain, self.optimizer_classes),
+                output_bytes=output_bytes,
+                phase=phase,
                 attrs=attrs,
                 input_shapes=input_shapes,
             ))
@@ -367,14 +394,15 @@ class _MindIRReader:
             graph[node_name].param_bytes += _bytes([self.params[p]])
         # Step 3: data edges, traced through bookkeeping nodes.
         for n in compute:
-            for i in n.input:
+            for i in self.inputs_of(n):
                 for src, nbytes in self.data_sources(i):
                     if src != self.compute_name[n.name]:
                         graph.add_edge(src, self.compute_name[n.name], nbytes)
         unowned = [p for p in self.params if p not in owner]
         graph.meta.update({
             "inputs": [{"name": self.short_name[k], "shape": list(s), "dtype": d}
-                       for k, (s, d) in self.inputs.items()],
+                       for k, (s, d) in self.inputs.items()
+                       if k.startswith(self.main_graph + ":")],
             "unattributed_param_bytes": sum(_bytes([self.params[p]]) for p in unowned),
         })
         if guessed:

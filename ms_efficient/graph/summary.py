@@ -39,7 +39,7 @@ def graph_summary_table(graph: OpGraph, top: int = 12) -> str:
         "",
         "| quantity | value |",
         "|---|---|",
-        f"| FLOPs (forward) | {format_flops(s['flops'])} |",
+        f"| FLOPs (sum over nodes) | {format_flops(s['flops'])} |",
         f"| parameter bytes | {format_bytes(s['param_bytes'])} |",
         f"| activation bytes | {format_bytes(s['activation_bytes'])} |",
         f"| edge bytes | {format_bytes(s['edge_bytes'])} |",

@@ -1,0 +1,60 @@
+"""The command line: bad input gives one clear line, exit code 2, and writes nothing."""
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import ROOT, tiny_config_dict
+from ms_efficient.cli import main
+
+BAD = {
+    "unknown key": ({"model": {"hidden": 64}}, "Unknown config key 'model.hidden'"),
+    "wrong type": ({"train": {"batch_size": "big"}}, "'train.batch_size' must be an integer"),
+    "negative experts": ({"moe": {"num_experts": -1}}, "'moe.num_experts' must be a positive integer, but got -1"),
+    "top_k > experts": ({"moe": {"num_experts": 4, "top_k": 6}}, "'moe.top_k' must be in [1, moe.num_experts (4)], but got 6"),
+    "missing data path": ({"data": {"path": "/nonexistent/text"}}, "'data.path' must be 'stdlib' or an existing file or folder"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_config_is_one_line_and_exit_code_2(case, tmp_path, text_dir, capsys):
+    data, message = BAD[case]
+    cfg = tiny_config_dict(text_dir, str(tmp_path / "out"))
+    for section, values in data.items():
+        cfg[section].update(values)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ms-efficient: error: ")
+    assert message in err[0]
+    assert not (tmp_path / "out").exists()          # nothing written
+
+
+def test_the_installed_command_exits_2_on_a_bad_config(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("moe:\n  num_experts: 0\n")
+    proc = subprocess.run([sys.executable, "-m", "ms_efficient.cli", "train", str(path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "ms-efficient: error: 'moe.num_experts' must be a positive integer, but got 0.")
+
+
+def test_train_needs_a_config_or_resume(capsys):
+    assert main(["train"]) == 2
+    assert "train needs CONFIG" in capsys.readouterr().err
+    assert main(["train", "--resume", "/nonexistent/run"]) == 2
+
+
+def test_report_of_a_non_run_folder_is_an_error(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "has no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_steps_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "configs/gpt_moe_tiny.yaml", "--steps", "0"])
+    assert exc.value.code == 2
