@@ -58,3 +58,33 @@ def test_steps_must_be_positive(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["train", "configs/gpt_moe_tiny.yaml", "--steps", "0"])
     assert exc.value.code == 2
+
+
+def test_graph_command_reads_a_pipedream_profile_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "g.json"
+    fixture = os.path.join(ROOT, "tests", "fixtures", "pipedream_tiny.txt")
+    assert main(["graph", fixture, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "nodes" in text and out.is_file()
+    from ms_efficient.graph import OpGraph, load_pipedream
+    assert OpGraph.load_json(str(out)).summary() == load_pipedream(fixture).summary()
+
+
+def test_graph_command_extracts_the_reference_model_from_a_config(tmp_path, text_dir, capsys):
+    cfg = tiny_config_dict(text_dir, str(tmp_path / "run"))
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "g.json"
+    assert main(["graph", str(path), "--out", str(out)]) == 0
+    from ms_efficient.graph import OpGraph
+    graph = OpGraph.load_json(str(out))
+    counts = graph.count_by_op_type()
+    # two MoE blocks: each has two BatchMatMul expert projections, two attention BatchMatMuls
+    assert counts.get("BatchMatMul", 0) == 2 * 4
+    # expert weights of one block: 4 experts x (32x64 + 64 + 64x32 + 32) floats
+    assert graph.total_param_bytes >= 2 * 4 * (32 * 64 + 64 + 64 * 32 + 32) * 4
+
+
+def test_graph_command_on_a_missing_file_is_an_error(capsys):
+    assert main(["graph", "/nonexistent/graph.json"]) == 2
+    assert "does not exist" in capsys.readouterr().err

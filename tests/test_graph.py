@@ -325,6 +325,9 @@ def test_mindir_graph_survives_json_and_reads_back_from_a_mindir_file(ms_graphs,
     assert dense.count_by_op_type() == {"MatMul": 1, "BiasAdd": 1}
     assert dense.total_param_bytes == (D_IN * D_HID + D_HID) * FLOAT
     assert math.isclose(dense.total_flops, 2 * BATCH * D_IN * D_HID + BATCH * D_HID)
+    (tmp_path / "junk.mindir").write_bytes(b"not a protobuf at all")
+    with pytest.raises(ValueError, match="junk.mindir"):
+        load_graph(str(tmp_path / "junk.mindir"))
     table = graph_summary_table(graph)
     assert "41.60 KFLOP" in table and "| MatMul | 2 |" in table
 

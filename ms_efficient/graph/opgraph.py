@@ -283,7 +283,10 @@ class OpGraph:
 
     # -- arrays for planners ----------------------------------------------------------
     def to_arrays(self) -> GraphArrays:
-        """Index mapping, per-node cost vectors and CSR adjacency (see ``GraphArrays``)."""
+        """Index mapping, per-node cost vectors and CSR adjacency (see ``GraphArrays``).
+
+        Raises ValueError if the graph has a cycle (``topo_order`` needs a DAG).
+        """
         names = list(self.nodes)
         index = {n: i for i, n in enumerate(names)}
         nodes = list(self.nodes.values())

@@ -9,6 +9,7 @@ Format: one node per line, then tab-indented edges::
 Times are milliseconds (stored as seconds in ``forward_time_s``/``backward_time_s``), sizes
 are bytes; a list of activation sizes (one per output) is summed into ``output_bytes``.
 ``op_type`` is the description up to its first ``(`` (``Conv2d``, ``ReLU``, ``LSTM``).
+Each node is a forward layer (``phase="forward"``) carrying its measured backward time.
 The profiles carry no shapes, so ``flops`` is 0.0: planners use the measured times.
 """
 from __future__ import annotations
