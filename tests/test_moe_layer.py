@@ -95,3 +95,65 @@ def test_top2_counts_every_token_twice_and_dropless_drops_nothing():
     assert counts.shape == (4, e)
     assert counts.sum(axis=1).tolist() == [2 * 8] * 4     # 8 tokens per group, 2 choices each
     assert int(dropped.asnumpy()) == 0
+
+
+def test_per_expert_capacities_equal_uniform_ones_when_they_agree():
+    """The per-expert matmul path and the batched path compute the same thing."""
+    b, s, h, e = 2, 16, 8, 4
+    x = Tensor(np.random.default_rng(3).standard_normal((b, s, h)).astype(np.float32))
+    ms.set_seed(11)
+    uniform = MoEFeedForward(h, 16, num_experts=e, top_k=2, capacity=10)
+    varied = MoEFeedForward(h, 16, num_experts=e, top_k=2, capacity=[10, 10, 10, 10])
+    varied.uniform = False                      # force the per-expert path
+    for p, q in zip(uniform.get_parameters(), varied.get_parameters()):
+        q.set_data(p.data.copy())
+    ya, _, ca, da = uniform(x)
+    yb, _, cb, db = varied(x)
+    np.testing.assert_allclose(ya.asnumpy(), yb.asnumpy(), rtol=1e-5, atol=1e-6)
+    assert ca.asnumpy().tolist() == cb.asnumpy().tolist()
+    assert int(da.asnumpy()) == int(db.asnumpy())
+
+
+def test_each_expert_drops_beyond_its_own_capacity():
+    """Top-1, all tokens to expert 0 (capacity 7) except those steered to expert 2 (capacity 2)."""
+    h, e = 8, 4
+    layer = MoEFeedForward(h, 16, num_experts=e, top_k=1, capacity=[7, 1, 2, 1])
+    w = np.zeros((e, h), np.float32)
+    w[0, 0] = 5.0                               # feature 0 votes for expert 0
+    w[2, 1] = 5.0                               # feature 1 votes for expert 2
+    layer.router.weight.set_data(Tensor(w))
+    x = np.zeros((1, 12, h), np.float32)
+    x[0, :8, 0] = 1.0                           # 8 tokens -> expert 0 (capacity 7: 1 dropped)
+    x[0, 8:, 1] = 1.0                           # 4 tokens -> expert 2 (capacity 2: 2 dropped)
+    y, _, counts, dropped = layer(Tensor(x))
+    assert counts.asnumpy().tolist() == [[8, 0, 4, 0]]
+    assert int(dropped.asnumpy()) == 1 + 2
+    y = y.asnumpy()[0]
+    served = np.abs(y).sum(axis=1) > 0
+    assert served.tolist() == [True] * 7 + [False] + [True] * 2 + [False] * 2
+
+
+def test_capacities_are_part_of_the_compiled_graph():
+    """A new capacity plan compiles a graph whose slot buffer and expert inputs have the
+    planned static sizes (read back from the exported MINDIR graph)."""
+    from ms_efficient.graph import from_network
+
+    x = Tensor(np.ones((1, 8, 8), np.float32))
+    for caps in ([6, 2, 3, 5], [1, 9, 2, 4], [3, 3, 3, 3, 3, 3]):
+        layer = MoEFeedForward(8, 16, num_experts=len(caps), top_k=1, capacity=caps)
+        graph = from_network(layer, x)
+        n = sum(caps)
+        buffer = [v for v in graph.nodes.values()
+                  if v.op_type == "Gather" and v.output_shapes[0] == (n, 8)]
+        assert len(buffer) == 1                     # the dispatch gather fills n slot rows
+        if len(set(caps)) > 1:
+            rows = [v.output_shapes[0][0] for v in graph.nodes.values()
+                    if v.op_type == "StridedSlice" and v.input_shapes[0] == (n, 8)]
+            assert rows == caps                     # one expert input of each planned size
+
+
+def test_bad_capacity_lists_are_rejected():
+    with pytest.raises(ValueError, match=r"one value per expert \(4\), but got 3"):
+        MoEFeedForward(8, 16, num_experts=4, top_k=1, capacity=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"every expert capacity must be >= 1"):
+        MoEFeedForward(8, 16, num_experts=4, top_k=1, capacity=[1, 0, 3, 2])

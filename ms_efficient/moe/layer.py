@@ -10,13 +10,20 @@ K top-k, C slots per expert, R trace source ranks.
          -> batched matmul experts -> expert_out_ECH
          -> gather back per (token, choice), weight, sum over K -> y_TH
 
-Assignments beyond an expert's capacity C are dropped (their weight is zero; the residual
+Assignments beyond an expert's capacity are dropped (their weight is zero; the residual
 connection of the block carries the token on), and counted.
+
+Capacities may differ per expert (``capacity`` given as a sequence of E ints): the slots of all
+experts then form one buffer of sum(C_e) rows, expert e owning rows [off_e, off_e + C_e), and
+each expert's FFN runs on its own rows only, so no compute is spent on padding beyond what
+its capacity allows. Capacities are static: changing them changes the compiled graph.
 """
 from __future__ import annotations
 
 import math
+from typing import Sequence, Tuple, Union
 
+import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
@@ -47,7 +54,8 @@ class MoEFeedForward(nn.Cell):
         ffn_hidden_size: F, width of every expert's FFN.
         num_experts: E.
         top_k: K experts per token; their gate weights are renormalised to sum to 1.
-        capacity: C slots per expert (see :func:`expert_capacity`).
+        capacity: C slots per expert (see :func:`expert_capacity`), or a sequence of E
+            per-expert capacities C_e >= 1.
         trace_ranks: R; the T tokens are split into R equal groups (R virtual source ranks,
             as data-parallel ranks would see them) and per-group expert counts are returned.
 
@@ -61,12 +69,19 @@ class MoEFeedForward(nn.Cell):
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
-                 capacity: int, trace_ranks: int = 1, init_std: float = 0.02):
+                 capacity: Union[int, Sequence[int]], trace_ranks: int = 1,
+                 init_std: float = 0.02):
         super().__init__()
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.top_k = top_k
-        self.capacity = capacity
+        self.capacities = _capacities(capacity, num_experts)
+        # Uniform capacities use one batched matmul over [E, C, H]; others one matmul each.
+        self.uniform = len(set(self.capacities)) == 1
+        self.offsets = tuple(int(v) for v in np.cumsum((0,) + self.capacities[:-1]))
+        self.num_slots = sum(self.capacities)
+        self.cap_E = Tensor(np.array(self.capacities, np.int32))
+        self.off_E = Tensor(np.array(self.offsets, np.int32))
         self.trace_ranks = trace_ranks
         e, h, f = num_experts, hidden_size, ffn_hidden_size
         self.router = nn.Dense(h, e, has_bias=False, weight_init=Normal(init_std))
@@ -84,7 +99,7 @@ class MoEFeedForward(nn.Cell):
     def construct(self, x):
         b, s, h = x.shape
         t = b * s
-        e, k, c = self.num_experts, self.top_k, self.capacity
+        e, k, n = self.num_experts, self.top_k, self.num_slots
         x_TH = x.reshape(t, h)
 
         # Step 1: route: top-k experts per token, gate weights renormalised over the k.
@@ -97,25 +112,23 @@ class MoEFeedForward(nn.Cell):
         onehot_AE = self.one_hot(expert_ids_A, e, self.on, self.off)
         position_A = ((ops.cumsum(onehot_AE, 0) - 1.0) * onehot_AE).sum(axis=-1)
         position_A = position_A.astype(ms.int32)
-        keep_A = position_A < c
-        dummy = e * c                                                      # the zero row
-        slot_A = ops.select(keep_A, expert_ids_A * c + position_A,
+        keep_A = position_A < ops.gather(self.cap_E, expert_ids_A, 0)
+        dummy = n                                                          # the zero row
+        slot_A = ops.select(keep_A, ops.gather(self.off_E, expert_ids_A, 0) + position_A,
                             ops.fill(ms.int32, (k * t,), dummy))
 
         # Step 3: dispatch: token index held by every slot (T = empty slot -> zero row).
         token_A = ops.tile(ops.arange(t, dtype=ms.int32), (k,))
-        slot_token = ops.fill(ms.int32, (e * c + 1,), t)
+        slot_token = ops.fill(ms.int32, (n + 1,), t)
         slot_token = ops.tensor_scatter_update(slot_token, slot_A.reshape(-1, 1), token_A)
         x_pad = ops.concat((x_TH, ops.zeros((1, h), x_TH.dtype)), 0)
-        expert_in_ECH = ops.gather(x_pad, slot_token[:dummy], 0).reshape(e, c, h)
+        expert_in_NH = ops.gather(x_pad, slot_token[:dummy], 0)
 
-        # Step 4: experts: one batched matmul per FFN projection.
-        hid = self.gelu(self.bmm(expert_in_ECH, self.w1) + self.b1)
-        expert_out_ECH = self.bmm(hid, self.w2) + self.b2
+        # Step 4: experts on their own slot rows.
+        expert_out_NH = self._experts(expert_in_NH)
 
         # Step 5: combine: every assignment reads its slot back, weighted; drops read zeros.
-        out_pad = ops.concat((expert_out_ECH.reshape(e * c, h),
-                              ops.zeros((1, h), expert_out_ECH.dtype)), 0)
+        out_pad = ops.concat((expert_out_NH, ops.zeros((1, h), expert_out_NH.dtype)), 0)
         gate_A = weights_TK.transpose(1, 0).reshape(-1) * keep_A.astype(ms.float32)
         y_ATH = ops.gather(out_pad, slot_A, 0) * gate_A.reshape(-1, 1).astype(x.dtype)
         y_TH = y_ATH.reshape(k, t, h).sum(axis=0)
@@ -127,4 +140,30 @@ class MoEFeedForward(nn.Cell):
         counts_RE = onehot_AE.reshape(k, r, t // r, e).sum(axis=(0, 2)).astype(ms.int32)
         dropped = (k * t - keep_A.astype(ms.int32).sum()).astype(ms.int32)
         return y_TH.reshape(b, s, h), aux_loss, counts_RE, dropped
+
+    def _experts(self, x_NH):
+        """Expert FFNs on the slot buffer [N, H] -> [N, H] (N = sum of capacities)."""
+        if self.uniform:
+            e, c = self.num_experts, self.capacities[0]
+            hid = self.gelu(self.bmm(x_NH.reshape(e, c, -1), self.w1) + self.b1)
+            return (self.bmm(hid, self.w2) + self.b2).reshape(e * c, -1)
+        outs = ()
+        for i in range(self.num_experts):
+            rows = x_NH[self.offsets[i]:self.offsets[i] + self.capacities[i]]
+            hid = self.gelu(ops.matmul(rows, self.w1[i]) + self.b1[i])
+            outs = outs + (ops.matmul(hid, self.w2[i]) + self.b2[i],)
+        return ops.concat(outs, 0)
+
+
+def _capacities(capacity: Union[int, Sequence[int]], num_experts: int) -> Tuple[int, ...]:
+    if isinstance(capacity, (int, np.integer)):
+        caps = (int(capacity),) * num_experts
+    else:
+        caps = tuple(int(c) for c in capacity)
+        if len(caps) != num_experts:
+            raise ValueError(f"'capacity' must give one value per expert ({num_experts}), "
+                             f"but got {len(caps)}.")
+    if min(caps) < 1:
+        raise ValueError(f"every expert capacity must be >= 1, but got {list(caps)}.")
+    return caps
 
