@@ -6,8 +6,9 @@
 // Every entry point has the aot signature
 //   extern "C" int Fn(int nparam, void **params, int *ndims, int64_t **shapes,
 //                     const char **dtypes, void *stream, void *extra)
-// with params = inputs then outputs, and returns 0 on success, non-zero on a bad dtype, shape
-// or index (MindSpore then raises). Names: T tokens, N permuted rows, H hidden.
+// with params = inputs then outputs. It returns 0 on success, else (MindSpore then raises with
+// the number) 1 wrong parameter count, 2 bad dtype, 3 bad shape, 4 index out of [-1, rows).
+// Names: T tokens, N permuted rows, H hidden.
 // Float tensors of one call share one dtype, float32 or float16 (fp16 accumulates in fp32);
 // index tensors are int32, where -1 means "no row" and anything else outside [0, rows) is an
 // error.
@@ -42,7 +43,9 @@ constexpr int64_t kParallelMinWork = 1 << 15;
 enum class FloatType { kF32, kF16, kOther };
 
 FloatType float_type(const char *dtype) {
-  if (std::strcmp(dtype, "float32") == 0 || std::strcmp(dtype, "float") == 0) return FloatType::kF32;
+  if (std::strcmp(dtype, "float32") == 0 || std::strcmp(dtype, "float") == 0) {
+    return FloatType::kF32;
+  }
   if (std::strcmp(dtype, "float16") == 0) return FloatType::kF16;
   return FloatType::kOther;
 }
@@ -127,22 +130,23 @@ void gather_dot(const F *a, const int32_t *idx, const F *b, F *d, int64_t n, int
   }
 }
 
-// Shared argument checks. `mat` / `vec` list the parameter positions that must be 2-D float /
-// 1-D (int32 index or float weight, by `is_index`); all floats must share params[mat[0]]'s dtype.
+// Argument checks over the aot arrays: params[i] is a 2-D matrix / a 1-D int32 index of length
+// n / a 1-D weight of length n, with float dtype ft where it is float.
 struct Check {
-  int nparam;
   int *ndims;
   int64_t **shapes;
   const char **dtypes;
 
   bool matrix(int i, FloatType ft) const { return ndims[i] == 2 && float_type(dtypes[i]) == ft; }
-  bool index(int i, int64_t n) const { return ndims[i] == 1 && shapes[i][0] == n && is_int32(dtypes[i]); }
+  bool index(int i, int64_t n) const {
+    return ndims[i] == 1 && shapes[i][0] == n && is_int32(dtypes[i]);
+  }
   bool weight(int i, int64_t n, FloatType ft) const {
     return ndims[i] == 1 && shapes[i][0] == n && float_type(dtypes[i]) == ft;
   }
 };
 
-// Dispatches a templated body on the float dtype of params[i].
+// Runs BODY with F = the C++ type of float dtype `ft`, then returns kOk (kBadDtype if none).
 #define MOE_DISPATCH_FLOAT(ft, BODY)     \
   switch (ft) {                          \
     case FloatType::kF32: {              \
@@ -163,13 +167,13 @@ int permute_entry(int nparam, void **params, int *ndims, int64_t **shapes, const
                   bool weighted) {
   // params: x [T,H], idx [N], (w [N]), y [N,H]
   if (nparam != (weighted ? 4 : 3)) return kBadArity;
-  const Check c{nparam, ndims, shapes, dtypes};
+  const Check c{ndims, shapes, dtypes};
   const int out = nparam - 1;
   const FloatType ft = float_type(dtypes[0]);
   if (ft == FloatType::kOther) return kBadDtype;
-  const int64_t t = shapes[0][0], h = shapes[0][1];
-  const int64_t n = ndims[1] == 1 ? shapes[1][0] : -1;
-  if (!c.matrix(0, ft) || !c.index(1, n) || !c.matrix(out, ft)) return kBadShape;
+  if (!c.matrix(0, ft) || ndims[1] != 1 || !c.matrix(out, ft)) return kBadShape;
+  const int64_t t = shapes[0][0], h = shapes[0][1], n = shapes[1][0];
+  if (!c.index(1, n)) return kBadDtype;
   if (weighted && !c.weight(2, n, ft)) return kBadShape;
   if (shapes[out][0] != n || shapes[out][1] != h) return kBadShape;
   const int32_t *idx = static_cast<const int32_t *>(params[1]);
@@ -183,12 +187,13 @@ int unpermute_entry(int nparam, void **params, int *ndims, int64_t **shapes, con
                     bool weighted) {
   // params: y [N,H], tok [N], (w [N]), like [T,...], out [T,H]
   if (nparam != (weighted ? 5 : 4)) return kBadArity;
-  const Check c{nparam, ndims, shapes, dtypes};
+  const Check c{ndims, shapes, dtypes};
   const int like = nparam - 2, out = nparam - 1;
   const FloatType ft = float_type(dtypes[0]);
   if (ft == FloatType::kOther) return kBadDtype;
+  if (!c.matrix(0, ft) || !c.matrix(out, ft) || ndims[like] < 1) return kBadShape;
   const int64_t n = shapes[0][0], h = shapes[0][1];
-  if (!c.matrix(0, ft) || !c.index(1, n) || !c.matrix(out, ft) || ndims[like] < 1) return kBadShape;
+  if (!c.index(1, n)) return kBadShape;
   if (weighted && !c.weight(2, n, ft)) return kBadShape;
   const int64_t t = shapes[like][0];
   if (shapes[out][0] != t || shapes[out][1] != h) return kBadShape;
@@ -227,12 +232,12 @@ int MoeGatherDot(int nparam, void **params, int *ndims, int64_t **shapes, const 
                  void *stream, void *extra) {
   // params: a [T,H], idx [N], b [N,H], d [N]
   if (nparam != 4) return kBadArity;
-  const Check c{nparam, ndims, shapes, dtypes};
+  const Check c{ndims, shapes, dtypes};
   const FloatType ft = float_type(dtypes[0]);
   if (ft == FloatType::kOther) return kBadDtype;
-  const int64_t t = shapes[0][0], h = shapes[0][1];
-  const int64_t n = ndims[1] == 1 ? shapes[1][0] : -1;
-  if (!c.matrix(0, ft) || !c.index(1, n) || !c.matrix(2, ft) || !c.weight(3, n, ft)) return kBadShape;
+  if (!c.matrix(0, ft) || ndims[1] != 1 || !c.matrix(2, ft)) return kBadShape;
+  const int64_t t = shapes[0][0], h = shapes[0][1], n = shapes[1][0];
+  if (!c.index(1, n) || !c.weight(3, n, ft)) return kBadShape;
   if (shapes[2][0] != n || shapes[2][1] != h) return kBadShape;
   const int32_t *idx = static_cast<const int32_t *>(params[1]);
   if (!indices_ok(idx, n, t)) return kBadIndex;
