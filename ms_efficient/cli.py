@@ -4,6 +4,13 @@
     ms-efficient train --resume DIR [--steps N]          continue a run from its checkpoint
     ms-efficient graph CONFIG_OR_FILE [--mode M] [--out graph.json]
     ms-efficient report RUN_DIR                          rebuild a run's report.md and plots
+    ms-efficient plan KIND ...                           run a planner, write plan YAML
+    ms-efficient bench KIND [--quick] --json OUT         benchmark a planner against baselines
+
+Each planner kind lives in its own ``commands`` module (see ``PLANNER_COMMANDS``) that offers
+``add_plan_arguments(parser)``, ``run_plan(args) -> int``, ``add_bench_arguments(parser)`` and
+``run_bench(args) -> int``; the module is imported when the parser is built, so it must not
+import MindSpore at module level.
 
 Bad input (config, trace, graph) prints one line ``ms-efficient: error: ...`` and exits 2,
 without writing anything.
@@ -11,6 +18,7 @@ without writing anything.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -92,6 +100,27 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+# plan/bench kind -> module with add_plan_arguments/run_plan/add_bench_arguments/run_bench.
+PLANNER_COMMANDS = {
+}
+
+
+def _add_planner_commands(sub) -> None:
+    plan = sub.add_parser("plan", help="run a planner and write its plan (YAML)")
+    plan_sub = plan.add_subparsers(dest="kind", required=True)
+    bench = sub.add_parser("bench", help="benchmark a planner against its baselines")
+    bench_sub = bench.add_subparsers(dest="kind", required=True)
+    for kind, module_name in PLANNER_COMMANDS.items():
+        module = importlib.import_module(module_name)
+        doc = (module.__doc__ or kind).strip().splitlines()[0]
+        p = plan_sub.add_parser(kind, help=doc)
+        module.add_plan_arguments(p)
+        p.set_defaults(func=module.run_plan)
+        p = bench_sub.add_parser(kind, help=doc)
+        module.add_bench_arguments(p)
+        p.set_defaults(func=module.run_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ms-efficient",
@@ -117,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="rebuild report.md and plots of a run folder")
     p.add_argument("run_dir")
     p.set_defaults(func=_cmd_report)
+    _add_planner_commands(sub)
     return parser
 
 
