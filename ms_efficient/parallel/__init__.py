@@ -1,0 +1,1 @@
+"""Parallel plans: minimal-redundancy sharding (ILP) and TGA partitioning/placement."""
