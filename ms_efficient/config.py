@@ -6,6 +6,7 @@ defaults below::
     context:  {mode: GRAPH_MODE, device_target: CPU, seed: 1234}
     model:    {vocab_size: 256, seq_length: 128, hidden_size: 256, num_layers: 4, ...}
     moe:      {num_experts: 8, top_k: 2, capacity_factor: 1.25, ...}
+    efficientmoe: {enabled: false, replan_every: 25, ...}   # online per-expert capacities
     data:     {path: stdlib, val_fraction: 0.05, ...}
     train:    {steps: 300, batch_size: 16, learning_rate: 1.0e-3, ...}
     cluster:  {preset: cpu-local}           # or a preset plus overrides, see cluster.py
@@ -31,6 +32,7 @@ __all__ = [
     "ContextConfig",
     "ModelConfig",
     "MoEConfig",
+    "EfficientMoEConfig",
     "DataConfig",
     "TrainConfig",
     "OptimizeConfig",
@@ -125,6 +127,44 @@ class MoEConfig:
 
 
 @dataclass
+class EfficientMoEConfig:
+    """Online per-expert capacities (EfficientMoE): sample load, predict, re-plan, recompile."""
+
+    enabled: bool = False
+    # Steps run with the static `moe.capacity_factor` capacity before the first plan, so the
+    # predictor has a history to fit.
+    warmup_steps: int = 20
+    # A re-plan is considered every this many steps (and adopted only when it pays).
+    replan_every: int = 25
+    # History rows the predictor and the capacity model look at.
+    window: int = 16
+    predictor: str = "ar-ridge"
+    # Expected share of assignments dropped that the capacities aim to stay under.
+    drop_target: float = 0.005
+    # Capacities are multiples of this many tokens (16x16 cube tiles on Ascend).
+    capacity_multiple: int = 16
+    # Seconds one recompilation costs, weighed against the compute a new plan saves. A config
+    # value rather than a live measurement so that the same seed gives the same plans; the
+    # trainer logs the measured first-step compile time (`compile_s`) to set it from.
+    recompile_cost_s: float = 2.0
+
+    def validate(self, path: str) -> None:
+        from ms_efficient.moe.predictor import PREDICTOR_NAMES
+
+        for name in ("warmup_steps", "replan_every", "window", "capacity_multiple"):
+            if getattr(self, name) < 1:
+                _fail(f"{path}.{name}", getattr(self, name), "a positive integer")
+        if self.window < 3:
+            _fail(f"{path}.window", self.window, ">= 3")
+        if self.predictor not in PREDICTOR_NAMES:
+            _fail(f"{path}.predictor", self.predictor, f"one of {list(PREDICTOR_NAMES)}")
+        if not 0.0 <= self.drop_target < 1.0:
+            _fail(f"{path}.drop_target", self.drop_target, "in [0, 1)")
+        if self.recompile_cost_s < 0:
+            _fail(f"{path}.recompile_cost_s", self.recompile_cost_s, ">= 0")
+
+
+@dataclass
 class DataConfig:
     # 'stdlib' = the .py sources of this Python's standard library: real text on every machine.
     path: str = "stdlib"
@@ -196,6 +236,7 @@ class RunConfig:
     context: ContextConfig = field(default_factory=ContextConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    efficientmoe: EfficientMoEConfig = field(default_factory=EfficientMoEConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     # Cluster section as given (a preset name plus overrides); resolved by cluster_spec().

@@ -31,7 +31,9 @@ from ms_efficient.config import RunConfig, load_config, save_config
 from ms_efficient.data import Corpus, load_corpus
 from ms_efficient.fileio import atomic_write_text, atomic_write_with
 from ms_efficient.models.gpt_moe import build_model
-from ms_efficient.moe.trace import RoutingTrace, load_trace, save_trace
+from ms_efficient.moe.layer import MoEFeedForward
+from ms_efficient.moe.online import CapacityPlanner, RoutingSampler
+from ms_efficient.moe.trace import load_trace, save_trace
 
 __all__ = ["Trainer", "TrainResult", "lr_schedule", "train"]
 
@@ -83,10 +85,59 @@ class Trainer:
              {"params": no_decay, "weight_decay": 0.0}],
             learning_rate=lr_schedule(tr.learning_rate, tr.warmup_steps, tr.steps),
             beta1=0.9, beta2=0.95, eps=1e-8)
+        self.moe_layers = [c for _, c in self.net.cells_and_names()
+                           if isinstance(c, MoEFeedForward)]
         self._build_steps()
         self.step = 0
-        self.counts: List[np.ndarray] = []   # per step: int64 [layer, src_rank, expert]
+        self.sampler = RoutingSampler()
         self.metrics: List[Dict] = []
+        self.compile_s = 0.0
+        tokens = tr.batch_size * cfg.model.seq_length
+        self.planner = (CapacityPlanner(cfg.efficientmoe, tokens)
+                        if cfg.efficientmoe.enabled else None)
+
+    # ------------------------------------------------------------------ capacities
+    def capacities(self) -> np.ndarray:
+        """int64 [moe layer, expert] static capacities the network is compiled with."""
+        return np.array([layer.capacities for layer in self.moe_layers], np.int64)
+
+    def set_capacities(self, capacity_LE: np.ndarray) -> None:
+        """Apply per-expert capacities to every MoE layer and recompile the step functions."""
+        for layer, caps in zip(self.moe_layers, np.asarray(capacity_LE)):
+            layer.set_capacities([int(c) for c in caps])
+        self._build_steps()
+
+    def _row_time_s(self) -> float:
+        """Modelled seconds per expert slot row, forward + backward: 3 x 2 matmuls of
+        2*H*F FLOPs at the cluster preset's fp32 peak (the gain side of a re-plan)."""
+        mc = self.cfg.model
+        flops = 3 * 2 * 2 * mc.hidden_size * mc.ffn_hidden_size
+        return self.cfg.cluster_spec().compute_time_s(flops, "fp32")
+
+    def _maybe_replan(self) -> None:
+        em = self.cfg.efficientmoe
+        if self.planner is None or self.step < em.warmup_steps:
+            return
+        if (self.step - em.warmup_steps) % em.replan_every or self.step >= self.cfg.train.steps:
+            return
+        load = self.sampler.expert_load()
+        plan = self.planner.plan(load)
+        current = self.capacities()
+        if not self.planner.worth_applying(current, plan, load, self._row_time_s(),
+                                           self.cfg.efficientmoe.recompile_cost_s):
+            logger.info("step %d: EfficientMoE keeps capacities (%d rows)", self.step,
+                        int(current.sum()))
+            return
+        self.set_capacities(plan.capacity_LE)
+        self.metrics.append({
+            "kind": "plan", "step": self.step, "capacities": plan.capacity_LE.tolist(),
+            "rows_before": int(current.sum()), "rows_after": plan.rows(),
+            "expected_drop_rate": round(float(plan.expected_drop_rate.mean()), 5),
+            "expected_padding_fraction": round(float(plan.expected_padding_fraction.mean()), 5)})
+        logger.info("step %d: EfficientMoE re-planned capacities: %d -> %d slot rows "
+                    "(expected drop %.4f, padding %.3f); recompiling", self.step,
+                    int(current.sum()), plan.rows(), plan.expected_drop_rate.mean(),
+                    plan.expected_padding_fraction.mean())
 
     # ------------------------------------------------------------------ compiled functions
     def _build_steps(self) -> None:
@@ -127,20 +178,20 @@ class Trainer:
                           lambda tmp: ms.save_checkpoint(tensors, tmp), suffix=".ckpt")
         self._save_trace()
         self._save_metrics()
-        atomic_write_text(os.path.join(self.out_dir, "state.json"),
-                          json.dumps({"step": self.step, "checkpoint": rel}) + "\n")
+        atomic_write_text(os.path.join(self.out_dir, "state.json"), json.dumps(
+            {"step": self.step, "checkpoint": rel,
+             "capacities": self.capacities().tolist()}) + "\n")
         keep = sorted(f for f in os.listdir(ckpt_dir) if f.startswith("step_"))[:-2]
         for name in keep:
             os.unlink(os.path.join(ckpt_dir, name))
 
     def _save_trace(self) -> None:
-        if not self.counts:
+        if not len(self.sampler):
             return
         mc = self.cfg.moe
-        trace = RoutingTrace(
-            counts=np.stack(self.counts), top_k=mc.top_k, hidden=self.cfg.model.hidden_size,
-            tokens_per_rank=self.cfg.train.batch_size * self.cfg.model.seq_length // mc.trace_ranks,
-            steps=np.arange(1, len(self.counts) + 1))
+        trace = self.sampler.trace(
+            top_k=mc.top_k, hidden=self.cfg.model.hidden_size,
+            tokens_per_rank=self.cfg.train.batch_size * self.cfg.model.seq_length // mc.trace_ranks)
         save_trace(trace, os.path.join(self.out_dir, "trace.npz"))
 
     def _save_metrics(self) -> None:
@@ -163,9 +214,12 @@ class Trainer:
                 raise ValueError(f"checkpoint '{state['checkpoint']}' in '{self.out_dir}' does "
                                  f"not match the model: it lacks {missing[:5]}.")
         self.step = int(state["step"])
+        if "capacities" in state and state["capacities"] != self.capacities().tolist():
+            self.set_capacities(np.array(state["capacities"], np.int64))
         trace_path = os.path.join(self.out_dir, "trace.npz")
         if os.path.isfile(trace_path):
-            self.counts = list(load_trace(trace_path).counts[: self.step])
+            for row in load_trace(trace_path).counts[: self.step]:
+                self.sampler.record(row)
         metrics_path = os.path.join(self.out_dir, "metrics.jsonl")
         if os.path.isfile(metrics_path):
             with open(metrics_path, encoding="utf-8") as fh:
@@ -201,6 +255,8 @@ class Trainer:
         moe_index = list(self.net.moe_index)
         tokens_per_step = tr.batch_size * mc.seq_length
         window_start, window_steps, step_times = time.perf_counter(), 0, []
+        sample_s, kept, rows, assigned = 0.0, 0, 0, 0
+        compiled = False
         while self.step < total:
             x, y = self.corpus.train_batch(self.step, tr.batch_size, mc.seq_length,
                                            self.cfg.context.seed)
@@ -208,21 +264,35 @@ class Trainer:
             loss, ce, counts, dropped = self.train_step(Tensor(x), Tensor(y))
             loss = float(loss.asnumpy())
             step_times.append(time.perf_counter() - t0)
+            if not compiled and len(step_times) >= 2:
+                # first call compiles: its excess over a steady step is the compile time
+                self.compile_s = max(0.0, step_times[0] - step_times[1])
+                compiled = True
+                logger.info("graph compile took about %.2f s (first step minus second)",
+                            self.compile_s)
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {self.step + 1}; lower "
                                          f"'train.learning_rate' ({tr.learning_rate}).")
-            counts = counts.asnumpy()[moe_index].astype(np.int64)
-            self.counts.append(counts)
+            t1 = time.perf_counter()
+            counts = counts.asnumpy()[moe_index]
+            self.sampler.record(counts)
+            sample_s += time.perf_counter() - t1
+            step_dropped = int(dropped.asnumpy()[moe_index].sum())
+            assigned += int(counts.sum())
+            kept += int(counts.sum()) - step_dropped
+            rows += int(self.capacities().sum())
             self.step += 1
             window_steps += 1
             if self.step % tr.log_every == 0 or self.step == total:
                 elapsed = time.perf_counter() - window_start
                 tps = window_steps * tokens_per_step / max(elapsed, 1e-9)
-                assignments = counts.sum()
-                drop = float(dropped.asnumpy()[moe_index].sum()) / max(1, assignments)
+                drop = 1.0 - kept / max(1, assigned)
                 row = {"kind": "train", "step": self.step, "loss": round(loss, 5),
                        "ce": round(float(ce.asnumpy()), 5), "tokens_per_s": round(tps, 1),
-                       "drop_rate": round(drop, 5)}
+                       "drop_rate": round(drop, 5),
+                       "padding_fraction": round(1.0 - kept / max(1, rows), 5),
+                       "sampler_overhead_s": round(sample_s / window_steps, 6)}
+                sample_s, kept, rows, assigned = 0.0, 0, 0, 0
                 self.metrics.append(row)
                 eta = (total - self.step) * elapsed / max(1, window_steps)
                 logger.info("step %d/%d  loss %.4f  ce %.4f  %.0f tok/s  drop %.3f  ETA %s",
@@ -230,6 +300,7 @@ class Trainer:
                 window_start, window_steps = time.perf_counter(), 0
             if self.step % tr.eval_every == 0 or self.step == total:
                 self._log_val()
+            self._maybe_replan()
             if self.step % tr.save_every == 0 or self.step == total:
                 self.save()
         vals = [m["val_loss"] for m in self.metrics if m["kind"] == "val"]

@@ -75,13 +75,7 @@ class MoEFeedForward(nn.Cell):
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.top_k = top_k
-        self.capacities = _capacities(capacity, num_experts)
-        # Uniform capacities use one batched matmul over [E, C, H]; others one matmul each.
-        self.uniform = len(set(self.capacities)) == 1
-        self.offsets = tuple(int(v) for v in np.cumsum((0,) + self.capacities[:-1]))
-        self.num_slots = sum(self.capacities)
-        self.cap_E = Tensor(np.array(self.capacities, np.int32))
-        self.off_E = Tensor(np.array(self.offsets, np.int32))
+        self.set_capacities(capacity)
         self.trace_ranks = trace_ranks
         e, h, f = num_experts, hidden_size, ffn_hidden_size
         self.router = nn.Dense(h, e, has_bias=False, weight_init=Normal(init_std))
@@ -140,6 +134,20 @@ class MoEFeedForward(nn.Cell):
         counts_RE = onehot_AE.reshape(k, r, t // r, e).sum(axis=(0, 2)).astype(ms.int32)
         dropped = (k * t - keep_A.astype(ms.int32).sum()).astype(ms.int32)
         return y_TH.reshape(b, s, h), aux_loss, counts_RE, dropped
+
+    def set_capacities(self, capacity: Union[int, Sequence[int]]) -> None:
+        """Set the static capacity of every expert (an int, or E ints >= 1).
+
+        Takes effect when the network is next compiled: a jitted step function built before
+        the change keeps its old graph, so rebuild it (the trainer does).
+        """
+        self.capacities = _capacities(capacity, self.num_experts)
+        # Uniform capacities use one batched matmul over [E, C, H]; others one matmul each.
+        self.uniform = len(set(self.capacities)) == 1
+        self.offsets = tuple(int(v) for v in np.cumsum((0,) + self.capacities[:-1]))
+        self.num_slots = sum(self.capacities)
+        self.cap_E = Tensor(np.array(self.capacities, np.int32))
+        self.off_E = Tensor(np.array(self.offsets, np.int32))
 
     def _experts(self, x_NH):
         """Expert FFNs on the slot buffer [N, H] -> [N, H] (N = sum of capacities)."""
