@@ -143,6 +143,9 @@ class EfficientMoEConfig:
     drop_target: float = 0.005
     # Capacities are multiples of this many tokens (16x16 cube tiles on Ascend).
     capacity_multiple: int = 16
+    # At most this many distinct capacities per layer: experts of equal capacity share one
+    # batched matmul, so fewer levels mean fewer kernels (at the price of a little padding).
+    capacity_levels: int = 2
     # Seconds one recompilation costs, weighed against the compute a new plan saves. A config
     # value rather than a live measurement so that the same seed gives the same plans; the
     # trainer logs the measured first-step compile time (`compile_s`) to set it from.
@@ -151,7 +154,8 @@ class EfficientMoEConfig:
     def validate(self, path: str) -> None:
         from ms_efficient.moe.predictor import PREDICTOR_NAMES
 
-        for name in ("warmup_steps", "replan_every", "window", "capacity_multiple"):
+        for name in ("warmup_steps", "replan_every", "window", "capacity_multiple",
+                     "capacity_levels"):
             if getattr(self, name) < 1:
                 _fail(f"{path}.{name}", getattr(self, name), "a positive integer")
         if self.window < 3:

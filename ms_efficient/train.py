@@ -92,6 +92,10 @@ class Trainer:
         self.sampler = RoutingSampler()
         self.metrics: List[Dict] = []
         self.compile_s = 0.0
+        # per-step wall times of this process (seconds) and run totals of routed assignments,
+        # kept assignments and computed slot rows, summed over MoE layers
+        self.step_times: List[float] = []
+        self.totals = {"assigned": 0, "kept": 0, "rows": 0}
         tokens = tr.batch_size * cfg.model.seq_length
         self.planner = (CapacityPlanner(cfg.efficientmoe, tokens)
                         if cfg.efficientmoe.enabled else None)
@@ -254,7 +258,8 @@ class Trainer:
             self._log_val()
         moe_index = list(self.net.moe_index)
         tokens_per_step = tr.batch_size * mc.seq_length
-        window_start, window_steps, step_times = time.perf_counter(), 0, []
+        window_start, window_steps = time.perf_counter(), 0
+        step_times = self.step_times
         sample_s, kept, rows, assigned = 0.0, 0, 0, 0
         compiled = False
         while self.step < total:
@@ -281,6 +286,9 @@ class Trainer:
             assigned += int(counts.sum())
             kept += int(counts.sum()) - step_dropped
             rows += int(self.capacities().sum())
+            for key, value in (("assigned", int(counts.sum())), ("kept", int(counts.sum()) -
+                               step_dropped), ("rows", int(self.capacities().sum()))):
+                self.totals[key] += value
             self.step += 1
             window_steps += 1
             if self.step % tr.log_every == 0 or self.step == total:

@@ -97,21 +97,24 @@ def test_top2_counts_every_token_twice_and_dropless_drops_nothing():
     assert int(dropped.asnumpy()) == 0
 
 
-def test_per_expert_capacities_equal_uniform_ones_when_they_agree():
-    """The per-expert matmul path and the batched path compute the same thing."""
+def test_capacities_fitted_to_the_exact_loads_change_nothing_and_leave_no_padding():
+    """Per-expert capacities equal to each expert's load: same output as a dropless layer,
+    no drop, and every computed slot row holds a token."""
     b, s, h, e = 2, 16, 8, 4
     x = Tensor(np.random.default_rng(3).standard_normal((b, s, h)).astype(np.float32))
     ms.set_seed(11)
-    uniform = MoEFeedForward(h, 16, num_experts=e, top_k=2, capacity=10)
-    varied = MoEFeedForward(h, 16, num_experts=e, top_k=2, capacity=[10, 10, 10, 10])
-    varied.uniform = False                      # force the per-expert path
-    for p, q in zip(uniform.get_parameters(), varied.get_parameters()):
+    dropless = MoEFeedForward(h, 16, num_experts=e, top_k=2, capacity=b * s)
+    y_ref, _, counts, dropped = dropless(x)
+    assert int(dropped.asnumpy()) == 0
+    loads = counts.asnumpy().sum(axis=0)
+    assert loads.sum() == 2 * b * s and len(set(loads.tolist())) > 1
+    fitted = MoEFeedForward(h, 16, num_experts=e, top_k=2, capacity=loads.tolist())
+    for p, q in zip(dropless.get_parameters(), fitted.get_parameters()):
         q.set_data(p.data.copy())
-    ya, _, ca, da = uniform(x)
-    yb, _, cb, db = varied(x)
-    np.testing.assert_allclose(ya.asnumpy(), yb.asnumpy(), rtol=1e-5, atol=1e-6)
-    assert ca.asnumpy().tolist() == cb.asnumpy().tolist()
-    assert int(da.asnumpy()) == int(db.asnumpy())
+    assert fitted.num_slots == 2 * b * s            # no padding row at all
+    y, _, c2, d2 = fitted(x)
+    np.testing.assert_allclose(y.asnumpy(), y_ref.asnumpy(), rtol=1e-5, atol=1e-6)
+    assert int(d2.asnumpy()) == 0 and c2.asnumpy().tolist() == counts.asnumpy().tolist()
 
 
 def test_each_expert_drops_beyond_its_own_capacity():
@@ -139,7 +142,7 @@ def test_capacities_are_part_of_the_compiled_graph():
     from ms_efficient.graph import from_network
 
     x = Tensor(np.ones((1, 8, 8), np.float32))
-    for caps in ([6, 2, 3, 5], [1, 9, 2, 4], [3, 3, 3, 3, 3, 3]):
+    for caps in ([6, 2, 3, 5], [1, 9, 2, 4], [3, 3, 3, 3, 3, 3]):  # distinct or all equal
         layer = MoEFeedForward(8, 16, num_experts=len(caps), top_k=1, capacity=caps)
         graph = from_network(layer, x)
         n = sum(caps)
@@ -149,7 +152,8 @@ def test_capacities_are_part_of_the_compiled_graph():
         if len(set(caps)) > 1:
             rows = [v.output_shapes[0][0] for v in graph.nodes.values()
                     if v.op_type == "StridedSlice" and v.input_shapes[0] == (n, 8)]
-            assert rows == caps                     # one expert input of each planned size
+            # one expert input per capacity group, largest first
+            assert rows == sorted(caps, reverse=True)
 
 
 def test_bad_capacity_lists_are_rejected():

@@ -138,28 +138,50 @@ class MoEFeedForward(nn.Cell):
     def set_capacities(self, capacity: Union[int, Sequence[int]]) -> None:
         """Set the static capacity of every expert (an int, or E ints >= 1).
 
-        Takes effect when the network is next compiled: a jitted step function built before
-        the change keeps its old graph, so rebuild it (the trainer does).
+        Slot rows are laid out by capacity group (experts of equal capacity side by side), so
+        every group runs as one batched matmul. Takes effect when the network is next
+        compiled: a jitted step function built before the change keeps its old graph, so
+        rebuild it (the trainer does).
         """
-        self.capacities = _capacities(capacity, self.num_experts)
-        # Uniform capacities use one batched matmul over [E, C, H]; others one matmul each.
-        self.uniform = len(set(self.capacities)) == 1
-        self.offsets = tuple(int(v) for v in np.cumsum((0,) + self.capacities[:-1]))
-        self.num_slots = sum(self.capacities)
-        self.cap_E = Tensor(np.array(self.capacities, np.int32))
+        caps = _capacities(capacity, self.num_experts)
+        self.capacities = caps
+        # groups: (capacity, experts with that capacity), largest capacity first
+        groups = {}
+        for e, c in enumerate(caps):
+            groups.setdefault(c, []).append(e)
+        self.groups = tuple((c, tuple(es)) for c, es in sorted(groups.items(), reverse=True))
+        order = [e for _, es in self.groups for e in es]
+        offsets = np.zeros(self.num_experts, np.int64)
+        offsets[order] = np.cumsum([0] + [caps[e] for e in order[:-1]])
+        self.offsets = tuple(int(v) for v in offsets)
+        self.num_slots = sum(caps)
+        self.cap_E = Tensor(np.array(caps, np.int32))
         self.off_E = Tensor(np.array(self.offsets, np.int32))
+        self.group_index = tuple(Tensor(np.array(es, np.int32)) for _, es in self.groups)
 
     def _experts(self, x_NH):
-        """Expert FFNs on the slot buffer [N, H] -> [N, H] (N = sum of capacities)."""
-        if self.uniform:
-            e, c = self.num_experts, self.capacities[0]
-            hid = self.gelu(self.bmm(x_NH.reshape(e, c, -1), self.w1) + self.b1)
-            return (self.bmm(hid, self.w2) + self.b2).reshape(e * c, -1)
+        """Expert FFNs on the slot buffer [N, H] -> [N, H] (N = sum of capacities).
+
+        One batched matmul per capacity group: the group's rows [g * c, H] as [g, c, H]
+        against its experts' weights [g, H, F] (gathered unless the group is every expert).
+        """
         outs = ()
-        for i in range(self.num_experts):
-            rows = x_NH[self.offsets[i]:self.offsets[i] + self.capacities[i]]
-            hid = self.gelu(ops.matmul(rows, self.w1[i]) + self.b1[i])
-            outs = outs + (ops.matmul(hid, self.w2[i]) + self.b2[i],)
+        start = 0
+        for gi in range(len(self.groups)):
+            c, experts = self.groups[gi]
+            g = len(experts)
+            rows = x_NH[start:start + g * c].reshape(g, c, -1)
+            start = start + g * c
+            if g == self.num_experts:
+                w1, b1, w2, b2 = self.w1, self.b1, self.w2, self.b2
+            else:
+                idx = self.group_index[gi]
+                w1, b1 = ops.gather(self.w1, idx, 0), ops.gather(self.b1, idx, 0)
+                w2, b2 = ops.gather(self.w2, idx, 0), ops.gather(self.b2, idx, 0)
+            hid = self.gelu(self.bmm(rows, w1) + b1)
+            outs = outs + ((self.bmm(hid, w2) + b2).reshape(g * c, -1),)
+        if len(outs) == 1:
+            return outs[0]
         return ops.concat(outs, 0)
 
 

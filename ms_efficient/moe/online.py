@@ -23,7 +23,7 @@ from ms_efficient.moe.capacity import expected_drop_and_padding, slot_capacities
 from ms_efficient.moe.predictor import get_predictor, relative_residuals
 from ms_efficient.moe.trace import RoutingTrace
 
-__all__ = ["RoutingSampler", "CapacityPlan", "CapacityPlanner"]
+__all__ = ["RoutingSampler", "CapacityPlan", "CapacityPlanner", "quantize_levels"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,45 @@ class RoutingSampler:
         return RoutingTrace(counts=self.counts(), steps=np.arange(1, len(self) + 1), **meta)
 
 
+def quantize_levels(capacity_E: np.ndarray, levels: int) -> np.ndarray:
+    """Raise capacities to at most ``levels`` distinct values with the fewest added rows.
+
+    Experts of equal capacity run as one batched matmul (``MoEFeedForward`` groups them), so
+    few distinct values mean few kernels. Sorted descending, the values split into ``levels``
+    contiguous groups, each raised to its largest member; dynamic programming over the split
+    points gives the minimum total (O(E^2 * levels)). Only raises, so it never adds drops.
+
+    capacity_E: int [E] >= 1. Returns int64 [E].
+    """
+    caps = np.asarray(capacity_E, dtype=np.int64)
+    if levels < 1:
+        raise ValueError(f"'levels' must be a positive integer, but got {levels}.")
+    order = np.argsort(-caps, kind="stable")
+    v = caps[order]                                            # descending
+    n = len(v)
+    levels = min(levels, len(np.unique(v)))
+    # best[g][i]: fewest rows covering v[:i] with g groups; a group v[j:i] costs v[j] * (i - j)
+    inf = np.iinfo(np.int64).max // 4
+    best = np.full((levels + 1, n + 1), inf, dtype=np.int64)
+    cut = np.zeros((levels + 1, n + 1), dtype=np.int64)
+    best[0, 0] = 0
+    for g in range(1, levels + 1):
+        for i in range(1, n + 1):
+            for j in range(g - 1, i):
+                cost = best[g - 1, j] + v[j] * (i - j)
+                if cost < best[g, i]:
+                    best[g, i], cut[g, i] = cost, j
+    out_sorted = np.empty(n, dtype=np.int64)
+    i, g = n, levels
+    while g > 0:
+        j = cut[g, i]
+        out_sorted[j:i] = v[j]
+        i, g = j, g - 1
+    out = np.empty(n, dtype=np.int64)
+    out[order] = out_sorted
+    return out
+
+
 @dataclass(frozen=True)
 class CapacityPlan:
     """capacity_LE: int64 [layer, expert] static capacity (token rows) of every expert.
@@ -111,7 +150,8 @@ class CapacityPlanner:
         for layer in range(layers):
             res = slot_capacities(pred_LE[layer], np.arange(experts), rel_err_KLE[:, layer, :],
                                   drop_target=cfg.drop_target, multiple=cfg.capacity_multiple)
-            caps[layer] = np.minimum(res.capacity_S, self.tokens_per_step)
+            caps[layer] = quantize_levels(np.minimum(res.capacity_S, self.tokens_per_step),
+                                          cfg.capacity_levels)
             drop[layer], pad[layer] = res.expected_drop_rate, res.expected_padding_fraction
         return CapacityPlan(caps, drop, pad, pred_LE)
 
