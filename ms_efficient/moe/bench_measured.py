@@ -16,6 +16,7 @@ import copy
 import json
 import logging
 import os
+import shutil
 import tempfile
 from typing import Dict, List, Optional
 
@@ -44,17 +45,19 @@ def quick_config(cfg: RunConfig) -> RunConfig:
     cfg = copy.deepcopy(cfg)
     cfg.model.hidden_size, cfg.model.ffn_hidden_size, cfg.model.num_heads = 64, 128, 2
     cfg.model.num_layers, cfg.model.seq_length = 2, 64
-    cfg.train.batch_size, cfg.train.steps = 8, 40
+    cfg.train.batch_size, cfg.train.steps = 8, 30
     cfg.moe.trace_ranks = 4
-    cfg.efficientmoe.warmup_steps, cfg.efficientmoe.replan_every = 10, 10
+    cfg.efficientmoe.warmup_steps, cfg.efficientmoe.replan_every = 8, 8
     cfg.efficientmoe.window = 8
     return cfg
 
 
-def _run_one(cfg: RunConfig, out_dir: str) -> Dict:
+def _run_one(cfg: RunConfig, out_dir: str, init_from: Optional[str]) -> Dict:
     from ms_efficient.train import Trainer
 
     trainer = Trainer(cfg, out_dir)
+    if init_from:
+        trainer.load_weights(init_from, keep_step=False)
     result = trainer.run()
     with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
@@ -64,8 +67,16 @@ def _run_one(cfg: RunConfig, out_dir: str) -> Dict:
 
 
 def run_measured(base: RunConfig, methods: Optional[List[str]] = None, steps: Optional[int] = None,
-                 workload: str = "gpt_moe") -> List[Dict]:
-    """Train ``base`` once per method; returns benchmark rows (evidence "measured")."""
+                 workload: str = "gpt_moe", init_from: Optional[str] = None,
+                 keep_trace: Optional[str] = None) -> List[Dict]:
+    """Train ``base`` once per method; returns benchmark rows (evidence "measured").
+
+    keep_trace: copy the routing trace of the ``efficientmoe`` run to this path.
+    init_from: a run folder whose last checkpoint every method starts from (routing of a
+    trained model is steadier than at initialisation, which is where static capacities are
+    decided in practice); its learning rate continues at the schedule's floor (10% of peak)
+    with no warm-up.
+    """
     methods = list(methods or MEASURED_METHODS)
     rows = []
     for method in methods:
@@ -78,9 +89,14 @@ def run_measured(base: RunConfig, methods: Optional[List[str]] = None, steps: Op
         cfg.efficientmoe.enabled = online
         cfg.train.eval_every = cfg.train.steps = steps or cfg.train.steps
         cfg.train.save_every = cfg.train.steps
+        if init_from:
+            cfg.train.warmup_steps = 0
+            cfg.train.learning_rate = 0.1 * base.train.learning_rate
         with tempfile.TemporaryDirectory(prefix=f"bench-{method}-") as out:
             logger.info("measured run: %s (%d steps)", method, cfg.train.steps)
-            run = _run_one(cfg, out)
+            run = _run_one(cfg, out, init_from)
+            if keep_trace and method == "efficientmoe":
+                shutil.copyfile(os.path.join(out, "trace.npz"), keep_trace)
         times = np.array(run["step_times"])
         # drop the compiling first step and every step right after a recompilation
         skip = {0} | set(run["replans"])

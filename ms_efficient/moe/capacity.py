@@ -74,7 +74,8 @@ def switch_capacity(assignments_per_step: int, num_experts: int, capacity_factor
     return int(round_up(max(cap, 1), multiple))
 
 
-def error_scales(rel_err_KE: np.ndarray, prior_samples: float = PRIOR_SAMPLES) -> Tuple[np.ndarray, np.ndarray]:
+def error_scales(rel_err_KE: np.ndarray,
+                 prior_samples: float = PRIOR_SAMPLES) -> Tuple[np.ndarray, np.ndarray]:
     """Per-expert error scale and pooled standardised errors: (sigma_E [E], z [K * E]).
 
     sigma_e^2 = (K * mean_k rel[k, e]^2 + prior_samples * pooled mean square) / (K + prior):
@@ -112,7 +113,8 @@ def _error_model(pred_S: np.ndarray, slot_expert: np.ndarray,
     return sigma_E[np.asarray(slot_expert)], np.sort(z)
 
 
-def expected_drop_and_padding(capacity_S: np.ndarray, samples_KS: np.ndarray) -> Tuple[float, float]:
+def expected_drop_and_padding(capacity_S: np.ndarray,
+                              samples_KS: np.ndarray) -> Tuple[float, float]:
     """(drop rate, padding fraction) of capacities over explicit load samples [K, S]
     (formulas in the module docstring)."""
     cap = np.asarray(capacity_S, dtype=np.float64)[None, :]

@@ -1,0 +1,362 @@
+"""EfficientMoE planner side: dispatch rule, predictors, capacity model, scheduler, baselines,
+re-plan decision and the trace replay. Values are hand-computed or known optima."""
+import math
+
+import numpy as np
+import pytest
+
+from ms_efficient.cluster import get_cluster
+from ms_efficient.moe import baselines
+from ms_efficient.moe.bench import markdown_table, run_simulated, speedups, synthetic_trace
+from ms_efficient.moe.capacity import (expected_drop_and_padding, load_samples, round_up,
+                                       slot_capacities, switch_capacity, uniform_capacity)
+from ms_efficient.moe.placement import (CostModel, PlacementConfig, layer_cost, plan_layer,
+                                        replica_counts_greedy, uneven_alltoall_time_s)
+from ms_efficient.moe.plan import ExpertPlan, load_plans, save_plans, split_tokens
+from ms_efficient.moe.predictor import (EMA, ARRidge, LastValue, evaluate_predictors,
+                                        mape_percent, predict_counts, relative_residuals)
+from ms_efficient.moe.schedule import (ReplanCosts, choose_horizon, decide_replan,
+                                       migration_bytes_DD)
+from ms_efficient.moe.simulate import (ReplayConfig, cluster_for_ranks, event_step_time_s,
+                                       plan_trace, replay)
+from ms_efficient.moe.trace import RoutingTrace
+
+CLUSTER_2x8 = cluster_for_ranks(16)
+
+
+@pytest.fixture(scope="module")
+def small_trace():
+    """16 ranks on 2 nodes, 16 experts, 1 layer, 28 rows sampled every 50 steps."""
+    return synthetic_trace(steps=28, layers=1, ranks=16, experts=16, hidden=1024,
+                           tokens_per_rank=2048, step_stride=50, seed=1)
+
+
+def model_for(cluster, hidden=1024):
+    return CostModel(cluster, hidden, 4 * hidden)
+
+
+# ---------------------------------------------------------------- split_tokens
+def test_split_tokens_serves_own_device_then_node_by_hand():
+    # expert 0 on devices 0 and 1 (cap 10 each), expert 1 on device 1 (cap 100); one node
+    plan = ExpertPlan([0, 0, 1], [0, 1, 1], [10, 10, 100])
+    assigned, dropped = split_tokens(plan, [[12, 3], [4, 5]], [0, 1], devices_per_node=2)
+    # rank 0: 10 local, its 2 left go to the same-node replica; rank 1: 4 local
+    assert assigned.tolist() == [[10, 2, 3], [0, 4, 5]]
+    assert dropped == 0
+
+
+def test_split_tokens_drops_what_no_replica_has_room_for_by_hand():
+    plan = ExpertPlan([0, 0, 1], [0, 1, 1], [10, 5, 4])
+    assigned, dropped = split_tokens(plan, [[12, 3], [4, 5]], [0, 1], devices_per_node=2)
+    # expert 0: rank0 10 local, rank1 4 local, 1 room left on slot 1 -> rank0's 12th token
+    # goes there, 1 dropped; expert 1 (cap 4, device 1): rank 1 (local) first takes 4, its
+    # 5th and rank 0's 3 are dropped
+    assert assigned.tolist() == [[10, 1, 0], [0, 4, 4]]
+    assert dropped == 1 + 4
+
+
+def test_split_tokens_splits_remote_tokens_by_remaining_room():
+    # one device per node: rank 0's 20 tokens have neither a local nor a same-node replica
+    plan = ExpertPlan([0, 0, 1], [1, 2, 0], [10, 30, 5])
+    assigned, dropped = split_tokens(plan, [[20, 1], [0, 0], [0, 0]], [0, 1, 2],
+                                     devices_per_node=1)
+    assert assigned.tolist() == [[5, 15, 1], [0, 0, 0], [0, 0, 0]]   # 20 x 10/40, 20 x 30/40
+    assert dropped == 0
+
+
+def test_split_tokens_prefers_the_node_over_remote_replicas():
+    # 2 nodes of 2 devices; expert 0 on device 1 (node 0) and device 2 (node 1)
+    plan = ExpertPlan([0, 0], [1, 2], [100, 100])
+    assigned, _ = split_tokens(plan, [[8], [0], [0], [6]], [0, 1, 2, 3], devices_per_node=2)
+    assert assigned.tolist() == [[8, 0], [0, 0], [0, 0], [0, 6]]
+
+
+def test_replicated_expert_gets_half_the_tokens_on_a_balanced_two_rank_case():
+    counts = [[100, 40], [100, 40]]
+    single = ExpertPlan([0, 1], [0, 1], [1000, 1000])
+    double = ExpertPlan([0, 0, 1], [0, 1, 1], [1000, 1000, 1000])
+    a1, _ = split_tokens(single, counts, [0, 1], 2)
+    a2, _ = split_tokens(double, counts, [0, 1], 2)
+    assert a1.sum(axis=0)[0] == 200
+    assert a2.sum(axis=0)[:2].tolist() == [100, 100]          # each replica: half
+    assert a2[:, 0].tolist() == [100, 0] and a2[:, 1].tolist() == [0, 100]   # all local
+
+
+def test_split_tokens_matches_a_naive_loop_on_random_cases():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        num_ranks, num_experts = 4, 5
+        slot_expert = np.concatenate([np.arange(num_experts), rng.integers(0, num_experts, 3)])
+        plan = ExpertPlan(slot_expert, rng.integers(0, 4, slot_expert.size),
+                          rng.integers(0, 30, slot_expert.size))
+        counts = rng.integers(0, 25, (num_ranks, num_experts))
+        assigned, dropped = split_tokens(plan, counts, np.arange(num_ranks), 2)
+        # invariants: per rank and expert, assigned + dropped = counts; slots within capacity
+        per_expert = np.zeros((num_ranks, num_experts), dtype=np.int64)
+        for s, e in enumerate(plan.slot_expert):
+            per_expert[:, e] += assigned[:, s]
+        assert (per_expert <= counts).all()
+        assert int(counts.sum() - per_expert.sum()) == dropped
+        assert (assigned.sum(axis=0) <= plan.slot_capacity).all()
+        # no expert drops while one of its replicas has room
+        for e in range(num_experts):
+            slots = plan.replicas_of(e)
+            if per_expert[:, e].sum() < counts[:, e].sum():
+                assert (assigned[:, slots].sum(axis=0) == plan.slot_capacity[slots]).all()
+
+
+# ---------------------------------------------------------------- plan
+def test_plan_validate_names_experts_without_a_slot():
+    with pytest.raises(ValueError, match=r"experts \[1, 3\] no slot"):
+        ExpertPlan([0, 2, 0], [0, 1, 1], [8, 8, 8]).validate(4, 2)
+    with pytest.raises(ValueError, match="device 5"):
+        ExpertPlan([0, 1], [0, 5], [8, 8]).validate(2, 2)
+
+
+def test_plan_round_trips_through_yaml_with_moe_config(tmp_path):
+    plan = ExpertPlan([0, 0, 1, 2, 3], [0, 1, 1, 2, 3], [64, 64, 48, 32, 16], top_k=2,
+                      tokens_per_step=100, method="efficientmoe")
+    assert ExpertPlan.from_dict(plan.to_dict()).to_dict() == plan.to_dict()
+    cfg = plan.moe_config(4)
+    assert cfg["expert_num"] == 4 and cfg["num_experts_chosen"] == 2
+    assert cfg["enable_cold_hot_expert"] is True and cfg["hot_expert_num"] == 1
+    assert plan.capacity_factor() == pytest.approx(224 / 200)
+    assert cfg["capacity_factor"] == pytest.approx(128 / 50)      # hot: 128 rows, CF1.0 = 50
+    assert cfg["cold_token_percent"] == pytest.approx((96 / 3) / 128)
+    path = tmp_path / "plan.yaml"
+    save_plans(str(path), [plan, plan], 4)
+    loaded, num_experts = load_plans(str(path))
+    assert num_experts == 4 and [p.to_dict() for p in loaded] == [plan.to_dict()] * 2
+
+
+# ---------------------------------------------------------------- predictors
+def test_every_predictor_has_zero_mape_on_a_constant_trace():
+    load = np.tile(np.array([[40.0, 10.0, 30.0, 20.0]]), (20, 2, 1)).reshape(20, 2, 4)
+    mape = evaluate_predictors(load, [LastValue(), EMA(0.3), ARRidge()], warmup=1)
+    for name, per_layer in mape.items():
+        np.testing.assert_allclose(per_layer, 0.0, atol=1e-9, err_msg=name)
+
+
+def test_ema_mape_on_a_step_change_by_hand():
+    load = np.array([10.0, 10.0, 20.0, 20.0]).reshape(4, 1, 1)
+    # forecasts for t = 1, 2, 3: 10, 10, 0.5 * 20 + 0.5 * 10 = 15 -> errors 0, 10/20, 5/20
+    mape = evaluate_predictors(load, [EMA(alpha=0.5)], warmup=1)["ema"]
+    assert mape == pytest.approx([100 * (0 + 0.5 + 0.25) / 3])
+
+
+def test_mape_floors_near_zero_loads():
+    actual = np.array([[[0.0, 100.0]]])
+    pred = np.array([[[10.0, 100.0]]])
+    # floor = max(1, 0.05 * mean 50) = 2.5 -> errors 10 / 2.5 and 0 -> mean 2.0 = 200 %
+    assert mape_percent(pred, actual) == pytest.approx([200.0])
+
+
+def test_predict_counts_spreads_the_forecast_by_rank_shares():
+    counts = np.zeros((3, 1, 2, 2))
+    counts[:, 0, 0, 0], counts[:, 0, 1, 0] = 30, 10        # expert 0: rank 0 has 3/4
+    counts[:, 0, :, 1] = 5
+    pred = predict_counts(counts, LastValue(), share_window=3)
+    np.testing.assert_allclose(pred[0], [[30, 5], [10, 5]])
+
+
+def test_residuals_extrapolate_leads_beyond_the_history():
+    rng = np.random.default_rng(0)
+    load = 100 + rng.normal(0, 5, (6, 1, 8))
+    rel = relative_residuals(load, LastValue(), window=3, horizon=10)
+    assert rel.shape[1:] == (1, 8) and rel.shape[0] > 0
+    assert relative_residuals(load[:1], LastValue(), 3, 2).shape == (0, 1, 8)
+
+
+# ---------------------------------------------------------------- capacity
+def test_capacity_rounding_to_hardware_multiples():
+    assert round_up([0, 1, 16, 17, 33.5], 16).tolist() == [0, 16, 16, 32, 48]
+    assert switch_capacity(1024 * 2, 8, 1.25) == 320          # ceil(1.25 * 2048 / 8)
+    assert switch_capacity(100, 8, 1.3, multiple=8) == 24      # ceil(16.25) = 17 -> 24
+    # no forecast error: capacity = prediction rounded up, at least one multiple
+    res = slot_capacities(np.array([100.0, 0.0, 33.0]), np.arange(3), np.zeros((4, 3)))
+    assert res.capacity_S.tolist() == [112, 16, 48]
+    assert res.expected_drop_rate == 0.0
+
+
+def test_expected_drop_and_padding_by_hand():
+    drop, pad = expected_drop_and_padding([16, 32], np.array([[10.0, 40.0]]))
+    assert drop == pytest.approx(8 / 50) and pad == pytest.approx(6 / 48)
+
+
+def test_uniform_capacity_is_the_smallest_multiple_meeting_the_drop_target():
+    pred = np.array([100.0, 50.0])
+    no_error = np.zeros((2, 2))
+    assert uniform_capacity(pred, np.arange(2), no_error, 0.0).capacity_S.tolist() == [112, 112]
+    # drop(64) = 36/150 = 0.24 > 0.2, drop(80) = 20/150 = 0.133 <= 0.2
+    assert uniform_capacity(pred, np.arange(2), no_error, 0.2).capacity_S.tolist() == [80, 80]
+
+
+def test_closed_form_capacity_figures_equal_explicit_samples():
+    rng = np.random.default_rng(3)
+    pred, slot_expert = rng.uniform(0, 400, 12), rng.integers(0, 5, 12)
+    rel = rng.normal(0, 0.2, (9, 5))
+    res = slot_capacities(pred, slot_expert, rel, drop_target=0.01)
+    drop, pad = expected_drop_and_padding(res.capacity_S, load_samples(pred, slot_expert, rel))
+    assert res.expected_drop_rate == pytest.approx(drop) and drop <= 0.01
+    assert res.expected_padding_fraction == pytest.approx(pad)
+
+
+# ---------------------------------------------------------------- cost model and baselines
+def test_uneven_alltoall_of_equal_messages_is_the_collective_formula():
+    cluster = cluster_for_ranks(16)
+    nbytes = 16e6
+    equal = np.full((16, 16), nbytes / 16)
+    expected = cluster.collective_time_s("alltoall", nbytes, list(range(16)))
+    assert uneven_alltoall_time_s(equal, cluster) == pytest.approx(expected)
+
+
+def test_eplb_packing_reaches_the_known_optimum():
+    # 8 items, 2 packs of 4: total 36, optimum max load 18
+    packs = baselines.balanced_packing(np.array([8, 7, 6, 5, 4, 3, 2, 1]), 2, 4)
+    assert np.bincount(packs, weights=[8, 7, 6, 5, 4, 3, 2, 1]).max() == 18
+    assert np.bincount(packs).tolist() == [4, 4]
+    # one redundant slot goes to the hot expert; replicas 6, 6, 4, 4 -> optimum 10 per device
+    replicas = replica_counts_greedy(np.array([12.0, 4.0, 4.0]), 4)
+    assert replicas.tolist() == [2, 1, 1]
+    weights = np.array([6.0, 6.0, 4.0, 4.0])
+    assert np.bincount(baselines.balanced_packing(weights, 2, 2), weights=weights).max() == 10
+
+
+def test_fastermoe_shadows_a_very_hot_expert_when_weights_are_cheap():
+    cluster = get_cluster("ascend910b-1x8")
+    model = CostModel(cluster, hidden=64, ffn_hidden=256)     # tiny experts: cheap broadcast
+    counts = np.full((8, 8), 100)
+    counts[:, 3] = 20000
+    plan, bcast_s = baselines.fastermoe_plan(counts, model, slots_per_device=2,
+                                             rank_device=np.arange(8))
+    assert sorted(plan.slot_device[plan.replicas_of(3)].tolist()) == list(range(8))
+    assert bcast_s > 0
+    assigned, dropped = split_tokens(plan, counts, np.arange(8), 8)
+    assert dropped == 0 and (assigned.sum(axis=0) == plan.slot_capacity).all()   # no padding
+
+
+def test_event_simulator_schedule_equals_the_analytic_layer_cost():
+    cluster = CLUSTER_2x8
+    model = model_for(cluster)
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 300, (16, 16))
+    counts[:, 2] *= 6
+    plan = plan_layer(counts, model, PlacementConfig(slots_per_device=2), rel_err_KE=None)
+    assert (plan.replica_counts(16) > 1).any()
+    analytic = layer_cost(plan, counts, model).time_s
+    assert event_step_time_s(plan, counts, model) == pytest.approx(analytic, rel=1e-9)
+
+
+# ---------------------------------------------------------------- scheduler
+def test_scheduler_is_deterministic_and_beats_uniform_placement_on_skewed_load():
+    model = model_for(CLUSTER_2x8)
+    rng = np.random.default_rng(1)
+    counts = rng.integers(100, 400, (16, 16))
+    counts[:, 5] *= 8
+    config = PlacementConfig(slots_per_device=2)
+    first = plan_layer(counts, model, config, rel_err_KE=None)
+    second = plan_layer(counts, model, config, rel_err_KE=None)
+    assert first.to_dict() == second.to_dict()
+    first.validate(16, 16)
+    uniform = baselines.switch_plan(16, 16, int(counts.sum()), 1.0)
+    exact = ExpertPlan(uniform.slot_expert, uniform.slot_device, counts.sum(axis=0))
+    assert layer_cost(first, counts, model).time_s < layer_cost(exact, counts, model).time_s
+
+
+def test_oracle_is_never_worse_than_our_plan_on_the_true_load(small_trace):
+    config = ReplayConfig(warmup=12)
+    cluster = CLUSTER_2x8
+    ours = replay(small_trace, "efficientmoe", cluster, config)
+    oracle = replay(small_trace, "oracle", cluster, config)
+    assert oracle.iteration_time_s <= ours.iteration_time_s
+    # also without our amortised re-plan cost, and while dropping nothing (ours drops a little)
+    assert oracle.step_time_s.mean() <= ours.step_time_s.mean()
+    assert oracle.drop_rate == 0.0 and oracle.padding_fraction < ours.padding_fraction
+
+
+def test_replay_is_deterministic_and_reports_bounded_metrics(small_trace):
+    config = ReplayConfig(warmup=12)
+    a = replay(small_trace, "eplb-ema", CLUSTER_2x8, config)
+    b = replay(small_trace, "eplb-ema", CLUSTER_2x8, config)
+    assert a.metrics() == b.metrics()
+    assert 0 <= a.padding_fraction < 1 and 0 <= a.drop_rate < 1 and a.max_over_mean_load >= 1
+    switch = replay(small_trace, "switch-cf1.0", CLUSTER_2x8, config)
+    dropless = replay(small_trace, "dropless-static", CLUSTER_2x8, config)
+    assert dropless.drop_rate == 0.0 and switch.drop_rate > 0.0
+
+
+def test_synthetic_trace_is_deterministic_for_a_seed():
+    a = synthetic_trace(steps=5, layers=1, ranks=4, experts=8, seed=7)
+    b = synthetic_trace(steps=5, layers=1, ranks=4, experts=8, seed=7)
+    c = synthetic_trace(steps=5, layers=1, ranks=4, experts=8, seed=8)
+    assert np.array_equal(a.counts, b.counts) and not np.array_equal(a.counts, c.counts)
+    assert (a.counts.sum(axis=3) == 4096 * 2).all()               # tokens x top_k per rank
+
+
+# ---------------------------------------------------------------- re-plan decision
+def test_replan_only_when_gain_over_the_horizon_exceeds_migration_plus_recompile():
+    cluster = CLUSTER_2x8
+    model = model_for(cluster)
+    old = [ExpertPlan([0, 1], [0, 8], [64, 64])]
+    new = [ExpertPlan([0, 1, 0], [0, 8, 9], [32, 64, 32])]          # expert 0 copied node0->1
+    moved = migration_bytes_DD(old, new, model, 14.0)
+    nbytes = model.expert_params * 14.0
+    assert moved[0, 9] == nbytes and moved.sum() == nbytes
+    migration = cluster.inter_link.latency_s + nbytes / cluster.inter_link.bandwidth_Bps
+    costs = ReplanCosts(recompile_s=1.2, horizon_steps=100)
+    cost = migration + 1.2
+    yes = decide_replan(0.030, 0.030 - 1.01 * cost / 100, old, new, model, costs)
+    no = decide_replan(0.030, 0.030 - 0.99 * cost / 100, old, new, model, costs)
+    assert yes.replan and not no.replan
+    assert yes.migration_s == pytest.approx(migration) and yes.cost_s == pytest.approx(cost)
+    forced = decide_replan(0.03, 0.04, old, new, model, costs, current_drop_rate=0.05)
+    assert forced.replan and "drops" in forced.reason
+    assert not decide_replan(0.03, 0.01, old, old, model, costs).replan
+
+
+def test_choose_horizon_trades_padding_for_fewer_recompiles():
+    # 10 ms/step for 200 steps vs 11 ms/step for 800 steps, recompile 1.2 s:
+    # 0.010 + 1.2/200 = 0.016  >  0.011 + 1.2/800 = 0.0125
+    assert choose_horizon([0.010, 0.011], [0.0, 0.0], [200, 800], 1.2) == 1
+    assert choose_horizon([0.010, 0.011], [0.0, 0.0], [200, 800], 0.0) == 0
+
+
+# ---------------------------------------------------------------- bad inputs
+def test_bad_traces_raise_value_errors_naming_the_problem(small_trace):
+    with pytest.raises(ValueError, match="16 source ranks but cluster 'ascend910b-1x8' has 8"):
+        replay(small_trace, "switch-cf1.25", get_cluster("ascend910b-1x8"))
+    counts = np.ones((3, 1, 2, 4), dtype=np.int64)
+    counts[1, 0, 1, 2] = -5
+    with pytest.raises(ValueError, match=r"must be >= 0, but got -5 at .* \[1, 0, 1, 2\]"):
+        RoutingTrace(counts=counts)
+    with pytest.raises(ValueError, match="4-D"):
+        RoutingTrace(counts=np.ones((3, 2, 4)))
+    with pytest.raises(ValueError, match="negative"):
+        split_tokens(ExpertPlan([0], [0], [4]), [[-1]], [0])
+    with pytest.raises(ValueError, match="method must be one of"):
+        replay(small_trace, "round-robin", CLUSTER_2x8)
+    with pytest.raises(ValueError, match="slots_per_device"):
+        plan_layer(np.ones((2, 8)), model_for(get_cluster("ascend910b-1x8")),
+                   PlacementConfig(slots_per_device=0))
+
+
+# ---------------------------------------------------------------- bench
+def test_bench_rows_follow_the_issue_format_and_plan_trace_writes_plans(small_trace, tmp_path):
+    rows = run_simulated([("small.npz", small_trace)], CLUSTER_2x8, quick=True,
+                         methods=("efficientmoe", "switch-cf1.25"),
+                         config=ReplayConfig(warmup=12))
+    timed = [r for r in rows if "iteration_time_s" in r]
+    assert {r["method"] for r in timed} == {"efficientmoe", "switch-cf1.25"}
+    for r in timed:
+        assert r["evidence"] == "simulated" and r["workload"] == "small.npz"
+        for key in ("iteration_time_s", "a2a_time_s", "max_over_mean_load",
+                    "padding_fraction", "drop_rate"):
+            assert isinstance(r[key], float) and math.isfinite(r[key])
+    assert {r["method"] for r in rows if "mape" in r} == {"last-value", "ema", "ar-ridge"}
+    table = markdown_table(rows)
+    assert "| small.npz | efficientmoe |" in table and "1.00x" in table
+    assert set(speedups(rows)["small.npz"]) == {"switch-cf1.25"}
+    plans = plan_trace(small_trace, CLUSTER_2x8, ReplayConfig(warmup=12))
+    assert len(plans) == 1
+    plans[0].validate(16, 16)
+    save_plans(str(tmp_path / "p.yaml"), plans, 16)
