@@ -7,6 +7,8 @@ enabled the network is returned untouched.
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import logging
 from typing import Any, Callable, Dict, Tuple
 
@@ -17,6 +19,18 @@ logger = logging.getLogger(__name__)
 PassFn = Callable[[Any, Any], Tuple[Any, Any]]
 
 _REGISTRY: Dict[str, PassFn] = {}
+
+# Modules that register the built-in passes; imported on first use of the registry (they
+# import MindSpore only inside the pass functions).
+_PASS_MODULES = (
+    "ms_efficient.parallel.shard_apply",
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_builtin_passes() -> None:
+    for name in _PASS_MODULES:
+        importlib.import_module(name)
 
 
 def register_pass(name: str) -> Callable[[PassFn], PassFn]:
@@ -33,7 +47,8 @@ def register_pass(name: str) -> Callable[[PassFn], PassFn]:
 
 
 def registered_passes() -> Dict[str, PassFn]:
-    """A copy of the name -> pass registry."""
+    """A copy of the name -> pass registry (built-in passes included)."""
+    _load_builtin_passes()
     return dict(_REGISTRY)
 
 
@@ -55,6 +70,7 @@ def optimize(network, config) -> Tuple[Any, Dict[str, Any]]:
     if not isinstance(config, RunConfig):
         raise TypeError(f"optimize() takes a RunConfig or a config path, but got "
                         f"{type(config).__name__}.")
+    _load_builtin_passes()
     plans: Dict[str, Any] = {}
     for name in config.optimize.passes:
         if name not in _REGISTRY:

@@ -202,21 +202,35 @@ class Trainer:
         text = "".join(json.dumps(m) + "\n" for m in self.metrics)
         atomic_write_text(os.path.join(self.out_dir, "metrics.jsonl"), text)
 
-    def _restore(self) -> None:
-        state_path = os.path.join(self.out_dir, "state.json")
+    def load_weights(self, run_dir: str, keep_step: bool = True) -> Dict:
+        """Load network and optimizer state from the last checkpoint of ``run_dir``.
+
+        keep_step=False leaves the optimizer's step counter at 0, so a new run (a benchmark
+        arm, a fine-tune) starts its own learning-rate schedule from trained weights.
+        Returns the run's state.json.
+        """
+        state_path = os.path.join(run_dir, "state.json")
         if not os.path.isfile(state_path):
-            raise ValueError(f"--resume: '{self.out_dir}' has no state.json; nothing to resume.")
+            raise ValueError(f"'{run_dir}' has no state.json: not a run folder to load from.")
         with open(state_path, encoding="utf-8") as fh:
             state = json.load(fh)
-        params = ms.load_checkpoint(os.path.join(self.out_dir, state["checkpoint"]))
+        params = ms.load_checkpoint(os.path.join(run_dir, state["checkpoint"]))
         # The learning-rate table is rebuilt from the config (--steps may have changed it).
-        params.pop("learning_rate", None)
+        skip = {"learning_rate"} if keep_step else {"learning_rate", "global_step"}
+        for name in skip:
+            params.pop(name, None)
         for cell in (self.net, self.optimizer):
             not_loaded, _ = ms.load_param_into_net(cell, params, strict_load=True)
-            missing = [name for name in not_loaded if name != "learning_rate"]
+            missing = [name for name in not_loaded if name not in skip]
             if missing:
-                raise ValueError(f"checkpoint '{state['checkpoint']}' in '{self.out_dir}' does "
+                raise ValueError(f"checkpoint '{state['checkpoint']}' in '{run_dir}' does "
                                  f"not match the model: it lacks {missing[:5]}.")
+        return state
+
+    def _restore(self) -> None:
+        if not os.path.isfile(os.path.join(self.out_dir, "state.json")):
+            raise ValueError(f"--resume: '{self.out_dir}' has no state.json; nothing to resume.")
+        state = self.load_weights(self.out_dir)
         self.step = int(state["step"])
         if "capacities" in state and state["capacities"] != self.capacities().tolist():
             self.set_capacities(np.array(state["capacities"], np.int64))
