@@ -23,6 +23,7 @@ _REGISTRY: Dict[str, PassFn] = {}
 # Modules that register the built-in passes; imported on first use of the registry (they
 # import MindSpore only inside the pass functions).
 _PASS_MODULES = (
+    "ms_efficient.memopt.apply",
     "ms_efficient.parallel.shard_apply",
 )
 

@@ -97,11 +97,25 @@ def write_report(run_dir: str) -> str:
     if train:
         tps = [m["tokens_per_s"] for m in train[1:]] or [train[0]["tokens_per_s"]]
         drops = [m["drop_rate"] for m in train]
+        pads = [m["padding_fraction"] for m in train if "padding_fraction" in m]
         lines += ["## Throughput and routing", "",
                   f"- steps: {train[-1]['step']}",
                   f"- median throughput: {np.median(tps):.0f} tokens/s "
                   "(log windows after the first, which includes graph compilation)",
-                  f"- mean drop rate (assignments over capacity): {np.mean(drops):.4f}", ""]
+                  f"- mean drop rate (assignments over capacity): {np.mean(drops):.4f}"]
+        if pads:
+            lines.append(f"- mean padding fraction (computed slot rows holding no token): "
+                         f"{np.mean(pads):.4f}")
+        lines.append("")
+    plans = [m for m in rows if m["kind"] == "plan"]
+    if plans:
+        lines += ["## EfficientMoE re-plans", "",
+                  "| step | slot rows before | after | expected drop | expected padding |",
+                  "|---:|---:|---:|---:|---:|"]
+        lines += [f"| {p['step']} | {p['rows_before']} | {p['rows_after']} | "
+                  f"{p['expected_drop_rate']:.4f} | {p['expected_padding_fraction']:.3f} |"
+                  for p in plans]
+        lines.append("")
     trace_path = os.path.join(run_dir, "trace.npz")
     if os.path.isfile(trace_path):
         trace = load_trace(trace_path)

@@ -339,11 +339,16 @@ def _fmt_eta(seconds: float) -> str:
 
 
 def train(config_path: str, out_dir: Optional[str] = None, steps: Optional[int] = None,
-          resume: Optional[str] = None) -> TrainResult:
-    """Train from a config file (or resume the run folder ``resume``) and write the report."""
+          resume: Optional[str] = None, overrides: Optional[Dict] = None) -> TrainResult:
+    """Train from a config file (or resume the run folder ``resume``) and write the report.
+
+    overrides: dotted config keys to set, e.g. ``{"efficientmoe.enabled": True}``.
+    """
     from ms_efficient.report import write_report
 
-    overrides = {"train.steps": steps} if steps is not None else {}
+    overrides = dict(overrides or {})
+    if steps is not None:
+        overrides["train.steps"] = steps
     if resume:
         cfg = load_config(os.path.join(resume, "config.yaml"), overrides)
         out = resume

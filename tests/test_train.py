@@ -129,3 +129,36 @@ def test_a_run_killed_with_sigkill_loses_at_most_one_checkpoint_interval(tmp_pat
     va, vb = _val_losses(full)[-1], _val_losses(killed)[-1]
     assert va[0] == vb[0] == 40
     assert vb[1] == pytest.approx(va[1], abs=2e-3)
+
+
+def test_efficientmoe_replans_capacities_and_resume_keeps_them(tmp_path, text_dir):
+    """With EfficientMoE on, the trainer re-plans per-expert capacities, recompiles, records
+    the plan, and a resumed run compiles with the planned capacities."""
+    from ms_efficient.config import load_config
+    from ms_efficient.train import Trainer
+
+    config = _write_config(tmp_path, text_dir, steps=12, save_every=12, eval_every=12,
+                           log_every=4)
+    cfg = load_config(config, {"efficientmoe.enabled": True, "efficientmoe.warmup_steps": 4,
+                               "efficientmoe.replan_every": 4, "efficientmoe.window": 4,
+                               "efficientmoe.capacity_multiple": 4,
+                               "efficientmoe.drop_target": 0.0})
+    out = str(tmp_path / "run")
+    trainer = Trainer(cfg, out)
+    start = trainer.capacities()
+    assert start.tolist() == [[80, 80, 80, 80]] * 2       # ceil(1.25 * 128 * 2 / 4)
+    trainer.run()
+    with open(os.path.join(out, "metrics.jsonl")) as fh:
+        rows = [json.loads(line) for line in fh]
+    plans = [r for r in rows if r["kind"] == "plan"]
+    # plans are considered at steps 4 and 8 (not at the last step); drop_target 0 forces
+    # adoption whenever the static capacities dropped anything
+    assert [p["step"] for p in plans] and all(p["step"] in (4, 8) for p in plans)
+    final = trainer.capacities()
+    assert final.tolist() == plans[-1]["capacities"]
+    assert np.all(final % 4 == 0) and np.all(final <= 128)
+    with open(os.path.join(out, "state.json")) as fh:
+        assert json.load(fh)["capacities"] == final.tolist()
+    resumed = Trainer(cfg, out, resume=True)
+    resumed._restore()
+    assert resumed.capacities().tolist() == final.tolist()

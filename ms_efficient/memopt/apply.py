@@ -1,0 +1,135 @@
+"""Apply a MemOpt plan: plan files (YAML, with MindFormers-style ``recompute_config`` and
+``swap_config``), ``Cell.recompute()`` on the chosen Cells, swap tags, and the ``memopt`` pass.
+
+MindSpore is imported only inside the functions that touch Cells. Swap on CPU: MindSpore has
+no offload there (see MINDSPORE_CPU.md), so swapped Cells get checkable flags
+(``memopt_swap``, ``memopt_backward_prefetch``) and, on Ascend only, ``Cell.offload``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import yaml
+
+from ms_efficient.fileio import atomic_write_text
+from ms_efficient.memopt.env import (ACTION_NAMES, RECOMPUTE, RECOMPUTE_ALL, SWAP, MemoryPlan,
+                                     StepResult)
+from ms_efficient.memopt.profile import LayerProfile
+from ms_efficient.passes import register_pass
+
+__all__ = ["plan_to_dict", "plan_from_dict", "save_plan", "load_plan", "apply_plan",
+           "recompute_config", "swap_config", "memopt_pass"]
+
+logger = logging.getLogger(__name__)
+
+
+def recompute_config(profile: LayerProfile, plan: MemoryPlan) -> Dict[str, Any]:
+    """MindFormers-style ``recompute_config``: ``recompute`` lists the recomputed Cells."""
+    names = [n for n, a in zip(profile.names, plan.actions) if a in (RECOMPUTE, RECOMPUTE_ALL)]
+    return {"recompute": names, "select_recompute": False,
+            "parallel_optimizer_comm_recompute": False, "mp_comm_recompute": True,
+            "recompute_slice_activation": False}
+
+
+def swap_config(profile: LayerProfile, plan: MemoryPlan) -> Dict[str, Any]:
+    """MindFormers-style ``swap_config``: one ``op_swap`` entry per swapped Cell with its
+    ``backward_prefetch`` (the prefetch lead) and the swap-out delay MemOpt chose."""
+    entries = [{"op_name": n, "backward_prefetch": int(plan.prefetch_lead[i]),
+                "swap_out_delay": int(plan.swap_delay[i])}
+               for i, n in enumerate(profile.names) if plan.actions[i] == SWAP]
+    return {"swap": bool(entries), "default_prefetch": 1, "layer_swap": [], "op_swap": entries}
+
+
+def plan_to_dict(profile: LayerProfile, plan: MemoryPlan, result: Optional[StepResult],
+                 budget_bytes: float, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The plan file's content (plain YAML types)."""
+    layers = [{"name": n, "action": ACTION_NAMES[int(a)],
+               **({"swap_delay": int(plan.swap_delay[i]), "prefetch_lead": int(plan.prefetch_lead[i])}
+                  if a == SWAP else {})}
+              for i, (n, a) in enumerate(zip(profile.names, plan.actions))]
+    doc: Dict[str, Any] = {"kind": "memopt", "version": 1, "method": plan.method,
+                           "batch_size": int(profile.batch_size),
+                           "budget_bytes": int(budget_bytes), "layers": layers}
+    if result is not None:
+        doc["simulated"] = {"step_time_s": result.step_time_s,
+                            "peak_bytes": int(result.peak_bytes), "fits": result.fits}
+    doc["meta"] = {k: (float(v) if isinstance(v, (np.floating, float)) else v)
+                   for k, v in plan.meta.items()}
+    doc.update(extra or {})
+    doc["recompute_config"] = recompute_config(profile, plan)
+    doc["swap_config"] = swap_config(profile, plan)
+    return doc
+
+
+def plan_from_dict(doc: Dict[str, Any], source: str = "plan") -> Tuple[List[str], MemoryPlan]:
+    """(layer names, MemoryPlan) from a plan file; ValueError names the bad entry."""
+    if not isinstance(doc, dict) or doc.get("kind") != "memopt" or "layers" not in doc:
+        raise ValueError(f"{source}: not a MemOpt plan (needs kind: memopt and layers).")
+    names, actions, delays, leads = [], [], [], []
+    for i, layer in enumerate(doc["layers"]):
+        action = layer.get("action") if isinstance(layer, dict) else None
+        if action not in ACTION_NAMES:
+            raise ValueError(f"{source}: layers[{i}].action must be one of {list(ACTION_NAMES)}, "
+                             f"but got {action!r}.")
+        names.append(str(layer.get("name")))
+        actions.append(ACTION_NAMES.index(action))
+        delays.append(int(layer.get("swap_delay", 0)))
+        leads.append(int(layer.get("prefetch_lead", 1)))
+    return names, MemoryPlan(np.array(actions), np.array(delays), np.array(leads),
+                             method=str(doc.get("method", "")))
+
+
+def save_plan(path: str, doc: Dict[str, Any]) -> None:
+    atomic_write_text(path, yaml.safe_dump(doc, sort_keys=False))
+
+
+def load_plan(path: str) -> Tuple[List[str], MemoryPlan]:
+    with open(path, "r", encoding="utf-8") as fh:
+        return plan_from_dict(yaml.safe_load(fh), source=path)
+
+
+def apply_plan(network, names: List[str], plan: MemoryPlan,
+               device_target: str = "CPU") -> Dict[str, List[str]]:
+    """Set ``Cell.recompute()`` on the Cells the plan recomputes and swap flags on the ones it
+    swaps (``Cell.offload`` as well on Ascend). ``names`` are Cell paths as in
+    ``network.cells_and_names()`` (e.g. ``blocks.3.attn``); an unknown name raises ValueError.
+    Returns {"recompute": [...], "swap": [...]} of what was applied.
+    """
+    cells = dict(network.cells_and_names())
+    unknown = [n for n in names if n not in cells]
+    if unknown:
+        raise ValueError(f"plan names unknown Cells {unknown[:5]}; the network has e.g. "
+                         f"{[n for n in cells if n][:6]}.")
+    applied: Dict[str, List[str]] = {"recompute": [], "swap": []}
+    for i, name in enumerate(names):
+        cell, action = cells[name], int(plan.actions[i])
+        if action in (RECOMPUTE, RECOMPUTE_ALL):
+            cell.recompute()
+            applied["recompute"].append(name)
+        elif action == SWAP:
+            cell.add_flags(memopt_swap=True,
+                           memopt_backward_prefetch=int(plan.prefetch_lead[i]),
+                           memopt_swap_out_delay=int(plan.swap_delay[i]))
+            if device_target == "Ascend":  # pragma: no cover - no Ascend here
+                cell.offload(backward_prefetch=int(plan.prefetch_lead[i]))
+            applied["swap"].append(name)
+    logger.info("memopt: recompute on %d Cells, swap tags on %d", len(applied["recompute"]),
+                len(applied["swap"]))
+    return applied
+
+
+@register_pass("memopt")
+def memopt_pass(network, config) -> Tuple[Any, Dict[str, Any]]:
+    """The ``memopt`` pass: plan the reference network of ``config`` (estimated profile on
+    its cluster, budget 90% of device memory) and apply it. Returns (network, plan dict)."""
+    from ms_efficient.memopt.planner import plan_memory
+    from ms_efficient.memopt.profile import profile_from_model
+
+    cluster = config.cluster_spec()
+    profile = profile_from_model(config.model, config.moe, config.train.batch_size, cluster)
+    budget = 0.9 * cluster.device_memory_bytes
+    plan, result = plan_memory(profile, budget, cluster.host_link)
+    apply_plan(network, profile.names, plan, config.context.device_target)
+    return network, plan_to_dict(profile, plan, result, budget)

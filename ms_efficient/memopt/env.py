@@ -1,0 +1,235 @@
+"""MemOpt environment: one training step of a keep/recompute/swap plan on the shared simulator.
+
+Actions per layer i (``MemoryPlan.actions``, int codes):
+    KEEP (0)           o_i and e_i stay on the device from forward i to backward i.
+    RECOMPUTE (1)      e_i is freed after forward i; o_i stays (a checkpoint: MindSpore's
+                       ``Cell.recompute()`` keeps the Cell's input, i.e. the previous output).
+                       Before backward i the layer is re-run (forward time f_i) to rebuild e_i.
+    RECOMPUTE_ALL (2)  like RECOMPUTE, and o_i is freed too once layer i+1 has read it: a run
+                       of such layers is one Chen et al. segment, re-run as a whole from the
+                       last checkpoint below it when backward first needs one of its outputs.
+    SWAP (3)           o_i + e_i are copied to the host on the d2h stream and freed when both
+                       the copy and forward i+1 are done; a prefetch on the h2d stream brings
+                       them back before the first backward task that reads them.
+Timing per swapped layer (the timing agent's choices):
+    swap_delay[i]  d: the swap-out starts after forward i+d ends (0 = right after forward i).
+    prefetch_lead[i] l: the prefetch is issued l compute tasks before its first consumer
+                   (0 = when the consumer is due: fully exposed; larger hides more, holds
+                   the bytes longer).
+
+Step program on one device "dev0" (streams dev0.compute, dev0.d2h, dev0.h2d; memory: static
+bytes resident from t=0; a task allocates at its start and frees at its end):
+    forward 0..L-1, then for p = L-1..0: [re-run what backward p needs], backward p
+    (allocates w_p, frees w_p + e_p + o_p at its end).
+``evaluate`` returns the step time (makespan, s) and the device's peak bytes; a plan whose
+peak exceeds the budget is reported as not fitting (planners penalise it, never return it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ms_efficient.memopt.profile import LayerProfile, format_size
+from ms_efficient.sim import Simulator
+
+__all__ = ["KEEP", "RECOMPUTE", "RECOMPUTE_ALL", "SWAP", "ACTION_NAMES", "MemoryPlan",
+           "StepResult", "evaluate", "min_budget_bytes", "check_budget", "MAX_DELAY", "MAX_LEAD"]
+
+KEEP, RECOMPUTE, RECOMPUTE_ALL, SWAP = 0, 1, 2, 3
+ACTION_NAMES = ("keep", "recompute", "recompute-all", "swap")
+MAX_DELAY = 2   # swap_delay in [0, MAX_DELAY]
+MAX_LEAD = 4    # prefetch_lead in [0, MAX_LEAD]
+DEV = "dev0"
+
+
+@dataclass
+class MemoryPlan:
+    """A plan for L layers.
+
+    actions: [L] int, one of KEEP/RECOMPUTE/RECOMPUTE_ALL/SWAP per layer.
+    swap_delay: [L] int in [0, MAX_DELAY] (used for SWAP layers only).
+    prefetch_lead: [L] int in [0, MAX_LEAD] (used for SWAP layers only).
+    method: the planner that made it. meta: free-form figures (planning time, ...).
+    """
+
+    actions: np.ndarray
+    swap_delay: Optional[np.ndarray] = None
+    prefetch_lead: Optional[np.ndarray] = None
+    method: str = ""
+    meta: Dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.actions = np.asarray(self.actions, dtype=np.int64).copy()
+        n = len(self.actions)
+        if np.any((self.actions < 0) | (self.actions > SWAP)):
+            raise ValueError(f"plan actions must be in [0, {SWAP}] "
+                             f"({', '.join(ACTION_NAMES)}), but got {self.actions}.")
+        # The last layer's output is read at once by its own backward: drop-output = recompute.
+        if n and self.actions[-1] == RECOMPUTE_ALL:
+            self.actions[-1] = RECOMPUTE
+        self.swap_delay = (np.zeros(n, np.int64) if self.swap_delay is None
+                           else np.clip(np.asarray(self.swap_delay, np.int64), 0, MAX_DELAY))
+        self.prefetch_lead = (np.ones(n, np.int64) if self.prefetch_lead is None
+                              else np.clip(np.asarray(self.prefetch_lead, np.int64), 0, MAX_LEAD))
+
+    def counts(self) -> Dict[str, int]:
+        """Number of layers per action name."""
+        return {name: int(np.sum(self.actions == a)) for a, name in enumerate(ACTION_NAMES)}
+
+    def key(self) -> bytes:
+        """Hashable identity of the plan's decisions (for caches)."""
+        swap = self.actions == SWAP
+        return (self.actions.tobytes() + np.where(swap, self.swap_delay, 0).tobytes()
+                + np.where(swap, self.prefetch_lead, 0).tobytes())
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Simulated step: step_time_s (s), peak_bytes (device, incl. static), fits (peak <=
+    budget), recompute_time_s (s of re-run forwards), swap_bytes (bytes copied to host)."""
+
+    step_time_s: float
+    peak_bytes: float
+    fits: bool
+    recompute_time_s: float
+    swap_bytes: float
+
+
+def min_budget_bytes(profile: LayerProfile) -> float:
+    """Bytes no plan can go below: static + the largest working set of one layer
+    (forward i holds o_{i-1}, o_i, e_i; backward i holds o_{i-1}, o_i, e_i, w_i)."""
+    o_prev = np.r_[0.0, profile.output_bytes[:-1]]
+    need = o_prev + profile.activation_bytes + profile.workspace_bytes
+    return float(profile.static_bytes + need.max())
+
+
+def check_budget(profile: LayerProfile, budget_bytes: float) -> None:
+    """ValueError if ``budget_bytes`` is below ``min_budget_bytes`` (the message states it)."""
+    low = min_budget_bytes(profile)
+    if budget_bytes < low:
+        raise ValueError(
+            f"budget {format_size(budget_bytes)} ({int(budget_bytes)} bytes) is below the minimum "
+            f"feasible budget {format_size(low)} ({int(np.ceil(low))} bytes) at batch "
+            f"{profile.batch_size}: static {format_size(profile.static_bytes)} plus the largest "
+            f"single-layer working set; raise the budget or lower the batch size.")
+
+
+def _build(profile: LayerProfile, plan: MemoryPlan, host_latency_s: float,
+           host_bandwidth_Bps: float) -> Simulator:
+    """The simulator task graph of one step (see module docs)."""
+    L = profile.num_layers
+    f, b = profile.forward_time_s, profile.backward_time_s
+    o, e, w = profile.output_bytes, profile.interior_bytes, profile.workspace_bytes
+    act, delay, lead = plan.actions, plan.swap_delay, plan.prefetch_lead
+    sim = Simulator()
+    sim.set_initial_memory(DEV, profile.static_bytes)
+    program: List[str] = []        # compute tasks in stream order
+
+    def compute(name: str, duration: float, extra_deps=(), alloc=0.0, free=0.0) -> str:
+        deps = ([program[-1]] if program else []) + list(extra_deps)
+        sim.add_task(name, f"{DEV}.compute", duration, deps=deps,
+                     alloc=[(DEV, alloc)] if alloc else (), free=[(DEV, free)] if free else ())
+        program.append(name)
+        return name
+
+    # Step 1: forward; frees owed by forward i+1 (a RECOMPUTE_ALL output) are attached to it
+    owed = 0.0
+    for i in range(L):
+        free = owed + (e[i] if act[i] in (RECOMPUTE, RECOMPUTE_ALL) else 0.0)
+        compute(f"fwd{i}", f[i], alloc=o[i] + e[i], free=free)
+        owed = o[i] if act[i] == RECOMPUTE_ALL else 0.0
+    for i in np.flatnonzero(act == SWAP):
+        after = min(i + int(delay[i]), L - 1)
+        sim.add_transfer(f"out{i}", f"{DEV}.d2h", o[i] + e[i], host_latency_s,
+                         host_bandwidth_Bps, deps=[f"fwd{after}"])
+        sim.add_event(f"freed{i}", deps=[f"out{i}", f"fwd{min(i + 1, L - 1)}"],
+                      free=[(DEV, o[i] + e[i])])
+
+    # Step 2: backward program; has_o / has_e: the tensor is on the device (or being fetched)
+    has_o = act != RECOMPUTE_ALL
+    has_o[act == SWAP] = False
+    has_e = act == KEEP
+    ready: Dict[int, str] = {}     # swapped layer -> its prefetch task
+
+    def fetch(j: int) -> List[str]:
+        """Prefetch swapped layer j for the compute task about to be emitted."""
+        trigger = program[max(0, len(program) - 1 - int(lead[j]))]
+        sim.add_transfer(f"in{j}", f"{DEV}.h2d", o[j] + e[j], host_latency_s,
+                         host_bandwidth_Bps, deps=[trigger, f"freed{j}"],
+                         alloc=[(DEV, o[j] + e[j])])
+        ready[j] = f"in{j}"
+        has_o[j] = has_e[j] = True
+        return [ready[j]]
+
+    def need(j: int) -> List[str]:
+        """Deps making layer j's tensors usable (prefetch task), [] if already resident."""
+        if j < 0:
+            return []
+        if act[j] == SWAP:
+            return fetch(j) if j not in ready else [ready[j]]
+        return []
+
+    def ensure_output(j: int, deps: List[str]) -> None:
+        if j < 0 or act[j] == SWAP:
+            deps.extend(need(j))
+            return
+        if has_o[j]:
+            return
+        ensure_output(j - 1, deps)            # a RECOMPUTE_ALL output: re-run from below
+        compute(f"regen{j}", f[j], extra_deps=deps, alloc=o[j] + e[j])
+        deps.clear()
+        has_o[j] = has_e[j] = True
+
+    for p in range(L - 1, -1, -1):
+        deps: List[str] = []
+        ensure_output(p, deps)
+        ensure_output(p - 1, deps)
+        if not has_e[p]:                      # RECOMPUTE: rebuild the interior from o_{p-1}
+            compute(f"rc{p}", f[p], extra_deps=deps, alloc=e[p])
+            deps = []
+            has_e[p] = True
+        compute(f"bwd{p}", b[p], extra_deps=deps, alloc=w[p], free=w[p] + o[p] + e[p])
+    return sim
+
+
+def evaluate(profile: LayerProfile, plan: MemoryPlan, budget_bytes: float,
+             host_link) -> StepResult:
+    """Simulate one step of ``plan`` on ``profile`` with host link ``host_link`` (a
+    ``ms_efficient.cluster.Link``: latency_s, bandwidth_Bps); budget in bytes."""
+    if len(plan.actions) != profile.num_layers:
+        raise ValueError(f"plan has {len(plan.actions)} actions but the profile has "
+                         f"{profile.num_layers} layers.")
+    sim = _build(profile, plan, host_link.latency_s, host_link.bandwidth_Bps)
+    result = sim.run()
+    peak = result.peak_memory_bytes[DEV]
+    rerun = [n for n in result.start_s if n.startswith(("rc", "regen"))]
+    recompute_s = float(sum(result.end_s[n] - result.start_s[n] for n in rerun))
+    swapped = plan.actions == SWAP
+    swap_bytes = float(profile.activation_bytes[swapped].sum())
+    return StepResult(step_time_s=float(result.makespan_s), peak_bytes=float(peak),
+                      fits=bool(peak <= budget_bytes * (1 + 1e-9)), recompute_time_s=recompute_s,
+                      swap_bytes=swap_bytes)
+
+
+def no_plan_time_s(profile: LayerProfile) -> float:
+    """Step time (s) with nothing recomputed or swapped: sum of forward and backward times."""
+    return float(profile.forward_time_s.sum() + profile.backward_time_s.sum())
+
+
+def plan_from_names(profile: LayerProfile, mapping: Dict[str, str],
+                    default: str = "keep") -> MemoryPlan:
+    """A plan from ``{layer name: action name}``; unknown layer or action names raise."""
+    if default not in ACTION_NAMES:
+        raise ValueError(f"action must be one of {ACTION_NAMES}, but got {default!r}.")
+    actions = np.full(profile.num_layers, ACTION_NAMES.index(default))
+    for name, action in mapping.items():
+        if action not in ACTION_NAMES:
+            raise ValueError(f"action for layer {name!r} must be one of {ACTION_NAMES}, "
+                             f"but got {action!r}.")
+        actions[profile.index_of(name)] = ACTION_NAMES.index(action)
+    return MemoryPlan(actions)
+
+
+__all__ += ["no_plan_time_s", "plan_from_names"]
