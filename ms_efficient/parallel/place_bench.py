@@ -1,0 +1,166 @@
+"""Placement benchmark: TGA against its baselines on the same problems and cost model.
+
+Every method places the same units of the same ``PlacementProblem`` and is judged by
+``simulate_placement`` (evidence: simulated). Search methods (tga, ga-single,
+hierarchical) get the same number of cost evaluations: ga-single and hierarchical get
+exactly the evaluations TGA used. Rows follow ``ms_efficient.benchio``.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ms_efficient.cluster import ClusterSpec, get_cluster
+from ms_efficient.graph.opgraph import OpGraph
+from ms_efficient.parallel import place_baselines as baselines
+from ms_efficient.parallel.place_cost import simulate_placement
+from ms_efficient.parallel.place_hierarchical import HierarchicalConfig, hierarchical
+from ms_efficient.parallel.place_problem import PlacementOptions, PlacementProblem, build_problem
+from ms_efficient.parallel.place_tga import SearchResult, TGAConfig, ga_single, tga
+
+__all__ = ["METHODS", "BAECHI", "cluster_with_devices", "run_methods", "bench_workload",
+           "summarise", "plot_traces"]
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("tga", "m-topo", "m-etf", "m-sct", "hierarchical", "ga-single", "contiguous",
+           "round-robin")
+BAECHI = ("m-topo", "m-etf", "m-sct")
+_HEURISTICS: Dict[str, Callable[[PlacementProblem], np.ndarray]] = {
+    "m-topo": baselines.m_topo, "m-etf": baselines.m_etf, "m-sct": baselines.m_sct,
+    "contiguous": baselines.contiguous, "round-robin": baselines.round_robin,
+}
+
+
+def cluster_with_devices(devices: int, base: str = "ascend910b-1x8") -> ClusterSpec:
+    """The ``base`` preset resized to ``devices`` (up to 8: one node; else nodes of 8)."""
+    spec = get_cluster(base)
+    if devices <= spec.devices_per_node:
+        return spec.with_overrides(devices_per_node=devices, name=f"{base}-as-1x{devices}")
+    if devices % spec.devices_per_node:
+        raise ValueError(f"'--devices' must be <= {spec.devices_per_node} or a multiple of it, "
+                         f"but got {devices}.")
+    return spec.with_overrides(nodes=devices // spec.devices_per_node,
+                               name=f"{base}-as-{devices // spec.devices_per_node}x8")
+
+
+def run_methods(problem: PlacementProblem, methods: Sequence[str], evaluations: int,
+                time_budget_s: float, seed: int) -> Dict[str, SearchResult]:
+    """Run each method on ``problem``; search methods share TGA's evaluation count."""
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise ValueError(f"unknown placement methods {unknown}; known: {list(METHODS)}.")
+    out: Dict[str, SearchResult] = {}
+    cfg = TGAConfig(seed=seed, max_evaluations=evaluations, time_budget_s=time_budget_s)
+    if "tga" in methods:
+        out["tga"] = tga(problem, cfg)
+        evaluations = out["tga"].evaluations
+    for name in methods:
+        if name in _HEURISTICS:
+            t0 = time.perf_counter()
+            assign = _HEURISTICS[name](problem)
+            out[name] = SearchResult(name, assign, math.nan, 0, time.perf_counter() - t0)
+        elif name == "ga-single":
+            out[name] = ga_single(problem, TGAConfig(seed=seed, max_evaluations=evaluations,
+                                                     time_budget_s=time_budget_s))
+        elif name == "hierarchical":
+            out[name] = hierarchical(problem, HierarchicalConfig(
+                seed=seed, max_evaluations=evaluations, time_budget_s=time_budget_s))
+    return out
+
+
+def bench_workload(graph: OpGraph, workload: str, devices: int, methods: Sequence[str],
+                   evaluations: int, time_budget_s: float, seed: int,
+                   micro_batches: int) -> Tuple[List[dict], Dict[str, SearchResult]]:
+    """Rows (one per method) for one workload on ``devices`` devices, plus the results."""
+    cluster = cluster_with_devices(devices)
+    t0 = time.perf_counter()
+    problem = build_problem(graph, cluster, PlacementOptions(micro_batches=micro_batches),
+                            name=workload)
+    build_s = time.perf_counter() - t0
+    results = run_methods(problem, methods, evaluations, time_budget_s, seed)
+    rows = []
+    for name in methods:
+        res = results[name]
+        cost = simulate_placement(problem, res.assign)
+        rows.append({"evidence": "simulated", "workload": workload, "method": name,
+                     "devices": devices, "step_time_s": cost.step_time_s,
+                     "peak_memory_bytes": float(cost.peak_memory_bytes.max()),
+                     "search_time_s": res.search_time_s + build_s,
+                     "evaluations": res.evaluations, "feasible": cost.feasible,
+                     "devices_used": int(len(np.unique(res.assign))),
+                     "ops": len(graph), "units": problem.num_units,
+                     "micro_batches": micro_batches})
+    return rows, results
+
+
+def _geomean(values: List[float]) -> float:
+    return float(np.exp(np.mean(np.log(values)))) if values else math.nan
+
+
+def summarise(rows: List[dict]) -> List[dict]:
+    """Per method: geometric mean over (workload, devices) of step time / TGA's, and TGA's
+    ratios to the best Baechi method and to Hierarchical (the issue's targets)."""
+    cases: Dict[Tuple[str, int], Dict[str, float]] = {}
+    for r in rows:
+        cases.setdefault((r["workload"], r["devices"]), {})[r["method"]] = r["step_time_s"]
+    out = []
+    to_baechi = [c["tga"] / min(c[m] for m in BAECHI if m in c) for c in cases.values()
+                 if "tga" in c and any(m in c for m in BAECHI)]
+    to_hier = [c["tga"] / c["hierarchical"] for c in cases.values()
+               if "tga" in c and "hierarchical" in c]
+    out.append({"metric": "tga / best Baechi (geomean)", "value": _geomean(to_baechi),
+                "best_case": min(to_baechi, default=math.nan), "target": "<= 0.8 (best <= 0.6)",
+                "cases": len(to_baechi)})
+    out.append({"metric": "tga / hierarchical (geomean)", "value": _geomean(to_hier),
+                "best_case": min(to_hier, default=math.nan), "target": "<= 0.75",
+                "cases": len(to_hier)})
+    methods = sorted({r["method"] for r in rows}, key=lambda m: METHODS.index(m))
+    for m in methods:
+        ratios = [c[m] / c["tga"] for c in cases.values() if m in c and "tga" in c]
+        out.append({"metric": f"{m} / tga (geomean)", "value": _geomean(ratios),
+                    "best_case": min(ratios, default=math.nan), "target": "-",
+                    "cases": len(ratios)})
+    return out
+
+
+def plot_traces(traces: Dict[str, Dict[str, SearchResult]], path: str) -> None:
+    """Convergence of the search methods (best step time vs evaluations), one panel per
+    case, saved as PNG (matplotlib Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = [k for k, v in traces.items() if any(r.trace for r in v.values())]
+    if not cases:
+        return
+    cols = min(3, len(cases))
+    rows_n = -(-len(cases) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.2 * rows_n), squeeze=False)
+    for ax, case in zip(axes.ravel(), cases):
+        for name, res in traces[case].items():
+            if res.trace:
+                ax.step([p.evaluations for p in res.trace], [p.best_s * 1e3 for p in res.trace],
+                        where="post", label=name)
+        tga_res = traces[case].get("tga")
+        if tga_res is not None and tga_res.trace:
+            ax.plot([p.evaluations for p in tga_res.trace],
+                    [p.explore_best_s * 1e3 for p in tga_res.trace], ":", lw=0.8,
+                    label="tga explore pop.")
+        ax.set_title(case, fontsize=9)
+        ax.set_xlabel("cost evaluations")
+        ax.set_ylabel("best step time (ms, simulated)")
+        ax.legend(fontsize=7)
+    for ax in axes.ravel()[len(cases):]:
+        ax.axis("off")
+    fig.tight_layout()
+    from ms_efficient.fileio import atomic_write_with
+
+    atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), suffix=".png")
+    plt.close(fig)

@@ -1,0 +1,81 @@
+"""Placement plans: YAML round trip, pipeline stages on MindSpore Cells, the CLI."""
+import json
+
+import numpy as np
+import pytest
+
+from ms_efficient.cli import main
+from ms_efficient.graph import OpGraph, OpNode
+from ms_efficient.parallel.place_apply import (apply_pipeline_stages, load_plan, make_plan,
+                                               save_plan)
+from ms_efficient.parallel.place_problem import build_problem
+from tests.test_place_cost import chain_graph, toy_cluster
+
+
+def scoped_chain():
+    g = OpGraph("net")
+    for i in range(4):
+        g.add_node(OpNode(f"op{i}", "MatMul", scope=f"Default/{i}-Dense",
+                          forward_time_s=1e-3, backward_time_s=1e-3, output_bytes=10))
+        if i:
+            g.add_edge(f"op{i - 1}", f"op{i}")
+    return g
+
+
+def test_plan_yaml_round_trip_keeps_assignment_and_stage_order(tmp_path):
+    problem = build_problem(chain_graph(), toy_cluster())
+    plan = make_plan(problem, np.array([1, 1, 0, 0]), "tga")
+    assert plan.stage_of_device == {1: 0, 0: 1}  # device 1 runs the first ops: stage 0
+    path = str(tmp_path / "plan.yaml")
+    save_plan(plan, path)
+    back = load_plan(path)
+    assert back.assignment == {"a": 1, "b": 1, "c": 0, "d": 0}
+    assert back.stage_of_device == plan.stage_of_device
+    assert back.step_time_s == pytest.approx(plan.step_time_s)
+    assert back.to_dict()["parallel_config"] == {"pipeline_stage": 2, "micro_batch_num": 1}
+
+
+def test_pipeline_stages_set_on_mindspore_cells():
+    from mindspore import nn
+
+    net = nn.SequentialCell([nn.Dense(4, 4) for _ in range(4)])
+    g = scoped_chain()
+    problem = build_problem(g, toy_cluster())
+    plan = make_plan(problem, np.array([0, 0, 1, 1]), "tga",
+                     scopes={n.name: n.scope for n in g})
+    stages = apply_pipeline_stages(net, plan)
+    assert [net[i].pipeline_stage for i in range(4)] == [0, 0, 1, 1]
+    assert stages["3"] == 1
+
+
+def test_cli_plan_place_writes_a_plan(tmp_path, capsys):
+    graph_path = str(tmp_path / "g.json")
+    scoped_chain().save_json(graph_path)
+    out = str(tmp_path / "plan.yaml")
+    rc = main(["plan", "place", graph_path, "--cluster", "ascend910b-1x8", "--devices", "2",
+               "--evaluations", "100", "--micro-batches", "4", "--out", out])
+    assert rc == 0
+    plan = load_plan(out)
+    assert set(plan.assignment) == {"op0", "op1", "op2", "op3"}
+    assert plan.devices == 2 and plan.micro_batches == 4
+
+
+def test_cli_plan_place_reports_a_cycle_in_one_line(tmp_path, capsys):
+    data = scoped_chain().to_dict()
+    data["edges"].append(["op3", "op0", 10])
+    path = tmp_path / "cyclic.json"
+    path.write_text(json.dumps(data))
+    rc = main(["plan", "place", str(path), "--out", str(tmp_path / "p.yaml")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "cycle" in err[0]
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def test_cli_plan_place_names_an_operator_too_big_for_any_device(tmp_path, capsys):
+    g = scoped_chain()
+    g.nodes["op2"].param_bytes = 64 * 2**30
+    path = str(tmp_path / "big.json")
+    g.save_json(path)
+    rc = main(["plan", "place", path, "--out", str(tmp_path / "p.yaml")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "operator 'op2' needs" in err

@@ -1,0 +1,153 @@
+"""Placement planners: repair, Baechi baselines, TGA optimum and determinism, errors."""
+import itertools
+
+import numpy as np
+import pytest
+
+from ms_efficient.graph import OpGraph, OpNode
+from ms_efficient.parallel import place_baselines as baselines
+from ms_efficient.parallel.place_cost import evaluate_population, memory_by_device, penalised_cost
+from ms_efficient.parallel.place_hierarchical import HierarchicalConfig, hierarchical
+from ms_efficient.parallel.place_operators import repair
+from ms_efficient.parallel.place_problem import PlacementOptions, build_problem
+from ms_efficient.parallel.place_tga import TGAConfig, ga_single, tga
+from tests.test_place_cost import random_dag, toy_cluster
+
+
+def chain(times_ms, out_bytes=10, params=0):
+    g = OpGraph("chain")
+    for i, t in enumerate(times_ms):
+        g.add_node(OpNode(f"n{i}", "Op", forward_time_s=t * 1e-3, backward_time_s=0.0,
+                          output_bytes=out_bytes, param_bytes=params, phase="forward"))
+        if i:
+            g.add_edge(f"n{i - 1}", f"n{i}")
+    return g
+
+
+def test_m_topo_fills_each_device_up_to_an_equal_compute_share():
+    # total 6 ms on 2 devices -> share 3 ms: n0, n1, n2 (1 + 1 + 1) fit, n3 (3 ms) moves on
+    problem = build_problem(chain([1, 1, 1, 3]), toy_cluster())
+    assert baselines.m_topo(problem).tolist() == [0, 0, 0, 1]
+
+
+def test_m_topo_moves_on_when_a_device_is_full():
+    # each op holds 4 x 100 + 10 bytes; 1000 usable bytes per device hold two ops
+    problem = build_problem(chain([1, 1, 1, 1], params=100), toy_cluster(memory=1000),
+                            PlacementOptions(memory_fraction=1.0))
+    assert baselines.m_topo(problem).tolist() == [0, 0, 1, 1]
+
+
+def test_sct_lp_names_the_child_behind_the_heavy_edge_favourite():
+    g = OpGraph("fork")
+    g.add_node(OpNode("a", "Op", forward_time_s=1e-3, backward_time_s=0))
+    for name in ("heavy", "light"):
+        g.add_node(OpNode(name, "Op", forward_time_s=1e-3, backward_time_s=0))
+    g.add_edge("a", "heavy", 10**5)
+    g.add_edge("a", "light", 10)
+    problem = build_problem(g, toy_cluster())
+    fav = baselines.sct_favourite_children(problem)
+    units = {n: problem.unit_of_node[i] for i, n in enumerate(problem.node_names)}
+    assert fav[units["heavy"]] == units["a"]
+    assert fav[units["light"]] == -1
+
+
+def test_repair_makes_a_random_placement_fit_in_memory():
+    g = random_dag(40, seed=3)
+    problem = build_problem(g, toy_cluster(devices=4, memory=70_000),
+                            PlacementOptions(memory_fraction=1.0))
+    rng = np.random.default_rng(0)
+    bad = np.zeros(problem.num_units, dtype=np.int64)  # everything on device 0
+    assert memory_by_device(problem, bad).max() > problem.capacity_bytes[0]
+    for x in [bad] + [rng.integers(0, 4, problem.num_units) for _ in range(5)]:
+        fixed = repair(problem, x)
+        assert (memory_by_device(problem, fixed) <= problem.capacity_bytes).all()
+
+
+def test_repair_enforces_contiguity_and_colocation():
+    problem = build_problem(chain([1] * 6), toy_cluster(devices=3),
+                            PlacementOptions(contiguous=True, colocate=[["n0", "n5"]]))
+    problem = build_problem(chain([1] * 6), toy_cluster(devices=3),
+                            PlacementOptions(contiguous=True))
+    assert repair(problem, np.array([2, 0, 1, 0, 2, 1])).tolist() == [0, 0, 1, 1, 2, 2]
+    problem = build_problem(chain([1] * 4), toy_cluster(devices=2),
+                            PlacementOptions(colocate=[["n0", "n3"]]))
+    assert repair(problem, np.array([1, 0, 0, 0])).tolist() == [1, 0, 0, 1]
+
+
+def diamond_graph():
+    """src -> 3 parallel heavy branches of 2 ops -> sink: 8 ops, 2^8 placements on 2 devices."""
+    g = OpGraph("diamond")
+    g.add_node(OpNode("src", "Op", forward_time_s=1e-3, backward_time_s=1e-3, output_bytes=500))
+    g.add_node(OpNode("sink", "Op", forward_time_s=1e-3, backward_time_s=1e-3, output_bytes=8))
+    for b, t in enumerate((6, 4, 3)):
+        g.add_node(OpNode(f"b{b}x", "Op", forward_time_s=t * 1e-3, backward_time_s=t * 2e-3,
+                          output_bytes=2000))
+        g.add_node(OpNode(f"b{b}y", "Op", forward_time_s=t * 1e-3, backward_time_s=t * 1e-3,
+                          output_bytes=300))
+        g.add_edge("src", f"b{b}x")
+        g.add_edge(f"b{b}x", f"b{b}y")
+        g.add_edge(f"b{b}y", "sink")
+    return g
+
+
+def brute_force_optimum(problem):
+    pop = np.array(list(itertools.product(range(problem.num_devices), repeat=problem.num_units)))
+    step, mem = evaluate_population(problem, pop)
+    return float(penalised_cost(problem, step, mem).min())
+
+
+def test_tga_finds_the_known_optimum_of_a_small_graph():
+    problem = build_problem(diamond_graph(), toy_cluster(latency_s=1e-4, bandwidth_Bps=1e7),
+                            PlacementOptions(micro_batches=2))
+    optimum = brute_force_optimum(problem)
+    single = float(evaluate_population(problem, np.zeros((1, 8), int))[0][0])
+    assert optimum < 0.8 * single  # the optimum really uses both devices
+    result = tga(problem, TGAConfig(seed=0, max_evaluations=600))
+    assert result.cost_s == pytest.approx(optimum, rel=1e-12)
+    assert result.evaluations <= 600
+
+
+def test_tga_is_deterministic_for_a_seed():
+    problem = build_problem(random_dag(40, seed=5), toy_cluster(devices=4),
+                            PlacementOptions(micro_batches=2))
+    a = tga(problem, TGAConfig(seed=7, max_evaluations=300))
+    b = tga(problem, TGAConfig(seed=7, max_evaluations=300))
+    assert a.assign.tolist() == b.assign.tolist() and a.cost_s == b.cost_s
+    assert [p.best_s for p in a.trace] == [p.best_s for p in b.trace]
+    assert all(x >= y for x, y in zip([p.best_s for p in a.trace],
+                                      [p.best_s for p in a.trace][1:]))
+
+
+def test_every_planner_returns_a_feasible_placement_no_worse_than_round_robin_for_tga():
+    problem = build_problem(random_dag(40, seed=2), toy_cluster(devices=4, memory=70_000),
+                            PlacementOptions(micro_batches=2, memory_fraction=1.0))
+    plans = {name: fn(problem) for name, fn in (
+        ("m-topo", baselines.m_topo), ("m-etf", baselines.m_etf), ("m-sct", baselines.m_sct),
+        ("contiguous", baselines.contiguous), ("round-robin", baselines.round_robin))}
+    budget = 200
+    plans["tga"] = tga(problem, TGAConfig(max_evaluations=budget)).assign
+    plans["ga-single"] = ga_single(problem, TGAConfig(max_evaluations=budget)).assign
+    hier = hierarchical(problem, HierarchicalConfig(max_evaluations=budget))
+    assert hier.evaluations == budget
+    plans["hierarchical"] = hier.assign
+    steps = {}
+    for name, x in plans.items():
+        assert (memory_by_device(problem, x) <= problem.capacity_bytes).all(), name
+        steps[name] = float(evaluate_population(problem, x[None])[0][0])
+    assert steps["tga"] <= min(steps["contiguous"], steps["round-robin"])
+
+
+def test_build_problem_rejects_cycles_and_oversized_ops():
+    g = chain([1, 1, 1])
+    g.add_edge("n2", "n0")
+    with pytest.raises(ValueError, match="cycle"):
+        build_problem(g, toy_cluster())
+    with pytest.raises(ValueError, match=r"operator 'n1' needs .* more than the .* usable"):
+        g2 = chain([1, 1, 1])
+        g2.nodes["n1"].param_bytes = 10**6
+        build_problem(g2, toy_cluster(memory=10**6))
+    with pytest.raises(ValueError, match="unknown node"):
+        OpGraph.from_dict({"version": 1, "nodes": [{"name": "a", "op_type": "Op"}],
+                           "edges": [["a", "ghost"]]})
+    with pytest.raises(ValueError, match="unknown node"):
+        build_problem(chain([1, 1]), toy_cluster(), PlacementOptions(colocate=[["n0", "zz"]]))
