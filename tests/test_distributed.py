@@ -8,6 +8,7 @@ temporary directory; the expected values are computed here with numpy. The launc
 import importlib.util
 import os
 import shutil
+import sys
 import socket
 import subprocess
 from pathlib import Path
@@ -21,7 +22,8 @@ LAUNCHER = REPO / "scripts" / "msrun_launcher.sh"
 WORLD = 2
 LAUNCH_TIMEOUT_S = 240
 
-MSRUN = shutil.which("msrun")
+# msrun from PATH, else the one installed beside this interpreter (the project's venv)
+MSRUN = shutil.which("msrun") or shutil.which("msrun", path=os.path.dirname(sys.executable))
 needs_msrun = pytest.mark.skipif(
     MSRUN is None, reason="msrun is not on PATH (put the venv's bin first on PATH, e.g. PATH=.venv/bin:$PATH)"
 )
