@@ -40,6 +40,7 @@ __all__ = [
     "load_config",
     "config_from_dict",
     "save_config",
+    "read_yaml",
 ]
 
 
@@ -335,8 +336,8 @@ def config_from_dict(data: Dict[str, Any]) -> RunConfig:
     return _build(RunConfig, data, "")
 
 
-def load_config(path: str, overrides: Optional[Dict[str, Any]] = None) -> RunConfig:
-    """Load ``path`` (YAML), apply dotted ``overrides`` (``{"train.steps": 10}``), validate."""
+def read_yaml(path: str) -> Dict[str, Any]:
+    """The mapping in YAML file ``path`` ({} for an empty file); clear errors otherwise."""
     if not os.path.isfile(path):
         raise ValueError(f"Config file '{path}' does not exist.")
     with open(path, "r", encoding="utf-8") as fh:
@@ -344,6 +345,15 @@ def load_config(path: str, overrides: Optional[Dict[str, Any]] = None) -> RunCon
             data = yaml.safe_load(fh) or {}
         except yaml.YAMLError as err:
             raise ValueError(f"Config file '{path}' is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"Config file '{path}' must hold a mapping of sections, but got "
+                         f"{type(data).__name__}.")
+    return data
+
+
+def load_config(path: str, overrides: Optional[Dict[str, Any]] = None) -> RunConfig:
+    """Load ``path`` (YAML), apply dotted ``overrides`` (``{"train.steps": 10}``), validate."""
+    data = read_yaml(path)
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, leaf = dotted.split(".")

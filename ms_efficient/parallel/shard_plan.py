@@ -20,13 +20,13 @@ MindFormers-like ``parallel_config`` section.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence
 
 import yaml
 
 from ms_efficient.cluster import ClusterSpec
+from ms_efficient.config import read_yaml
 from ms_efficient.fileio import atomic_write_text
 from ms_efficient.parallel.shard_baselines import METHODS, baseline_cost
 from ms_efficient.parallel.shard_cost import Cost, CostModel
@@ -79,15 +79,7 @@ def _dims_from_run_config(data: Dict[str, Any]) -> TransformerDims:
 
 def load_request(path: str, mesh: Optional[str] = None) -> ShardRequest:
     """Read a shard config or a training config (see module docstring); ``mesh`` overrides."""
-    if not os.path.isfile(path):
-        raise ValueError(f"config file '{path}' does not exist.")
-    with open(path, "r", encoding="utf-8") as fh:
-        try:
-            data = yaml.safe_load(fh) or {}
-        except yaml.YAMLError as err:
-            raise ValueError(f"config file '{path}' is not valid YAML: {err}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"config file '{path}' must hold a mapping, but got {type(data).__name__}.")
+    data = read_yaml(path)
     sec = data.get("shard")
     if sec is None:          # a training config: its model, on its own cluster when it fits
         cluster = data.get("cluster") or {"preset": "cpu-local"}
