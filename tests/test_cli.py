@@ -88,3 +88,19 @@ def test_graph_command_extracts_the_reference_model_from_a_config(tmp_path, text
 def test_graph_command_on_a_missing_file_is_an_error(capsys):
     assert main(["graph", "/nonexistent/graph.json"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "memory", "configs/gpt_moe_tiny.yaml", "--budget", "1KiB"],
+     "is below the minimum feasible budget"),
+    (["plan", "shard", "configs/gpt_moe_tiny.yaml", "--mesh", "3x0"],
+     "'mesh' must look like DPxMP"),
+    (["plan", "moe", "--trace", "/nonexistent/trace.npz"], "cannot be read as .npz"),
+    (["plan", "place", "/nonexistent/graph.json"], "does not exist"),
+])
+def test_planner_commands_reject_bad_input_in_one_line(argv, message, tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    assert main(argv + ["--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+    assert not out.exists()
