@@ -1,0 +1,293 @@
+"""Expert-parallel MoE layer: experts as physical slots (replicas) on the ranks of a group.
+
+Shapes (names carry their dimensions): T local tokens, H hidden, F expert FFN width, E logical
+experts, K top-k, A = K*T assignments, W ranks, S_l slots on this rank, C_send rows per
+destination block, M = W*C_send send/receive buffer rows, N rows computed by the local slots.
+
+An :class:`~ms_efficient.moe.plan.ExpertPlan` maps every slot to a logical expert, a device
+(= rank in the expert-parallel group) and a static capacity. Each rank holds the weights of its
+own slots only, and runs, per step on its local tokens:
+
+    x_TH -> router -> top-k (expert_ids_TK, weights_TK)
+         -> arrival number p of every assignment within (this rank, expert), k-major
+         -> send row from the static tables of :mod:`ms_efficient.moe.ep_routing`: the
+            replicas this rank feeds for e in spill order (own device, same node, others),
+            each with the rows reserved for this rank; p beyond them is dropped
+         -> send buffer [W*C_send, H], block d for the slots on rank d      -> AllToAll
+         -> local slot-major rows [N, H] -> batched-matmul experts (grouped by capacity)
+         -> back to [W*C_send, H]                                            -> AllToAll
+         -> every assignment reads its send row back, weighted; sum over K  -> y_TH
+
+Capacity split: a slot's capacity is shared among the source ranks before compilation
+(:func:`~ms_efficient.moe.ep_routing.source_rows`; equal shares of each expert's total
+capacity by default), because with an equal-split All-to-All every rank must know, without
+communication, how many rows it owns in every slot. Static shapes, so the graph compiles once;
+a rank that routes more than its share of an expert drops the excess even if another rank
+left room (count-based AlltoAllV dispatch would not; it needs dynamic shapes).
+
+Gradient sync of replicas: replicas of a logical expert start identical (initialised from a
+seed and the logical expert id) and get the same gradient, the sum over all replicas, so any
+optimizer keeps them identical. Each weight passes through :class:`ReplicaGradSum`, an
+identity whose backward sums the local replicas' gradients per expert and AllReduces, over
+the group, a table of the experts that have replicas on more than one rank (X of them; a rank
+adds zeros for the ones it does not hold). That is the "AllReduce the [E, ...] table" scheme
+restricted to the replicated experts, so plans without cross-rank replicas communicate nothing.
+
+Gradient scale: the backward of the All-to-All brings every source rank's contribution to the
+slot, so the expert gradients are those of the SUM of the ranks' losses. Expert weights are not
+data-parallel: do not pass them through a data-parallel gradient reducer (the router is
+data-parallel; reduce it as usual). If the global loss is the mean over W ranks, scale the
+expert gradients by 1/W like the rest.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+from ms_efficient import backend
+from ms_efficient.moe.alltoall import AllToAll
+from ms_efficient.moe.ep_routing import rank_dispatch, replica_sync, source_rows
+from ms_efficient.moe.plan import ExpertPlan
+
+__all__ = ["ExpertParallelMoE", "ReplicaGradSum", "init_expert_weights"]
+
+
+def init_expert_weights(num_experts: int, hidden_size: int, ffn_hidden_size: int,
+                        init_std: float = 0.02, seed: int = 0,
+                        experts: Optional[Sequence[int]] = None):
+    """Initial weights, float32 numpy: (router_EH, w1_XHF, b1_X1F, w2_XFH, b2_X1H) for the
+    logical experts ``experts`` (X of them, in that order, repeats allowed; default all E).
+
+    Expert e's weights come from the generator seeded with (seed, 0, e), the router's from
+    (seed, 1), so every rank builds the same values for the experts it holds, and replicas of
+    one expert on different ranks start identical without communication; a rank generates
+    only the experts it holds.
+    """
+    h, f = hidden_size, ffn_hidden_size
+    experts = list(range(num_experts)) if experts is None else [int(e) for e in experts]
+    w1 = np.empty((len(experts), h, f), np.float32)
+    w2 = np.empty((len(experts), f, h), np.float32)
+    for i, e in enumerate(experts):
+        rng = np.random.default_rng((seed, 0, e))
+        w1[i] = rng.normal(0.0, init_std, (h, f))
+        w2[i] = rng.normal(0.0, init_std, (f, h))
+    router = np.random.default_rng((seed, 1)).normal(0.0, init_std, (num_experts, h))
+    n = len(experts)
+    return (router.astype(np.float32), w1, np.zeros((n, 1, f), np.float32), w2,
+            np.zeros((n, 1, h), np.float32))
+
+
+class ReplicaGradSum(nn.Cell):
+    """Identity on a local slot table [S_l, ...]; its backward gives every local replica the
+    gradient of its logical expert summed over all replicas in the group.
+
+    Backward, for dout [S_l, ...]:
+      1. per local expert: sum of its local replicas' gradients, [U, ...];
+      2. if some expert has replicas on several ranks: scatter those experts' sums into a
+         [X, ...] table (zeros elsewhere) and AllReduce-sum it over the group;
+      3. every local slot takes its expert's row: the AllReduced one for cross experts, the
+         local sum otherwise.
+    """
+
+    def __init__(self, sync, group: Optional[str] = None):
+        super().__init__()
+        self.unique_of_slot = Tensor(sync.unique_of_slot)
+        self.num_unique = sync.num_unique
+        self.num_cross = int(sync.cross_experts.size)
+        self.cross_of_unique = Tensor(sync.cross_of_unique)
+        self.pick_U = Tensor(sync.pick_U)
+        if self.num_cross:
+            self.all_reduce = ops.AllReduce(op=ops.ReduceOp.SUM,
+                                            group=group or backend.world_group())
+
+    def construct(self, w):
+        return w
+
+    def bprop(self, w, out, dout):
+        """Gradient of the tied replicas: the per-expert sum, given to every replica."""
+        local_U = ops.unsorted_segment_sum(dout, self.unique_of_slot, self.num_unique)
+        if self.num_cross:
+            table_X = ops.unsorted_segment_sum(local_U, self.cross_of_unique, self.num_cross + 1)
+            table_X = self.all_reduce(table_X[:self.num_cross])
+            local_U = ops.gather(ops.concat((table_X, local_U), 0), self.pick_U, 0)
+        return (ops.gather(local_U, self.unique_of_slot, 0),)
+
+
+class ExpertParallelMoE(nn.Cell):
+    """Expert-parallel MoE FFN: ``construct(x_BSH) -> (y_BSH, aux_loss, counts_RE, dropped)``.
+
+    Args:
+        hidden_size: H.
+        ffn_hidden_size: F, width of every expert's FFN.
+        num_experts: E logical experts.
+        top_k: K experts per token; gate weights renormalised to sum to 1.
+        plan: the slots (logical expert, device = rank in ``group``, capacity); validated.
+        group: expert-parallel communication group; default the world group. W = its size
+            (1 before ``init()``: then no collective is created).
+        rank: this process's rank in ``group``; default the actual one (checked when given).
+        devices_per_node: devices per node, for the same-node tier of the replica choice.
+        rank_load_RE: optional float [W, E] per-rank load forecast; each expert's capacity is
+            split among source ranks in proportion (default equal). Must be the same on
+            every rank.
+        trace_ranks: R; this rank's T tokens are split into R equal groups for counts_RE.
+        init_std, seed: weights from :func:`init_expert_weights` (the same on every rank).
+
+    Outputs (for this rank's tokens):
+        y_BSH: float [B, S, H].
+        aux_loss: Switch load-balancing loss E * sum_e f_e * p_e over the local tokens (as in
+            :class:`~ms_efficient.moe.layer.MoEFeedForward`; average it over ranks).
+        counts_RE: int32 [R, E], assignments each group of local tokens routed to each expert.
+        dropped: int32 scalar, local assignments beyond the rows this rank owns.
+
+    Parameters: ``router.weight`` [E, H] (data-parallel), ``w1`` [S_l, H, F], ``b1``
+    [S_l, 1, F], ``w2`` [S_l, F, H], ``b2`` [S_l, 1, H] for the local slots ``local_slots``
+    (global slot ids, ascending), whose logical experts are ``local_experts``.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
+                 plan: ExpertPlan, group: Optional[str] = None, rank: Optional[int] = None,
+                 devices_per_node: Optional[int] = None,
+                 rank_load_RE: Optional[np.ndarray] = None, trace_ranks: int = 1,
+                 init_std: float = 0.02, seed: int = 0):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"'top_k' must be in [1, {num_experts}], but got {top_k}.")
+        self.exchange = AllToAll(group=group)
+        self.world = self.exchange.world
+        actual = self.exchange.rank if self.world > 1 else 0
+        if rank is not None and rank != actual:
+            raise ValueError(f"'rank' must be this process's rank in the group ({actual}), "
+                             f"but got {rank}.")
+        self.rank = actual
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.trace_ranks = trace_ranks
+        self.plan = plan.validate(num_experts, self.world)
+
+        # Static tables (numpy; the same rows_RS on every rank).
+        self.rows_RS = source_rows(plan, num_experts, self.world, devices_per_node, rank_load_RE)
+        tables = rank_dispatch(plan, self.rows_RS, num_experts, self.rank, devices_per_node)
+        self.tables = tables
+        self.local_slots = tables.local_slots
+        self.local_experts = plan.slot_expert[tables.local_slots]
+        self.groups = tuple((c, len(ix)) for c, ix in tables.groups)
+        self.send_rows = tables.send_rows
+        self.num_rows = int(tables.recv_index_N.size)
+        self.num_j = tables.replicas_per_expert
+        self.rows_E = Tensor(tables.rows_E)
+        self.ends_EJ = Tensor(tables.ends_EJ)
+        self.shift_X = Tensor(tables.shift_EJ.reshape(-1))
+        self.recv_index = Tensor(tables.recv_index_N)
+        self.back_index = Tensor(tables.back_index_M)
+        order = [i for _, ix in tables.groups for i in ix]
+        self.in_order = order == list(range(len(self.local_slots)))
+        self.group_index = tuple(Tensor(np.array(ix, np.int32)) for _, ix in tables.groups)
+        sync = replica_sync(plan, self.rank)
+        self.sync = ReplicaGradSum(sync, group) if sync.needed else None
+
+        # Parameters: the local slots' experts only (a replica is its expert's copy).
+        router, w1, b1, w2, b2 = init_expert_weights(num_experts, hidden_size, ffn_hidden_size,
+                                                     init_std, seed, self.local_experts)
+        self.router = nn.Dense(hidden_size, num_experts, has_bias=False,
+                               weight_init=Tensor(router))
+        self.w1 = Parameter(Tensor(w1), name="w1")
+        self.b1 = Parameter(Tensor(b1), name="b1")
+        self.w2 = Parameter(Tensor(w2), name="w2")
+        self.b2 = Parameter(Tensor(b2), name="b2")
+        self.bmm = ops.BatchMatMul()
+        self.gelu = nn.GELU(approximate=True)
+        self.softmax = nn.Softmax(axis=-1)
+        self.one_hot = ops.OneHot()
+        self.on = Tensor(1.0, ms.float32)
+        self.off = Tensor(0.0, ms.float32)
+
+    def set_weights(self, router_EH, w1_EHF, b1_E1F, w2_EFH, b2_E1H) -> None:
+        """Load logical weights (numpy, all E experts): the router, and for every local slot
+        its expert's rows. Every rank must load the same values to keep replicas identical."""
+        ix = self.local_experts
+        self.router.weight.set_data(Tensor(np.asarray(router_EH, np.float32)))
+        for param, table in ((self.w1, w1_EHF), (self.b1, b1_E1F), (self.w2, w2_EFH),
+                             (self.b2, b2_E1H)):
+            param.set_data(Tensor(np.asarray(table, np.float32)[ix]))
+
+    def construct(self, x):
+        b, s, h = x.shape
+        t = b * s
+        e, k, m = self.num_experts, self.top_k, self.world * self.send_rows
+        x_TH = x.reshape(t, h)
+
+        # Step 1: route: top-k experts per token, gate weights renormalised over the k.
+        probs_TE = self.softmax(self.router(x_TH).astype(ms.float32))
+        weights_TK, expert_ids_TK = ops.topk(probs_TE, k)
+        weights_TK = weights_TK / weights_TK.sum(axis=-1, keepdims=True)
+
+        # Step 2: send row of every assignment: arrival p within its expert (k-major), then
+        # the replica whose reserved rows hold p (static tables); p beyond them: dropped.
+        expert_ids_A = expert_ids_TK.transpose(1, 0).reshape(-1)          # A = K*T
+        onehot_AE = self.one_hot(expert_ids_A, e, self.on, self.off)
+        position_A = ((ops.cumsum(onehot_AE, 0) - 1.0) * onehot_AE).sum(axis=-1)
+        position_A = position_A.astype(ms.int32)
+        keep_A = position_A < ops.gather(self.rows_E, expert_ids_A, 0)
+        if self.num_j == 1:
+            replica_A = expert_ids_A
+        else:
+            ends_AJ = ops.gather(self.ends_EJ, expert_ids_A, 0)
+            past_A = (ends_AJ <= position_A.reshape(-1, 1)).astype(ms.int32).sum(axis=-1)
+            replica_A = expert_ids_A * self.num_j + ops.minimum(past_A, self.num_j - 1)
+        row_A = ops.select(keep_A, ops.gather(self.shift_X, replica_A, 0) + position_A,
+                           ops.fill(ms.int32, (k * t,), m))               # m: the zero row
+
+        # Step 3: send buffer [W*C_send, H] (token T = empty row -> zeros), exchange.
+        token_A = ops.tile(ops.arange(t, dtype=ms.int32), (k,))
+        row_token = ops.fill(ms.int32, (m + 1,), t)
+        row_token = ops.tensor_scatter_update(row_token, row_A.reshape(-1, 1), token_A)
+        x_pad = ops.concat((x_TH, ops.zeros((1, h), x_TH.dtype)), 0)
+        recv_MH = self.exchange(ops.gather(x_pad, row_token[:m], 0))
+
+        # Step 4: local experts on their slot-major rows, results back to buffer order.
+        if self.num_rows == 0:
+            back_MH = ops.zeros((m, h), recv_MH.dtype)
+        else:
+            out_NH = self._experts(ops.gather(recv_MH, self.recv_index, 0))
+            out_pad = ops.concat((out_NH, ops.zeros((1, h), out_NH.dtype)), 0)
+            back_MH = ops.gather(out_pad, self.back_index, 0)
+        ret_MH = self.exchange(back_MH)
+
+        # Step 5: combine: every assignment reads its send row back, weighted; drops read 0.
+        ret_pad = ops.concat((ret_MH, ops.zeros((1, h), ret_MH.dtype)), 0)
+        gate_A = weights_TK.transpose(1, 0).reshape(-1) * keep_A.astype(ms.float32)
+        y_ATH = ops.gather(ret_pad, row_A, 0) * gate_A.reshape(-1, 1).astype(x.dtype)
+        y_TH = y_ATH.reshape(k, t, h).sum(axis=0)
+
+        # Step 6: statistics of the local tokens.
+        aux_loss = e * (onehot_AE.mean(axis=0) * probs_TE.mean(axis=0)).sum()
+        r = self.trace_ranks
+        counts_RE = onehot_AE.reshape(k, r, t // r, e).sum(axis=(0, 2)).astype(ms.int32)
+        dropped = (k * t - keep_A.astype(ms.int32).sum()).astype(ms.int32)
+        return y_TH.reshape(b, s, h), aux_loss, counts_RE, dropped
+
+    def _experts(self, x_NH):
+        """Local slot FFNs on slot-major rows [N, H] -> [N, H]: one batched matmul per group
+        of equal capacity, against the group's slot weights (gathered unless all, in order)."""
+        w1, b1, w2, b2 = self.w1, self.b1, self.w2, self.b2
+        if self.sync is not None:
+            w1, b1, w2, b2 = self.sync(w1), self.sync(b1), self.sync(w2), self.sync(b2)
+        outs = ()
+        start = 0
+        for gi in range(len(self.groups)):
+            c, g = self.groups[gi]
+            rows = x_NH[start:start + g * c].reshape(g, c, -1)
+            start = start + g * c
+            if self.in_order and len(self.groups) == 1:
+                gw1, gb1, gw2, gb2 = w1, b1, w2, b2
+            else:
+                idx = self.group_index[gi]
+                gw1, gb1 = ops.gather(w1, idx, 0), ops.gather(b1, idx, 0)
+                gw2, gb2 = ops.gather(w2, idx, 0), ops.gather(b2, idx, 0)
+            hid = self.gelu(self.bmm(rows, gw1) + gb1)
+            outs = outs + ((self.bmm(hid, gw2) + gb2).reshape(g * c, -1),)
+        if len(outs) == 1:
+            return outs[0]
+        return ops.concat(outs, 0)

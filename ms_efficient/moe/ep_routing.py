@@ -1,0 +1,259 @@
+"""Static dispatch tables of the expert-parallel MoE layer (numpy, computed before compilation).
+
+Notation: W ranks in the expert-parallel group (rank = device id of the plan), E logical
+experts, S physical slots of an :class:`~ms_efficient.moe.plan.ExpertPlan`, J the most
+replicas of one expert a rank sends to, C_send rows per destination block of the send buffer.
+
+Static dispatch, in three tables:
+
+1. ``rows_RS`` (:func:`source_rows`), int64 [W, S]: the rows of slot s reserved for the tokens
+   of source rank r, so ``rows_RS[:, s].sum() == slot_capacity[s]``. Each expert's capacity
+   (summed over its replicas) is first shared among the source ranks, equally by default or in
+   proportion to a per-rank load forecast; every rank's share is then attributed to the
+   expert's replicas with the package's dispatch rule :func:`~ms_efficient.moe.plan.split_tokens`
+   (own device first, then same node, then balanced by remaining room). A rank's share of an
+   expert may so span several replicas: its local replica first, the overflow in a sibling.
+2. Send side, per rank r (:func:`rank_dispatch`): the replicas r feeds for each expert in
+   "spill order" (own device, same node, others; then slot id) with cumulative row ends.
+   Assignment number p (0-based, by arrival within (r, expert e), k-major) goes to the first
+   replica j whose end exceeds p, at send row ``shift_EJ[e, j] + p``; p >= the rank's rows
+   for e is dropped.
+3. Buffers: the send buffer is [W, C_send, H]; block d holds, for every slot on rank d in slot
+   id order, that slot's rows_RS[r, s] rows, then zero padding. C_send is the largest number
+   of rows any rank reserves on any destination (it must be the same on every rank for an
+   equal-split All-to-All). The receiver gathers the rows of its slots into a slot-major
+   buffer of their reserved rows (the sum of the local capacities with :func:`source_rows`;
+   slots grouped by capacity, one batched matmul per group, as in
+   :class:`~ms_efficient.moe.layer.MoEFeedForward`) and scatters the results back with the
+   inverse table.
+
+Replica gradient sync (:func:`replica_sync`): gradients of a logical expert's replicas are
+summed: first over the replicas on this rank, then, for experts with replicas on more than
+one rank ("cross" experts, the same list on every rank), by an AllReduce of a [X, ...] table
+(X = number of cross experts) to which each rank adds its local sums.
+No MindSpore import here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import numpy as np
+
+from ms_efficient.moe.plan import ExpertPlan, split_tokens
+
+__all__ = ["source_rows", "RankDispatch", "rank_dispatch", "ReplicaSync", "replica_sync",
+           "capacity_groups"]
+
+
+def _largest_remainder(total: int, weights: np.ndarray) -> np.ndarray:
+    """Split ``total`` integers in proportion to ``weights`` (>= 0, float [n]); equal split when
+    every weight is 0. Leftovers go to the largest fractional parts, ties to the lower index."""
+    w = np.asarray(weights, dtype=np.float64)
+    if w.sum() <= 0:
+        w = np.ones_like(w)
+    exact = total * w / w.sum()
+    out = np.floor(exact).astype(np.int64)
+    left = total - int(out.sum())
+    order = np.lexsort((np.arange(w.size), -(exact - out)))
+    out[order[:left]] += 1
+    return out
+
+
+def source_rows(plan: ExpertPlan, num_experts: int, num_ranks: int,
+                devices_per_node: Optional[int] = None,
+                rank_load_RE: Optional[np.ndarray] = None) -> np.ndarray:
+    """Rows of every slot reserved for every source rank: int64 [R, S] (R = num_ranks).
+
+    plan: slots on devices 0..R-1 (device = rank of the expert-parallel group).
+    devices_per_node: devices per node for the same-node tier; None: no node tier.
+    rank_load_RE: optional float [R, E] forecast of the tokens each rank routes to each expert;
+        each expert's total capacity is shared among the ranks in proportion to it (largest
+        remainder). Default: equal shares (the lower ranks take the remainder).
+
+    Every slot's rows sum to its capacity. The share of rank r in expert e is attributed to
+    e's replicas by :func:`~ms_efficient.moe.plan.split_tokens`, which serves a rank from the
+    replica on its own device first, then its node, then any replica with room.
+    """
+    plan.validate(num_experts, num_ranks)
+    # Step 1: each expert's capacity, shared among the source ranks.
+    total_E = np.bincount(plan.slot_expert, weights=plan.slot_capacity,
+                          minlength=num_experts).astype(np.int64)
+    if rank_load_RE is None:
+        load_RE = np.ones((num_ranks, num_experts))
+    else:
+        load_RE = np.asarray(rank_load_RE, dtype=np.float64)
+        if load_RE.shape != (num_ranks, num_experts):
+            raise ValueError(f"'rank_load_RE' must have shape {(num_ranks, num_experts)}, but "
+                             f"got {load_RE.shape}.")
+        if not np.all(np.isfinite(load_RE)) or (load_RE < 0).any():
+            raise ValueError("'rank_load_RE' must be finite and >= 0.")
+    share_RE = np.stack([_largest_remainder(int(total_E[e]), load_RE[:, e])
+                         for e in range(num_experts)], axis=1)
+    # Step 2: shares to replicas by the dispatch rule; total shares == total capacity, so
+    # nothing is dropped and every row of every slot is reserved for some rank.
+    # (A plain copy of the slots: the rule for dynamic, count-based dispatch.)
+    slots_only = ExpertPlan(plan.slot_expert, plan.slot_device, plan.slot_capacity)
+    rows_RS, dropped = split_tokens(slots_only, share_RE, np.arange(num_ranks), devices_per_node)
+    assert dropped == 0 and np.array_equal(rows_RS.sum(axis=0), plan.slot_capacity)
+    return rows_RS.astype(np.int64)
+
+
+def capacity_groups(slots: np.ndarray,
+                    capacity_S: np.ndarray) -> Tuple[Tuple[int, Tuple[int, ...]], ...]:
+    """Slots grouped by capacity, largest capacity first, zero-capacity slots left out:
+    ``((capacity, (index into slots, ...)), ...)``; slot order kept inside a group."""
+    groups = {}
+    for i, s in enumerate(slots):
+        c = int(capacity_S[s])
+        if c > 0:
+            groups.setdefault(c, []).append(i)
+    return tuple((c, tuple(ix)) for c, ix in sorted(groups.items(), reverse=True))
+
+
+@dataclass(frozen=True)
+class RankDispatch:
+    """Static dispatch tables of one rank (every index table int32, ready for a Tensor).
+
+    send_rows: C_send, rows of each destination block (the same on every rank).
+    local_slots: int64 [S_l], global ids of the slots on this rank, ascending.
+    groups: ((rows, (local slot index, ...)), ...), the batched-matmul groups of the local
+        slots in slot-major order, by reserved rows (:func:`capacity_groups`).
+    rows_E: int32 [E], rows this rank may send to each expert (all replicas).
+    ends_EJ: int32 [E, J], cumulative row ends of the replicas this rank feeds for each expert,
+        in spill order; padded with rows_E.
+    shift_EJ: int32 [E, J], send row of arrival p on replica j is shift_EJ[e, j] + p.
+    recv_index_N: int32 [N], N = rows reserved on the local slots (the sum of their
+        capacities for rows from :func:`source_rows`): receive-buffer row
+        (src * C_send + row) of every slot-major row.
+    back_index_M: int32 [W * C_send], slot-major row of every receive-buffer row, N for
+        padding rows (they read a zero row).
+    """
+
+    send_rows: int
+    local_slots: np.ndarray
+    groups: Tuple[Tuple[int, Tuple[int, ...]], ...]
+    rows_E: np.ndarray
+    ends_EJ: np.ndarray
+    shift_EJ: np.ndarray
+    recv_index_N: np.ndarray
+    back_index_M: np.ndarray
+
+    @property
+    def replicas_per_expert(self) -> int:
+        """J, the most replicas this rank sends one expert's tokens to."""
+        return int(self.ends_EJ.shape[1])
+
+
+def _block_offsets(plan: ExpertPlan, rows_RS: np.ndarray) -> np.ndarray:
+    """Row offset of slot s inside the destination block of source r: int64 [R, S]. Inside a
+    block, the slots of the destination device follow in ascending slot id."""
+    off_RS = np.zeros_like(rows_RS)
+    for d in np.unique(plan.slot_device):
+        on_d = np.flatnonzero(plan.slot_device == d)
+        off_RS[:, on_d] = np.cumsum(rows_RS[:, on_d], axis=1) - rows_RS[:, on_d]
+    return off_RS
+
+
+def rank_dispatch(plan: ExpertPlan, rows_RS: np.ndarray, num_experts: int, rank: int,
+                  devices_per_node: Optional[int] = None) -> RankDispatch:
+    """The send and receive tables of ``rank`` for per-source rows ``rows_RS`` (int [W, S]).
+
+    Raises ``ValueError`` when the rank hosts no slot or no rank reserves any row.
+    """
+    rows_RS = np.asarray(rows_RS, dtype=np.int64)
+    world = rows_RS.shape[0]
+    if rows_RS.shape != (world, plan.num_slots) or (rows_RS < 0).any():
+        raise ValueError(f"'rows_RS' must be >= 0 with shape [ranks, {plan.num_slots}], but got "
+                         f"shape {rows_RS.shape}.")
+    if (rows_RS.sum(axis=0) > plan.slot_capacity).any():
+        raise ValueError(f"'rows_RS' reserves more rows than the slot capacities "
+                         f"{plan.slot_capacity.tolist()}: {rows_RS.sum(axis=0).tolist()}.")
+    if not 0 <= rank < world:
+        raise ValueError(f"'rank' must be in [0, {world}), but got {rank}.")
+    local_slots = np.flatnonzero(plan.slot_device == rank)
+    if local_slots.size == 0:
+        raise ValueError(f"rank {rank} hosts no slot of the expert plan; every rank of the "
+                         f"expert-parallel group needs at least one slot.")
+    # Step 1: destination blocks: C_send = the most rows any source sends any destination.
+    to_dev_RD = np.zeros((world, world), dtype=np.int64)
+    np.add.at(to_dev_RD.T, plan.slot_device, rows_RS.T)
+    send_rows = int(to_dev_RD.max())
+    if send_rows == 0:
+        raise ValueError("the expert plan reserves no row for any rank (all capacities are 0).")
+    off_RS = _block_offsets(plan, rows_RS)
+
+    # Step 2: send side: every expert's replicas in spill order, with cumulative ends.
+    node = (lambda d: d // devices_per_node) if devices_per_node else (lambda d: 0)
+    feeds = []
+    for e in range(num_experts):
+        slots = [s for s in np.flatnonzero(plan.slot_expert == e) if rows_RS[rank, s] > 0]
+        tier = [0 if plan.slot_device[s] == rank else 1 if node(plan.slot_device[s]) == node(rank)
+                else 2 for s in slots]
+        feeds.append([s for _, s in sorted(zip(tier, slots))])
+    num_j = max(1, max(len(f) for f in feeds))
+    rows_E = np.array([rows_RS[rank, f].sum() for f in feeds], dtype=np.int64)
+    ends_EJ = np.repeat(rows_E[:, None], num_j, axis=1)
+    shift_EJ = np.zeros((num_experts, num_j), dtype=np.int64)
+    for e, f in enumerate(feeds):
+        start = 0
+        for j, s in enumerate(f):
+            shift_EJ[e, j] = plan.slot_device[s] * send_rows + off_RS[rank, s] - start
+            start += rows_RS[rank, s]
+            ends_EJ[e, j] = start
+
+    # Step 3: receive side: slot-major rows (capacity groups, then slots, then sources).
+    # A slot computes the rows reserved for it (its capacity when rows_RS comes from
+    # source_rows); unreserved rows could never hold a token, so they are not computed.
+    groups = capacity_groups(local_slots, rows_RS.sum(axis=0))
+    recv = []
+    for _, members in groups:
+        for i in members:
+            s = local_slots[i]
+            for src in range(world):
+                first = src * send_rows + off_RS[src, s]
+                recv.extend(range(first, first + rows_RS[src, s]))
+    recv_index_N = np.array(recv, dtype=np.int64)
+    back_index_M = np.full(world * send_rows, recv_index_N.size, dtype=np.int64)
+    back_index_M[recv_index_N] = np.arange(recv_index_N.size)
+    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
+    return RankDispatch(send_rows, local_slots, groups, i32(rows_E), i32(ends_EJ),
+                        i32(shift_EJ), i32(recv_index_N), i32(back_index_M))
+
+
+@dataclass(frozen=True)
+class ReplicaSync:
+    """How rank r sums the gradients of replicas (all int32 index tables).
+
+    needed: False when no expert has two slots that r must agree with (then the gradient
+        passes unchanged).
+    unique_of_slot: int32 [S_l], index of each local slot's logical expert among the local
+        experts (U of them, ascending expert id).
+    num_unique: U.
+    cross_experts: int64 [X], experts with replicas on more than one rank (same on every rank).
+    cross_of_unique: int32 [U], index of each local expert in cross_experts, X if not cross.
+    pick_U: int32 [U], row of concat(allreduced [X], local sums [U]) each local expert takes.
+    """
+
+    needed: bool
+    unique_of_slot: np.ndarray
+    num_unique: int
+    cross_experts: np.ndarray
+    cross_of_unique: np.ndarray
+    pick_U: np.ndarray
+
+
+def replica_sync(plan: ExpertPlan, rank: int) -> ReplicaSync:
+    """Gradient-sync tables of ``rank`` (see the module docstring)."""
+    local_experts = plan.slot_expert[plan.slot_device == rank]
+    unique, unique_of_slot = np.unique(local_experts, return_inverse=True)
+    devices_per_expert = {int(e): np.unique(plan.slot_device[plan.slot_expert == e]).size
+                          for e in np.unique(plan.slot_expert)}
+    cross = np.array(sorted(e for e, n in devices_per_expert.items() if n > 1), dtype=np.int64)
+    cross_of_unique = np.array([np.searchsorted(cross, e) if e in cross else cross.size
+                                for e in unique], dtype=np.int64)
+    pick_U = np.where(cross_of_unique < cross.size, cross_of_unique,
+                      cross.size + np.arange(unique.size))
+    needed = bool(cross.size > 0 or unique.size < local_experts.size)
+    return ReplicaSync(needed, unique_of_slot.astype(np.int32), int(unique.size), cross,
+                       cross_of_unique.astype(np.int32), pick_U.astype(np.int32))

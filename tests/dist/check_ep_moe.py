@@ -1,0 +1,143 @@
+"""msrun worker for tests/test_ep_layer.py: the expert-parallel MoE layer on 2 CPU ranks.
+
+Launched on every rank by msrun as ``python check_ep_moe.py OUT_DIR``. Rank r feeds rows
+r*B:(r+1)*B of a global batch; for every plan in PLANS it writes, to
+``OUT_DIR/<plan>_rank<r>.npz``: the layer's outputs, the gradients of sum(y * dy) (x, router,
+local slot weights) and the local slot ids. On TRAIN_PLAN these come from the first of
+TRAIN_STEPS Adam steps on batches 0, 1, ... (the router's gradient summed over ranks, as data
+parallelism does; the experts' summed by the layer), and the final weights are saved too.
+The test computes the single-process reference with MoEFeedForward. Inputs and weights come
+from seeded generators here (numpy only at import), shared with the test.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+
+# Shared with the test.
+E, H, F, K = 4, 16, 32, 2
+B, S = 2, 8                      # per rank: T_LOCAL = B * S tokens
+T_LOCAL = B * S
+WORLD = 2
+TRAIN_STEPS, LR = 3, 1e-2
+# Dropless plans (capacities never exceeded): a single slot holds W * T_LOCAL rows, so every
+# rank's equal share is T_LOCAL, the most one rank can route to one expert.
+FULL = WORLD * T_LOCAL
+PLANS = {
+    # one slot per expert, two experts per rank
+    "spread": dict(slot_expert=[0, 1, 2, 3], slot_device=[0, 0, 1, 1], slot_capacity=[FULL] * 4),
+    # hot expert 0 on both ranks; rank 1's replica is too small for rank 1's share, so its
+    # first 8 arrivals stay local and the rest spill to rank 0's replica
+    "hot": dict(slot_expert=[0, 1, 2, 0, 3], slot_device=[0, 0, 0, 1, 1],
+                slot_capacity=[T_LOCAL + 8, FULL, FULL, T_LOCAL - 8, FULL]),
+}
+TRAIN_PLAN = "hot"
+PARAM_NAMES = ("router", "w1", "b1", "w2", "b2")   # saved as grad_<name>, trained_<name>
+
+
+def logical_weights():
+    """(router_EH, w1_EHF, b1_E1F, w2_EFH, b2_E1H), float32, with non-zero biases."""
+    from ms_efficient.moe.ep_layer import init_expert_weights
+
+    router, w1, b1, w2, b2 = init_expert_weights(E, H, F, init_std=0.3, seed=5)
+    rng = np.random.default_rng(11)
+    b1 = rng.normal(0.0, 0.1, b1.shape).astype(np.float32)
+    b2 = rng.normal(0.0, 0.1, b2.shape).astype(np.float32)
+    return router, w1, b1, w2, b2
+
+
+def global_batch(step=0):
+    """(x [W*B, S, H], dy [W*B, S, H]) of ``step``; rank r uses rows r*B:(r+1)*B."""
+    rng = np.random.default_rng(100 + step)
+    shape = (WORLD * B, S, H)
+    return (rng.standard_normal(shape).astype(np.float32),
+            rng.standard_normal(shape).astype(np.float32))
+
+
+def run(out_dir, rank, world):
+    """Write the results of every plan; return wall-clock seconds per phase."""
+    import time
+
+    import mindspore as ms
+    from mindspore import Tensor, nn, ops
+
+    from ms_efficient.moe.ep_layer import ExpertParallelMoE
+    from ms_efficient.moe.plan import ExpertPlan
+
+    class WeightedOutput(nn.Cell):
+        """sum(y * dy), and the layer's outputs as auxiliary results."""
+
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+        def construct(self, x, dy):
+            y, aux, counts, dropped = self.layer(x)
+            return (y * dy).sum(), y, aux, counts, dropped
+
+    class TrainStep(nn.Cell):
+        """One Adam step on sum(y * dy); returns the layer's outputs and the gradients taken
+        before the update. The router is data-parallel: its gradient is summed over ranks."""
+
+        def __init__(self, layer, params):
+            super().__init__()
+            self.optimizer = nn.Adam(params, learning_rate=LR)
+            self.value_and_grad = ms.value_and_grad(WeightedOutput(layer), grad_position=0,
+                                                    weights=self.optimizer.parameters,
+                                                    has_aux=True)
+            self.all_reduce = ops.AllReduce()
+
+        def construct(self, x, dy):
+            outputs, (dx, grads) = self.value_and_grad(x, dy)
+            router = self.all_reduce(grads[0])   # PARAM_NAMES[0]
+            self.optimizer((router,) + grads[1:])
+            return outputs, (dx, grads)
+
+    rows = slice(rank * B, (rank + 1) * B)
+    weights = logical_weights()
+    seconds = {}
+    for name, fields in PLANS.items():
+        start = time.perf_counter()
+        layer = ExpertParallelMoE(H, F, E, K, ExpertPlan(**fields), rank=rank)
+        layer.set_weights(*weights)
+        x, dy = (Tensor(a[rows]) for a in global_batch())
+        params = [layer.router.weight, layer.w1, layer.b1, layer.w2, layer.b2]
+        if name == TRAIN_PLAN:   # the first step's gradients are the checked ones
+            step = TrainStep(layer, params)
+        else:
+            step = ms.value_and_grad(WeightedOutput(layer), grad_position=0, weights=params,
+                                     has_aux=True)
+        (_, y, aux, counts, dropped), (dx, grads) = step(x, dy)
+        out = {"y": y, "aux": aux, "counts": counts, "dropped": dropped, "dx": dx}
+        out.update({f"grad_{n}": g for n, g in zip(PARAM_NAMES, grads)})
+        out = {k: v.asnumpy() for k, v in out.items()}
+        out["local_slots"] = layer.local_slots
+        if name == TRAIN_PLAN:
+            for i in range(1, TRAIN_STEPS):
+                xs, dys = global_batch(i)
+                step(Tensor(xs[rows]), Tensor(dys[rows]))
+            out.update({f"trained_{n}": p.asnumpy() for n, p in zip(PARAM_NAMES, params)})
+        seconds[f"{name}_s"] = time.perf_counter() - start
+        np.savez(os.path.join(out_dir, f"{name}_rank{rank}.npz"), **out)
+    return seconds
+
+
+def main():
+    out_dir = sys.argv[1]
+    os.makedirs(out_dir, exist_ok=True)
+    import mindspore as ms
+    from mindspore.communication import get_group_size, get_rank, init
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    init()
+    rank, world = get_rank(), get_group_size()
+    if world != WORLD:
+        raise SystemExit(f"check_ep_moe.py expects {WORLD} workers, but got {world}.")
+    seconds = run(out_dir, rank, world)
+    with open(os.path.join(out_dir, f"done_rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "world": world, **seconds}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,386 @@
+"""Expert-parallel MoE layer: static routing tables, equivalence with MoEFeedForward, tied
+replicas, and a 2-worker msrun run compared with one process.
+
+Fast tests run in one process (W = 1, no communication init) in GRAPH_MODE. The slow test
+launches tests/dist/check_ep_moe.py on 2 CPU workers through scripts/msrun_launcher.sh (about
+35-45 s on 2 shared cores) and compares with MoEFeedForward on the whole batch here.
+"""
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mindspore as ms
+from mindspore import Tensor, nn
+
+from ms_efficient.moe.ep_layer import ExpertParallelMoE, init_expert_weights
+from ms_efficient.moe.ep_routing import rank_dispatch, replica_sync, source_rows
+from ms_efficient.moe.layer import MoEFeedForward
+from ms_efficient.moe.plan import ExpertPlan
+
+ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+
+E, H, F, K = 4, 16, 32, 2
+B, S = 2, 8
+T = B * S
+
+
+def weights(seed=5):
+    """Logical weights (router, w1, b1, w2, b2) with non-zero biases."""
+    router, w1, b1, w2, b2 = init_expert_weights(E, H, F, init_std=0.3, seed=seed)
+    rng = np.random.default_rng(seed)
+    return (router, w1, rng.normal(0, 0.1, b1.shape).astype(np.float32), w2,
+            rng.normal(0, 0.1, b2.shape).astype(np.float32))
+
+
+def dense_layer(w, capacity=T, trace_ranks=1):
+    layer = MoEFeedForward(H, F, E, K, capacity=capacity, trace_ranks=trace_ranks)
+    layer.router.weight.set_data(Tensor(w[0]))
+    for p, a in zip((layer.w1, layer.b1, layer.w2, layer.b2), w[1:]):
+        p.set_data(Tensor(a))
+    return layer
+
+
+def ep_layer(w, slot_expert, slot_capacity, **kwargs):
+    plan = ExpertPlan(slot_expert, [0] * len(slot_expert), slot_capacity)
+    layer = ExpertParallelMoE(H, F, E, K, plan, **kwargs)
+    layer.set_weights(*w)
+    return layer
+
+
+def batch(seed=0):
+    rng = np.random.default_rng(seed)
+    return (Tensor(rng.standard_normal((B, S, H)).astype(np.float32)),
+            Tensor(rng.standard_normal((B, S, H)).astype(np.float32)))
+
+
+class WeightedOutput(nn.Cell):
+    """sum(y * dy) + 0.1 * aux_loss: a loss that reaches every output and the router."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def construct(self, x, dy):
+        y, aux, _, _ = self.layer(x)
+        return (y * dy).sum() + 0.1 * aux
+
+
+def grads(layer, x, dy):
+    """(dx, {name: grad}) of WeightedOutput for router, w1, b1, w2, b2."""
+    params = [layer.router.weight, layer.w1, layer.b1, layer.w2, layer.b2]
+    dx, g = ms.grad(WeightedOutput(layer), grad_position=0, weights=params)(x, dy)
+    return dx.asnumpy(), dict(zip(("router", "w1", "b1", "w2", "b2"), (a.asnumpy() for a in g)))
+
+
+# --- static tables (numpy) --------------------------------------------------------------------
+
+
+def simulate_dispatch(plan, rows_RS, world):
+    """Follow every reservable arrival (rank r, expert e, p) through the tables of both ends:
+    returns {(r, e, p): (slot, row within the slot's computed rows)}."""
+    tables = [rank_dispatch(plan, rows_RS, E, r) for r in range(world)]
+    c = tables[0].send_rows
+    landing = {}
+    for r, tab in enumerate(tables):
+        for e in range(E):
+            for p in range(int(tab.rows_E[e])):
+                j = int((tab.ends_EJ[e] <= p).sum())
+                row = int(tab.shift_EJ[e, j]) + p
+                dest, offset = divmod(row, c)
+                recv = tables[dest]
+                n = int(np.flatnonzero(recv.recv_index_N == r * c + offset)[0])
+                start = 0          # slot-major layout: groups, then slots of a group
+                for cap, members in recv.groups:
+                    if n < start + cap * len(members):
+                        slot = int(recv.local_slots[members[(n - start) // cap]])
+                        landing[(r, e, p)] = (slot, (n - start) % cap)
+                        break
+                    start += cap * len(members)
+    return landing
+
+
+@pytest.mark.parametrize("slot_expert, slot_device, slot_capacity", [
+    ([0, 1, 2, 3], [0, 0, 1, 1], [8, 8, 8, 8]),
+    ([0, 1, 2, 0, 3], [0, 0, 0, 1, 1], [12, 7, 9, 4, 10]),     # rank 1 spills expert 0
+    ([0, 0, 1, 2, 3, 3], [0, 1, 1, 0, 1, 0], [5, 5, 6, 6, 3, 9]),
+])
+def test_every_reserved_row_lands_once_on_a_slot_of_its_expert(slot_expert, slot_device,
+                                                               slot_capacity):
+    plan = ExpertPlan(slot_expert, slot_device, slot_capacity)
+    rows_RS = source_rows(plan, E, 2)
+    np.testing.assert_array_equal(rows_RS.sum(axis=0), slot_capacity)
+    landing = simulate_dispatch(plan, rows_RS, 2)
+    assert len(set(landing.values())) == len(landing) == sum(slot_capacity)
+    for (r, e, _), (slot, _) in landing.items():
+        assert plan.slot_expert[slot] == e
+    got = np.zeros_like(rows_RS)
+    for (r, _, _), (slot, _) in landing.items():
+        got[r, slot] += 1
+    np.testing.assert_array_equal(got, rows_RS)
+
+
+def test_a_replica_on_every_rank_keeps_each_ranks_tokens_local():
+    plan = ExpertPlan([0, 1, 0, 2, 3], [0, 0, 1, 1, 1], [8, 16, 8, 16, 16])
+    rows_RS = source_rows(plan, E, 2)
+    assert rows_RS[:, [0, 2]].tolist() == [[8, 0], [0, 8]]       # expert 0: own replica only
+    assert rows_RS[:, 1].tolist() == [8, 8]                      # single slots: equal shares
+
+
+def test_a_small_local_replica_spills_to_its_sibling_after_its_own_rows():
+    plan = ExpertPlan([0, 1, 2, 0, 3], [0, 0, 0, 1, 1], [12, 8, 8, 4, 8])
+    rows_RS = source_rows(plan, E, 2)
+    assert rows_RS[:, [0, 3]].tolist() == [[8, 0], [4, 4]]
+    tab = rank_dispatch(plan, rows_RS, E, 1)
+    assert tab.ends_EJ[0].tolist() == [4, 8]                     # local slot 3 first, then slot 0
+
+
+def test_a_load_forecast_splits_capacity_in_proportion():
+    plan = ExpertPlan([0, 1, 2, 3], [0, 0, 1, 1], [10, 8, 8, 8])
+    load = np.array([[3.0, 1, 1, 1], [1.0, 1, 1, 1]])
+    rows_RS = source_rows(plan, E, 2, rank_load_RE=load)
+    assert rows_RS[:, 0].tolist() == [8, 2]   # 10 * 3/4 = 7.5 -> 8 (lower index on a tie)
+
+
+def test_replica_sync_reduces_only_experts_replicated_across_ranks():
+    plan = ExpertPlan([0, 1, 0, 2, 3, 3], [0, 0, 1, 1, 1, 1], [4] * 6)
+    r1 = replica_sync(plan, 1)
+    assert r1.needed and r1.cross_experts.tolist() == [0]
+    assert r1.unique_of_slot.tolist() == [0, 1, 2, 2]           # experts 0, 2, 3, 3
+    assert r1.pick_U.tolist() == [0, 2, 3]                      # expert 0 from the AllReduce
+    assert not replica_sync(ExpertPlan([0, 1, 2, 3], [0, 0, 1, 1], [4] * 4), 0).needed
+
+
+def test_bad_plans_and_arguments_are_rejected():
+    plan = ExpertPlan([0, 1, 2, 3], [0, 0, 1, 1], [4] * 4)
+    with pytest.raises(ValueError, match="but the cluster has 1 devices"):
+        ExpertParallelMoE(H, F, E, K, plan)                     # W = 1, slots on device 1
+    with pytest.raises(ValueError, match="rank 2 hosts no slot"):
+        rank_dispatch(plan, source_rows(plan, E, 3), E, 2)
+    with pytest.raises(ValueError, match="'top_k' must be in"):
+        ExpertParallelMoE(H, F, E, 5, ExpertPlan([0, 1, 2, 3], [0] * 4, [4] * 4))
+    with pytest.raises(ValueError, match="'rank' must be this process's rank"):
+        ExpertParallelMoE(H, F, E, K, ExpertPlan([0, 1, 2, 3], [0] * 4, [4] * 4), rank=1)
+    with pytest.raises(ValueError, match="'rank_load_RE' must have shape"):
+        source_rows(plan, E, 2, rank_load_RE=np.ones((2, 3)))
+
+
+# --- one process (W = 1) ----------------------------------------------------------------------
+
+
+def test_replicas_start_identical_from_the_logical_expert_seed():
+    layer = ExpertParallelMoE(H, F, E, K, ExpertPlan([2, 0, 1, 3, 2], [0] * 5, [4] * 5), seed=9)
+    assert layer.local_experts.tolist() == [2, 0, 1, 3, 2]
+    _, w1, _, w2, _ = init_expert_weights(E, H, F, seed=9, experts=[2])
+    np.testing.assert_array_equal(layer.w1.asnumpy()[[0, 4]], np.stack([w1[0], w1[0]]))
+    np.testing.assert_array_equal(layer.w2.asnumpy()[4], w2[0])
+    assert np.abs(layer.w1.asnumpy()[0] - layer.w1.asnumpy()[1]).max() > 0
+
+
+
+@pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE], ids=["graph", "pynative"])
+def test_one_replica_per_expert_with_room_for_all_tokens_equals_moe_feedforward(mode):
+    ms.set_context(mode=mode)
+    try:
+        w = weights()
+        x, dy = batch()
+        ref, ep = dense_layer(w), ep_layer(w, [0, 1, 2, 3], [T] * E)
+        for a, b in zip(ep(x), ref(x)):
+            np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
+        (dx, g), (dx_ref, g_ref) = grads(ep, x, dy), grads(ref, x, dy)
+        np.testing.assert_allclose(dx, dx_ref, rtol=1e-6, atol=1e-7)
+        for name in g:
+            np.testing.assert_allclose(g[name], g_ref[name], rtol=1e-6, atol=1e-7)
+    finally:
+        ms.set_context(mode=ms.GRAPH_MODE)
+
+
+def test_with_one_rank_the_same_capacities_drop_the_same_tokens_as_moe_feedforward():
+    w = weights()
+    x, _ = batch()
+    caps = [3, 4, 5, 6]
+    y, aux, counts, dropped = ep_layer(w, [0, 1, 2, 3], caps)(x)
+    y_ref, aux_ref, counts_ref, dropped_ref = dense_layer(w, capacity=caps)(x)
+    assert int(dropped.asnumpy()) == int(dropped_ref.asnumpy()) > 0
+    np.testing.assert_array_equal(y.asnumpy(), y_ref.asnumpy())
+    np.testing.assert_array_equal(counts.asnumpy(), counts_ref.asnumpy())
+
+
+def test_replicating_an_expert_changes_neither_outputs_nor_input_gradient():
+    w = weights()
+    x, dy = batch()
+    single = ep_layer(w, [0, 1, 2, 3], [T] * E)
+    # expert 0 twice: slot 0 keeps its first 3 arrivals, slot 4 the rest
+    replicated = ep_layer(w, [0, 1, 2, 3, 0], [3, T, T, T, T])
+    assert replicated.tables.ends_EJ[0].tolist() == [3, T + 3]
+    for a, b in zip(replicated(x), single(x)):
+        np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
+    (dx, g), (dx_ref, g_ref) = grads(replicated, x, dy), grads(single, x, dy)
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-5, atol=1e-6)   # summation order differs
+    # each replica's gradient is the logical expert's, summed over both replicas
+    for name in ("w1", "b1", "w2", "b2"):
+        np.testing.assert_array_equal(g[name][0], g[name][4])
+        np.testing.assert_allclose(g[name][:4], g_ref[name], rtol=1e-5, atol=1e-6)
+
+
+def test_the_second_replica_really_computes_tokens():
+    w = weights()
+    x, _ = batch()
+    layer = ep_layer(w, [0, 1, 2, 3, 0], [3, T, T, T, T])
+    y = layer(x)[0].asnumpy()
+    layer.w2.set_data(Tensor(layer.w2.asnumpy() * np.array([1, 1, 1, 1, 2], np.float32)
+                             .reshape(-1, 1, 1)))
+    assert np.abs(layer(x)[0].asnumpy() - y).max() > 1e-3
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_replicas_stay_identical_and_train_like_one_expert(optimizer):
+    w = weights()
+
+    def train(layer):
+        params = layer.trainable_params()
+        opt = (nn.SGD(params, learning_rate=0.05) if optimizer == "sgd"
+               else nn.Adam(params, learning_rate=0.01))
+        step = nn.TrainOneStepCell(WeightedOutput(layer), opt)
+        for i in range(4):
+            step(*batch(1 + i))
+        return layer
+
+    single = train(ep_layer(w, [0, 1, 2, 3], [T] * E))
+    replicated = train(ep_layer(w, [0, 1, 0, 2, 3, 0], [3, T, 5, T, T, T]))
+    for name in ("w1", "b1", "w2", "b2"):
+        p = getattr(replicated, name).asnumpy()
+        np.testing.assert_array_equal(p[0], p[2])
+        np.testing.assert_array_equal(p[0], p[5])
+        np.testing.assert_allclose(p[[0, 1, 3, 4]], getattr(single, name).asnumpy(),
+                                   rtol=1e-4, atol=1e-6)
+    assert np.abs(single.w1.asnumpy() - w[1]).max() > 1e-3     # training moved the weights
+
+
+# --- 2 workers (msrun) ------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER_SCRIPT = REPO / "tests" / "dist" / "check_ep_moe.py"
+LAUNCHER = REPO / "scripts" / "msrun_launcher.sh"
+MSRUN = shutil.which("msrun") or shutil.which("msrun", path=os.path.dirname(sys.executable))
+
+
+def _worker_module():
+    spec = importlib.util.spec_from_file_location("check_ep_moe", WORKER_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_workers(run_dir, world):
+    """Launch the workers (msrun, non-blocking): (process, out_dir, log_dir)."""
+    out_dir, log_dir = run_dir / "out", run_dir / "log"
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([os.path.dirname(MSRUN), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)
+    command = ["bash", str(LAUNCHER), f"python {WORKER_SCRIPT} {out_dir}", str(world),
+               str(world), "127.0.0.1", str(_free_port()), "0", str(log_dir), "True", "60"]
+    proc = subprocess.Popen(command, cwd=run_dir, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    return proc, out_dir, log_dir
+
+
+def _finish_workers(proc, out_dir, log_dir, world):
+    """Wait for the workers; fail with their logs unless every rank wrote its results."""
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    if proc.returncode != 0 or not all((out_dir / f"done_rank{r}.json").exists()
+                                       for r in range(world)):
+        logs = "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-3000:]}"
+                         for p in sorted(log_dir.glob("*.log")))
+        pytest.fail(f"msrun failed (rc={proc.returncode}).\n{stdout[-2000:]}\n"
+                    f"{stderr[-2000:]}\n{logs}")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(MSRUN is None, reason="msrun is not on PATH (e.g. PATH=.venv/bin:$PATH)")
+def test_two_workers_match_one_process_on_the_whole_batch(tmp_path):
+    """Each rank feeds half the batch: outputs, counts, input gradients and every slot's
+    gradient (= its logical expert's, summed over replicas) equal MoEFeedForward on the whole
+    batch, with experts spread over the ranks and with a hot expert on both ranks (one rank
+    spilling into the other's replica); after Adam steps the hot expert's replicas are
+    identical on both ranks and every weight matches the one-process run."""
+    wk = _worker_module()
+    workers = _start_workers(tmp_path, wk.WORLD)
+    # the single-process reference, computed while the workers start up
+    w = wk.logical_weights()
+    x_np, dy_np = wk.global_batch()
+    ref = MoEFeedForward(wk.H, wk.F, wk.E, wk.K, capacity=wk.FULL, trace_ranks=wk.WORLD)
+    ref.router.weight.set_data(Tensor(w[0]))
+    for p, a in zip((ref.w1, ref.b1, ref.w2, ref.b2), w[1:]):
+        p.set_data(Tensor(a))
+    params = [ref.router.weight, ref.w1, ref.b1, ref.w2, ref.b2]
+
+    def weighted(x, dy):
+        y, _, counts, _ = ref(x)
+        return (y * dy).sum(), y, counts
+
+    (_, y_ref, counts_ref), (dx_ref, g_ref) = ms.value_and_grad(
+        weighted, grad_position=0, weights=params, has_aux=True)(Tensor(x_np), Tensor(dy_np))
+    y_ref, counts_ref, dx_ref = y_ref.asnumpy(), counts_ref.asnumpy(), dx_ref.asnumpy()
+    g_ref = dict(zip(wk.PARAM_NAMES, (g.asnumpy() for g in g_ref)))
+
+    class Loss(nn.Cell):
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+        def construct(self, x, dy):
+            return (self.layer(x)[0] * dy).sum()
+
+    step = nn.TrainOneStepCell(Loss(ref), nn.Adam(params, learning_rate=wk.LR))
+    for i in range(wk.TRAIN_STEPS):
+        step(*(Tensor(a) for a in wk.global_batch(i)))
+    trained_ref = {name: p.asnumpy() for name, p in zip(wk.PARAM_NAMES, params)}
+
+    _finish_workers(*workers, wk.WORLD)
+    out_dir = workers[1]
+    for plan in wk.PLANS:
+        res = [np.load(out_dir / f"{plan}_rank{r}.npz") for r in range(wk.WORLD)]
+        router_sum = sum(r["grad_router"] for r in res)
+        np.testing.assert_allclose(router_sum, g_ref["router"], rtol=1e-5, atol=1e-6)
+        for r, got in enumerate(res):
+            rows = slice(r * wk.B, (r + 1) * wk.B)
+            np.testing.assert_allclose(got["y"], y_ref[rows], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(got["dx"], dx_ref[rows], rtol=1e-5, atol=1e-6)
+            assert got["counts"].tolist() == [counts_ref[r].tolist()]
+            assert int(got["dropped"]) == 0
+            experts = np.asarray(wk.PLANS[plan]["slot_expert"])[got["local_slots"]]
+            for name in ("w1", "b1", "w2", "b2"):
+                np.testing.assert_allclose(got[f"grad_{name}"], g_ref[name][experts],
+                                           rtol=1e-5, atol=1e-6, err_msg=f"{plan} {name}")
+
+    # training: the reference took the same Adam steps on the whole batch
+    trained = [np.load(out_dir / f"{wk.TRAIN_PLAN}_rank{r}.npz") for r in range(wk.WORLD)]
+    np.testing.assert_array_equal(trained[0]["trained_router"], trained[1]["trained_router"])
+    slot_expert = np.asarray(wk.PLANS[wk.TRAIN_PLAN]["slot_expert"])
+    hot = [int(np.flatnonzero(slot_expert[t["local_slots"]] == 0)[0]) for t in trained]
+    for name in wk.PARAM_NAMES[1:]:
+        np.testing.assert_array_equal(trained[0][f"trained_{name}"][hot[0]],
+                                      trained[1][f"trained_{name}"][hot[1]])
+    for t in trained:
+        experts = slot_expert[t["local_slots"]]
+        for name in wk.PARAM_NAMES:
+            expected = trained_ref[name] if name == "router" else trained_ref[name][experts]
+            np.testing.assert_allclose(t[f"trained_{name}"], expected, rtol=1e-4, atol=1e-5,
+                                       err_msg=name)
