@@ -1,11 +1,11 @@
 """MemOpt's two cooperating agents and their training by REINFORCE with a baseline.
 
 Strategy agent: per layer i, a categorical policy over {keep, recompute, recompute-all,
-swap} with logits [L, 4] = MLP(phi_i) + bias[i] (phi_i: layer features, shared weights, plus
-a per-layer bias table, so the policy both generalises across layers and can settle on a
-specific plan). Timing agent: per layer, two categorical heads, swap_delay [L, MAX_DELAY+1]
-and prefetch_lead [L, MAX_LEAD+1], same structure, whose samples matter only where the
-strategy agent chose swap.
+swap, recompute-offload} with logits [L, 5] = MLP(phi_i) + bias[i] (phi_i: layer features,
+shared weights, plus a per-layer bias table, so the policy both generalises across layers
+and can settle on a specific plan). Timing agent: per layer, two categorical heads,
+swap_delay [L, MAX_DELAY+1] and prefetch_lead [L, MAX_LEAD+1], same structure, whose samples
+matter only where the strategy agent chose swap or recompute-offload.
 
 Why REINFORCE with a batch-mean baseline and not PPO: an episode is one decision (a whole
 plan) scored by one simulation, so there is no credit assignment over time for a critic or
@@ -23,12 +23,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ms_efficient.memopt.env import (MAX_DELAY, MAX_LEAD, SWAP, MemoryPlan, StepResult,
-                                     evaluate, no_plan_time_s)
+from ms_efficient.memopt.env import (ALL_ACTIONS, HOST_ACTIONS, MAX_DELAY, MAX_LEAD,
+                                     MemoryPlan, StepResult, check_actions, evaluate,
+                                     no_plan_time_s)
 from ms_efficient.memopt.profile import LayerProfile
 
 __all__ = ["RLConfig", "PolicyNet", "layer_features", "train_agents"]
@@ -53,12 +54,13 @@ class RLConfig:
 
 
 def layer_features(profile: LayerProfile, budget_bytes: float, host_link) -> np.ndarray:
-    """phi: [L, 8] features: f_i and b_i over their means, o_i, e_i, w_i over the free budget
-    (budget - static), transfer time over the forward / backward it could hide behind, and
-    depth i / L."""
+    """phi: [L, 10] features: f_i and b_i over their means, o_i, e_i, w_i over the free budget
+    (budget - static), transfer time of o_i + e_i (swap) and of o_i (recompute-offload) over
+    the forward / backward it could hide behind, and depth i / L."""
     f, b = profile.forward_time_s, profile.backward_time_s
     free = max(budget_bytes - profile.static_bytes, 1.0)
     t_x = host_link.latency_s + profile.activation_bytes / host_link.bandwidth_Bps
+    t_o = host_link.latency_s + profile.output_bytes / host_link.bandwidth_Bps
     f_next = np.r_[f[1:], 1e-9]
     b_next2 = np.r_[b[2:], 1e-9, 1e-9]
     L = profile.num_layers
@@ -66,18 +68,22 @@ def layer_features(profile: LayerProfile, budget_bytes: float, host_link) -> np.
                     profile.output_bytes / free * L, profile.interior_bytes / free * L,
                     profile.workspace_bytes / free * L,
                     np.log1p(t_x / np.maximum(f_next, 1e-12)),
-                    np.log1p(t_x / np.maximum(b_next2, 1e-12)), np.arange(L) / L], axis=1)
+                    np.log1p(t_x / np.maximum(b_next2, 1e-12)),
+                    np.log1p(t_o / np.maximum(f_next, 1e-12)),
+                    np.log1p(t_o / np.maximum(b_next2, 1e-12)), np.arange(L) / L], axis=1)
     return np.clip(phi, -10.0, 10.0)
 
 
 class PolicyNet:
-    """logits [L, A] = tanh(phi W1 + c1) W2 + c2 + bias; numpy, trained with Adam.
+    """logits [L, A] = tanh(phi W1 + c1) W2 + c2 + bias + mask; numpy, trained with Adam.
 
-    phi: [L, F]. W1 [F, H], c1 [H], W2 [H, A], c2 [A], bias [L, A].
+    phi: [L, F]. W1 [F, H], c1 [H], W2 [H, A], c2 [A], bias [L, A]; allowed: [A] bool or None
+    (all), the actions the policy may pick (mask = 0 there, -inf elsewhere).
     """
 
     def __init__(self, num_layers: int, num_features: int, num_actions: int, hidden: int,
-                 rng: np.random.Generator, lr: float) -> None:
+                 rng: np.random.Generator, lr: float,
+                 allowed: Optional[np.ndarray] = None) -> None:
         self.params = {
             "W1": rng.normal(0.0, 1.0 / np.sqrt(num_features), (num_features, hidden)),
             "c1": np.zeros(hidden),
@@ -85,6 +91,8 @@ class PolicyNet:
             "c2": np.zeros(num_actions),
             "bias": np.zeros((num_layers, num_actions)),
         }
+        self.mask = (np.zeros(num_actions) if allowed is None
+                     else np.where(np.asarray(allowed, bool), 0.0, -np.inf))
         self.lr = lr
         self._m = {k: np.zeros_like(v) for k, v in self.params.items()}
         self._v = {k: np.zeros_like(v) for k, v in self.params.items()}
@@ -94,7 +102,7 @@ class PolicyNet:
         """(probabilities [L, A], hidden activations [L, H])."""
         p = self.params
         h = np.tanh(phi @ p["W1"] + p["c1"])
-        z = h @ p["W2"] + p["c2"] + p["bias"]
+        z = h @ p["W2"] + p["c2"] + p["bias"] + self.mask
         z = z - z.max(axis=1, keepdims=True)
         ez = np.exp(z)
         return ez / ez.sum(axis=1, keepdims=True), h
@@ -121,9 +129,13 @@ def _sample(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 def train_agents(profile: LayerProfile, budget_bytes: float, host_link,
-                 warm_start: Optional[MemoryPlan], config: RLConfig = RLConfig()
+                 warm_start: Optional[MemoryPlan], config: RLConfig = RLConfig(),
+                 actions: Sequence[int] = ALL_ACTIONS
                  ) -> Tuple[Optional[MemoryPlan], Optional[StepResult], Dict]:
     """Train the strategy and timing agents on one (profile, budget, device) instance.
+
+    actions: the action codes the strategy agent may choose (the target's realisable set,
+    e.g. ``CELL_RECOMPUTE_ACTIONS`` on CPU); the warm start must keep to them.
 
     Returns (best fitting plan or None, its StepResult, history) where history has
     "best_step_time_s" [iterations] and "mean_reward" [iterations], "evaluations", "time_s".
@@ -131,8 +143,13 @@ def train_agents(profile: LayerProfile, budget_bytes: float, host_link,
     start = time.perf_counter()
     rng = np.random.default_rng(config.seed)
     L = profile.num_layers
+    allowed = np.isin(np.arange(len(ALL_ACTIONS)), check_actions(actions))
+    if warm_start is not None and not allowed[warm_start.actions].all():
+        raise ValueError(f"the warm-start plan ({warm_start.method}) uses actions outside "
+                         f"{list(actions)}.")
     phi = layer_features(profile, budget_bytes, host_link)
-    strategy = PolicyNet(L, phi.shape[1], 4, config.hidden, rng, config.lr)
+    strategy = PolicyNet(L, phi.shape[1], len(ALL_ACTIONS), config.hidden, rng, config.lr,
+                         allowed)
     delay_net = PolicyNet(L, phi.shape[1], MAX_DELAY + 1, config.hidden, rng, config.lr)
     lead_net = PolicyNet(L, phi.shape[1], MAX_LEAD + 1, config.hidden, rng, config.lr)
     lead_net.params["bias"][:, 1:3] += 1.0      # prior: issue prefetches 1-2 tasks ahead
@@ -177,7 +194,7 @@ def train_agents(profile: LayerProfile, budget_bytes: float, host_link,
         # Step 2: REINFORCE with the batch-mean baseline, normalised advantages
         adv = rewards - rewards.mean()
         adv = adv / (rewards.std() + 1e-8)
-        swap = (acts == SWAP).astype(np.float64)                                  # [N, L]
+        swap = np.isin(acts, HOST_ACTIONS).astype(np.float64)                     # [N, L]
         for net, probs, hidden, chosen, mask in ((strategy, p_s, h_s, acts, None),
                                                  (delay_net, p_d, h_d, delays, swap),
                                                  (lead_net, p_l, h_l, leads, swap)):

@@ -4,6 +4,9 @@
 MindSpore is imported only inside the functions that touch Cells. Swap on CPU: MindSpore has
 no offload there (see MINDSPORE_CPU.md), so swapped Cells get checkable flags
 (``memopt_swap``, ``memopt_backward_prefetch``) and, on Ascend only, ``Cell.offload``.
+recompute-offload Cells get ``Cell.recompute()`` and the flag ``memopt_swap_output`` (their
+output, the checkpoint, goes to the host); ``Cell.offload`` would move all the Cell's
+activations, so the output swap stays a tag for an op-level swap (MindFormers ``op_swap``).
 """
 from __future__ import annotations
 
@@ -14,8 +17,9 @@ import numpy as np
 import yaml
 
 from ms_efficient.fileio import atomic_write_text
-from ms_efficient.memopt.env import (ACTION_NAMES, RECOMPUTE, RECOMPUTE_ALL, SWAP, MemoryPlan,
-                                     StepResult)
+from ms_efficient.memopt.env import (ACTION_NAMES, ALL_ACTIONS, CELL_RECOMPUTE_ACTIONS,
+                                     HOST_ACTIONS, OFFLOAD, RECOMPUTE, RECOMPUTE_ALL, SWAP,
+                                     MemoryPlan, StepResult)
 from ms_efficient.memopt.profile import LayerProfile
 from ms_efficient.passes import register_pass
 
@@ -27,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 def recompute_config(profile: LayerProfile, plan: MemoryPlan) -> Dict[str, Any]:
     """MindFormers-style ``recompute_config``: ``recompute`` lists the recomputed Cells."""
-    names = [n for n, a in zip(profile.names, plan.actions) if a in (RECOMPUTE, RECOMPUTE_ALL)]
+    names = [n for n, a in zip(profile.names, plan.actions)
+             if a in (RECOMPUTE, RECOMPUTE_ALL, OFFLOAD)]
     return {"recompute": names, "select_recompute": False,
             "parallel_optimizer_comm_recompute": False, "mp_comm_recompute": True,
             "recompute_slice_activation": False}
@@ -35,10 +40,12 @@ def recompute_config(profile: LayerProfile, plan: MemoryPlan) -> Dict[str, Any]:
 
 def swap_config(profile: LayerProfile, plan: MemoryPlan) -> Dict[str, Any]:
     """MindFormers-style ``swap_config``: one ``op_swap`` entry per swapped Cell with its
-    ``backward_prefetch`` (the prefetch lead) and the swap-out delay MemOpt chose."""
+    ``backward_prefetch`` (the prefetch lead) and the swap-out delay MemOpt chose;
+    ``output_only`` marks recompute-offload Cells (only their output is swapped)."""
     entries = [{"op_name": n, "backward_prefetch": int(plan.prefetch_lead[i]),
-                "swap_out_delay": int(plan.swap_delay[i])}
-               for i, n in enumerate(profile.names) if plan.actions[i] == SWAP]
+                "swap_out_delay": int(plan.swap_delay[i]),
+                **({"output_only": True} if plan.actions[i] == OFFLOAD else {})}
+               for i, n in enumerate(profile.names) if plan.actions[i] in HOST_ACTIONS]
     return {"swap": bool(entries), "default_prefetch": 1, "layer_swap": [], "op_swap": entries}
 
 
@@ -46,8 +53,8 @@ def plan_to_dict(profile: LayerProfile, plan: MemoryPlan, result: Optional[StepR
                  budget_bytes: float, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The plan file's content (plain YAML types)."""
     layers = [{"name": n, "action": ACTION_NAMES[int(a)],
-               **({"swap_delay": int(plan.swap_delay[i]), "prefetch_lead": int(plan.prefetch_lead[i])}
-                  if a == SWAP else {})}
+               **({"swap_delay": int(plan.swap_delay[i]),
+                   "prefetch_lead": int(plan.prefetch_lead[i])} if a in HOST_ACTIONS else {})}
               for i, (n, a) in enumerate(zip(profile.names, plan.actions))]
     doc: Dict[str, Any] = {"kind": "memopt", "version": 1, "method": plan.method,
                            "batch_size": int(profile.batch_size),
@@ -105,9 +112,14 @@ def apply_plan(network, names: List[str], plan: MemoryPlan,
     applied: Dict[str, List[str]] = {"recompute": [], "swap": []}
     for i, name in enumerate(names):
         cell, action = cells[name], int(plan.actions[i])
-        if action in (RECOMPUTE, RECOMPUTE_ALL):
+        if action in (RECOMPUTE, RECOMPUTE_ALL, OFFLOAD):
             cell.recompute()
             applied["recompute"].append(name)
+        if action == OFFLOAD:
+            cell.add_flags(memopt_swap_output=True,
+                           memopt_backward_prefetch=int(plan.prefetch_lead[i]),
+                           memopt_swap_out_delay=int(plan.swap_delay[i]))
+            applied["swap"].append(name)
         elif action == SWAP:
             cell.add_flags(memopt_swap=True,
                            memopt_backward_prefetch=int(plan.prefetch_lead[i]),
@@ -123,13 +135,16 @@ def apply_plan(network, names: List[str], plan: MemoryPlan,
 @register_pass("memopt")
 def memopt_pass(network, config) -> Tuple[Any, Dict[str, Any]]:
     """The ``memopt`` pass: plan the reference network of ``config`` (estimated profile on
-    its cluster, budget 90% of device memory) and apply it. Returns (network, plan dict)."""
+    its cluster, budget 90% of device memory, the actions its device target realises) and
+    apply it. Returns (network, plan dict)."""
     from ms_efficient.memopt.planner import plan_memory
     from ms_efficient.memopt.profile import profile_from_model
 
     cluster = config.cluster_spec()
     profile = profile_from_model(config.model, config.moe, config.train.batch_size, cluster)
     budget = 0.9 * cluster.device_memory_bytes
-    plan, result = plan_memory(profile, budget, cluster.host_link)
+    target = config.context.device_target
+    actions = ALL_ACTIONS if target == "Ascend" else CELL_RECOMPUTE_ACTIONS
+    plan, result = plan_memory(profile, budget, cluster.host_link, actions=actions)
     apply_plan(network, profile.names, plan, config.context.device_target)
     return network, plan_to_dict(profile, plan, result, budget)

@@ -1,5 +1,5 @@
 """Heuristic baselines in MemOpt's harness: none, full recompute, Chen et al. sqrt(n)
-checkpointing and a Capuchin-style greedy (swap what hides behind compute, else recompute).
+checkpointing and a Capuchin-style hybrid greedy (swap or recompute, whichever costs less).
 
 Written from the papers' public descriptions (Chen et al. 2016 "Training Deep Nets with
 Sublinear Memory Cost"; Peng et al. 2020 "Capuchin"). Pure numpy; plans are MemoryPlans.
@@ -10,8 +10,8 @@ import math
 
 import numpy as np
 
-from ms_efficient.memopt.env import (KEEP, RECOMPUTE, RECOMPUTE_ALL, SWAP, MemoryPlan,
-                                     evaluate)
+from ms_efficient.memopt.env import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_ALL, SWAP,
+                                     MemoryPlan, evaluate)
 from ms_efficient.memopt.profile import LayerProfile
 
 __all__ = ["no_optimization", "full_recompute", "chen_sqrt", "chen_segments", "capuchin_greedy"]
@@ -44,33 +44,57 @@ def chen_sqrt(profile: LayerProfile) -> MemoryPlan:
     return MemoryPlan(actions, method="chen-sqrt")
 
 
-def capuchin_greedy(profile: LayerProfile, budget_bytes: float, host_link) -> MemoryPlan:
-    """Capuchin-style greedy, from all-keep, until the simulated peak fits the budget:
+def capuchin_greedy(profile: LayerProfile, budget_bytes: float, host_link,
+                    allow_swap: bool = True, allow_offload: bool = True) -> MemoryPlan:
+    """Capuchin-style hybrid greedy (Peng et al. 2020), from all-keep, until the simulated
+    peak fits the budget. Capuchin evicts tensors in order of their free time (FT: the idle
+    time between a tensor's forward use and its backward use, which a swap can hide in) and
+    for each picks swap or recompute, whichever costs less time for the memory it frees.
 
-    Step 1 swap: layers whose page-out hides behind the next forward and whose prefetch hides
-        behind the backward before its use (free time >= 0), largest activations first;
-    Step 2 recompute: the rest by memory saved per re-run second (MSPS, e_i / f_i), highest
-        first.
+    Step 1 hybrid, layers in descending FT (from the unoptimised step: the forward and
+        backward time after layer i, so early layers first): try each eviction the target
+        allows (SWAP its activations; OFFLOAD: recompute the interior, swap the output;
+        RECOMPUTE) in the simulator and keep the one with the least added step time per byte
+        of peak it removes (none if no eviction lowers the peak).
+    Step 2 recompute: layers still kept by memory saved per re-run second (MSPS, e_i / f_i),
+        highest first, while the peak does not rise.
+    ``allow_swap`` / ``allow_offload`` False: targets without them (CPU: neither).
     Returns the first plan that fits, or the last one tried (meta["fits"] says which).
     """
     n = profile.num_layers
-    f, b, a = profile.forward_time_s, profile.backward_time_s, profile.activation_bytes
-    t_xfer = host_link.latency_s + a / host_link.bandwidth_Bps
-    actions = np.full(n, KEEP)
-    hides = np.zeros(n, bool)
-    hides[:-2] = (t_xfer[:-2] <= f[1:-1]) & (t_xfer[:-2] <= b[2:])
-    swap_order = [i for i in np.argsort(-a, kind="stable") if hides[i]]
-    msps = profile.interior_bytes / np.maximum(f, 1e-15)
-    recompute_order = [i for i in np.argsort(-msps, kind="stable") if not hides[i]]
-    plan = MemoryPlan(actions, method="capuchin-greedy")
+    f, b = profile.forward_time_s, profile.backward_time_s
+    evictions = [a for a, ok in ((SWAP, allow_swap), (OFFLOAD, allow_offload),
+                                 (RECOMPUTE, True)) if ok]
+    free_time = np.cumsum((f + b)[::-1])[::-1] - (f + b)      # seconds after layer i's use
+    plan = MemoryPlan(np.full(n, KEEP), method="capuchin-greedy")
     result = evaluate(profile, plan, budget_bytes, host_link)
-    for i, action in [(i, SWAP) for i in swap_order] + [(i, RECOMPUTE) for i in recompute_order]:
+    # Step 1: hybrid swap / recompute in free-time order
+    for i in np.argsort(-free_time, kind="stable"):
         if result.fits:
             break
+        best = None
+        for action in evictions:
+            trial = MemoryPlan(plan.actions, method="capuchin-greedy")
+            trial.actions[i] = action
+            r = evaluate(profile, trial, budget_bytes, host_link)
+            gain = result.peak_bytes - r.peak_bytes
+            if gain > 0:
+                cost = max(r.step_time_s - result.step_time_s, 0.0) / gain
+                if best is None or cost < best[0]:
+                    best = (cost, trial, r)
+        if best is not None:
+            _, plan, result = best
+    # Step 2: recompute what is still kept, by MSPS
+    msps = profile.interior_bytes / np.maximum(f, 1e-15)
+    for i in np.argsort(-msps, kind="stable"):
+        if result.fits:
+            break
+        if plan.actions[i] != KEEP:
+            continue
         trial = MemoryPlan(plan.actions, method="capuchin-greedy")
-        trial.actions[i] = action
-        trial_result = evaluate(profile, trial, budget_bytes, host_link)
-        if trial_result.peak_bytes <= result.peak_bytes:   # keep steps that do not hurt
-            plan, result = trial, trial_result
+        trial.actions[i] = RECOMPUTE
+        r = evaluate(profile, trial, budget_bytes, host_link)
+        if r.peak_bytes <= result.peak_bytes:
+            plan, result = trial, r
     plan.meta["fits"] = result.fits
     return plan

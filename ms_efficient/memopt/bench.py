@@ -3,7 +3,10 @@
 child process).
 
 Row: {"evidence", "workload", "method", "budget_bytes", "peak_bytes", "step_time_s",
-"max_batch", "fits", "throughput_vs_full_recompute", "planning_time_s"}.
+"max_batch", "fits", "throughput_vs_full_recompute", "planning_time_s"}; measured rows add
+"simulated_peak_bytes", "step_time_median_s", "step_cpu_s", "load_avg_1min" and
+"recomputed_cells" (see ``ms_efficient.memopt.measure.measured_check``).
+Run times: see ``ms_efficient.memopt.commands``.
 """
 from __future__ import annotations
 
@@ -14,8 +17,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ms_efficient.cluster import ClusterSpec, get_cluster
 from ms_efficient.config import ModelConfig, MoEConfig
 from ms_efficient.memopt.agents import RLConfig
-from ms_efficient.memopt.env import RECOMPUTE_ALL, SWAP, RECOMPUTE, evaluate, min_budget_bytes
-from ms_efficient.memopt.planner import METHODS, max_batch, plan_with
+from ms_efficient.memopt.env import evaluate, min_budget_bytes
+from ms_efficient.memopt.planner import METHODS, WARM_START_METHODS, max_batches, plan_with
 from ms_efficient.memopt.profile import LayerProfile, profile_from_graph, profile_from_model
 
 __all__ = ["gpt_workloads", "simulated_rows", "measured_rows", "EXACT_MAX_LAYERS"]
@@ -34,9 +37,10 @@ _GPT_SIZES = [
 
 
 def gpt_workloads(quick: bool, cluster: ClusterSpec) -> List[Tuple[str, LayerProfile]]:
-    """Estimated profiles of GPT-style configs (fp16) on ``cluster``; ``quick``: two sizes."""
+    """Estimated profiles of GPT-style configs (fp16) on ``cluster``; ``quick``: the dense and
+    the MoE 350M configs."""
     out = []
-    for name, layers, h, a, ffn, s, moe, batch in (_GPT_SIZES[:1] if quick else _GPT_SIZES):
+    for name, layers, h, a, ffn, s, moe, batch in (_GPT_SIZES[:3:2] if quick else _GPT_SIZES):
         model = ModelConfig(num_layers=layers, hidden_size=h, num_heads=a, ffn_hidden_size=ffn,
                             seq_length=s, vocab_size=50304, dtype="float16")
         moe_cfg = MoEConfig(num_experts=moe[0], top_k=moe[1]) if moe else None
@@ -62,7 +66,9 @@ def simulated_rows(workloads: Sequence[Tuple[str, LayerProfile]], cluster: Clust
                    ) -> List[Dict[str, Any]]:
     """Per workload and budget fraction (of the way from the minimum feasible budget to the
     unoptimised peak): step time of every method at the profile's batch; then, at the
-    device's memory (90%), the largest batch per method."""
+    device's memory (90%), the largest batch per method (``max_batches``, exact-milp left
+    out: it is a yardstick for small graphs). MemOpt is warm-started from the baselines'
+    plans at the same budget instead of solving the MILP again."""
     rows: List[Dict[str, Any]] = []
     link = cluster.host_link
     for workload, prof in workloads:
@@ -71,30 +77,31 @@ def simulated_rows(workloads: Sequence[Tuple[str, LayerProfile]], cluster: Clust
         methods = [m for m in METHODS if m != "exact-milp" or prof.num_layers <= EXACT_MAX_LAYERS]
         for frac in fractions:
             budget = low + frac * (none_peak - low)
-            full = plan_with("full-recompute", prof, budget, link)[1]
-            ref = full.step_time_s if full.fits else None
-            for method in methods:
+            done: Dict[str, Tuple[Any, Any]] = {}
+            for method in sorted(methods, key=lambda m: m == "memopt"):   # memopt last
+                warm = {m: done[m][0] for m in WARM_START_METHODS if m in done}
                 try:
-                    plan, result = plan_with(method, prof, budget, link, rl)
+                    done[method] = plan_with(method, prof, budget, link, rl, candidates=warm)
                 except ValueError as err:
                     logger.info("%s %s at %.2f: %s", workload, method, frac, err)
-                    plan, result = None, None
-                row = _row("simulated", f"{workload}@{frac:.2f}", method, budget, result, plan,
-                           ref, prof.batch_size)
-                rows.append(row)
+                    done[method] = (None, None)
+            full = done["full-recompute"][1]
+            ref = full.step_time_s if full.fits else None
+            for method in methods:
+                plan, result = done[method]
+                rows.append(_row("simulated", f"{workload}@{frac:.2f}", method, budget, result,
+                                 plan, ref, prof.batch_size))
         if with_max_batch:
             budget = 0.9 * cluster.device_memory_bytes
-            per_sample = prof.at_batch(1)
-            for method in methods:
-                if method == "exact-milp":
-                    continue
-                mb = max_batch(method, per_sample, budget, link, hi=max_batch_hi,
-                               config=max_batch_rl or rl)
+            batch_methods = [m for m in methods if m != "exact-milp"]
+            found = max_batches(batch_methods, prof.at_batch(1), budget, link, hi=max_batch_hi,
+                                config=max_batch_rl or rl)
+            for method in batch_methods:
                 rows.append({"evidence": "simulated", "workload": f"{workload}@device",
                              "method": method, "budget_bytes": int(budget), "batch": None,
-                             "peak_bytes": None, "step_time_s": None, "fits": mb > 0,
+                             "peak_bytes": None, "step_time_s": None, "fits": found[method] > 0,
                              "throughput_vs_full_recompute": None, "planning_time_s": None,
-                             "max_batch": mb})
+                             "max_batch": found[method]})
     return rows
 
 
@@ -112,44 +119,10 @@ def graph_workloads(paths: Sequence[str], graph_batch: int) -> List[Tuple[str, L
     return out
 
 
-def measured_rows(quick: bool, rl: RLConfig) -> List[Dict[str, Any]]:
-    """Item 6 on this CPU: none, full recompute, checkmate-milp and MemOpt's recompute part,
-    each trained a few GRAPH-mode steps in a fresh process; peak = ru_maxrss.
+def measured_rows(rl: RLConfig, steps: int = 10) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+    """Item 6 on this CPU (``ms_efficient.memopt.measure.measured_check``): (rows with
+    evidence "measured", calibration info for the JSON meta). One MindSpore process of
+    10-25 s per distinct recomputed Cell set (5-7 processes, ~1.5-2 min)."""
+    from ms_efficient.memopt.measure import measured_check
 
-    The budget is set between the measured peaks of none and full recompute; the planners get
-    it shifted by the measured-minus-modelled offset of the unoptimised run (the framework's
-    own memory, which the layer model does not see).
-    """
-    from ms_efficient.memopt.measure import measure_plan
-
-    model = dict(vocab_size=256, seq_length=128, hidden_size=128, num_layers=4, num_heads=8,
-                 ffn_hidden_size=256)
-    moe = dict(num_experts=4, top_k=2, moe_every=2)
-    batch = 16
-    cpu = get_cluster("cpu-local")
-    prof = profile_from_model(ModelConfig(**model), MoEConfig(**moe), batch, cpu, "float32")
-    link = cpu.host_link
-    none_m = measure_plan(model, moe, batch, [])
-    full_m = measure_plan(model, moe, batch, list(prof.names))
-    budget = full_m["peak_bytes"] + 0.5 * (none_m["peak_bytes"] - full_m["peak_bytes"])
-    offset = none_m["peak_bytes"] - evaluate(prof, plan_with("none", prof, 1e30, link)[0],
-                                             1e30, link).peak_bytes
-    model_budget = budget - offset
-    rows = []
-    measured = {"none": none_m, "full-recompute": full_m}
-    for method in (["memopt"] if quick else ["checkmate-milp", "memopt"]):
-        try:
-            plan, _ = plan_with(method, prof, model_budget, link, rl)
-        except ValueError as err:
-            logger.info("measured check: %s: %s", method, err)
-            continue
-        names = [n for n, a in zip(prof.names, plan.actions) if a in (RECOMPUTE, RECOMPUTE_ALL, SWAP)]
-        measured[method] = measure_plan(model, moe, batch, names)
-    ref = full_m["step_time_s"]
-    for method, m in measured.items():
-        rows.append({"evidence": "measured", "workload": "gpt-moe-tiny-cpu", "method": method,
-                     "budget_bytes": int(budget), "batch": batch, "peak_bytes": int(m["peak_bytes"]),
-                     "step_time_s": m["step_time_s"], "fits": m["peak_bytes"] <= budget,
-                     "throughput_vs_full_recompute": ref / m["step_time_s"],
-                     "planning_time_s": None, "max_batch": None})
-    return rows
+    return measured_check(rl, steps=steps)

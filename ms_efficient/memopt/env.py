@@ -11,7 +11,15 @@ Actions per layer i (``MemoryPlan.actions``, int codes):
     SWAP (3)           o_i + e_i are copied to the host on the d2h stream and freed when both
                        the copy and forward i+1 are done; a prefetch on the h2d stream brings
                        them back before the first backward task that reads them.
-Timing per swapped layer (the timing agent's choices):
+    OFFLOAD (4)        "recompute-offload": e_i is recomputed as with RECOMPUTE, and the
+                       checkpoint o_i is swapped like SWAP instead of staying on the device
+                       (only o_i crosses the host link, prefetched before the first re-run or
+                       backward that reads it). Capuchin and POET evict per tensor, so a
+                       checkpoint is paged out while the rest is recomputed. On the 910B
+                       preset (313 TFLOP/s, 31.5 GB/s host link) a GPT-350M attention block
+                       computes its forward in 0.11 ms per sample but copying its 358 MB of
+                       activations takes 11 ms; its 4 MB output copies in 0.13 ms.
+Timing per swapped or offloaded layer (the timing agent's choices):
     swap_delay[i]  d: the swap-out starts after forward i+d ends (0 = right after forward i).
     prefetch_lead[i] l: the prefetch is issued l compute tasks before its first consumer
                    (0 = when the consumer is due: fully exposed; larger hides more, holds
@@ -34,11 +42,19 @@ import numpy as np
 from ms_efficient.memopt.profile import LayerProfile, format_size
 from ms_efficient.sim import Simulator
 
-__all__ = ["KEEP", "RECOMPUTE", "RECOMPUTE_ALL", "SWAP", "ACTION_NAMES", "MemoryPlan",
-           "StepResult", "evaluate", "min_budget_bytes", "check_budget", "MAX_DELAY", "MAX_LEAD"]
+__all__ = ["KEEP", "RECOMPUTE", "RECOMPUTE_ALL", "SWAP", "OFFLOAD", "ACTION_NAMES",
+           "ALL_ACTIONS", "CELL_RECOMPUTE_ACTIONS", "HOST_ACTIONS", "MemoryPlan", "StepResult",
+           "evaluate", "min_budget_bytes", "check_budget", "check_actions", "MAX_DELAY",
+           "MAX_LEAD"]
 
-KEEP, RECOMPUTE, RECOMPUTE_ALL, SWAP = 0, 1, 2, 3
-ACTION_NAMES = ("keep", "recompute", "recompute-all", "swap")
+KEEP, RECOMPUTE, RECOMPUTE_ALL, SWAP, OFFLOAD = 0, 1, 2, 3, 4
+ACTION_NAMES = ("keep", "recompute", "recompute-all", "swap", "recompute-offload")
+# Action sets a target can realise. Ascend: all (swap through offload). MindSpore on CPU:
+# no offload, and ``Cell.recompute()`` on a sub-block Cell keeps the Cell's output (the
+# residual add outside the Cell reads it), so only keep / recompute are faithful there.
+ALL_ACTIONS = (KEEP, RECOMPUTE, RECOMPUTE_ALL, SWAP, OFFLOAD)
+HOST_ACTIONS = (SWAP, OFFLOAD)      # actions that copy to the host (have swap timing)
+CELL_RECOMPUTE_ACTIONS = (KEEP, RECOMPUTE)
 MAX_DELAY = 2   # swap_delay in [0, MAX_DELAY]
 MAX_LEAD = 4    # prefetch_lead in [0, MAX_LEAD]
 DEV = "dev0"
@@ -48,9 +64,9 @@ DEV = "dev0"
 class MemoryPlan:
     """A plan for L layers.
 
-    actions: [L] int, one of KEEP/RECOMPUTE/RECOMPUTE_ALL/SWAP per layer.
-    swap_delay: [L] int in [0, MAX_DELAY] (used for SWAP layers only).
-    prefetch_lead: [L] int in [0, MAX_LEAD] (used for SWAP layers only).
+    actions: [L] int, one of KEEP/RECOMPUTE/RECOMPUTE_ALL/SWAP/OFFLOAD per layer.
+    swap_delay: [L] int in [0, MAX_DELAY] (used for SWAP and OFFLOAD layers only).
+    prefetch_lead: [L] int in [0, MAX_LEAD] (used for SWAP and OFFLOAD layers only).
     method: the planner that made it. meta: free-form figures (planning time, ...).
     """
 
@@ -63,11 +79,12 @@ class MemoryPlan:
     def __post_init__(self) -> None:
         self.actions = np.asarray(self.actions, dtype=np.int64).copy()
         n = len(self.actions)
-        if np.any((self.actions < 0) | (self.actions > SWAP)):
-            raise ValueError(f"plan actions must be in [0, {SWAP}] "
+        if np.any((self.actions < 0) | (self.actions > OFFLOAD)):
+            raise ValueError(f"plan actions must be in [0, {OFFLOAD}] "
                              f"({', '.join(ACTION_NAMES)}), but got {self.actions}.")
-        # The last layer's output is read at once by its own backward: drop-output = recompute.
-        if n and self.actions[-1] == RECOMPUTE_ALL:
+        # The last layer's output is read at once by its own backward: dropping or offloading
+        # it is recomputing.
+        if n and self.actions[-1] in (RECOMPUTE_ALL, OFFLOAD):
             self.actions[-1] = RECOMPUTE
         self.swap_delay = (np.zeros(n, np.int64) if self.swap_delay is None
                            else np.clip(np.asarray(self.swap_delay, np.int64), 0, MAX_DELAY))
@@ -80,7 +97,7 @@ class MemoryPlan:
 
     def key(self) -> bytes:
         """Hashable identity of the plan's decisions (for caches)."""
-        swap = self.actions == SWAP
+        swap = np.isin(self.actions, HOST_ACTIONS)
         return (self.actions.tobytes() + np.where(swap, self.swap_delay, 0).tobytes()
                 + np.where(swap, self.prefetch_lead, 0).tobytes())
 
@@ -95,6 +112,16 @@ class StepResult:
     fits: bool
     recompute_time_s: float
     swap_bytes: float
+
+
+def check_actions(actions) -> tuple:
+    """The sorted tuple of action codes ``actions``; ValueError unless KEEP is among them
+    (every planner needs it) and all are known codes."""
+    codes = tuple(sorted({int(a) for a in actions}))
+    if KEEP not in codes or any(a not in ALL_ACTIONS for a in codes):
+        raise ValueError(f"'actions' must include {KEEP} (keep) and be codes in {ALL_ACTIONS}, "
+                         f"but got {list(actions)}.")
+    return codes
 
 
 def min_budget_bytes(profile: LayerProfile) -> float:
@@ -137,42 +164,43 @@ def _build(profile: LayerProfile, plan: MemoryPlan, host_latency_s: float,
     # Step 1: forward; frees owed by forward i+1 (a RECOMPUTE_ALL output) are attached to it
     owed = 0.0
     for i in range(L):
-        free = owed + (e[i] if act[i] in (RECOMPUTE, RECOMPUTE_ALL) else 0.0)
+        free = owed + (e[i] if act[i] in (RECOMPUTE, RECOMPUTE_ALL, OFFLOAD) else 0.0)
         compute(f"fwd{i}", f[i], alloc=o[i] + e[i], free=free)
         owed = o[i] if act[i] == RECOMPUTE_ALL else 0.0
-    for i in np.flatnonzero(act == SWAP):
+    moved = np.where(act == SWAP, o + e, o)            # bytes a SWAP / OFFLOAD layer copies
+    for i in np.flatnonzero(np.isin(act, HOST_ACTIONS)):
         after = min(i + int(delay[i]), L - 1)
-        sim.add_transfer(f"out{i}", f"{DEV}.d2h", o[i] + e[i], host_latency_s,
+        sim.add_transfer(f"out{i}", f"{DEV}.d2h", moved[i], host_latency_s,
                          host_bandwidth_Bps, deps=[f"fwd{after}"])
         sim.add_event(f"freed{i}", deps=[f"out{i}", f"fwd{min(i + 1, L - 1)}"],
-                      free=[(DEV, o[i] + e[i])])
+                      free=[(DEV, moved[i])])
 
     # Step 2: backward program; has_o / has_e: the tensor is on the device (or being fetched)
-    has_o = act != RECOMPUTE_ALL
-    has_o[act == SWAP] = False
+    has_o = ~np.isin(act, (RECOMPUTE_ALL,) + HOST_ACTIONS)
     has_e = act == KEEP
-    ready: Dict[int, str] = {}     # swapped layer -> its prefetch task
+    ready: Dict[int, str] = {}     # swapped / offloaded layer -> its prefetch task
 
     def fetch(j: int) -> List[str]:
-        """Prefetch swapped layer j for the compute task about to be emitted."""
+        """Prefetch layer j's copied bytes for the compute task about to be emitted."""
         trigger = program[max(0, len(program) - 1 - int(lead[j]))]
-        sim.add_transfer(f"in{j}", f"{DEV}.h2d", o[j] + e[j], host_latency_s,
+        sim.add_transfer(f"in{j}", f"{DEV}.h2d", moved[j], host_latency_s,
                          host_bandwidth_Bps, deps=[trigger, f"freed{j}"],
-                         alloc=[(DEV, o[j] + e[j])])
+                         alloc=[(DEV, moved[j])])
         ready[j] = f"in{j}"
-        has_o[j] = has_e[j] = True
+        has_o[j] = True
+        has_e[j] = has_e[j] or act[j] == SWAP
         return [ready[j]]
 
     def need(j: int) -> List[str]:
-        """Deps making layer j's tensors usable (prefetch task), [] if already resident."""
+        """Deps making layer j's output usable (prefetch task), [] if already resident."""
         if j < 0:
             return []
-        if act[j] == SWAP:
+        if act[j] in HOST_ACTIONS:
             return fetch(j) if j not in ready else [ready[j]]
         return []
 
     def ensure_output(j: int, deps: List[str]) -> None:
-        if j < 0 or act[j] == SWAP:
+        if j < 0 or act[j] in HOST_ACTIONS:
             deps.extend(need(j))
             return
         if has_o[j]:
@@ -186,7 +214,7 @@ def _build(profile: LayerProfile, plan: MemoryPlan, host_latency_s: float,
         deps: List[str] = []
         ensure_output(p, deps)
         ensure_output(p - 1, deps)
-        if not has_e[p]:                      # RECOMPUTE: rebuild the interior from o_{p-1}
+        if not has_e[p]:                      # RECOMPUTE/OFFLOAD: rebuild e_p from o_{p-1}
             compute(f"rc{p}", f[p], extra_deps=deps, alloc=e[p])
             deps = []
             has_e[p] = True
@@ -206,8 +234,8 @@ def evaluate(profile: LayerProfile, plan: MemoryPlan, budget_bytes: float,
     peak = result.peak_memory_bytes[DEV]
     rerun = [n for n in result.start_s if n.startswith(("rc", "regen"))]
     recompute_s = float(sum(result.end_s[n] - result.start_s[n] for n in rerun))
-    swapped = plan.actions == SWAP
-    swap_bytes = float(profile.activation_bytes[swapped].sum())
+    swap_bytes = float(profile.activation_bytes[plan.actions == SWAP].sum()
+                       + profile.output_bytes[plan.actions == OFFLOAD].sum())
     return StepResult(step_time_s=float(result.makespan_s), peak_bytes=float(peak),
                       fits=bool(peak <= budget_bytes * (1 + 1e-9)), recompute_time_s=recompute_s,
                       swap_bytes=swap_bytes)
