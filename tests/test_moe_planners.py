@@ -7,21 +7,34 @@ import pytest
 
 from ms_efficient.cluster import get_cluster
 from ms_efficient.moe import baselines
-from ms_efficient.moe.bench import markdown_table, run_simulated, speedups, synthetic_trace
+from ms_efficient.moe.bench import (_truncate, markdown_table, run_simulated, speedups,
+                                    synthetic_trace)
 from ms_efficient.moe.capacity import (expected_drop_and_padding, load_samples, round_up,
                                        slot_capacities, switch_capacity, uniform_capacity)
-from ms_efficient.moe.placement import (CostModel, PlacementConfig, layer_cost, plan_layer,
-                                        replica_counts_greedy, uneven_alltoall_time_s)
-from ms_efficient.moe.plan import ExpertPlan, load_plans, save_plans, split_tokens
-from ms_efficient.moe.predictor import (EMA, ARRidge, LastValue, evaluate_predictors,
-                                        mape_percent, predict_counts, relative_residuals)
+from ms_efficient.moe.cost import (CostModel, event_step_time_s, layer_cost,
+                                   uneven_alltoall_time_s)
+from ms_efficient.moe.placement import (PlacementConfig, levelled_shares, plan_layer,
+                                        replica_counts_greedy)
+from ms_efficient.moe.plan import (ExpertPlan, load_plans, save_plans, split_tokens,
+                                   static_rank_rows)
+from ms_efficient.moe.predictor import (EMA, EXTRAPOLATED_LEADS, EXTRAPOLATION_LIMIT, ARRidge,
+                                        LastValue, evaluate_predictors, mape_percent,
+                                        predict_counts, relative_residuals)
 from ms_efficient.moe.schedule import (ReplanCosts, choose_horizon, decide_replan,
                                        migration_bytes_DD)
-from ms_efficient.moe.simulate import (ReplayConfig, cluster_for_ranks, event_step_time_s,
-                                       plan_trace, replay)
+from ms_efficient.moe.simulate import ReplayConfig, cluster_for_ranks, plan_trace, replay
 from ms_efficient.moe.trace import RoutingTrace
 
 CLUSTER_2x8 = cluster_for_ranks(16)
+NODE_1x8 = cluster_for_ranks(4)          # a 4-rank run uses 4 of the node's 8 chips
+
+
+def demo_shaped_trace(counts_RE, rows=24):
+    """A trace shaped like the demo run's: 4 ranks, 8 experts, top-2, H = 256, 512 tokens per
+    rank per step, one layer, ``counts_RE`` [4, 8] (or [rows, 4, 8]) every step."""
+    counts = np.broadcast_to(np.asarray(counts_RE, dtype=np.int64), (rows, 4, 8))
+    return RoutingTrace(counts=counts[:, None].copy(), top_k=2, hidden=256, tokens_per_rank=512,
+                        steps=np.arange(1, rows + 1))
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +93,44 @@ def test_replicated_expert_gets_half_the_tokens_on_a_balanced_two_rank_case():
     assert a1.sum(axis=0)[0] == 200
     assert a2.sum(axis=0)[:2].tolist() == [100, 100]          # each replica: half
     assert a2[:, 0].tolist() == [100, 0] and a2[:, 1].tolist() == [0, 100]   # all local
+
+
+def test_static_dispatch_drops_a_ranks_overflow_even_when_other_ranks_left_room():
+    # GShard/Switch: 2 ranks share expert 0's slot of 200 rows, 100 rows each
+    caps = [200, 200]
+    static = ExpertPlan([0, 1], [0, 1], caps, dispatch="static")
+    assigned, dropped = split_tokens(static, [[130, 10], [50, 10]], [0, 1], 2)
+    assert assigned.tolist() == [[100, 10], [50, 10]] and dropped == 30
+    # counts-first dispatch fills the same capacity from both ranks: nothing dropped
+    shared = ExpertPlan([0, 1], [0, 1], caps)
+    assert split_tokens(shared, [[130, 10], [50, 10]], [0, 1], 2)[1] == 0
+
+
+def test_static_rows_follow_the_rank_shares_and_spill_to_a_sibling_replica_by_hand():
+    # expert 0 on devices 0 and 1 (60 + 40 rows), expert 1 on device 1 (50 rows); rank 0 is
+    # forecast to send 3x what rank 1 sends to expert 0 -> 75 and 25 of its 100 rows: rank 0
+    # gets all 60 rows of its local replica and 15 of the sibling, rank 1 the other 25
+    plan = ExpertPlan([0, 0, 1], [0, 1, 1], [60, 40, 50], dispatch="static",
+                      rank_share=[[3.0, 1.0], [1.0, 1.0]])
+    rows = static_rank_rows(plan, [0, 1], 2)
+    assert rows.tolist() == [[60, 15, 25], [0, 25, 25]]
+    # rank 0 sends 70 to expert 0: 60 local, then 10 in its rows on device 1
+    assigned, dropped = split_tokens(plan, [[70, 30], [30, 20]], [0, 1], 2)
+    assert assigned.tolist() == [[60, 10, 25], [0, 25, 20]] and dropped == 5 + 5
+
+
+def test_static_rows_equal_the_layers_reservation_table():
+    ep_routing = pytest.importorskip("ms_efficient.moe.ep_routing")
+    rng = np.random.default_rng(4)
+    for _ in range(10):
+        slot_expert = np.concatenate([np.arange(6), rng.integers(0, 6, 4)])
+        plan = ExpertPlan(slot_expert, rng.permutation(10) % 4, rng.integers(1, 90, 10),
+                          dispatch="static", rank_share=rng.uniform(0, 5, (4, 6)))
+        try:
+            expected = ep_routing.source_rows(plan, 6, 4, 2, plan.rank_share)
+        except (AssertionError, ValueError):
+            continue                                   # replicas sharing a device, etc.
+        np.testing.assert_array_equal(static_rank_rows(plan, np.arange(4), 2), expected)
 
 
 def test_split_tokens_matches_a_naive_loop_on_random_cases():
@@ -167,6 +218,23 @@ def test_residuals_extrapolate_leads_beyond_the_history():
     assert relative_residuals(load[:1], LastValue(), 3, 2).shape == (0, 1, 8)
 
 
+def test_far_leads_reuse_every_observed_sample_and_stop_growing_at_the_limit():
+    # a random walk: last-value errors grow with the lead
+    rng = np.random.default_rng(1)
+    load = 1000 + np.cumsum(rng.normal(0, 20, (12, 1, 8)), axis=0)
+    observed = 11                                 # lead l has origins 1..12 - l, at most 4
+    pool = sum(min(4, 12 - lead) for lead in range(1, observed + 1))   # 4 * 8 + 3 + 2 + 1
+    far = relative_residuals(load, LastValue(), window=4, horizon=1000)
+    farther = relative_residuals(load, LastValue(), window=4, horizon=5000)
+    assert far.shape[0] == EXTRAPOLATED_LEADS * pool      # the pool, not the last origin only
+    # the last lead point of both is beyond EXTRAPOLATION_LIMIT * 11 leads: the same scale
+    assert min(1000, 5000) > EXTRAPOLATION_LIMIT * observed
+    np.testing.assert_allclose(far[-pool:], farther[-pool:])
+    # ... and it is no smaller than the longest lead the history shows
+    longest = relative_residuals(load, LastValue(), window=4, horizon=observed)[-2:]
+    assert np.mean(far[-pool:] ** 2) >= np.mean(longest ** 2)
+
+
 # ---------------------------------------------------------------- capacity
 def test_capacity_rounding_to_hardware_multiples():
     assert round_up([0, 1, 16, 17, 33.5], 16).tolist() == [0, 16, 16, 32, 48]
@@ -176,6 +244,26 @@ def test_capacity_rounding_to_hardware_multiples():
     res = slot_capacities(np.array([100.0, 0.0, 33.0]), np.arange(3), np.zeros((4, 3)))
     assert res.capacity_S.tolist() == [112, 16, 48]
     assert res.expected_drop_rate == 0.0
+
+
+def test_no_slot_gets_more_rows_than_the_tokens_of_a_step():
+    # wild forecast errors (early training): capacities stop at the dropless bound, 2048 tokens
+    rel = np.array([[40.0, -0.9, 3.0], [-0.5, 20.0, -0.9]])
+    res = slot_capacities(np.array([1000.0, 600.0, 20.0]), np.arange(3), rel, 0.005, 16,
+                          max_load=2048)
+    assert res.capacity_S.max() == 2048 and res.expected_drop_rate <= 0.005
+    assert (load_samples([1000.0, 600.0, 20.0], np.arange(3), rel, max_load=2048) <= 2048).all()
+
+
+def test_an_expert_predicted_idle_keeps_an_error_scale_of_the_floor():
+    # floor = max(1, 5 % of the mean expert load (200 + 0) / 2) = 5 tokens; expert 1 was
+    # predicted idle and received 4 floors, twice: its largest plausible load is 5 * 4 = 20
+    # tokens (sigma * z = the relative error), not 0 * (1 + ...) = 0
+    rel = np.array([[0.0, 4.0], [0.0, 4.0]])
+    samples = load_samples([200.0, 0.0], [0, 1], rel)
+    assert samples[:, 1].max() == pytest.approx(20.0)
+    assert slot_capacities(np.array([200.0, 0.0]), np.arange(2), rel, 0.0,
+                           multiple=1).capacity_S[1] == 20
 
 
 def test_expected_drop_and_padding_by_hand():
@@ -241,10 +329,61 @@ def test_event_simulator_schedule_equals_the_analytic_layer_cost():
     rng = np.random.default_rng(0)
     counts = rng.integers(0, 300, (16, 16))
     counts[:, 2] *= 6
-    plan = plan_layer(counts, model, PlacementConfig(slots_per_device=2), rel_err_KE=None)
+    plan = plan_layer(counts, model, PlacementConfig(slots_per_device=2), rel_err_KRE=None)
     assert (plan.replica_counts(16) > 1).any()
     analytic = layer_cost(plan, counts, model).time_s
     assert event_step_time_s(plan, counts, model) == pytest.approx(analytic, rel=1e-9)
+
+
+def test_switch_pays_its_padded_buffers_and_ours_the_count_exchange_by_hand():
+    """4 ranks x 8 experts, every rank sends 128 tokens to every expert (H = 256, bf16)."""
+    model = CostModel(NODE_1x8, hidden=256, ffn_hidden=1024)
+    counts = np.full((4, 8), 128)
+    intra = NODE_1x8.intra_link
+    row_s = 3 * 4 * 256 * 1024 / 313e12                  # fwd + bwd FLOPs of one row
+    # Switch CF 1.25: C = ceil(1.25 * 1024 / 8) = 160 rows per rank per expert, 2 experts per
+    # device -> 320 rows to each of 3 peers, 4 All-to-Alls; 4 x 160 = 640 rows per expert
+    switch = baselines.switch_plan(8, np.arange(4), 4, 1024, 1.25)
+    assert switch.slot_capacity.tolist() == [640] * 8 and switch.dispatch == "static"
+    a2a = 4 * 3 * (intra.latency_s + 320 * 512 / intra.bandwidth_Bps)
+    cost = layer_cost(switch, counts, model)
+    assert cost.exchange_time_s == 0.0 and cost.a2a_time_s == pytest.approx(a2a)
+    assert cost.time_s == pytest.approx(a2a + 1280 * row_s)
+    # ours, counts first: 256 routed rows to each peer, 512 rows per expert, plus the
+    # AllGather of the 4 x 8 int32 counts
+    ours = ExpertPlan(switch.slot_expert, switch.slot_device, [512] * 8)
+    a2a = 4 * 3 * (intra.latency_s + 256 * 512 / intra.bandwidth_Bps)
+    exchange = NODE_1x8.collective_time_s("allgather", 4 * 8 * 4, [0, 1, 2, 3])
+    cost = layer_cost(ours, counts, model)
+    assert exchange > 0 and cost.exchange_time_s == pytest.approx(exchange)
+    assert cost.time_s == pytest.approx(exchange + a2a + 1024 * row_s)
+    for plan in (switch, ours):
+        assert event_step_time_s(plan, counts, model) == pytest.approx(
+            layer_cost(plan, counts, model).time_s, rel=1e-9)
+
+
+def test_an_equal_split_all_to_all_pads_every_block_to_the_largest_by_hand():
+    """4 experts, one per chip; rank r owns 100 rows of expert r + 1 (mod 4) and 10 of each
+    other one. An equal-split AlltoAll sends 100-row blocks to all 3 peers; an AlltoAllV with
+    compile-time counts sends one 100-row and two 10-row blocks."""
+    share = np.full((4, 4), 10.0)
+    share[np.arange(4), (np.arange(4) + 1) % 4] = 100.0
+    plan = ExpertPlan([0, 1, 2, 3], [0, 1, 2, 3], [130] * 4, dispatch="static", rank_share=share)
+    counts = share.astype(int)
+    intra = NODE_1x8.intra_link
+    per_row = 256 * 2 / intra.bandwidth_Bps
+    equal = layer_cost(plan, counts, CostModel(NODE_1x8, 256, 1024, static_blocks="equal"))
+    exact = layer_cost(plan, counts, CostModel(NODE_1x8, 256, 1024, static_blocks="exact"))
+    assert equal.a2a_time_s == pytest.approx(4 * 3 * (intra.latency_s + 100 * per_row))
+    assert exact.a2a_time_s == pytest.approx(4 * (3 * intra.latency_s + 120 * per_row))
+    assert equal.dropped == exact.dropped == 0 and equal.exchange_time_s == 0.0
+
+
+def test_levelled_shares_reach_the_level_optimum_by_hand():
+    # expert 0 (20 rows) on devices 0 and 1; device 0 also holds expert 1 (10 rows):
+    # 5 + 10 on device 0 and 15 on device 1 levels both at 15
+    shares = levelled_shares(np.array([0, 0, 1]), np.array([0, 1, 0]), np.array([20.0, 10.0]), 2)
+    assert shares.tolist() == [5.0, 15.0, 10.0]
 
 
 # ---------------------------------------------------------------- scheduler
@@ -254,12 +393,12 @@ def test_scheduler_is_deterministic_and_beats_uniform_placement_on_skewed_load()
     counts = rng.integers(100, 400, (16, 16))
     counts[:, 5] *= 8
     config = PlacementConfig(slots_per_device=2)
-    first = plan_layer(counts, model, config, rel_err_KE=None)
-    second = plan_layer(counts, model, config, rel_err_KE=None)
+    first = plan_layer(counts, model, config, rel_err_KRE=None)
+    second = plan_layer(counts, model, config, rel_err_KRE=None)
     assert first.to_dict() == second.to_dict()
     first.validate(16, 16)
-    uniform = baselines.switch_plan(16, 16, int(counts.sum()), 1.0)
-    exact = ExpertPlan(uniform.slot_expert, uniform.slot_device, counts.sum(axis=0))
+    slot_expert, slot_device = baselines.uniform_placement(16, np.arange(16))
+    exact = ExpertPlan(slot_expert, slot_device, counts.sum(axis=0))
     assert layer_cost(first, counts, model).time_s < layer_cost(exact, counts, model).time_s
 
 
@@ -283,6 +422,84 @@ def test_replay_is_deterministic_and_reports_bounded_metrics(small_trace):
     switch = replay(small_trace, "switch-cf1.0", CLUSTER_2x8, config)
     dropless = replay(small_trace, "dropless-static", CLUSTER_2x8, config)
     assert dropless.drop_rate == 0.0 and switch.drop_rate > 0.0
+
+
+def test_a_steady_demo_shaped_load_is_planned_exactly_with_no_padding():
+    """Every rank sends 128 of its 512 x 2 assignments to every expert: the forecast is exact,
+    so EfficientMoE gives each of the 8 experts 512 rows (a multiple of 16), 128 owned by each
+    rank, on the 4 chips of the run; one step of the layer is 4 All-to-Alls of 2 x 128 rows
+    to each of 3 peers plus 1024 rows of compute per chip."""
+    trace = demo_shaped_trace(np.full((4, 8), 128))
+    ours = replay(trace, "efficientmoe", NODE_1x8, ReplayConfig(warmup=8))
+    assert ours.padding_fraction == 0.0 and ours.drop_rate == 0.0 and ours.replans == 0
+    plan = plan_trace(trace, NODE_1x8, ReplayConfig(warmup=8))[0]
+    assert plan.slot_capacity.tolist() == [512] * 8 and plan.dispatch == "static"
+    assert sorted(plan.slot_device.tolist()) == [0, 0, 1, 1, 2, 2, 3, 3]   # not chips 4-7
+    intra = NODE_1x8.intra_link
+    step = (4 * 3 * (intra.latency_s + 256 * 512 / intra.bandwidth_Bps)
+            + 1024 * 3 * 4 * 256 * 1024 / 313e12)
+    assert ours.iteration_time_s == pytest.approx(step)
+    switch = replay(trace, "switch-cf1.25", NODE_1x8, ReplayConfig(warmup=8))
+    assert switch.padding_fraction == pytest.approx(1 - 512 / 640) and switch.drop_rate == 0.0
+    assert switch.iteration_time_s == pytest.approx(
+        4 * 3 * (intra.latency_s + 320 * 512 / intra.bandwidth_Bps)
+        + 1280 * 3 * 4 * 256 * 1024 / 313e12)
+
+
+def test_a_noisy_steady_demo_shaped_load_pads_near_the_static_bound():
+    """Multinomial routing around a fixed popularity (512 x 2 assignments per rank). Static
+    dispatch sizes each rank's rows of each expert on their own: 100-200 tokens, one-step
+    noise 6-9 %; the best static rows for a 0.5 % drop rate, chosen in hindsight on the
+    very rows they serve, pad 10 % of the rows (computed below). Before the fixes this
+    trace got ~99 % padding."""
+    rng = np.random.default_rng(0)
+    popularity = np.array([0.2, 0.15, 0.15, 0.1, 0.1, 0.1, 0.1, 0.1])
+    trace = demo_shaped_trace(rng.multinomial(1024, popularity, size=(40, 4)), rows=40)
+    ours = replay(trace, "efficientmoe", NODE_1x8, ReplayConfig(warmup=16))
+    # hindsight bound: one exceedance quantile q over the 24 rows of every (rank, expert)
+    x = trace.counts[16:, 0].reshape(24, 32)
+    for q in np.linspace(0.5, 1.0, 501):
+        rows = np.ceil(np.quantile(x, q, axis=0))
+        if np.maximum(0, x - rows).sum() <= 0.005 * x.sum():
+            break
+    bound = 1 - x.sum() / (24 * np.ceil(rows.reshape(4, 8).sum(axis=0) / 16).sum() * 16)
+    assert 0.08 < bound < 0.12
+    assert ours.drop_rate < 0.005 and ours.padding_fraction < bound + 0.08
+    oracle = replay(trace, "oracle", NODE_1x8, ReplayConfig(warmup=16))
+    assert oracle.padding_fraction < 0.03 and oracle.drop_rate == 0.0
+
+
+def test_every_planner_keeps_its_slots_on_the_chips_of_the_run():
+    trace = demo_shaped_trace(np.random.default_rng(2).multinomial(1024, [1 / 8] * 8, (20, 4)),
+                              rows=20)
+    config = ReplayConfig(warmup=8)
+    ctx_rows = trace.counts[10, 0]
+    model = CostModel(NODE_1x8, 256, 1024)
+    pconfig = PlacementConfig(slots_per_device=3)
+    rel = np.zeros((4, 4, 8))                                   # [K, R, E]
+    plans = [plan_trace(trace, NODE_1x8, config)[0],
+             baselines.eplb_plan(ctx_rows, rel, model, pconfig, np.arange(4), 2),
+             baselines.greedy_plan(ctx_rows, rel, model, pconfig, np.arange(4), 2),
+             baselines.fastermoe_plan(ctx_rows, model, 3, np.arange(4))[0],
+             baselines.switch_plan(8, np.arange(4), 4, 1024, 1.0),
+             baselines.dropless_static_plan(trace.counts[:, 0], np.arange(4))]
+    for plan in plans:
+        assert set(plan.slot_device.tolist()) <= {0, 1, 2, 3}, plan.method
+
+
+def test_an_unpredictable_layer_gets_a_dropless_plan():
+    model = CostModel(NODE_1x8, 256, 1024)
+    load = np.full((4, 8), 128.0)
+    plan = plan_layer(load, model, PlacementConfig(slots_per_device=3), np.arange(4),
+                      np.zeros((2, 8)), top_k=2, dropless=True)
+    assert plan.slot_capacity.tolist() == [2048] * 8 and plan.num_slots == 8
+
+
+def test_quick_replays_the_last_rows_of_a_trace():
+    trace = synthetic_trace(steps=10, layers=3, ranks=4, experts=8, step_stride=5)
+    short = _truncate(trace, 4, 2)
+    assert short.steps.tolist() == [30, 35, 40, 45]
+    assert np.array_equal(short.counts, trace.counts[-4:, :2])
 
 
 def test_synthetic_trace_is_deterministic_for_a_seed():
@@ -310,7 +527,11 @@ def test_replan_only_when_gain_over_the_horizon_exceeds_migration_plus_recompile
     assert yes.replan and not no.replan
     assert yes.migration_s == pytest.approx(migration) and yes.cost_s == pytest.approx(cost)
     forced = decide_replan(0.03, 0.04, old, new, model, costs, current_drop_rate=0.05)
-    assert forced.replan and "drops" in forced.reason
+    assert forced.replan and "predicted to drop 5.00%" in forced.reason
+    observed = decide_replan(0.03, 0.04, old, new, model, costs, current_drop_rate=0.0,
+                             observed_drop_rate=0.02)
+    assert observed.replan and "dropped 2.00%" in observed.reason
+    assert not decide_replan(0.03, 0.04, old, new, model, costs, 0.01, 0.01).replan   # = limit
     assert not decide_replan(0.03, 0.01, old, old, model, costs).replan
 
 

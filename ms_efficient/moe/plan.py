@@ -9,6 +9,29 @@ expert hold identical weights; their gradients are summed.
     slot_device:   int64 [S], device that hosts each slot
     slot_capacity: int64 [S], static capacity of each slot, tokens (rows) per step
 
+How tokens reach the slots is part of the plan (``dispatch``), because it decides both which
+tokens are dropped and what the All-to-All carries:
+
+    "static"     what a static graph runs (this package's expert-parallel layer,
+                 ``ms_efficient.moe.ep_layer``, and GShard / Switch / MindFormers): every
+                 source rank owns, before compilation, a fixed number of rows of every slot
+                 (:func:`static_rank_rows`: each expert's capacity shared among the ranks,
+                 equally or in proportion to ``rank_share``, then attributed to the expert's
+                 replicas own device first, same node next, then by remaining room). A rank
+                 fills its rows in arrival order and drops what does not fit, even when another
+                 rank left rows of the same slot empty. The send buffer is [W, C_send, H] for an
+                 equal-split AlltoAll: W blocks of C_send rows, C_send the largest number of rows
+                 any rank owns on any one device, so every block travels full, zero rows
+                 included (Lepikhin et al., "GShard", 2020, sec. 2.2 and Algorithm 1; Fedus et
+                 al., "Switch Transformers", JMLR 2022, sec. 2.1).
+    "alltoallv"  dynamic, counts first: every rank learns the step's routing counts [R, E] (an
+                 AllGather of R x E integers), applies :func:`split_tokens`, and sends each peer
+                 exactly the tokens it keeps for that peer's slots; a slot's capacity is shared
+                 by all ranks, so one rank's overflow can use another's unused rows. What
+                 dynamic-shape systems run (FasterMoE's count exchange then token exchange); the
+                 default, because :func:`split_tokens` is also the rule that attributes static
+                 rows to replicas.
+
 :func:`split_tokens` is the dispatch rule both the planners and the MoE layer follow: it turns
 per-rank routing counts ``counts_RE`` into per-slot assignments ``assigned_RS``.
 No MindSpore import here: plans are plain numpy and YAML.
@@ -24,9 +47,12 @@ import yaml
 
 from ms_efficient.fileio import atomic_write_text
 
-__all__ = ["ExpertPlan", "split_tokens", "proportional_split", "save_plans", "load_plans"]
+__all__ = ["ExpertPlan", "DISPATCH_MODES", "split_tokens", "static_rank_rows", "static_assignments",
+           "largest_remainder", "proportional_split", "save_plans", "load_plans"]
 
 logger = logging.getLogger(__name__)
+
+DISPATCH_MODES = ("alltoallv", "static")   # see the module docstring
 
 
 def _int_vector(name: str, values: Any) -> np.ndarray:
@@ -51,6 +77,10 @@ class ExpertPlan:
     tokens_per_step: tokens routed per step over all ranks, before top-k, when known; with
         ``top_k`` it gives the capacity factor equivalent of the plan.
     method: label of the planner that made the plan ("efficientmoe", "eplb-ema", ...).
+    dispatch: how tokens reach the slots, one of DISPATCH_MODES (module docstring).
+    rank_share: float [R, E] >= 0, optional ("static" plans): each expert's capacity is shared
+        among the source ranks in proportion to its column (a per-rank load forecast); None:
+        equal shares.
     """
 
     slot_expert: np.ndarray
@@ -59,8 +89,19 @@ class ExpertPlan:
     top_k: Optional[int] = None
     tokens_per_step: Optional[int] = None
     method: str = ""
+    dispatch: str = "alltoallv"
+    rank_share: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
+        if self.dispatch not in DISPATCH_MODES:
+            raise ValueError(f"ExpertPlan 'dispatch' must be one of {list(DISPATCH_MODES)}, but "
+                             f"got {self.dispatch!r}.")
+        if self.rank_share is not None:
+            self.rank_share = np.asarray(self.rank_share, dtype=np.float64)
+            if (self.rank_share.ndim != 2 or not np.all(np.isfinite(self.rank_share))
+                    or (self.rank_share < 0).any()):
+                raise ValueError(f"ExpertPlan 'rank_share' must be a finite, non-negative "
+                                 f"[rank, expert] array, but got shape {self.rank_share.shape}.")
         self.slot_expert = _int_vector("slot_expert", self.slot_expert)
         self.slot_device = _int_vector("slot_device", self.slot_device)
         self.slot_capacity = _int_vector("slot_capacity", self.slot_capacity)
@@ -152,13 +193,17 @@ class ExpertPlan:
                 out[name] = int(getattr(self, name))
         if self.method:
             out["method"] = self.method
+        if self.dispatch != "alltoallv":
+            out["dispatch"] = self.dispatch
+        if self.rank_share is not None:
+            out["rank_share"] = np.round(self.rank_share, 3).tolist()
         return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ExpertPlan":
         """Build a plan from :meth:`to_dict` output (unknown keys raise ``ValueError``)."""
         allowed = {"slot_expert", "slot_device", "slot_capacity", "top_k", "tokens_per_step",
-                   "method"}
+                   "method", "dispatch", "rank_share"}
         if not isinstance(d, Mapping):
             raise ValueError(f"expert plan must be a mapping, but got {d!r}.")
         unknown = sorted(set(d) - allowed)
@@ -239,6 +284,86 @@ def _fill_rank_order(assigned_RS: np.ndarray, ranks: np.ndarray, demand_R: np.nd
                 si += 1
 
 
+def largest_remainder(total: int, weights: np.ndarray) -> np.ndarray:
+    """Split ``total`` integers in proportion to ``weights`` (>= 0, float [n]); equal split when
+    every weight is 0. Leftovers go to the largest fractional parts, ties to the lower index."""
+    w = np.asarray(weights, dtype=np.float64)
+    if w.sum() <= 0:
+        w = np.ones_like(w)
+    exact = total * w / w.sum()
+    out = np.floor(exact).astype(np.int64)
+    left = total - int(out.sum())
+    order = np.lexsort((np.arange(w.size), -(exact - out)))
+    out[order[:left]] += 1
+    return out
+
+
+def static_rank_rows(plan: ExpertPlan, rank_device: Sequence[int],
+                     devices_per_node: Optional[int] = None) -> np.ndarray:
+    """Rows of every slot each source rank owns under ``"static"`` dispatch: int64 [R, S].
+
+    Step 1: each expert's capacity (summed over its replicas) is shared among the R ranks in
+    proportion to ``plan.rank_share[:, e]`` (equal shares when None), largest remainder.
+    Step 2: every rank's share is attributed to the expert's replicas by the count-based rule
+    of :func:`split_tokens` (own device, same node, then by remaining room); the shares add up
+    to the capacities, so every row of every slot is owned by exactly one rank.
+    The same rule as ``ms_efficient.moe.ep_routing.source_rows`` of the layer.
+    """
+    rank_device = np.asarray(rank_device, dtype=np.int64)
+    num_ranks = rank_device.size
+    num_experts = int(plan.slot_expert.max()) + 1
+    total_E = np.bincount(plan.slot_expert, weights=plan.slot_capacity,
+                          minlength=num_experts).astype(np.int64)
+    weights = (np.ones((num_ranks, num_experts)) if plan.rank_share is None
+               else plan.rank_share)
+    if weights.shape != (num_ranks, num_experts):
+        raise ValueError(f"ExpertPlan 'rank_share' must have shape {(num_ranks, num_experts)}, "
+                         f"but got {weights.shape}.")
+    # Step 1: largest remainder, all experts at once (as largest_remainder column by column)
+    w = np.where(weights.sum(axis=0) > 0, weights, 1.0)
+    exact = total_E * w / w.sum(axis=0)
+    share_RE = np.floor(exact).astype(np.int64)
+    left = total_E - share_RE.sum(axis=0)
+    rank_of = np.lexsort((np.broadcast_to(np.arange(num_ranks)[:, None], w.shape),
+                          -(exact - share_RE)), axis=0)                  # per column
+    share_RE[rank_of, np.arange(num_experts)[None, :]] += (
+        np.arange(num_ranks)[:, None] < left[None, :])
+    counted = ExpertPlan(plan.slot_expert, plan.slot_device, plan.slot_capacity)
+    rows_RS, dropped = split_tokens(counted, share_RE, rank_device, devices_per_node)
+    assert dropped == 0 and np.array_equal(rows_RS.sum(axis=0), plan.slot_capacity)
+    return rows_RS
+
+
+def static_assignments(plan: ExpertPlan, counts_RE: np.ndarray, rows_RS: np.ndarray,
+                       rank_device: np.ndarray,
+                       devices_per_node: Optional[int]) -> Tuple[np.ndarray, int]:
+    """:func:`split_tokens` for ``"static"`` dispatch, given the rows each rank owns
+    (``rows_RS``, :func:`static_rank_rows`): rank r's tokens for e fill its rows in e's
+    replicas in spill order (own device, same node, others; then slot id); the rest drop.
+    Returns (assigned_RS int64 [R, S], dropped)."""
+    counts_RE = np.asarray(counts_RE, dtype=np.int64)
+    rank_device = np.asarray(rank_device, dtype=np.int64)
+    replicas = plan.replica_counts(counts_RE.shape[1])
+    single = replicas[plan.slot_expert] == 1
+    assigned_RS = np.zeros_like(rows_RS)
+    assigned_RS[:, single] = np.minimum(counts_RE[:, plan.slot_expert[single]],
+                                        rows_RS[:, single])
+    dpn = devices_per_node or (int(max(plan.slot_device.max(), rank_device.max())) + 1)
+    for e in np.flatnonzero(replicas > 1):
+        slots = plan.replicas_of(int(e))                                     # ascending
+        dev = plan.slot_device[slots][None, :]
+        tier = np.where(dev == rank_device[:, None], 0,
+                        np.where(dev // dpn == rank_device[:, None] // dpn, 1, 2))   # [R, n]
+        order = np.argsort(tier * slots.size + np.arange(slots.size), axis=1)  # spill order
+        rows = np.take_along_axis(rows_RS[:, slots], order, axis=1)
+        before = np.cumsum(rows, axis=1) - rows
+        kept = np.clip(counts_RE[:, [e]] - before, 0, rows)
+        block = np.zeros_like(kept)
+        np.put_along_axis(block, order, kept, axis=1)
+        assigned_RS[:, slots] = block
+    return assigned_RS, int(counts_RE.sum() - assigned_RS.sum())
+
+
 def split_tokens(plan: ExpertPlan, counts_RE: np.ndarray, rank_device: Sequence[int],
                  devices_per_node: Optional[int] = None) -> Tuple[np.ndarray, int]:
     """Assign every rank's tokens to the slots of their expert; count drops.
@@ -252,7 +377,9 @@ def split_tokens(plan: ExpertPlan, counts_RE: np.ndarray, rank_device: Sequence[
     Returns ``(assigned_RS, dropped)``: int64 [R, S] tokens of rank r computed by slot s, and
     the number of tokens no slot had room for.
 
-    The rule, per expert, in three tiers; each tier only uses room left by the previous one:
+    ``"static"`` plans: each rank fills the rows it owns (:func:`static_rank_rows`) in spill
+    order and drops the rest. ``"alltoallv"`` plans, the rule per expert, in three tiers;
+    each tier only uses room left by the previous one:
       1. own device: a rank's tokens go to the expert's replica(s) on its own device;
       2. same node: what is left goes to replicas on the rank's node;
       3. anywhere: what is left goes to any replica with room.
@@ -277,6 +404,9 @@ def split_tokens(plan: ExpertPlan, counts_RE: np.ndarray, rank_device: Sequence[
         raise ValueError(f"'rank_device' must have {num_ranks} entries (one per rank), but "
                          f"got shape {rank_device.shape}.")
     plan.validate(num_experts, max(int(plan.slot_device.max()), int(rank_device.max())) + 1)
+    if plan.dispatch == "static":
+        rows_RS = static_rank_rows(plan, rank_device, devices_per_node)
+        return static_assignments(plan, counts_RE, rows_RS, rank_device, devices_per_node)
     caps = plan.slot_capacity
     assigned_RS = np.zeros((num_ranks, plan.num_slots), dtype=np.int64)
     replicas = plan.replica_counts(num_experts)

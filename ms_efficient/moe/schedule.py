@@ -13,7 +13,8 @@ migration_s: time to copy the weights and optimizer state of every expert copy t
 recompile_s: graph compilation of the changed network, seconds.
 
 A candidate is also adopted, whatever the arithmetic says, when the current plan is predicted
-to drop more than ``max_drop_rate`` of the tokens: capacities are a correctness matter too.
+to drop, or was observed dropping, more than ``max_drop_rate`` of the tokens: capacities are
+a correctness matter too.
 
 How long should a plan live? Capacities sized for a longer horizon need more headroom (the
 load drifts further), but recompilation is paid less often. :func:`choose_horizon` picks,
@@ -28,11 +29,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ms_efficient.moe.placement import CostModel, uneven_alltoall_time_s
+from ms_efficient.moe.cost import CostModel, uneven_alltoall_time_s
 from ms_efficient.moe.plan import ExpertPlan
 
 __all__ = ["ReplanCosts", "ReplanDecision", "migration_bytes_DD", "migration_time_s",
-           "plans_equal", "decide_replan", "choose_horizon"]
+           "plans_equal", "decide_replan", "DropMonitor", "choose_horizon"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,11 +126,14 @@ def plans_equal(a: Sequence[ExpertPlan], b: Sequence[ExpertPlan]) -> bool:
 def decide_replan(current_step_s: float, candidate_step_s: float,
                   current: Sequence[ExpertPlan], candidate: Sequence[ExpertPlan],
                   model: CostModel, costs: ReplanCosts = ReplanCosts(),
-                  current_drop_rate: Optional[float] = None) -> ReplanDecision:
+                  current_drop_rate: Optional[float] = None,
+                  observed_drop_rate: Optional[float] = None) -> ReplanDecision:
     """Decide whether to switch from ``current`` to ``candidate`` plans (module docstring).
 
     current_step_s, candidate_step_s: predicted step time of each, seconds, on the same load.
     current_drop_rate: predicted drop rate of the current plan on that load, in [0, 1].
+    observed_drop_rate: drop rate the current plan actually had on the recent steps (the layer
+        counts drops), in [0, 1]; either rate above ``max_drop_rate`` forces the switch.
     """
     gain = current_step_s - candidate_step_s
     if plans_equal(current, candidate):
@@ -139,11 +143,13 @@ def decide_replan(current_step_s: float, candidate_step_s: float,
     migration = uneven_alltoall_time_s(moved, model.cluster)
     total_gain = gain * costs.horizon_steps
     cost = migration + costs.recompile_s
-    forced = (costs.max_drop_rate is not None and current_drop_rate is not None
-              and current_drop_rate > costs.max_drop_rate)
+    limit = costs.max_drop_rate
+    over = [(what, rate) for what, rate in (("is predicted to drop", current_drop_rate),
+                                            ("dropped", observed_drop_rate))
+            if limit is not None and rate is not None and rate > limit]
+    forced = bool(over)
     if forced:
-        reason = (f"current plan drops {current_drop_rate:.2%} > {costs.max_drop_rate:.2%} of "
-                  f"tokens")
+        reason = f"current plan {over[-1][0]} {over[-1][1]:.2%} > {limit:.2%} of tokens"
     elif total_gain > cost:
         reason = f"gain {total_gain:.3g} s over {costs.horizon_steps} steps > cost {cost:.3g} s"
     else:
@@ -152,6 +158,33 @@ def decide_replan(current_step_s: float, candidate_step_s: float,
                               total_gain, float(moved.sum()), migration, costs.recompile_s)
     logger.debug("replan=%s: %s", decision.replan, reason)
     return decision
+
+
+class DropMonitor:
+    """Observed drop rate of the current plan, as the trainer sees it (the layer counts
+    dropped tokens): fires when, over at least ``rows`` steps (trace rows) since the last
+    check, more than ``max_rate`` of the routed tokens were dropped; its rate then goes to
+    :func:`decide_replan` as ``observed_drop_rate``. Checks are cheap (host-side numbers),
+    re-plans are not, so the plan is checked as soon as drops show, not at the next period."""
+
+    def __init__(self, rows: int, max_rate: Optional[float]):
+        self.rows, self.max_rate = rows, max_rate
+        self.reset()
+
+    def reset(self) -> None:
+        self.seen, self.dropped, self.routed = 0, 0, 0
+
+    def record(self, dropped: int, routed: int) -> None:
+        self.seen += 1
+        self.dropped += dropped
+        self.routed += routed
+
+    def rate(self) -> float:
+        return self.dropped / self.routed if self.routed else 0.0
+
+    def fired(self) -> bool:
+        return (self.max_rate is not None and self.seen >= self.rows and self.routed > 0
+                and self.dropped > self.max_rate * self.routed)
 
 
 def choose_horizon(step_time_s: Sequence[float], migration_s: Sequence[float],

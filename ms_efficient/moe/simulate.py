@@ -1,25 +1,36 @@
 """Replay a routing trace step by step under an expert-planning method on a simulated cluster.
 
-One source rank per device (rank r on device r). Each row of the trace is one training step's
+One source rank per device (rank r on device r); experts live on the ranks' devices only (a
+4-rank trace on an 8-chip node uses 4 chips). Each row of the trace is one training step's
 routing (``counts[t, layer, rank, expert]``); rows may be sampled every ``stride`` training
 steps (from the trace's ``steps``, default 1). For every row from ``warmup`` on, each MoE
-layer is costed by :func:`ms_efficient.moe.placement.layer_cost` (uneven All-to-All dispatch
-and combine, forward and backward; expert compute on padded capacities; replica gradient
-sync), which :func:`event_step_time_s` re-derives on the shared event simulator (tested equal).
+layer is costed by :func:`ms_efficient.moe.cost.layer_cost` (All-to-All dispatch and
+combine, forward and backward; expert compute on padded capacities; replica gradient sync),
+which :func:`ms_efficient.moe.cost.event_step_time_s` re-derives on the shared event
+simulator (tested equal).
 
-Methods (labels of issue 4):
-    efficientmoe     our predictor (ar-ridge) + scheduler + per-slot capacities, re-planned
-                     through :func:`ms_efficient.moe.schedule.decide_replan`.
-    switch-cf1.0/1.25/2.0, dropless-static   static plans, never re-planned.
+Methods (labels of issue 4), each run the way the system itself runs. Every method but
+FasterMoE is a static graph, i.e. the package's expert-parallel layer (``ep_layer``) with that
+method's plan: every rank owns fixed rows of every slot, drops its overflow, and sends its rows
+full or empty (``dispatch="static"``, see :mod:`ms_efficient.moe.plan`; ``static_blocks``):
+    efficientmoe     our predictor (ar-ridge) + scheduler + per-rank, per-slot capacities,
+                     re-planned through :func:`ms_efficient.moe.schedule.decide_replan`;
+                     layers whose loads cannot be forecast yet are planned dropless.
+    switch-cf1.0/1.25/2.0, dropless-static   GShard / Switch: uniform placement, equal
+                     per-rank capacity in every expert, never re-planned (see :mod:`baselines`).
+    eplb-ema, mindspeed-greedy   their placement policies fed by an EMA predictor, one
+                     capacity for all slots, re-planned by the same rule as ours.
     fastermoe        per-step shadowing from the step's actual counts (its design), plus the
-                     per-step weight broadcast; no compile cost (dynamic shapes).
-    eplb-ema, mindspeed-greedy   fed by an EMA predictor, re-planned by the same rule as ours.
+                     per-step weight broadcast; dynamic shapes: count exchange, then only the
+                     routed tokens; no padding, no drops, no compile cost.
     oracle           our scheduler with the true counts of each step, exact capacities, and
                      free re-planning every step (a reference, not a reachable system).
 
-Re-plan checks happen every ``check_every_steps`` training steps. At a check our scheduler
-sizes candidate plans for lifetimes of 1, 2, 4 or 8 check intervals and keeps the one with the
-least amortised step time (:func:`ms_efficient.moe.schedule.choose_horizon`); the baselines
+Re-plan checks happen every ``check_every_steps`` training steps, and as soon as the current
+plan dropped more than 1 % of the tokens over ``monitor_steps`` (the drop monitor, what the
+trainer sees from the layer's drop counter). At a check our scheduler sizes candidate plans
+for lifetimes of 1, 2, 4 or 8 check intervals and keeps the one with the least amortised step
+time (:func:`ms_efficient.moe.schedule.choose_horizon`); the baselines
 plan for one interval. Every method starts from a plan made at row ``warmup`` (its first
 compilation, not charged); an adopted re-plan costs migration + recompilation, amortised over
 the training steps the replay covers:
@@ -38,17 +49,17 @@ import numpy as np
 from ms_efficient.cluster import PRESETS, ClusterSpec, get_cluster
 from ms_efficient.moe import baselines
 from ms_efficient.moe.capacity import expected_expert_drop_rate
-from ms_efficient.moe.placement import (CostModel, PlacementConfig, default_slots_per_device,
-                                        device_matrix, layer_cost, plan_layer)
-from ms_efficient.moe.plan import ExpertPlan, split_tokens
-from ms_efficient.moe.predictor import EMA, get_predictor, predict_counts, relative_residuals
-from ms_efficient.moe.schedule import (ReplanCosts, choose_horizon, decide_replan,
+from ms_efficient.moe.cost import CostModel, layer_cost
+from ms_efficient.moe.placement import PlacementConfig, default_slots_per_device, plan_layer
+from ms_efficient.moe.plan import ExpertPlan, static_rank_rows
+from ms_efficient.moe.predictor import (EMA, PerRank, get_predictor, predict_counts,
+                                        relative_residuals)
+from ms_efficient.moe.schedule import (DropMonitor, ReplanCosts, choose_horizon, decide_replan,
                                        migration_time_s)
 from ms_efficient.moe.trace import RoutingTrace
-from ms_efficient.sim import Simulator
 
 __all__ = ["METHODS", "ReplayConfig", "ReplayResult", "cluster_for_ranks", "check_trace_fits",
-           "replay", "event_step_time_s", "plan_trace"]
+           "replay", "plan_trace"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +79,19 @@ class ReplayConfig:
     warmup: rows used as history only before metrics start (>= 2).
     residual_window: forecast-error origins the capacity model looks at.
     check_every_steps: training steps between re-plan checks, also the re-plan horizon.
+    monitor_steps: the drop monitor forces a check when the current plan dropped more than
+        ReplanCosts.max_drop_rate of the tokens over at least this many training steps.
     hidden: H (None: the trace's ``hidden``, else 1024). ffn_hidden: F (None: 4 H).
     dtype: activation/weight dtype. predictor: our load predictor's name.
     recompile_s: seconds to recompile after a plan change (see ReplanCosts).
-    a2a_padded: static-graph methods send padded static buffers (GShard dense dispatch)
-        instead of the routed tokens only (see CostModel); FasterMoE never pads.
+    max_forecast_error: our planner treats a layer as unpredictable, and plans it dropless
+        (every slot sized for all tokens of a step), while the root mean square of its recent
+        one-step relative forecast errors is above this. 0.5 sits between the demo run's
+        first 50 steps (one-step MAPE 35-100 %: experts go from 0 to 2000 tokens within a
+        few steps) and its steady state or the synthetic traces (MAPE 6-10 %).
+    static_blocks: how static-graph methods send the rows each rank owns (CostModel): "equal"
+        (an equal-split AlltoAll padded to the largest block, as ms_efficient.moe.ep_layer
+        does today) or "exact" (an AlltoAllV with compile-time per-peer counts).
     sync_replica_grads: charge the all-reduce of replicated experts' gradients (False: assume
         it is hidden behind other layers' backward).
     """
@@ -83,12 +102,14 @@ class ReplayConfig:
     warmup: int = 16
     residual_window: int = 8
     check_every_steps: int = 200
+    monitor_steps: int = 20
     hidden: Optional[int] = None
     ffn_hidden: Optional[int] = None
     dtype: str = "bf16"
     predictor: str = "ar-ridge"
     recompile_s: float = 1.2
-    a2a_padded: bool = False
+    max_forecast_error: float = 0.5
+    static_blocks: str = "equal"
     sync_replica_grads: bool = True
 
 
@@ -97,9 +118,10 @@ class ReplayResult:
     """Metrics of one method on one trace (seconds; fractions in [0, 1]).
 
     iteration_time_s: mean MoE time of a training step (all layers, fwd + bwd) plus amortised
-        re-planning. a2a_time_s: its All-to-All part. max_over_mean_load: tokens of the busiest
-        device over the mean, averaged over layers and steps. padding_fraction: computed slot
-        rows that held no token / computed slot rows. drop_rate: dropped / routed tokens.
+        re-planning. a2a_time_s: its All-to-All part (routing-count exchange included).
+        max_over_mean_load: tokens of the busiest device over the mean, averaged over layers
+        and steps. padding_fraction: computed slot rows that held no token / computed slot
+        rows. drop_rate: dropped / routed tokens.
     """
 
     method: str
@@ -157,46 +179,68 @@ class _Context:
         hidden = config.hidden or trace.hidden or 1024
         self.model = CostModel(cluster, hidden, config.ffn_hidden or 4 * hidden, config.dtype,
                                sync_replica_grads=config.sync_replica_grads,
-                               a2a_padded=config.a2a_padded)
-        self.dynamic_model = dataclasses.replace(self.model, a2a_padded=False)
+                               static_blocks=config.static_blocks)
         self.rank_device = np.arange(trace.num_ranks)
         slots = config.slots_per_device or default_slots_per_device(trace.num_experts,
-                                                                    cluster.num_devices)
+                                                                    trace.num_ranks)
         self.placement = PlacementConfig(slots, config.capacity_multiple, config.drop_target)
         self.stride = _stride(trace)
         self.check_rows = max(1, round(config.check_every_steps / self.stride))
+        self.monitor_rows = max(1, round(config.monitor_steps / self.stride))
         self.costs = ReplanCosts(recompile_s=config.recompile_s,
                                  horizon_steps=self.check_rows * self.stride)
         self.load = trace.expert_load()                                      # [T, L, E]
-        if trace.tokens_per_rank and trace.top_k:      # tokens x top_k routed per step
-            self.assignments = trace.tokens_per_rank * trace.top_k * trace.num_ranks
-        else:
-            self.assignments = int(round(self.load.sum(axis=2).mean()))
         self.top_k = trace.top_k
+        # assignments (tokens x top_k) each rank routes per step, and tokens per step over
+        # all ranks: no expert can receive more than the latter (None: unknown)
+        per_rank = trace.counts.sum(axis=3)                                    # [T, L, R]
+        if trace.tokens_per_rank and trace.top_k:
+            self.assignments_per_rank = trace.tokens_per_rank * trace.top_k
+            self.tokens_per_step: Optional[int] = trace.tokens_per_rank * trace.num_ranks
+        else:
+            self.assignments_per_rank = int(round(per_rank.mean()))
+            self.tokens_per_step = (int(per_rank.sum(axis=2).max()) // trace.top_k
+                                    if trace.top_k else None)
 
     def predicted(self, t: int, predictor, horizon_rows: int):
-        """(predicted counts [L, R, E] for row t, residuals [K, L, E] at ``horizon_rows``)
-        from rows < t."""
-        pred = predict_counts(self.trace.counts[:t], predictor)
-        rel = relative_residuals(self.load[:t], predictor, self.config.residual_window,
+        """(predicted counts [L, R, E] for row t, relative errors of those per-rank forecasts
+        [K, L, R, E] over the next ``horizon_rows`` rows) from rows < t."""
+        counts = self.trace.counts[:t]
+        pred = predict_counts(counts, predictor)
+        steps, layers, ranks, experts = counts.shape
+        rel = relative_residuals(counts.reshape(steps, layers, ranks * experts),
+                                 PerRank(predictor, ranks), self.config.residual_window,
                                  horizon_rows)
-        return pred, rel
+        return pred, rel.reshape(-1, layers, ranks, experts)
 
     def adaptive_plans(self, method: str, t: int, horizon_rows: Optional[int] = None):
-        """(plans per layer, predicted counts [L, R, E], residuals [K, L, E]) at row t, with
+        """(plans per layer, predicted counts [L, R, E], residuals [K, L, R, E]) at row t, with
         capacities sized for ``horizon_rows`` rows (default: until the next check)."""
         pred, rel = self.predicted(t, self._predictor(method), horizon_rows or self.check_rows)
+        unpredictable = self.unpredictable_layers(t) if method == "efficientmoe" else None
         plans = []
         for layer in range(self.trace.num_layers):
             args = (pred[layer], rel[:, layer], self.model, self.placement, self.rank_device)
+            sizes = {"top_k": self.top_k, "tokens_per_step": self.tokens_per_step}
             if method == "efficientmoe":
                 plans.append(plan_layer(pred[layer], self.model, self.placement,
-                                        self.rank_device, rel[:, layer], top_k=self.top_k))
+                                        self.rank_device, rel[:, layer], **sizes,
+                                        dropless=bool(unpredictable[layer])))
             elif method == "eplb-ema":
-                plans.append(baselines.eplb_plan(*args, top_k=self.top_k))
+                plans.append(baselines.eplb_plan(*args, **sizes))
             else:
-                plans.append(baselines.greedy_plan(*args, top_k=self.top_k))
+                plans.append(baselines.greedy_plan(*args, **sizes))
         return plans, pred, rel
+
+    def unpredictable_layers(self, t: int) -> np.ndarray:
+        """bool [L]: layers whose recent one-step forecast errors (rms, relative) exceed
+        ``max_forecast_error`` at row t; never when there is no forecast error yet or the
+        token count per step is unknown (no dropless size)."""
+        rel = relative_residuals(self.load[:t], get_predictor(self.config.predictor),
+                                 self.config.residual_window, 1)
+        if rel.shape[0] == 0 or not self.tokens_per_step:
+            return np.zeros(self.trace.num_layers, dtype=bool)
+        return np.sqrt(np.mean(rel ** 2, axis=(0, 2))) > self.config.max_forecast_error
 
     def _predictor(self, method: str):
         return get_predictor(self.config.predictor) if method == "efficientmoe" else EMA()
@@ -223,8 +267,10 @@ class _Context:
                               [o[2] for o in options], self.costs.recompile_s)
         return options[best][:3]
 
-    def check(self, method: str, t: int, current: List[ExpertPlan]):
-        """Re-plan check at row t: (ReplanDecision, candidate plans)."""
+    def check(self, method: str, t: int, current: List[ExpertPlan],
+              observed_drop_rate: Optional[float] = None):
+        """Re-plan check at row t: (ReplanDecision, candidate plans). ``observed_drop_rate``:
+        the current plan's drop rate since the last check, when the drop monitor fired."""
         candidate, pred, horizon = self.propose(method, t, current)
         _, rel_next = self.predicted(t, self._predictor(method), self.check_rows)
         costs = ReplanCosts(self.costs.recompile_s, self.costs.bytes_per_param, horizon,
@@ -232,32 +278,40 @@ class _Context:
         decision = decide_replan(sum(c.time_s for c in self.step_cost(current, pred)),
                                  sum(c.time_s for c in self.step_cost(candidate, pred)),
                                  current, candidate, self.model, costs,
-                                 self.expected_drop_rate(current, pred, rel_next))
+                                 self.expected_drop_rate(current, pred, rel_next),
+                                 observed_drop_rate)
         return decision, candidate
 
     def expected_drop_rate(self, plans: Sequence[ExpertPlan], pred: np.ndarray,
                            rel: np.ndarray) -> float:
-        """Expected drop rate of ``plans`` over the coming rows (mean over layers)."""
-        num_experts = self.trace.num_experts
-        return float(np.mean([expected_expert_drop_rate(
-            np.bincount(p.slot_expert, weights=p.slot_capacity, minlength=num_experts),
-            pred[layer].sum(axis=0), rel[:, layer]) for layer, p in enumerate(plans)]))
+        """Expected drop rate of static ``plans`` over the coming rows, rank by rank (each rank
+        drops what exceeds the rows it owns of an expert; mean over layers).
+        pred: [L, R, E] forecast; rel: [K, L, R, E] relative errors."""
+        num_ranks, num_experts = self.trace.num_ranks, self.trace.num_experts
+        per_rank = self.tokens_per_step / num_ranks if self.tokens_per_step else None
+        rates = []
+        for layer, plan in enumerate(plans):
+            rows_RS = static_rank_rows(plan, self.rank_device, self.cluster.devices_per_node)
+            owned_RE = np.zeros((num_ranks, num_experts))
+            np.add.at(owned_RE, (slice(None), plan.slot_expert), rows_RS)
+            rates.append(expected_expert_drop_rate(
+                owned_RE.ravel(), pred[layer].ravel(),
+                rel[:, layer].reshape(rel.shape[0], -1), per_rank))
+        return float(np.mean(rates))
 
     def static_plans(self, method: str) -> List[ExpertPlan]:
-        num_experts, num_devices = self.trace.num_experts, self.cluster.num_devices
+        num_experts, num_ranks = self.trace.num_experts, self.trace.num_ranks
         if method.startswith("switch-cf"):
             cf = float(method[len("switch-cf"):])
-            plan = baselines.switch_plan(num_experts, num_devices, self.assignments, cf,
-                                         self.config.capacity_multiple, self.top_k)
+            plan = baselines.switch_plan(num_experts, self.rank_device, num_ranks,
+                                         self.assignments_per_rank, cf, self.top_k)
             return [plan] * self.trace.num_layers
-        return [baselines.dropless_static_plan(self.load[:, layer], num_devices,
-                                               self.config.capacity_multiple, self.top_k)
+        return [baselines.dropless_static_plan(self.trace.counts[:, layer], self.rank_device,
+                                               self.top_k)
                 for layer in range(self.trace.num_layers)]
 
-    def step_cost(self, plans: Sequence[ExpertPlan], counts_LRE: np.ndarray,
-                  dynamic: bool = False):
-        model = self.dynamic_model if dynamic else self.model
-        return [layer_cost(p, c, model, self.rank_device) for p, c in zip(plans, counts_LRE)]
+    def step_cost(self, plans: Sequence[ExpertPlan], counts_LRE: np.ndarray):
+        return [layer_cost(p, c, self.model, self.rank_device) for p, c in zip(plans, counts_LRE)]
 
 
 def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = None,
@@ -276,33 +330,41 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
     step_times, a2a_times, imbalance = [], [], []
     rows = computed = assigned = dropped = 0
     replans, overhead = 0, 0.0
+    monitor = DropMonitor(ctx.monitor_rows, ctx.costs.max_drop_rate)
+
+    def due(t: int) -> bool:                         # periodic re-plan check
+        return (t - config.warmup) % ctx.check_rows == 0
     for t in range(config.warmup, trace.num_steps):
         extra_s = 0.0
         if method == "oracle":
             plans = [baselines.oracle_plan(counts[t, layer], ctx.model, ctx.placement,
-                                           ctx.rank_device, ctx.top_k)
+                                           ctx.rank_device, ctx.top_k, ctx.tokens_per_step)
                      for layer in range(trace.num_layers)]
         elif method == "fastermoe":
-            made = [baselines.fastermoe_plan(counts[t, layer], ctx.dynamic_model,
+            made = [baselines.fastermoe_plan(counts[t, layer], ctx.model,
                                              ctx.placement.slots_per_device, ctx.rank_device)
                     for layer in range(trace.num_layers)]
             plans = [p for p, _ in made]
             extra_s = sum(b for _, b in made)
         elif method in _ADAPTIVE and t == config.warmup:
             plans = ctx.propose(method, t, None)[0]               # first compile: not charged
-        elif method in _ADAPTIVE and (t - config.warmup) % ctx.check_rows == 0:
-            decision, candidate = ctx.check(method, t, plans)
+        elif method in _ADAPTIVE and (due(t) or monitor.fired()):
+            decision, candidate = ctx.check(method, t, plans,
+                                            monitor.rate() if monitor.fired() else None)
+            monitor.reset()
             if decision.replan:
                 plans = candidate
                 replans += 1
                 overhead += decision.cost_s
-        costs = ctx.step_cost(plans, counts[t], dynamic=method == "fastermoe")
+        costs = ctx.step_cost(plans, counts[t])
         step_times.append(sum(c.time_s for c in costs) + extra_s)
-        a2a_times.append(sum(c.a2a_time_s for c in costs))
-        imbalance.extend(c.tokens_D.max() / max(c.tokens_D.mean(), 1e-12) for c in costs)
+        a2a_times.append(sum(c.a2a_time_s + c.exchange_time_s for c in costs))
+        hosted = [c.tokens_D[ctx.rank_device] for c in costs]        # chips of the job only
+        imbalance.extend(tok.max() / max(tok.mean(), 1e-12) for tok in hosted)
         computed += sum(int(c.rows_D.sum()) for c in costs)
         assigned += sum(c.assigned for c in costs)
         dropped += sum(c.dropped for c in costs)
+        monitor.record(sum(c.dropped for c in costs), int(counts[t].sum()))
         rows += 1
     routed = int(counts[config.warmup:].sum())
     return ReplayResult(
@@ -313,72 +375,6 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
         padding_fraction=(computed - assigned) / computed if computed else 0.0,
         drop_rate=dropped / routed if routed else 0.0,
         replans=replans, replan_overhead_s=overhead, step_time_s=np.array(step_times))
-
-
-def event_step_time_s(plan: ExpertPlan, counts_RE: np.ndarray, model: CostModel,
-                      rank_device: Optional[Sequence[int]] = None) -> float:
-    """One layer's training step on the shared event simulator, seconds.
-
-    Phases, each waiting for the previous one to end on every device: forward dispatch
-    All-to-All, forward expert compute, forward combine, backward combine-gradient All-to-All,
-    backward compute (2x), backward dispatch-gradient All-to-All, replica gradient sync. Every
-    message of an All-to-All is a transfer on the sender's transmit resource and one on the
-    receiver's receive resource (per link kind, intra- or inter-node), so messages of one kind
-    serialize per device; a replica group's all-reduce occupies each member's sync resource.
-    Equal to :func:`layer_cost` ``.time_s`` (tests check it); slower, for validation.
-    """
-    cluster = model.cluster
-    counts = np.rint(np.asarray(counts_RE, dtype=np.float64)).astype(np.int64)
-    rd = np.arange(counts.shape[0]) if rank_device is None else np.asarray(rank_device)
-    assigned_RS, _ = split_tokens(plan, counts, rd, cluster.devices_per_node)
-    num_devices = cluster.num_devices
-    if model.a2a_padded:
-        assigned_RS = np.broadcast_to(plan.slot_capacity / rd.size, assigned_RS.shape)
-    bytes_DD = device_matrix(assigned_RS, rd, plan.slot_device, num_devices) * \
-        model.bytes_per_token
-    rows_D = np.bincount(plan.slot_device, weights=plan.slot_capacity, minlength=num_devices)
-    sim = Simulator()
-    prev: List[int] = []
-
-    def a2a(tag: str, b: np.ndarray) -> List[int]:
-        ids = []
-        for i, j in zip(*np.nonzero(b)):
-            if i == j:
-                continue
-            kind, link = (("hccs", cluster.intra_link) if cluster.node_of(int(i)) ==
-                          cluster.node_of(int(j)) else ("nic", cluster.inter_link))
-            for side, dev in (("tx", i), ("rx", j)):
-                ids.append(sim.add_transfer(f"{tag}.{side}.{i}->{j}", f"dev{dev}.{kind}_{side}",
-                                            float(b[i, j]), link.latency_s, link.bandwidth_Bps,
-                                            deps=prev))
-        return ids
-
-    def barrier(tag: str, ids: List[int]) -> List[int]:
-        return [sim.add_event(f"{tag}.done", deps=ids or prev)]
-
-    def compute(tag: str, passes: float) -> List[int]:
-        return [sim.add_task(f"{tag}.dev{d}", f"dev{d}.compute",
-                             rows_D[d] * passes * model.row_time_s / model.compute_passes,
-                             deps=prev) for d in range(num_devices)]
-
-    prev = barrier("start", [])
-    for tag, work in (("fwd.dispatch", lambda: a2a("fwd.dispatch", bytes_DD)),
-                      ("fwd.compute", lambda: compute("fwd.compute", 1.0)),
-                      ("fwd.combine", lambda: a2a("fwd.combine", bytes_DD.T)),
-                      ("bwd.combine", lambda: a2a("bwd.combine", bytes_DD)),
-                      ("bwd.compute", lambda: compute("bwd.compute", model.compute_passes - 1)),
-                      ("bwd.dispatch", lambda: a2a("bwd.dispatch", bytes_DD.T))):
-        prev = barrier(tag, work())
-    sync_ids = []
-    if model.sync_replica_grads:
-        for e in np.flatnonzero(plan.replica_counts(counts.shape[1]) > 1):
-            devices = np.unique(plan.slot_device[plan.replicas_of(int(e))])
-            if devices.size > 1:
-                t = cluster.collective_time_s("allreduce", model.grad_bytes, devices.tolist())
-                sync_ids += [sim.add_task(f"sync.e{e}.dev{d}", f"dev{d}.sync", t, deps=prev)
-                             for d in devices]
-    barrier("sync", sync_ids)
-    return sim.run().makespan_s
 
 
 def plan_trace(trace: RoutingTrace, cluster: Optional[ClusterSpec] = None,
