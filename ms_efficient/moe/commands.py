@@ -22,6 +22,8 @@ __all__ = ["add_plan_arguments", "run_plan", "add_bench_arguments", "run_bench"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = "configs/gpt_moe_tiny.yaml"
+MEASURED_COLUMNS = ("workload", "method", "step_time_s", "step_time_vs_dropless",
+                    "padding_fraction", "drop_rate", "final_val_loss", "steps", "replans")
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,9 +64,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                                             "method starts from (e.g. runs/demo)")
     parser.add_argument("--no-measured", action="store_true",
                         help="simulated rows only (no MindSpore training)")
+    parser.add_argument("--static-blocks", choices=("equal", "exact"), default="equal",
+                        help="simulated All-to-All of static-graph methods: every block padded "
+                             "to the largest (what ExpertParallelMoE does now), or per-peer "
+                             "counts fixed at compile time (AlltoAllV)")
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    from ms_efficient import benchio
     from ms_efficient.benchio import write_bench_json
     from ms_efficient.config import load_config
     from ms_efficient.moe.bench import markdown_table, run_simulated, synthetic_trace
@@ -94,10 +101,20 @@ def run_bench(args: argparse.Namespace) -> int:
                 traces.insert(0, ("measured-efficientmoe-trace", load_trace(trace_path)))
     synthetic = synthetic_trace(steps=64 if args.quick else 128)
     traces.append(("synthetic-32r", synthetic))
-    rows += run_simulated(traces, args.cluster, args.quick)
+    measured = [r for r in rows if r["evidence"] == "measured"]
+    from ms_efficient.moe.simulate import ReplayConfig
+
+    rows += run_simulated(traces, args.cluster, args.quick,
+                          config=ReplayConfig(static_blocks=args.static_blocks))
+    if measured:
+        print("Measured (MindSpore GRAPH_MODE on this CPU):")
+        print(benchio.markdown_table(measured, MEASURED_COLUMNS))
+        print()
+    print("Simulated (trace replay on the cluster preset):")
     print(markdown_table(rows))
     write_bench_json(args.json, "moe", rows,
                      meta={"quick": args.quick, "seconds": round(time.perf_counter() - start, 1),
-                           "config": args.config, "init_from": args.init_from})
+                           "config": args.config, "init_from": args.init_from,
+                           "static_blocks": args.static_blocks})
     print(f"rows written to {args.json}")
     return 0
