@@ -40,24 +40,10 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from ms_efficient.moe.plan import ExpertPlan, split_tokens
+from ms_efficient.moe.plan import ExpertPlan, largest_remainder, split_tokens
 
 __all__ = ["source_rows", "RankDispatch", "rank_dispatch", "ReplicaSync", "replica_sync",
            "capacity_groups"]
-
-
-def _largest_remainder(total: int, weights: np.ndarray) -> np.ndarray:
-    """Split ``total`` integers in proportion to ``weights`` (>= 0, float [n]); equal split when
-    every weight is 0. Leftovers go to the largest fractional parts, ties to the lower index."""
-    w = np.asarray(weights, dtype=np.float64)
-    if w.sum() <= 0:
-        w = np.ones_like(w)
-    exact = total * w / w.sum()
-    out = np.floor(exact).astype(np.int64)
-    left = total - int(out.sum())
-    order = np.lexsort((np.arange(w.size), -(exact - out)))
-    out[order[:left]] += 1
-    return out
 
 
 def source_rows(plan: ExpertPlan, num_experts: int, num_ranks: int,
@@ -88,7 +74,7 @@ def source_rows(plan: ExpertPlan, num_experts: int, num_ranks: int,
                              f"got {load_RE.shape}.")
         if not np.all(np.isfinite(load_RE)) or (load_RE < 0).any():
             raise ValueError("'rank_load_RE' must be finite and >= 0.")
-    share_RE = np.stack([_largest_remainder(int(total_E[e]), load_RE[:, e])
+    share_RE = np.stack([largest_remainder(int(total_E[e]), load_RE[:, e])
                          for e in range(num_experts)], axis=1)
     # Step 2: shares to replicas by the dispatch rule; total shares == total capacity, so
     # nothing is dropped and every row of every slot is reserved for some rank.
