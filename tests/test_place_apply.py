@@ -79,3 +79,19 @@ def test_cli_plan_place_names_an_operator_too_big_for_any_device(tmp_path, capsy
     rc = main(["plan", "place", path, "--out", str(tmp_path / "p.yaml")])
     err = capsys.readouterr().err
     assert rc == 2 and "operator 'op2' needs" in err
+
+
+def test_stages_follow_the_dataflow_between_devices():
+    # s2 (first in topological order) sits on device 1 but receives nothing; data flows
+    # from device 0 (s1 -> x) into device 1 (y), so device 0 is stage 0.
+    g = OpGraph("join")
+    for name in ("s2", "s1", "x", "y"):
+        g.add_node(OpNode(name, "Op", forward_time_s=1e-3, backward_time_s=1e-3, output_bytes=8))
+    for s, d in (("s1", "x"), ("x", "y"), ("s2", "y")):
+        g.add_edge(s, d)
+    problem = build_problem(g, toy_cluster())
+    assert problem.unit_names == ["s2", "s1", "x", "y"]
+    plan = make_plan(problem, np.array([1, 0, 0, 1]), "tga")
+    assert plan.stage_of_device == {0: 0, 1: 1} and plan.meta["pipeline"]
+    cyclic = make_plan(build_problem(chain_graph(), toy_cluster()), np.array([0, 1, 0, 0]), "x")
+    assert not cyclic.meta["pipeline"]

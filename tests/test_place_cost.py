@@ -88,3 +88,21 @@ def test_a_fanned_out_tensor_is_received_once_per_destination_unit():
         g.add_edge("a", name)
     problem = build_problem(g, toy_cluster())
     assert memory_by_device(problem, np.array([0, 1, 1])).tolist() == [7.0, 2 * 7.0 + 1 + 1]
+
+
+def test_devices_run_their_units_in_the_program_order_of_the_plan():
+    # a (dev 0) -> b (dev 1); c (dev 1, 5 ms) independent; 1 ms latency, no backward work.
+    g = OpGraph("order")
+    for name, fwd in (("a", 1), ("c", 5), ("b", 1)):
+        g.add_node(OpNode(name, "Op", forward_time_s=fwd * 1e-3, backward_time_s=0.0,
+                          output_bytes=0))
+    g.add_edge("a", "b")
+    problem = build_problem(g, toy_cluster(), PlacementOptions(memory_fraction=1.0))
+    assert problem.unit_names == ["a", "c", "b"]
+    assign = np.array([0, 1, 1])
+    # numbering a, c, b: c 0-5, b 5-6 (input at 2), gradient b -> a 6-7, a's backward at 7
+    assert simulate_placement(problem, assign).step_time_s == pytest.approx(7e-3)
+    # order a, b, c: b 2-3, c 3-8, then the gradient 8-9
+    assert simulate_placement(problem, assign, order=[0, 2, 1]).step_time_s == pytest.approx(9e-3)
+    with pytest.raises(ValueError, match="after its predecessors"):
+        simulate_placement(problem, assign, order=[2, 0, 1])

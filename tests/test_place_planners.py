@@ -151,3 +151,69 @@ def test_build_problem_rejects_cycles_and_oversized_ops():
                            "edges": [["a", "ghost"]]})
     with pytest.raises(ValueError, match="unknown node"):
         build_problem(chain([1, 1]), toy_cluster(), PlacementOptions(colocate=[["n0", "zz"]]))
+
+
+def residual_block():
+    """in -> two parallel 2-op branches (4 ms each way) -> out."""
+    g = OpGraph("residual")
+    g.add_node(OpNode("in", "Op", forward_time_s=1e-3, backward_time_s=1e-3, output_bytes=100))
+    for b in range(2):
+        g.add_node(OpNode(f"x{b}", "Op", forward_time_s=4e-3, backward_time_s=4e-3,
+                          output_bytes=100))
+        g.add_node(OpNode(f"y{b}", "Op", forward_time_s=4e-3, backward_time_s=4e-3,
+                          output_bytes=100))
+        g.add_edge("in", f"x{b}")
+        g.add_edge(f"x{b}", f"y{b}")
+    g.add_node(OpNode("out", "Op", forward_time_s=1e-3, backward_time_s=1e-3, output_bytes=10))
+    g.add_edge("y0", "out")
+    g.add_edge("y1", "out")
+    return g
+
+
+def test_parallel_branches_share_a_pipeline_stage_and_beat_every_split_of_one_order():
+    problem = build_problem(residual_block(), toy_cluster(devices=3, latency_s=1e-4,
+                                                          bandwidth_Bps=1e7),
+                            PlacementOptions(micro_batches=4))
+    pop = np.array(list(itertools.product(range(3), repeat=problem.num_units)))
+    step, mem = evaluate_population(problem, pop)
+    costs = penalised_cost(problem, step, mem)
+    runs = np.all(np.diff(pop, axis=1) >= 0, axis=1)  # splits of the topological order
+    monotone = np.all(pop[:, problem.edge_src] <= pop[:, problem.edge_dst], axis=1)
+    optimum = costs.min()
+    assert costs[monotone].min() == pytest.approx(optimum)  # a pipeline reaches it ...
+    assert optimum < 0.95 * costs[runs].min()  # ... with the branches on two devices
+    result = tga(problem, TGAConfig(seed=0, max_evaluations=400))
+    assert result.cost_s == pytest.approx(optimum, rel=1e-12)
+
+
+def test_tga_stops_within_its_time_budget():
+    problem = build_problem(random_dag(150, seed=4), toy_cluster(devices=8),
+                            PlacementOptions(micro_batches=4))
+    result = tga(problem, TGAConfig(seed=0, max_evaluations=10**6, time_budget_s=0.8))
+    assert 0 < result.search_time_s <= 0.8
+    assert result.evaluations > 48
+
+
+def test_search_baselines_get_exactly_the_evaluations_tga_used():
+    from ms_efficient.parallel.place_bench import run_methods
+
+    problem = build_problem(random_dag(40, seed=6), toy_cluster(devices=4),
+                            PlacementOptions(micro_batches=2))
+    out = run_methods(problem, ["tga", "ga-single", "hierarchical"], 150, 60.0, seed=0)
+    assert out["tga"].evaluations == 150
+    assert out["ga-single"].evaluations == out["hierarchical"].evaluations == 150
+
+
+def test_bench_summary_reports_each_micro_batch_count_separately():
+    from ms_efficient.parallel.place_bench import summarise
+
+    def row(method, m, step):
+        return {"workload": "w", "devices": 4, "micro_batches": m, "method": method,
+                "step_time_s": step}
+
+    rows = [row("tga", 1, 1.0), row("m-etf", 1, 1.0), row("m-topo", 1, 2.0),
+            row("tga", 8, 0.5), row("m-etf", 8, 1.0), row("m-topo", 8, 0.8)]
+    value = {r["metric"]: r["value"] for r in summarise(rows)}
+    assert value["tga / best Baechi (geomean, M=1)"] == pytest.approx(1.0)
+    assert value["tga / best Baechi (geomean, M=8)"] == pytest.approx(0.5 / 0.8)
+    assert value["tga / best Baechi (geomean)"] == pytest.approx((0.5 / 0.8) ** 0.5)

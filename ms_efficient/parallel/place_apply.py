@@ -16,8 +16,12 @@ Plan YAML (``kind: place``, version 1)::
     assignment: {node name: device}
     parallel_config: {pipeline_stage: 4, micro_batch_num: 8}   # MindFormers shape
 
-Stages are the used devices ordered by the topological position of their first operator,
-so stage ids follow the dataflow as MindSpore's ``pipeline_stage`` expects.
+Stages are the used devices in a topological order of the device graph (an edge d -> d'
+when data flows from d to d'; ties by the position of each device's first operator), so
+stage ids follow the dataflow as MindSpore's ``pipeline_stage`` expects; parallel
+branches may sit on devices of the same pipeline. When devices feed each other in a cycle
+(a fine-grained model-parallel plan, not a pipeline) the stages fall back to the order of
+first use and ``meta.pipeline`` is false.
 ``apply_pipeline_stages`` imports nothing from MindSpore: it only walks
 ``network.cells_and_names()`` and sets ``cell.pipeline_stage``.
 """
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
@@ -73,18 +77,42 @@ class PlacementPlan:
         }
 
 
-def make_plan(problem: PlacementProblem, unit_assign: np.ndarray, method: str,
-              scopes: Dict[str, str] = None, meta: Dict[str, Any] = None) -> PlacementPlan:
-    """Simulate ``unit_assign`` ([U] devices) and describe it as a plan."""
-    cost = simulate_placement(problem, unit_assign)
-    assignment = problem.node_assignment(unit_assign)
+def _device_stages(problem: PlacementProblem, unit_assign: np.ndarray) -> Tuple[List[int], bool]:
+    """(used devices in stage order, True when the device graph is acyclic)."""
+    first_use: List[int] = []
+    for u in range(problem.num_units):
+        if int(unit_assign[u]) not in first_use:
+            first_use.append(int(unit_assign[u]))
+    rank = {d: i for i, d in enumerate(first_use)}
+    src, dst = unit_assign[problem.edge_src], unit_assign[problem.edge_dst]
+    flows = {(int(a), int(b)) for a, b in zip(src, dst) if a != b}
+    waiting = Counter(b for _, b in flows)
+    ready = sorted((rank[d] for d in first_use if not waiting[d]))
     order: List[int] = []
-    for u in range(problem.num_units):  # devices by first use in topological order
-        if int(unit_assign[u]) not in order:
-            order.append(int(unit_assign[u]))
-    stage_of_device = {d: s for s, d in enumerate(order)}
+    while ready:  # Kahn's algorithm, earliest first use first
+        d = first_use[ready.pop(0)]
+        order.append(d)
+        for a, b in flows:
+            if a == d:
+                waiting[b] -= 1
+                if not waiting[b]:
+                    ready = sorted(ready + [rank[b]])
+    if len(order) < len(first_use):
+        return first_use, False
+    return order, True
+
+
+def make_plan(problem: PlacementProblem, unit_assign: np.ndarray, method: str,
+              scopes: Dict[str, str] = None, meta: Dict[str, Any] = None,
+              order=None) -> PlacementPlan:
+    """Simulate ``unit_assign`` ([U] devices, run in program ``order``, default the unit
+    numbering) and describe it as a plan."""
+    cost = simulate_placement(problem, unit_assign, order=order)
+    assignment = problem.node_assignment(unit_assign)
+    stage_devices, pipeline = _device_stages(problem, unit_assign)
+    stage_of_device = {d: s for s, d in enumerate(stage_devices)}
     stages = []
-    for d in order:
+    for d in stage_devices:
         units = np.flatnonzero(unit_assign == d)
         ops = int(np.isin(problem.unit_of_node, units).sum())
         stages.append({"stage": stage_of_device[d], "device": d, "ops": ops,
@@ -98,7 +126,8 @@ def make_plan(problem: PlacementProblem, unit_assign: np.ndarray, method: str,
                          peak_memory_bytes=cost.peak_memory_bytes.tolist(),
                          assignment=assignment, stage_of_device=stage_of_device, stages=stages,
                          scopes=dict(scopes or {}),
-                         meta={"feasible": cost.feasible, "evidence": "simulated", **(meta or {})})
+                         meta={"feasible": cost.feasible, "evidence": "simulated",
+                               "pipeline": pipeline, **(meta or {})})
 
 
 def save_plan(plan: PlacementPlan, path: str) -> None:

@@ -23,19 +23,23 @@ written here from the paper's description, on the same units as TGA:
 
 Baechi schedules a single batch: a unit costs p = fwd_s + bwd_s and a cut edge
 c = 2 x (alpha + bytes * beta) (activation forward, gradient back). Every result goes through
-the same ``repair`` as TGA's children, then the shared cost model judges it.
+the same ``repair`` as TGA's children, then the shared cost model judges it. m-ETF and
+m-SCT also fix the order in which each device runs its units (the list schedule); the
+``*_plan`` functions return it so the cost model can run their plans in their own order
+(``simulate_placement(..., order=...)``) rather than in the topological index order.
 """
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ms_efficient.parallel.place_operators import repair
 from ms_efficient.parallel.place_problem import PlacementProblem
 
-__all__ = ["contiguous", "round_robin", "m_topo", "m_etf", "m_sct", "sct_favourite_children"]
+__all__ = ["contiguous", "round_robin", "m_topo", "m_etf", "m_sct", "m_etf_plan", "m_sct_plan",
+           "sct_favourite_children"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +49,14 @@ def round_robin(problem: PlacementProblem) -> np.ndarray:
     return repair(problem, np.arange(problem.num_units) % problem.num_devices)
 
 
-def contiguous(problem: PlacementProblem) -> np.ndarray:
-    """[U] split of the topological order into at most D runs minimising the largest run's
-    compute (fwd + bwd seconds) under device memory: binary search on the bound T, greedy
-    fill for each T (exact for this min-max linear partition)."""
+def contiguous(problem: PlacementProblem, stages: Optional[int] = None) -> np.ndarray:
+    """[U] split of the topological order into at most ``stages`` (default D) runs
+    minimising the largest run's compute (fwd + bwd seconds) under device memory: binary
+    search on the bound T, greedy fill for each T (exact for this min-max linear
+    partition)."""
     p = problem.fwd_s + problem.bwd_s
-    mem, cap, d_count = problem.static_bytes, problem.capacity_bytes[0], problem.num_devices
+    mem, cap = problem.static_bytes, problem.capacity_bytes[0]
+    d_count = min(stages or problem.num_devices, problem.num_devices)
 
     def split(bound: float) -> Optional[np.ndarray]:
         out = np.zeros(problem.num_units, dtype=np.int64)
@@ -100,8 +106,10 @@ def _comm_s(problem: PlacementProblem) -> np.ndarray:
                 * problem.inv_bw_s_per_B[None])
 
 
-def _list_schedule(problem: PlacementProblem, favourite_parent: Optional[np.ndarray]) -> np.ndarray:
-    """ETF list scheduling under memory; with ``favourite_parent`` [U] (-1: none) it is SCT."""
+def _list_schedule(problem: PlacementProblem,
+                   favourite_parent: Optional[np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
+    """ETF list scheduling under memory; with ``favourite_parent`` [U] (-1: none) it is SCT.
+    Returns ([U] device per unit, [U] units in the order they were scheduled)."""
     p = problem.fwd_s + problem.bwd_s
     comm = _comm_s(problem)
     u_count, d_count = problem.num_units, problem.num_devices
@@ -112,6 +120,7 @@ def _list_schedule(problem: PlacementProblem, favourite_parent: Optional[np.ndar
     waiting = np.diff(problem.in_indptr).copy()
     ready = [u for u in range(u_count) if waiting[u] == 0]
     dev = np.full(u_count, -1, dtype=np.int64)
+    order: List[int] = []
     finish = np.zeros(u_count)
     avail = np.zeros(d_count)
     used = np.zeros(d_count)
@@ -138,6 +147,7 @@ def _list_schedule(problem: PlacementProblem, favourite_parent: Optional[np.ndar
                 best = (float(start[d]), u, d)
         t, u, d = best
         dev[u], finish[u] = d, t + p[u]
+        order.append(u)
         avail[d] = finish[u]
         used[d] += problem.static_bytes[u]
         ready.remove(u)
@@ -146,12 +156,18 @@ def _list_schedule(problem: PlacementProblem, favourite_parent: Optional[np.ndar
             waiting[v] -= 1
             if waiting[v] == 0:
                 ready.append(v)
-    return dev
+    return dev, np.array(order, dtype=np.int64)
+
+
+def m_etf_plan(problem: PlacementProblem) -> Tuple[np.ndarray, np.ndarray]:
+    """([U] Baechi m-ETF placement, [U] its list-schedule order of the units)."""
+    dev, order = _list_schedule(problem, None)
+    return repair(problem, dev), order
 
 
 def m_etf(problem: PlacementProblem) -> np.ndarray:
     """[U] Baechi m-ETF placement (see module docstring)."""
-    return repair(problem, _list_schedule(problem, None))
+    return m_etf_plan(problem)[0]
 
 
 def sct_favourite_children(problem: PlacementProblem) -> np.ndarray:
@@ -216,6 +232,12 @@ def sct_favourite_children(problem: PlacementProblem) -> np.ndarray:
     return fav_parent
 
 
+def m_sct_plan(problem: PlacementProblem) -> Tuple[np.ndarray, np.ndarray]:
+    """([U] Baechi m-SCT placement, [U] its list-schedule order of the units)."""
+    dev, order = _list_schedule(problem, sct_favourite_children(problem))
+    return repair(problem, dev), order
+
+
 def m_sct(problem: PlacementProblem) -> np.ndarray:
     """[U] Baechi m-SCT placement (see module docstring)."""
-    return repair(problem, _list_schedule(problem, sct_favourite_children(problem)))
+    return m_sct_plan(problem)[0]

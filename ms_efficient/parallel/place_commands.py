@@ -30,9 +30,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_ints(text: str) -> List[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be positive integers separated by commas, "
+                                         f"but got {text!r}")
+    return sorted(set(values))
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--micro-batches", type=_positive_int, default=8,
-                        help="GPipe micro-batches per step (1 = plain model parallelism)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-budget", type=float, default=60.0,
                         help="seconds per search (TGA, GA, Hierarchical)")
@@ -51,8 +60,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--evaluations", type=_positive_int, default=4000,
                         help="cost evaluations for the search methods")
     parser.add_argument("--contiguous", action="store_true",
-                        help="require contiguous pipeline stages")
+                        help="require pipeline stages (data flows only to the same or a "
+                             "later device)")
     parser.add_argument("--out", required=True, help="plan YAML to write")
+    parser.add_argument("--micro-batches", type=_positive_int, default=8,
+                        help="GPipe micro-batches per step (1 = plain model parallelism)")
     _common(parser)
 
 
@@ -99,17 +111,18 @@ def run_plan(args: argparse.Namespace) -> int:
     from ms_efficient.parallel.place_bench import run_methods
     from ms_efficient.parallel.place_problem import PlacementOptions, build_problem
 
+    t0 = time.perf_counter()
     graph = _load_graph(args.source)
     cluster = _load_cluster(args.cluster, args.devices)
     problem = build_problem(graph, cluster, PlacementOptions(
         micro_batches=args.micro_batches, contiguous=args.contiguous))
     result = run_methods(problem, [args.method], args.evaluations, args.time_budget,
-                         args.seed)[args.method]
+                         args.seed, spent_s=time.perf_counter() - t0)[args.method]
     plan = make_plan(problem, result.assign, args.method,
                      scopes={n.name: n.scope for n in graph if n.scope},
                      meta={"search_time_s": result.search_time_s,
                            "evaluations": result.evaluations, "seed": args.seed,
-                           "units": problem.num_units})
+                           "units": problem.num_units}, order=result.order)
     save_plan(plan, args.out)
     print(f"{args.method}: {len(graph)} ops in {problem.num_units} units on "
           f"{len(plan.stages)}/{cluster.num_devices} devices of {cluster.name}")
@@ -134,6 +147,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the 10k-operator scaling run of the full benchmark")
     parser.add_argument("--plot", help="convergence plot PNG (default: next to --json)")
     parser.add_argument("--json", required=True, help="write rows here")
+    parser.add_argument("--micro-batches", type=_positive_ints, default=[1, 8],
+                        metavar="M[,M...]",
+                        help="GPipe micro-batch counts to run every case at (default 1,8: "
+                             "1 is the single-batch setting Baechi's m-ETF/m-SCT schedule "
+                             "for, 8 a pipelined step)")
     _common(parser)
 
 
@@ -180,23 +198,27 @@ def run_bench(args: argparse.Namespace) -> int:
     traces: Dict[str, dict] = {}
     for name, graph in _workloads(args):
         for devices in device_counts:
-            logger.info("bench place: %s on %d devices", name, devices)
-            got, results = bench_workload(graph, name, devices, METHODS, evaluations,
-                                          args.time_budget, args.seed, args.micro_batches)
-            rows += got
-            traces[f"{name} / {devices} dev"] = {m: results[m] for m in
-                                                 ("tga", "ga-single", "hierarchical")}
+            for micro_batches in args.micro_batches:
+                logger.info("bench place: %s on %d devices, %d micro-batches", name, devices,
+                            micro_batches)
+                got, results = bench_workload(graph, name, devices, METHODS, evaluations,
+                                              args.time_budget, args.seed, micro_batches)
+                rows += got
+                traces[f"{name} / {devices} dev / M={micro_batches}"] = {
+                    m: results[m] for m in ("tga", "ga-single", "hierarchical")}
     if not args.quick and not args.no_scaling:  # search-time scaling: TGA on ~10k ops
+        t_graph = time.perf_counter()
         graph = transformer_graph(TRANSFORMER_CONFIGS["moe-10k-ops"], "moe-10k-ops")
-        devices = args.devices or 8
+        graph_s = time.perf_counter() - t_graph
+        devices, micro_batches = args.devices or 8, max(args.micro_batches)
         got, results = bench_workload(graph, "moe-10k-ops", devices, ["tga", "m-topo",
-                                      "contiguous"], 100000, args.time_budget, args.seed,
-                                      args.micro_batches)
+                                      "contiguous"], 10**6, args.time_budget, args.seed,
+                                      micro_batches, graph_s=graph_s)
         rows += got
-        traces[f"moe-10k-ops / {devices} dev"] = {"tga": results["tga"]}
+        traces[f"moe-10k-ops / {devices} dev / M={micro_batches}"] = {"tga": results["tga"]}
     summary = summarise(rows)
-    columns = ["workload", "devices", "method", "step_time_s", "peak_memory_bytes",
-               "search_time_s", "evaluations", "devices_used", "feasible"]
+    columns = ["workload", "devices", "micro_batches", "method", "step_time_s",
+               "peak_memory_bytes", "search_time_s", "evaluations", "devices_used", "feasible"]
     print(markdown_table(rows, columns))
     print()
     print(markdown_table(summary))

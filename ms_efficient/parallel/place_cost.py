@@ -3,7 +3,12 @@
 Execution model (one training step, GPipe schedule with M micro-batches):
 - Each device runs its units in a fixed program order: the forwards of micro-batch 0 in
   topological order, then of micro-batch 1, ..., then the backwards of micro-batch 0 in
-  reverse topological order, and so on. A unit's forward lasts fwd_s / M, its backward
+  reverse topological order, and so on. The topological order is the unit numbering,
+  unless a plan brings its own (``simulate_placement(..., order=...)``, e.g. the list
+  schedule of Baechi's m-ETF/m-SCT). A consequence: devices that feed each other in a
+  cycle (a -> b -> a) cannot run ahead of each other (a starts micro-batch m + 1 only
+  after its part of m, which waits on b), so micro-batches overlap between the devices of
+  a pipeline, not inside such a cycle. A unit's forward lasts fwd_s / M, its backward
   bwd_s / M seconds.
 - A cut edge (u -> v, devices a != b) sends bytes / M over the directed link a -> b after
   u's forward, and the gradient (same bytes) over b -> a after v's backward. Each directed
@@ -50,7 +55,8 @@ def memory_by_device(problem: PlacementProblem, assign: np.ndarray) -> np.ndarra
     return mem if np.ndim(assign) == 2 else mem[0]
 
 
-def evaluate_population(problem: PlacementProblem, assign: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+def evaluate_population(problem: PlacementProblem,
+                        assign: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """Step makespan of each placement, vectorised over the population.
 
     Args:
@@ -58,59 +64,61 @@ def evaluate_population(problem: PlacementProblem, assign: np.ndarray) -> Tuple[
     Returns:
         step_s: [P] seconds of one training step (forward + backward, M micro-batches).
         mem: [P, D] peak resident bytes per device.
+
+    The Python loop runs over units and edges (M times per phase); every step works on all
+    P individuals at once, so one call with a few hundred rows costs little more than one
+    with a few: callers should batch. State lives in flat arrays indexed by
+    ``individual * D + device`` (compute streams) and ``individual * D^2 + link`` (links).
+    An uncut edge uses the diagonal "link" d -> d, whose alpha and beta are 0 and whose free
+    time never exceeds the device's (the device is serial), so it passes ``end`` through
+    unchanged and needs no masking.
     """
     a = np.atleast_2d(np.asarray(assign, dtype=np.int64))
     p_count, u_count = a.shape
     d_count, m_count = problem.num_devices, problem.micro_batches
-    rows = np.arange(p_count)
-    lat = problem.latency_s.ravel()
-    inv_bw = problem.inv_bw_s_per_B.ravel()
     fwd, bwd = (problem.fwd_s / m_count).tolist(), (problem.bwd_s / m_count).tolist()
     e_src, e_dst = problem.edge_src.tolist(), problem.edge_dst.tolist()
-    e_bytes = (problem.edge_bytes / m_count).tolist()
     out_ptr, in_ptr = problem.out_indptr.tolist(), problem.in_indptr.tolist()
     in_edges = problem.in_edges.tolist()
-    cols = [a[:, u] for u in range(u_count)]
-    dev_free = np.zeros((p_count, d_count))
-    link_free = np.zeros((p_count, d_count * d_count))
-    # Per edge, the link id and its alpha-beta time for every individual (fwd direction
-    # a->b and gradient direction b->a), computed once.
-    links_f, links_b, dur_f, dur_b, cross = [], [], [], [], []
-    for e, (s, d) in enumerate(zip(e_src, e_dst)):
-        lf, lb = cols[s] * d_count + cols[d], cols[d] * d_count + cols[s]
-        links_f.append(lf)
-        links_b.append(lb)
-        dur_f.append(lat[lf] + e_bytes[e] * inv_bw[lf])
-        dur_b.append(lat[lb] + e_bytes[e] * inv_bw[lb])
-        cross.append(cols[s] != cols[d])
+    a_t = a.T                                                           # [U, P]
+    dev_idx = list(a_t + (np.arange(p_count) * d_count)[None])         # U x [P]
+    # Per edge, the link id and its alpha-beta time for every individual (forward a -> b,
+    # gradient b -> a), computed once: [E, P].
+    lat, inv_bw = problem.latency_s.ravel(), problem.inv_bw_s_per_B.ravel()
+    e_bytes = (problem.edge_bytes / m_count)[:, None]
+    link_f = a_t[problem.edge_src] * d_count + a_t[problem.edge_dst]
+    link_b = a_t[problem.edge_dst] * d_count + a_t[problem.edge_src]
+    dur_f = list(lat[link_f] + e_bytes * inv_bw[link_f])
+    dur_b = list(lat[link_b] + e_bytes * inv_bw[link_b])
+    base_l = (np.arange(p_count) * d_count * d_count)[None]
+    idx_f, idx_b = list(link_f + base_l), list(link_b + base_l)
+    dev_free = np.zeros(p_count * d_count)
+    link_free = np.zeros(p_count * d_count * d_count)
+    zero = np.zeros(p_count)
+    take, put, maximum = np.take, np.put, np.maximum
     # Step 1: forwards, micro-batch-major, topological order inside.
     for _ in range(m_count):
-        ready = np.zeros((p_count, u_count))
+        ready = [zero] * u_count
         for u in range(u_count):
-            du = cols[u]
-            end = np.maximum(dev_free[rows, du], ready[:, u]) + fwd[u]
-            dev_free[rows, du] = end
+            end = maximum(take(dev_free, dev_idx[u]), ready[u]) + fwd[u]
+            put(dev_free, dev_idx[u], end)
             for e in range(out_ptr[u], out_ptr[u + 1]):
-                lk, c = links_f[e], cross[e]
-                t_end = np.maximum(end, link_free[rows, lk]) + dur_f[e]
-                link_free[rows, lk] = np.where(c, t_end, link_free[rows, lk])
-                v = e_dst[e]
-                ready[:, v] = np.maximum(ready[:, v], np.where(c, t_end, end))
+                t_end = maximum(take(link_free, idx_f[e]), end) + dur_f[e]
+                put(link_free, idx_f[e], t_end)
+                ready[e_dst[e]] = maximum(ready[e_dst[e]], t_end)
     # Step 2: backwards, micro-batch-major, reverse topological order inside.
     for _ in range(m_count):
-        ready = np.zeros((p_count, u_count))
+        ready = [zero] * u_count
         for u in range(u_count - 1, -1, -1):
-            du = cols[u]
-            end = np.maximum(dev_free[rows, du], ready[:, u]) + bwd[u]
-            dev_free[rows, du] = end
+            end = maximum(take(dev_free, dev_idx[u]), ready[u]) + bwd[u]
+            put(dev_free, dev_idx[u], end)
             for k in range(in_ptr[u], in_ptr[u + 1]):
                 e = in_edges[k]
-                lk, c = links_b[e], cross[e]
-                t_end = np.maximum(end, link_free[rows, lk]) + dur_b[e]
-                link_free[rows, lk] = np.where(c, t_end, link_free[rows, lk])
-                w = e_src[e]
-                ready[:, w] = np.maximum(ready[:, w], np.where(c, t_end, end))
-    step = np.maximum(dev_free.max(axis=1), link_free.max(axis=1))
+                t_end = maximum(take(link_free, idx_b[e]), end) + dur_b[e]
+                put(link_free, idx_b[e], t_end)
+                ready[e_src[e]] = maximum(ready[e_src[e]], t_end)
+    step = np.maximum(dev_free.reshape(p_count, -1).max(axis=1),
+                      link_free.reshape(p_count, -1).max(axis=1))
     return step, memory_by_device(problem, a)
 
 
@@ -137,12 +145,31 @@ class PlacementCost:
     busy_s: Dict[str, float]
 
 
-def simulate_placement(problem: PlacementProblem, assign: np.ndarray) -> PlacementCost:
-    """Simulate one step of the [U] unit assignment ``assign`` with the shared Simulator."""
+def _check_order(problem: PlacementProblem, order) -> List[int]:
+    """[U] program order as a list; ValueError unless it is a topological permutation."""
+    if order is None:
+        return list(range(problem.num_units))
+    order = np.asarray(order, dtype=np.int64)
+    if sorted(order.tolist()) != list(range(problem.num_units)):
+        raise ValueError(f"'order' must be a permutation of the {problem.num_units} units.")
+    pos = np.empty(problem.num_units, dtype=np.int64)
+    pos[order] = np.arange(problem.num_units)
+    if (pos[problem.edge_src] > pos[problem.edge_dst]).any():
+        raise ValueError("'order' must list every unit after its predecessors.")
+    return order.tolist()
+
+
+def simulate_placement(problem: PlacementProblem, assign: np.ndarray,
+                       order=None) -> PlacementCost:
+    """Simulate one step of the [U] unit assignment ``assign`` with the shared Simulator.
+
+    order: [U] units in the order devices run their forwards (a topological order; the
+    backwards run in reverse); None is the unit numbering, as ``evaluate_population``."""
     a = np.asarray(assign, dtype=np.int64)
     if a.shape != (problem.num_units,) or a.min() < 0 or a.max() >= problem.num_devices:
         raise ValueError(f"assignment must be [{problem.num_units}] device ids in "
                          f"[0, {problem.num_devices}), but got shape {a.shape}.")
+    program = _check_order(problem, order)
     m_count = problem.micro_batches
     sim = Simulator()
     dev = [f"dev{d}" for d in range(problem.num_devices)]
@@ -166,7 +193,7 @@ def simulate_placement(problem: PlacementProblem, assign: np.ndarray) -> Placeme
     fwd_id: Dict[Tuple[int, int], int] = {}
     recv: Dict[Tuple[int, int], List[int]] = {}  # (m, v) -> transfer ids into v
     for m in range(m_count):
-        for u in range(problem.num_units):
+        for u in program:
             du = int(a[u])
             deps = recv.pop((m, u), [])
             fwd_id[m, u] = task(f"f{m}:{u}", f"{dev[du]}.compute", problem.fwd_s[u] / m_count,
@@ -183,7 +210,7 @@ def simulate_placement(problem: PlacementProblem, assign: np.ndarray) -> Placeme
                 recv.setdefault((m, v), []).append(tid)
     grad: Dict[Tuple[int, int], List[int]] = {}
     for m in range(m_count):
-        for u in range(problem.num_units - 1, -1, -1):
+        for u in reversed(program):
             du = int(a[u])
             freed = problem.act_bytes[u] / m_count
             for k in range(problem.in_indptr[u], problem.in_indptr[u + 1]):

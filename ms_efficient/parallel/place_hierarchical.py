@@ -8,23 +8,23 @@ Simplifications (stated, not hidden): the Grouper is, as in the paper, a feed-fo
 softmax over unit features (here one linear layer); the paper's Placer is a seq2seq LSTM
 with attention over group embeddings, here a linear softmax over [mean member features,
 one-hot group id] per group; optimiser Adam. Sampled plans go through the same repair as
-TGA's children and are scored by the same cost model; the budget is counted in cost
-evaluations, so it gets exactly as many as TGA.
+TGA's children and are scored by the same cost model through the same
+``place_search.Evaluator``: the budget counts distinct placements scored (a plan sampled
+again is answered from the cache, as for TGA), so it gets exactly as many as TGA. A
+policy that keeps sampling known plans stops after ``10 x max_evaluations`` samples.
 """
 from __future__ import annotations
 
 import logging
-import time
 import zlib
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
-from ms_efficient.parallel.place_cost import evaluate_population, penalised_cost
 from ms_efficient.parallel.place_operators import repair
 from ms_efficient.parallel.place_problem import PlacementProblem
-from ms_efficient.parallel.place_tga import SearchResult, TracePoint
+from ms_efficient.parallel.place_search import Evaluator, SearchResult, TracePoint
 
 __all__ = ["HierarchicalConfig", "hierarchical"]
 
@@ -96,7 +96,7 @@ def hierarchical(problem: PlacementProblem, config: Optional[HierarchicalConfig]
     """
     cfg = config or HierarchicalConfig()
     rng = np.random.default_rng(cfg.seed)
-    t0 = time.perf_counter()
+    ev = Evaluator(problem, cfg.max_evaluations, cfg.time_budget_s)
     u_count, d_count = problem.num_units, problem.num_devices
     g_count = cfg.groups or min(u_count, max(4 * d_count, 16))
     feats = _features(problem, op_types or problem.unit_names)
@@ -105,10 +105,10 @@ def hierarchical(problem: PlacementProblem, config: Optional[HierarchicalConfig]
     w_place = rng.normal(0, 0.1, (f_dim + g_count, d_count))
     opt_g, opt_p = _Adam(w_group.shape, cfg.lr), _Adam(w_place.shape, cfg.lr)
     baseline: Optional[float] = None
-    best_x, best_c, used, trace = None, np.inf, 0, []
+    best_x, best_c, sampled, trace = None, np.inf, 0, []
     eye_g = np.eye(g_count)
-    while used < cfg.max_evaluations and time.perf_counter() - t0 < cfg.time_budget_s:
-        b = min(cfg.batch, cfg.max_evaluations - used)
+    while ev.left() > 0 and sampled < 10 * cfg.max_evaluations:
+        b = cfg.batch
         # Step 1: sample groups for every unit, then a device for every group.
         p_group = _softmax(feats @ w_group)                           # [U, G]
         groups = _sample(np.broadcast_to(p_group, (b, u_count, g_count)), rng)  # [B, U]
@@ -119,13 +119,19 @@ def hierarchical(problem: PlacementProblem, config: Optional[HierarchicalConfig]
         p_place = _softmax(h @ w_place)                                # [B, G, D]
         devices = _sample(p_place, rng)                                # [B, G]
         plans = np.stack([repair(problem, devices[i][groups[i]]) for i in range(b)])
-        step, mem = evaluate_population(problem, plans)
-        costs = penalised_cost(problem, step, mem)
-        used += b
+        costs = ev.evaluate(plans)
+        sampled += b
+        scored = np.isfinite(costs)  # plans past the budget get no reward
+        if not scored.any():
+            break
         k = int(np.argmin(costs))
         if costs[k] < best_c:
             best_x, best_c = plans[k].copy(), float(costs[k])
-        trace.append(TracePoint(used, time.perf_counter() - t0, best_c, best_c, best_c))
+        trace.append(TracePoint(ev.used, ev.elapsed_s, best_c, best_c, best_c))
+        if not scored.all():  # the last batch: learn from the scored plans only
+            b = int(scored.sum())
+            onehot_g, devices, h = onehot_g[scored], devices[scored], h[scored]
+            p_place, sizes, costs = p_place[scored], sizes[scored], costs[scored]
         # Step 2: REINFORCE with an EMA baseline on reward -sqrt(seconds).
         reward = -np.sqrt(costs)
         baseline = reward.mean() if baseline is None else baseline
@@ -140,7 +146,6 @@ def hierarchical(problem: PlacementProblem, config: Optional[HierarchicalConfig]
         p_grad = np.einsum("bgf,bgd->fd", h, resid) / b
         opt_g.step(w_group, g_grad)
         opt_p.step(w_place, p_grad)
-    elapsed = time.perf_counter() - t0
-    logger.info("hierarchical %s: %d evaluations, %.2f s, best %.6g s", problem.name, used,
-                elapsed, best_c)
-    return SearchResult("hierarchical", best_x, best_c, used, elapsed, trace)
+    logger.info("hierarchical %s: %d evaluations (%d samples), %.2f s, best %.6g s",
+                problem.name, ev.used, sampled, ev.elapsed_s, best_c)
+    return SearchResult("hierarchical", best_x, best_c, ev.used, ev.elapsed_s, trace)

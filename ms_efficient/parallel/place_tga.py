@@ -2,43 +2,56 @@
 
 Two populations with different roles search the same chromosome space ([U] device ids):
 
-- exploit (``pop_exploit`` individuals): tournament selection of size 4 (strong pressure),
-  two-point crossover along the topological order, gentle mutation (a few units take a
-  neighbour's device), (mu + lambda) survival of the best, and a best-improvement local
-  search over boundary moves on its champion every ``local_search_every`` generations.
-- explore (``pop_explore``): binary tournaments, high mutation (per-gene rate
-  ``explore_mutation`` plus whole-run block moves), generational replacement keeping one
-  elite, so it stays diverse.
-- every ``migrate_every`` generations the best ``migrants`` of explore replace the worst of
-  exploit, and exploit's champion replaces a random explorer.
+- exploit (``pop_exploit`` individuals) refines: tournaments of size 4 (strong pressure),
+  (mu + lambda) survival of the best distinct individuals, and a local search
+  (place_local) on its champion every ``local_search_every`` generations until the
+  champion is a local optimum. A child stays in its parents' class: pipelines (monotone
+  placements, see place_operators) get stage-boundary or two-point crossover, boundary
+  moves and sibling spreads inside a stage range, and are repaired into pipeline order;
+  other placements (e.g. experts spread over all devices, the layout that wins with one
+  micro-batch) get two-point crossover, boundary or neighbour moves and free spreads.
+- explore (``pop_explore``) searches all placements: binary tournaments, two-point
+  crossover, per-gene mutation at an adaptive rate (the 1/5 success rule: the rate grows
+  by ``adapt`` while more than a fifth of the children beat their parent, and shrinks
+  otherwise, within [1/U, 0.5]), block moves and sibling spreads, generational
+  replacement keeping one elite, so it stays diverse.
+- every ``migrate_every`` generations the best ``migrants`` explorers that exploit does
+  not already hold replace exploit's worst, and exploit's champion, if explore lacks it,
+  replaces a random explorer.
 
-Every child is repaired (place_operators.repair) before evaluation. The exploit population
-starts from the min-max contiguous split (``place_baselines.contiguous``), balanced
-contiguous splits over 1..D devices and random contiguous splits; the
-explore population from uniform random assignments. The search stops at ``max_evaluations``
-cost evaluations or ``time_budget_s`` seconds, whichever comes first. Same seed, same
-inputs -> same result (the time budget is the only source of run-to-run difference; set it
-generously to reproduce exactly).
+Every child is repaired (place_operators.repair) and both populations' children are
+scored in one cost-model call per generation (one call of a few dozen rows costs about
+as much as one row). Starting points (``_initial``) are structural heuristics, not other
+planners' answers: min-max contiguous splits (``place_baselines.contiguous``) over D,
+D-1, ... devices, the same with parallel siblings spread over all devices, balanced and
+random contiguous splits for exploit; uniform random placements and spread random splits
+for explore. The search stops at ``max_evaluations`` distinct evaluations, when the next
+step would overrun ``time_budget_s`` (place_search.Evaluator), or after ``patience``
+generations that met no new placement (a small space is exhausted). Same seed, same
+inputs -> same result, as long as the time budget does not bind.
 
-``ga_single`` is the single-population baseline with the same operators, budget and repair:
-one population of ``pop_exploit + pop_explore``, binary tournaments, crossover, per-gene
-mutation 1/U, generational replacement with one elite, no local search, no migration.
+``ga_single`` is the single-population baseline with the same budget, seeds and repair:
+one population of ``pop_exploit + pop_explore``, binary tournaments, two-point crossover,
+per-gene mutation 1/U, generational replacement with one elite, no local search.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional
 
 import numpy as np
 
-from ms_efficient.parallel.place_cost import evaluate_population, penalised_cost
-from ms_efficient.parallel.place_operators import (balanced_contiguous, crossover_two_point,
-                                                   local_search, mutate_block,
+from ms_efficient.parallel.place_local import local_search
+from ms_efficient.parallel.place_operators import (balanced_contiguous, crossover_stages,
+                                                   crossover_two_point, is_monotone,
+                                                   mutate_block, mutate_boundary,
                                                    mutate_neighbours, mutate_points,
-                                                   random_contiguous, repair)
+                                                   mutate_spread, random_contiguous, repair,
+                                                   spread_all)
 from ms_efficient.parallel.place_problem import PlacementProblem
+from ms_efficient.parallel.place_search import Evaluator, SearchResult, TracePoint
 
 __all__ = ["TGAConfig", "SearchResult", "TracePoint", "tga", "ga_single"]
 
@@ -56,64 +69,27 @@ class TGAConfig:
     pop_explore: int = 24
     tournament_exploit: int = 4
     crossover_rate: float = 0.9
-    explore_mutation: float = 0.08  # per gene: high, keeps explore diverse
+    explore_mutation: float = 0.08  # starting per-gene rate of explore; adapted
+    adapt: float = 1.25             # factor of the 1/5 success rule
+    spread_rate: float = 0.2        # share of children whose mutation spreads siblings
     migrate_every: int = 5
     migrants: int = 2
-    local_search_every: int = 3
-    local_search_budget: int = 64   # evaluations per local-search call
+    local_search_every: int = 2
+    local_search_budget: int = 128  # evaluations per local-search call
+    local_search_batch: int = 64    # moves scored per cost-model call
+    patience: int = 25              # generations without a new placement before stopping
 
     def __post_init__(self) -> None:
-        for key in ("max_evaluations", "pop_exploit", "pop_explore", "migrate_every"):
+        for key in ("max_evaluations", "migrate_every", "local_search_every",
+                    "local_search_batch", "patience"):
             if getattr(self, key) < 1:
                 raise ValueError(f"'{key}' must be >= 1, but got {getattr(self, key)}.")
         if self.pop_exploit < 4 or self.pop_explore < 4:
             raise ValueError("'pop_exploit' and 'pop_explore' must be >= 4.")
         if self.time_budget_s <= 0:
             raise ValueError(f"'time_budget_s' must be > 0, but got {self.time_budget_s}.")
-
-
-@dataclass
-class TracePoint:
-    """Best penalised step seconds after ``evaluations`` evaluations / ``elapsed_s``."""
-
-    evaluations: int
-    elapsed_s: float
-    best_s: float
-    exploit_best_s: float
-    explore_best_s: float
-
-
-@dataclass
-class SearchResult:
-    """A planner's answer. assign: [U] device per unit; cost_s: penalised step seconds (fast
-    evaluator); trace: convergence; evaluations: cost evaluations spent; search_time_s."""
-
-    method: str
-    assign: np.ndarray
-    cost_s: float
-    evaluations: int
-    search_time_s: float
-    trace: List[TracePoint] = field(default_factory=list)
-
-
-class _Budget:
-    """Counts evaluations and wall time; ``evaluate`` returns penalised costs [P]."""
-
-    def __init__(self, problem: PlacementProblem, max_evaluations: int, time_budget_s: float):
-        self.problem, self.max_evals, self.deadline = problem, max_evaluations, time_budget_s
-        self.used, self.t0 = 0, time.perf_counter()
-
-    def evaluate(self, pop: np.ndarray) -> np.ndarray:
-        step, mem = evaluate_population(self.problem, pop)
-        self.used += len(pop)
-        return penalised_cost(self.problem, step, mem)
-
-    @property
-    def elapsed_s(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def left(self) -> int:
-        return 0 if self.elapsed_s >= self.deadline else self.max_evals - self.used
+        if self.adapt < 1:
+            raise ValueError(f"'adapt' must be >= 1.0, but got {self.adapt}.")
 
 
 def _tournament(costs: np.ndarray, k: int, rng: np.random.Generator) -> int:
@@ -123,128 +99,182 @@ def _tournament(costs: np.ndarray, k: int, rng: np.random.Generator) -> int:
 
 def _initial(problem: PlacementProblem, size: int, rng: np.random.Generator,
              kind: str) -> np.ndarray:
-    """[size, U] repaired starting chromosomes ("exploit": balanced and random contiguous
-    splits; "explore": uniform random devices)."""
+    """[size, U] repaired starting chromosomes.
+
+    exploit: min-max contiguous splits over D, D-1, ... devices; the same with every
+    group of parallel siblings spread over all devices (``spread_all``, when the graph has
+    such groups and contiguity is not required); balanced contiguous splits; random
+    contiguous splits. explore: alternately uniform random placements and random
+    contiguous splits with spread siblings."""
+    from ms_efficient.parallel.place_baselines import contiguous
+
     d_count, u_count = problem.num_devices, problem.num_units
-    pop = []
+    spread = bool(problem.sibling_groups()) and not problem.contiguous
+    pop: List[np.ndarray] = []
     if kind == "exploit":
-        from ms_efficient.parallel.place_baselines import contiguous
-        pop = [contiguous(problem)]
-        pop += [balanced_contiguous(problem, s) for s in range(1, d_count + 1)][:size // 2]
+        splits = [contiguous(problem, s) for s in range(d_count, 0, -1)]
+        pop = splits[:size // 4]
+        if spread:
+            pop += [spread_all(problem, x) for x in splits[::-1][:size // 4]]
+        pop += [balanced_contiguous(problem, s) for s in range(d_count, 0, -1)][:size // 4]
     while len(pop) < size:
-        pop.append(random_contiguous(problem, rng) if kind == "exploit"
-                   else rng.integers(0, d_count, size=u_count))
-    return np.stack([repair(problem, x) for x in pop])
-
-
-def _children(problem: PlacementProblem, pop: np.ndarray, costs: np.ndarray, count: int,
-              k: int, rng: np.random.Generator, explore: bool, cfg: TGAConfig) -> np.ndarray:
-    d_count = problem.num_devices
-    out = []
-    for _ in range(count):
-        x = pop[_tournament(costs, k, rng)]
-        if rng.random() < cfg.crossover_rate:
-            x = crossover_two_point(x, pop[_tournament(costs, k, rng)], rng)
-        if explore:
-            x = mutate_points(x, cfg.explore_mutation, d_count, rng)
-            if rng.random() < 0.3:
-                x = mutate_block(x, d_count, rng)
+        if kind == "exploit":
+            pop.append(random_contiguous(problem, rng))
+        elif len(pop) % 2 or not spread:
+            pop.append(rng.integers(0, d_count, size=u_count))
         else:
-            x = mutate_neighbours(problem, x, 1 + int(rng.integers(0, 3)), rng)
-        out.append(repair(problem, x))
-    return np.stack(out)
+            pop.append(spread_all(problem, random_contiguous(problem, rng), rng))
+    return np.stack([repair(problem, x, monotone=is_monotone(problem, x)) for x in pop])
+
+
+def _exploit_child(problem: PlacementProblem, pop: np.ndarray, costs: np.ndarray,
+                   rng: np.random.Generator, cfg: TGAConfig) -> np.ndarray:
+    """A child that stays in its parents' class: monotone parents give a monotone child
+    (stage-boundary crossover, boundary moves, ranged sibling spread); otherwise two-point
+    crossover and moves to a neighbour's device keep fine-grained splits alive."""
+    x = pop[_tournament(costs, cfg.tournament_exploit, rng)]
+    monotone = is_monotone(problem, x)
+    if rng.random() < cfg.crossover_rate:
+        y = pop[_tournament(costs, cfg.tournament_exploit, rng)]
+        monotone = monotone and is_monotone(problem, y)
+        x = crossover_stages(x, y, problem.num_devices, rng) if monotone and rng.random() < 0.5 \
+            else crossover_two_point(x, y, rng)
+    if rng.random() < cfg.spread_rate:
+        x = mutate_spread(problem, x, monotone, rng)
+    elif monotone or rng.random() < 0.5:
+        x = mutate_boundary(problem, x, 1 + int(rng.integers(0, 3)), rng)
+    else:
+        x = mutate_neighbours(problem, x, 1 + int(rng.integers(0, 3)), rng)
+    return repair(problem, x, monotone=monotone)
+
+
+def _explore_child(problem: PlacementProblem, pop: np.ndarray, costs: np.ndarray,
+                   rate: float, rng: np.random.Generator, cfg: TGAConfig):
+    """(child, index of its first parent)."""
+    d_count = problem.num_devices
+    i = _tournament(costs, 2, rng)
+    x = pop[i]
+    if rng.random() < cfg.crossover_rate:
+        x = crossover_two_point(x, pop[_tournament(costs, 2, rng)], rng)
+    x = mutate_points(x, rate, d_count, rng)
+    if rng.random() < 0.3:
+        x = mutate_block(x, d_count, rng)
+    if rng.random() < cfg.spread_rate:
+        x = mutate_spread(problem, x, False, rng)
+    return repair(problem, x), i
+
+
+def _survivors(pop: np.ndarray, costs: np.ndarray, size: int):
+    """(mu + lambda): the ``size`` best distinct rows (refilled with copies if fewer)."""
+    _, first = np.unique(pop, axis=0, return_index=True)
+    keep = first[np.argsort(costs[first], kind="stable")][:size]
+    return pop[np.resize(keep, size)], costs[np.resize(keep, size)]
 
 
 def tga(problem: PlacementProblem, config: Optional[TGAConfig] = None) -> SearchResult:
     """Search a placement with the dual-population GA (see module docstring)."""
     cfg = config or TGAConfig()
     rng = np.random.default_rng(cfg.seed)
-    budget = _Budget(problem, cfg.max_evaluations, cfg.time_budget_s)
-    # Step 1: two starting populations.
+    ev = Evaluator(problem, cfg.max_evaluations, cfg.time_budget_s)
+    # Step 1: two starting populations, scored in one call.
     exploit = _initial(problem, cfg.pop_exploit, rng, "exploit")
     explore = _initial(problem, cfg.pop_explore, rng, "explore")
-    c_exploit, c_explore = budget.evaluate(exploit), budget.evaluate(explore)
+    costs = ev.evaluate(np.concatenate([exploit, explore]))
+    c_exploit, c_explore = costs[:len(exploit)], costs[len(exploit):]
+    rate_lo, rate = 1.0 / problem.num_units, cfg.explore_mutation
     trace: List[TracePoint] = []
+    local_optima = set()  # keys of champions the local search could not improve
+    gen_s, stale = 0.0, 0
 
     def record() -> None:
         e, x = float(c_exploit.min()), float(c_explore.min())
-        trace.append(TracePoint(budget.used, budget.elapsed_s, min(e, x), e, x))
+        trace.append(TracePoint(ev.used, ev.elapsed_s, min(e, x), e, x))
 
     record()
     gen = 0
-    while budget.left() > 0:
+    while ev.left() > 0 and not ev.time_up(gen_s) and stale < cfg.patience:
         gen += 1
-        # Step 2: exploit: strong selection, gentle mutation, (mu + lambda) survival.
-        n = min(cfg.pop_exploit, budget.left())
-        kids = _children(problem, exploit, c_exploit, n, cfg.tournament_exploit, rng, False, cfg)
-        c_kids = budget.evaluate(kids)
-        both, c_both = np.concatenate([exploit, kids]), np.concatenate([c_exploit, c_kids])
-        _, first = np.unique(both, axis=0, return_index=True)  # drop duplicates
-        keep = first[np.argsort(c_both[first], kind="stable")][:cfg.pop_exploit]
-        if len(keep) < cfg.pop_exploit:  # converged population: refill with copies
-            keep = np.resize(keep, cfg.pop_exploit)
-        exploit, c_exploit = both[keep], c_both[keep]
-        # Step 3: explore: weak selection, heavy mutation, generational replacement.
-        n = min(cfg.pop_explore - 1, budget.left())
-        if n > 0:
-            kids = _children(problem, explore, c_explore, n, 2, rng, True, cfg)
-            c_kids = budget.evaluate(kids)
-            elite = int(np.argmin(c_explore))
-            explore = np.concatenate([explore[elite:elite + 1], kids,
-                                      explore[:cfg.pop_explore - 1 - n]])
-            c_explore = np.concatenate([c_explore[elite:elite + 1], c_kids,
-                                        c_explore[:cfg.pop_explore - 1 - n]])
-        # Step 4: local search on exploit's champion.
-        if gen % cfg.local_search_every == 0 and budget.left() > 0:
-            best = int(np.argmin(c_exploit))
-            x, c, used = local_search(problem, exploit[best], float(c_exploit[best]),
-                                      budget.evaluate, min(cfg.local_search_budget,
-                                                           budget.left()), rng)
+        t_gen, used = time.perf_counter(), ev.used
+        # Step 2: children of both populations, scored together.
+        kids_x = [_exploit_child(problem, exploit, c_exploit, rng, cfg)
+                  for _ in range(cfg.pop_exploit)]
+        kids_e, parents = zip(*[_explore_child(problem, explore, c_explore, rate, rng, cfg)
+                                for _ in range(cfg.pop_explore - 1)])
+        c_kids = ev.evaluate(np.stack(kids_x + list(kids_e)))
+        c_kx, c_ke = c_kids[:len(kids_x)], c_kids[len(kids_x):]
+        # Step 3: exploit keeps the best distinct of parents and children.
+        exploit, c_exploit = _survivors(np.concatenate([exploit, np.stack(kids_x)]),
+                                        np.concatenate([c_exploit, c_kx]), cfg.pop_exploit)
+        # Step 4: explore: generational with one elite; adapt its mutation rate.
+        success = float(np.mean(c_ke < c_explore[list(parents)]))
+        rate = float(np.clip(rate * (cfg.adapt if success > 0.2 else cfg.adapt ** -0.25),
+                             rate_lo, 0.5))
+        elite = int(np.argmin(c_explore))
+        explore = np.concatenate([explore[elite:elite + 1], np.stack(kids_e)])
+        c_explore = np.concatenate([c_explore[elite:elite + 1], c_ke])
+        # Step 5: local search on exploit's champion, until it is a local optimum.
+        best = int(np.argmin(c_exploit))
+        if gen % cfg.local_search_every == 0 and ev.key(exploit[best]) not in local_optima:
+            x, c, converged = local_search(problem, exploit[best], float(c_exploit[best]), ev,
+                                           cfg.local_search_budget, rng,
+                                           monotone=is_monotone(problem, exploit[best]),
+                                           batch=cfg.local_search_batch)
+            if converged:
+                local_optima.add(ev.key(x))
             exploit[best], c_exploit[best] = x, c
-        # Step 5: migration between the populations.
+        # Step 6: migration of the best distinct individuals.
         if gen % cfg.migrate_every == 0:
-            src = np.argsort(c_explore, kind="stable")[:cfg.migrants]
-            dst = np.argsort(c_exploit, kind="stable")[::-1][:cfg.migrants]
-            exploit[dst], c_exploit[dst] = explore[src], c_explore[src]
+            held = {ev.key(x) for x in exploit}
+            movers = [i for i in np.argsort(c_explore, kind="stable")
+                      if ev.key(explore[i]) not in held][:cfg.migrants]
+            worst = np.argsort(c_exploit, kind="stable")[::-1][:len(movers)]
+            exploit[worst], c_exploit[worst] = explore[movers], c_explore[movers]
             champ = int(np.argmin(c_exploit))
-            slot = int(rng.integers(1, cfg.pop_explore))
-            explore[slot], c_explore[slot] = exploit[champ], c_exploit[champ]
+            if ev.key(exploit[champ]) not in {ev.key(x) for x in explore}:
+                slot = int(rng.integers(1, cfg.pop_explore))
+                explore[slot], c_explore[slot] = exploit[champ], c_exploit[champ]
         record()
+        gen_s = time.perf_counter() - t_gen
+        stale = stale + 1 if ev.used == used else 0
     pool = np.concatenate([exploit, explore])
     costs = np.concatenate([c_exploit, c_explore])
     best = int(np.argmin(costs))
-    logger.info("tga %s: %d generations, %d evaluations, %.2f s, best %.6g s", problem.name,
-                gen, budget.used, budget.elapsed_s, costs[best])
-    return SearchResult("tga", pool[best].copy(), float(costs[best]), budget.used,
-                        budget.elapsed_s, trace)
+    logger.info("tga %s: %d generations, %d evaluations (%d cache hits), %.2f s, best %.6g s, "
+                "explore rate %.3g", problem.name, gen, ev.used, ev.cache_hits, ev.elapsed_s,
+                costs[best], rate)
+    return SearchResult("tga", pool[best].copy(), float(costs[best]), ev.used, ev.elapsed_s,
+                        trace)
 
 
 def ga_single(problem: PlacementProblem, config: Optional[TGAConfig] = None) -> SearchResult:
     """Single-population GA baseline (see module docstring), same budget as ``tga``."""
     cfg = config or TGAConfig()
     rng = np.random.default_rng(cfg.seed)
-    budget = _Budget(problem, cfg.max_evaluations, cfg.time_budget_s)
+    ev = Evaluator(problem, cfg.max_evaluations, cfg.time_budget_s)
     size = cfg.pop_exploit + cfg.pop_explore
     pop = np.concatenate([_initial(problem, size // 2, rng, "exploit"),
                           _initial(problem, size - size // 2, rng, "explore")])
-    costs = budget.evaluate(pop)
-    trace = [TracePoint(budget.used, budget.elapsed_s, float(costs.min()), float(costs.min()),
+    costs = ev.evaluate(pop)
+    trace = [TracePoint(ev.used, ev.elapsed_s, float(costs.min()), float(costs.min()),
                         float(costs.min()))]
     rate = 1.0 / problem.num_units
-    while budget.left() > 0:
-        n = min(size - 1, budget.left())
+    gen_s, stale = 0.0, 0
+    while ev.left() > 0 and not ev.time_up(gen_s) and stale < cfg.patience:
+        t_gen, used = time.perf_counter(), ev.used
         kids = []
-        for _ in range(n):
+        for _ in range(size - 1):
             x = pop[_tournament(costs, 2, rng)]
             if rng.random() < cfg.crossover_rate:
                 x = crossover_two_point(x, pop[_tournament(costs, 2, rng)], rng)
             kids.append(repair(problem, mutate_points(x, rate, problem.num_devices, rng)))
-        c_kids = budget.evaluate(np.stack(kids))
+        c_kids = ev.evaluate(np.stack(kids))
         elite = int(np.argmin(costs))
-        pop = np.concatenate([pop[elite:elite + 1], np.stack(kids), pop[:size - 1 - n]])
-        costs = np.concatenate([costs[elite:elite + 1], c_kids, costs[:size - 1 - n]])
+        pop = np.concatenate([pop[elite:elite + 1], np.stack(kids)])
+        costs = np.concatenate([costs[elite:elite + 1], c_kids])
         best = float(costs.min())
-        trace.append(TracePoint(budget.used, budget.elapsed_s, best, best, best))
+        trace.append(TracePoint(ev.used, ev.elapsed_s, best, best, best))
+        gen_s = time.perf_counter() - t_gen
+        stale = stale + 1 if ev.used == used else 0
     best = int(np.argmin(costs))
-    return SearchResult("ga-single", pop[best].copy(), float(costs[best]), budget.used,
-                        budget.elapsed_s, trace)
+    return SearchResult("ga-single", pop[best].copy(), float(costs[best]), ev.used,
+                        ev.elapsed_s, trace)
