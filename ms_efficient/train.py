@@ -11,7 +11,8 @@ Run folder layout (``out_dir``)::
     report.md, *.png   written by ms_efficient.report at the end
 
 Checkpoint, trace and state are written atomically every ``train.save_every`` steps, so a run
-killed with SIGKILL loses at most that many steps and resumes bit-for-bit on the same data.
+killed with SIGKILL loses at most that many steps and resumes from the checkpointed state (restored
+bit for bit) on the same data.
 """
 from __future__ import annotations
 
