@@ -49,6 +49,7 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from ms_efficient import backend
 from ms_efficient.moe.alltoall import AllToAll
+from ms_efficient.moe.layer import TopKArrival, routing_statistics
 from ms_efficient.moe.ep_routing import rank_dispatch, replica_sync, source_rows
 from ms_efficient.moe.plan import ExpertPlan
 
@@ -198,10 +199,7 @@ class ExpertParallelMoE(nn.Cell):
         self.b2 = Parameter(Tensor(b2), name="b2")
         self.bmm = ops.BatchMatMul()
         self.gelu = nn.GELU(approximate=True)
-        self.softmax = nn.Softmax(axis=-1)
-        self.one_hot = ops.OneHot()
-        self.on = Tensor(1.0, ms.float32)
-        self.off = Tensor(0.0, ms.float32)
+        self.arrival = TopKArrival(num_experts, top_k)
 
     def set_weights(self, router_EH, w1_EHF, b1_E1F, w2_EFH, b2_E1H) -> None:
         """Load logical weights (numpy, all E experts): the router, and for every local slot
@@ -215,20 +213,15 @@ class ExpertParallelMoE(nn.Cell):
     def construct(self, x):
         b, s, h = x.shape
         t = b * s
-        e, k, m = self.num_experts, self.top_k, self.world * self.send_rows
+        k, m = self.top_k, self.world * self.send_rows
         x_TH = x.reshape(t, h)
 
-        # Step 1: route: top-k experts per token, gate weights renormalised over the k.
-        probs_TE = self.softmax(self.router(x_TH).astype(ms.float32))
-        weights_TK, expert_ids_TK = ops.topk(probs_TE, k)
-        weights_TK = weights_TK / weights_TK.sum(axis=-1, keepdims=True)
+        # Step 1: route top-k (A = K*T assignments, k-major, arrival position p each).
+        probs_TE, weights_TK, expert_ids_A, onehot_AE, position_A = self.arrival(
+            self.router(x_TH))
 
-        # Step 2: send row of every assignment: arrival p within its expert (k-major), then
-        # the replica whose reserved rows hold p (static tables); p beyond them: dropped.
-        expert_ids_A = expert_ids_TK.transpose(1, 0).reshape(-1)          # A = K*T
-        onehot_AE = self.one_hot(expert_ids_A, e, self.on, self.off)
-        position_A = ((ops.cumsum(onehot_AE, 0) - 1.0) * onehot_AE).sum(axis=-1)
-        position_A = position_A.astype(ms.int32)
+        # Step 2: send row of every assignment: the replica whose reserved rows hold p
+        # (static tables); p beyond them: dropped.
         keep_A = position_A < ops.gather(self.rows_E, expert_ids_A, 0)
         if self.num_j == 1:
             replica_A = expert_ids_A
@@ -262,9 +255,7 @@ class ExpertParallelMoE(nn.Cell):
         y_TH = y_ATH.reshape(k, t, h).sum(axis=0)
 
         # Step 6: statistics of the local tokens.
-        aux_loss = e * (onehot_AE.mean(axis=0) * probs_TE.mean(axis=0)).sum()
-        r = self.trace_ranks
-        counts_RE = onehot_AE.reshape(k, r, t // r, e).sum(axis=(0, 2)).astype(ms.int32)
+        aux_loss, counts_RE = routing_statistics(probs_TE, onehot_AE, k, self.trace_ranks)
         dropped = (k * t - keep_A.astype(ms.int32).sum()).astype(ms.int32)
         return y_TH.reshape(b, s, h), aux_loss, counts_RE, dropped
 

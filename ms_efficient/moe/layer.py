@@ -28,7 +28,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
-__all__ = ["MoEFeedForward", "expert_capacity"]
+__all__ = ["MoEFeedForward", "TopKArrival", "routing_statistics", "expert_capacity"]
 
 
 def expert_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float,
@@ -44,6 +44,45 @@ def expert_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: 
         cap = math.ceil(capacity_factor * tokens * top_k / num_experts)
     cap = max(1, min(cap, tokens))
     return int(math.ceil(cap / multiple) * multiple)
+
+
+class TopKArrival(nn.Cell):
+    """Top-k routing with arrival order, shared by every MoE layer of the package.
+
+    ``construct(logits_TE) -> (probs_TE, weights_TK, expert_ids_A, onehot_AE, position_A)``:
+    router probabilities (float32), the top-k gate weights renormalised to sum to 1, and for
+    every assignment A = K*T in k-major order (first choices of all tokens before second
+    choices, as in GShard) its expert, one-hot row and position among the earlier assignments
+    to the same expert. Parameter-free: the router's weights stay in the layer.
+    """
+
+    def __init__(self, num_experts: int, top_k: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.softmax = nn.Softmax(axis=-1)
+        self.one_hot = ops.OneHot()
+        self.on = Tensor(1.0, ms.float32)
+        self.off = Tensor(0.0, ms.float32)
+
+    def construct(self, logits_TE):
+        probs_TE = self.softmax(logits_TE.astype(ms.float32))
+        weights_TK, expert_ids_TK = ops.topk(probs_TE, self.top_k)
+        weights_TK = weights_TK / weights_TK.sum(axis=-1, keepdims=True)
+        expert_ids_A = expert_ids_TK.transpose(1, 0).reshape(-1)
+        onehot_AE = self.one_hot(expert_ids_A, self.num_experts, self.on, self.off)
+        position_A = ((ops.cumsum(onehot_AE, 0) - 1.0) * onehot_AE).sum(axis=-1)
+        return probs_TE, weights_TK, expert_ids_A, onehot_AE, position_A.astype(ms.int32)
+
+
+def routing_statistics(probs_TE, onehot_AE, top_k: int, ranks: int):
+    """(aux_loss, counts_RE): the Switch load-balancing loss E * sum_e f_e * p_e and the
+    assignments each of ``ranks`` equal token groups routed to each expert (int32 [R, E])."""
+    e = onehot_AE.shape[1]
+    t = probs_TE.shape[0]
+    aux_loss = e * (onehot_AE.mean(axis=0) * probs_TE.mean(axis=0)).sum()
+    counts_RE = onehot_AE.reshape(top_k, ranks, t // ranks, e).sum(axis=(0, 2)).astype(ms.int32)
+    return aux_loss, counts_RE
 
 
 class MoEFeedForward(nn.Cell):
@@ -85,27 +124,18 @@ class MoEFeedForward(nn.Cell):
         self.b2 = Parameter(initializer("zeros", (e, 1, h), ms.float32), name="b2")
         self.bmm = ops.BatchMatMul()
         self.gelu = nn.GELU(approximate=True)
-        self.softmax = nn.Softmax(axis=-1)
-        self.one_hot = ops.OneHot()
-        self.on = Tensor(1.0, ms.float32)
-        self.off = Tensor(0.0, ms.float32)
+        self.arrival = TopKArrival(num_experts, top_k)
 
     def construct(self, x):
         b, s, h = x.shape
         t = b * s
-        e, k, n = self.num_experts, self.top_k, self.num_slots
+        k, n = self.top_k, self.num_slots
         x_TH = x.reshape(t, h)
 
-        # Step 1: route: top-k experts per token, gate weights renormalised over the k.
-        probs_TE = self.softmax(self.router(x_TH).astype(ms.float32))
-        weights_TK, expert_ids_TK = ops.topk(probs_TE, k)
-        weights_TK = weights_TK / weights_TK.sum(axis=-1, keepdims=True)
-
-        # Step 2: slot of every assignment, k-major: position inside its expert by arrival.
-        expert_ids_A = expert_ids_TK.transpose(1, 0).reshape(-1)          # A = K*T
-        onehot_AE = self.one_hot(expert_ids_A, e, self.on, self.off)
-        position_A = ((ops.cumsum(onehot_AE, 0) - 1.0) * onehot_AE).sum(axis=-1)
-        position_A = position_A.astype(ms.int32)
+        # Steps 1-2: route top-k, then the slot of every assignment (A = K*T, k-major):
+        # its expert's offset plus its arrival position, if that is within the capacity.
+        probs_TE, weights_TK, expert_ids_A, onehot_AE, position_A = self.arrival(
+            self.router(x_TH))
         keep_A = position_A < ops.gather(self.cap_E, expert_ids_A, 0)
         dummy = n                                                          # the zero row
         slot_A = ops.select(keep_A, ops.gather(self.off_E, expert_ids_A, 0) + position_A,
@@ -128,10 +158,7 @@ class MoEFeedForward(nn.Cell):
         y_TH = y_ATH.reshape(k, t, h).sum(axis=0)
 
         # Step 6: statistics: load-balancing loss, per-group counts, drops.
-        frac_E = onehot_AE.mean(axis=0)
-        aux_loss = e * (frac_E * probs_TE.mean(axis=0)).sum()
-        r = self.trace_ranks
-        counts_RE = onehot_AE.reshape(k, r, t // r, e).sum(axis=(0, 2)).astype(ms.int32)
+        aux_loss, counts_RE = routing_statistics(probs_TE, onehot_AE, k, self.trace_ranks)
         dropped = (k * t - keep_A.astype(ms.int32).sum()).astype(ms.int32)
         return y_TH.reshape(b, s, h), aux_loss, counts_RE, dropped
 
