@@ -391,3 +391,42 @@ def test_measured_full_recompute_lowers_the_peak_and_memopt_fits_its_budget():
     assert by["none"]["peak_bytes"] > info["budget_bytes"]
     assert 0 < by["memopt"]["recomputed_cells"] < 8
     assert by["memopt"]["peak_bytes"] <= info["budget_bytes"]
+
+
+def test_max_batch_bound_is_the_last_batch_whose_unavoidable_minimum_fits():
+    from ms_efficient.memopt.planner import max_batch_bound
+
+    prof = three_layers()   # largest working set, layer c: o_b + o_c + e_c + w_c = 140 B
+    # min budget at batch b: 1000 + 140 b  ->  1700 B fits b = 5, not 6
+    assert max_batch_bound(prof, 1700) == 5
+    assert max_batch_bound(prof, 1699) == 4
+    assert max_batch_bound(prof, 1139) == 0
+    # no method can beat it: the scan of every baseline stays at or below the bound
+    from ms_efficient.memopt.planner import max_batches
+
+    found = max_batches(["full-recompute", "capuchin-greedy", "checkmate-milp"], prof, 1700,
+                        LINK, hi=64)
+    assert max(found.values()) <= 5
+
+
+def test_bench_summary_flags_targets_against_the_bound_and_the_exact_milp():
+    from ms_efficient.memopt.bench import summarise
+
+    def row(workload, method, **kw):
+        base = {"evidence": "simulated", "workload": workload, "method": method,
+                "fits": True, "step_time_s": None, "throughput_vs_full_recompute": None,
+                "max_batch": None}
+        base.update(kw)
+        return base
+
+    rows = [row("w@0.30", "memopt", step_time_s=1.0, throughput_vs_full_recompute=1.25),
+            row("w@0.30", "exact-milp", step_time_s=0.96, throughput_vs_full_recompute=1.3),
+            row("w@device", "memopt", max_batch=23, max_batch_bound=30),
+            row("w@device", "capuchin-greedy", max_batch=20),
+            row("w@device", "none", max_batch=4)]
+    got = {r["metric"]: r for r in summarise(rows)}
+    speed, batch = got["throughput vs full recompute"], got["max batch"]
+    assert speed["memopt_step_vs_exact"] == pytest.approx(1 / 0.96) and speed["met"] is False
+    assert batch["best_baseline"] == "capuchin-greedy 20" and batch["met"] is True
+    assert batch["memopt_vs_best"] == pytest.approx(1.15)
+    assert batch["bound_vs_best"] == pytest.approx(1.5)

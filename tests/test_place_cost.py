@@ -5,7 +5,7 @@ import pytest
 from ms_efficient.cluster import ClusterSpec, Link
 from ms_efficient.graph import OpGraph, OpNode
 from ms_efficient.parallel.place_cost import (evaluate_population, memory_by_device,
-                                              simulate_placement)
+                                              simulate_placement, step_time_lower_bound)
 from ms_efficient.parallel.place_problem import PlacementOptions, build_problem
 
 
@@ -106,3 +106,36 @@ def test_devices_run_their_units_in_the_program_order_of_the_plan():
     assert simulate_placement(problem, assign, order=[0, 2, 1]).step_time_s == pytest.approx(9e-3)
     with pytest.raises(ValueError, match="after its predecessors"):
         simulate_placement(problem, assign, order=[2, 0, 1])
+
+
+def test_lower_bound_of_a_chain_is_its_work_at_one_micro_batch_and_hand_value_at_two():
+    zero_latency = dict(latency_s=0.0, bandwidth_Bps=1e15)
+    one = build_problem(chain_graph(), toy_cluster(**zero_latency))
+    # M = 1: critical path = all work = 10 ms forward + 8 ms backward, reached by one device
+    assert step_time_lower_bound(one) == pytest.approx(18e-3)
+    step, _ = evaluate_population(one, np.zeros((1, one.num_units), dtype=np.int64))
+    assert step[0] == pytest.approx(18e-3)
+    two = build_problem(chain_graph(), toy_cluster(**zero_latency),
+                        PlacementOptions(micro_batches=2))
+    # M = 2, unit a: 1 ms of forwards, then (2+2 + 3+2 + 4+2) / 2 ms down and back, then
+    # 2 ms of backwards = 10.5 ms (b: 0.5 + 2 + 5.5 + 2 = 10; work / 2 devices = 9)
+    assert step_time_lower_bound(two) == pytest.approx(10.5e-3)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 4])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_no_placement_or_program_order_beats_the_lower_bound(seed, micro_batches):
+    from ms_efficient.parallel.place_baselines import m_etf_plan, m_sct_plan
+
+    problem = build_problem(random_dag(40, seed), toy_cluster(devices=4, latency_s=0.0,
+                                                              bandwidth_Bps=1e15),
+                            PlacementOptions(micro_batches=micro_batches))
+    bound = step_time_lower_bound(problem)
+    rng = np.random.default_rng(seed)
+    pop = np.concatenate([rng.integers(0, 4, size=(200, problem.num_units)),
+                          np.zeros((1, problem.num_units), dtype=np.int64)])
+    step, _ = evaluate_population(problem, pop)
+    assert step.min() >= bound * (1 - 1e-12)
+    for plan in (m_etf_plan, m_sct_plan):
+        assign, order = plan(problem)
+        assert simulate_placement(problem, assign, order=order).step_time_s >= bound * (1 - 1e-12)

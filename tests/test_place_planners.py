@@ -217,3 +217,16 @@ def test_bench_summary_reports_each_micro_batch_count_separately():
     assert value["tga / best Baechi (geomean, M=1)"] == pytest.approx(1.0)
     assert value["tga / best Baechi (geomean, M=8)"] == pytest.approx(0.5 / 0.8)
     assert value["tga / best Baechi (geomean)"] == pytest.approx((0.5 / 0.8) ** 0.5)
+
+
+def test_bench_summary_reports_the_lower_bound_over_the_best_baechi_method():
+    from ms_efficient.parallel.place_bench import summarise
+
+    rows = [{"workload": w, "devices": 4, "micro_batches": 1, "method": m, "step_time_s": t,
+             "step_time_bound_s": b}
+            for w, b, steps in (("chain", 1.0, {"tga": 1.0, "m-etf": 1.0}),
+                                ("fork", 0.25, {"tga": 0.5, "m-etf": 1.0}))
+            for m, t in steps.items()]
+    value = {r["metric"]: r["value"] for r in summarise(rows)}
+    assert value["lower bound / best Baechi (geomean)"] == pytest.approx(0.25 ** 0.5)
+    assert value["tga / best Baechi (geomean)"] == pytest.approx(0.5 ** 0.5)

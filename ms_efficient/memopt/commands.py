@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 
 __all__ = ["add_plan_arguments", "run_plan", "add_bench_arguments", "run_bench"]
@@ -102,7 +103,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from ms_efficient.cluster import get_cluster
     from ms_efficient.memopt.agents import RLConfig
     from ms_efficient.memopt.bench import (graph_workloads, gpt_workloads, measured_rows,
-                                           simulated_rows)
+                                           simulated_rows, summarise, vision_workloads)
 
     start = time.perf_counter()
     cluster = get_cluster("ascend910b-1x8")
@@ -110,11 +111,15 @@ def run_bench(args: argparse.Namespace) -> int:
     # batches), so they get the same episodes there as at a fixed batch.
     rl = RLConfig(seed=args.seed, iterations=40 if args.quick else 120,
                   time_limit_s=10.0 if args.quick else 60.0)
-    workloads = gpt_workloads(args.quick, cluster) + graph_workloads(args.graph, args.graph_batch)
+    cache = os.path.join(os.path.dirname(os.path.abspath(args.json)), "memopt_cache")
+    workloads = (gpt_workloads(args.quick, cluster) + vision_workloads(args.quick, cluster, cache)
+                 + graph_workloads(args.graph, args.graph_batch, cluster))
     fractions = (0.3,) if args.quick else (0.15, 0.3, 0.6)
     rows = simulated_rows(workloads, cluster, fractions, rl, with_max_batch=True,
-                          max_batch_rl=rl, max_batch_hi=256 if args.quick else 1024)
-    meta = {"cluster": cluster.name, "quick": args.quick, "seed": args.seed}
+                          max_batch_rl=rl, max_batch_hi=1 << 16)
+    summary = summarise(rows)
+    meta = {"cluster": cluster.name, "quick": args.quick, "seed": args.seed,
+            "summary": summary}
     if args.measured:
         measured, meta["measured_check"] = measured_rows(rl)
         rows += measured
@@ -126,5 +131,9 @@ def run_bench(args: argparse.Namespace) -> int:
         cols[5:5] = ["simulated_peak_bytes"]
         cols[7:7] = ["step_cpu_s", "load_avg_1min"]
     print(markdown_table(rows, cols))
+    print()
+    print(markdown_table(summary, ["workload", "metric", "memopt", "exact_milp",
+                                   "memopt_step_vs_exact", "best_baseline", "bound",
+                                   "memopt_vs_best", "bound_vs_best", "target", "met"]))
     print(f"rows written to {args.json} ({time.perf_counter() - start:.1f} s)")
     return 0

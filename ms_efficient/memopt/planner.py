@@ -25,7 +25,7 @@ from ms_efficient.memopt.milp import checkmate_milp, checkmate_min_peak, exact_m
 from ms_efficient.memopt.profile import LayerProfile, format_size
 
 __all__ = ["METHODS", "WARM_START_METHODS", "plan_memory", "plan_with", "max_batch",
-           "max_batches"]
+           "max_batches", "max_batch_bound"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +126,26 @@ def plan_with(method: str, profile: LayerProfile, budget_bytes: float, host_link
     return plan, evaluate(profile, plan, budget_bytes, host_link)
 
 
+def max_batch_bound(profile: LayerProfile, budget_bytes: float) -> int:
+    """Largest batch any plan can fit in ``budget_bytes`` (0: not even batch 1).
+
+    No plan goes below ``min_budget_bytes`` (static bytes plus the largest working set of
+    one layer), which grows linearly with the batch on ``profile.at_batch``; this is the
+    largest batch where it still fits. A yardstick for ``max_batches``: a method at the
+    bound cannot be beaten by any planner on this layer model."""
+    one = profile.at_batch(1)
+    per_sample = min_budget_bytes(one) - one.static_bytes
+    if per_sample <= 0:
+        raise ValueError("the profile has no activation bytes: every batch needs the same "
+                         "memory, so there is no largest batch.")
+    bound = max(0, int((budget_bytes - one.static_bytes) // per_sample))
+    while bound > 0 and min_budget_bytes(one.at_batch(bound)) > budget_bytes:   # rounding
+        bound -= 1
+    while min_budget_bytes(one.at_batch(bound + 1)) <= budget_bytes:
+        bound += 1
+    return bound
+
+
 def max_batch(method: str, profile: LayerProfile, budget_bytes: float, host_link,
               hi: int = 4096, config: RLConfig = RLConfig()) -> int:
     """Largest batch at which ``method`` returns a fitting plan (see ``max_batches``)."""
@@ -158,10 +178,7 @@ def max_batches(methods: Sequence[str], profile: LayerProfile, budget_bytes: flo
         raise ValueError(f"'methods' must be in {list(METHODS)}, but got {unknown}.")
     # Step 1: the ceiling
     one = profile.at_batch(1)
-    per_sample = min_budget_bytes(one) - one.static_bytes
-    up = min(hi + 1, int((budget_bytes - one.static_bytes) // max(per_sample, 1e-9)) + 1)
-    while up > 1 and min_budget_bytes(one.at_batch(up - 1)) > budget_bytes:   # rounding
-        up -= 1
+    up = min(hi, max_batch_bound(profile, budget_bytes)) + 1
     plans: Dict[Tuple[str, int], Optional[MemoryPlan]] = {}
     fitting: Dict[Tuple[str, int], bool] = {}
     found: Dict[str, int] = {}

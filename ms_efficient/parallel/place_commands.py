@@ -21,6 +21,7 @@ _SHARED_GRAPHS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.dirname(os.path.abspath(__file__))))), "shared", "data", "graphs")
 _REFERENCE_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "configs", "gpt_moe_tiny.yaml")
+_VISION_BATCH = 32   # images per training step of the mindcv workloads
 
 
 def _positive_int(text: str) -> int:
@@ -175,11 +176,10 @@ def _workloads(args: argparse.Namespace) -> List[Tuple[str, object]]:
         logger.info("reference model graph unavailable (%s): skipped", err)
     names = ["gpt-1.3b"] if args.quick else ["gpt-1.3b", "gpt-6.7b", "gpt-moe-16e"]
     out += [(n, transformer_graph(TRANSFORMER_CONFIGS[n], n)) for n in names]
-    if not args.quick:
-        for model in ("resnet50", "inception_v3"):
-            graph = mindcv_graph(model, image_size=299 if model == "inception_v3" else 224)
-            if graph is not None:
-                out.append((f"{model} (mindcv)", graph))
+    for model in ("resnet50", "inception_v3"):   # branchy CNNs; None without mindcv
+        graph = mindcv_graph(model, batch=_VISION_BATCH, cache_dir=cache)
+        if graph is not None:
+            out.append((f"{model} (mindcv)", graph))
     for path in args.graph:
         out.append((os.path.basename(path), _load_graph(path)))
     return out

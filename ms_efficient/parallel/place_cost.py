@@ -36,7 +36,7 @@ from ms_efficient.parallel.place_problem import PlacementProblem
 from ms_efficient.sim import Simulator
 
 __all__ = ["PlacementCost", "evaluate_population", "memory_by_device", "simulate_placement",
-           "penalised_cost"]
+           "penalised_cost", "step_time_lower_bound"]
 
 
 def memory_by_device(problem: PlacementProblem, assign: np.ndarray) -> np.ndarray:
@@ -120,6 +120,37 @@ def evaluate_population(problem: PlacementProblem,
     step = np.maximum(dev_free.reshape(p_count, -1).max(axis=1),
                       link_free.reshape(p_count, -1).max(axis=1))
     return step, memory_by_device(problem, a)
+
+
+def step_time_lower_bound(problem: PlacementProblem) -> float:
+    """Seconds no placement and no program order can beat under this cost model.
+
+    The larger of two bounds, both ignoring transfers (which only add time) and memory:
+    - work: every device is one serial stream, so step >= sum(fwd + bwd) / D;
+    - per unit u: u's M forwards run back to back on its device, after the forwards of
+      micro-batch 0 along the longest path into u (head, at fwd/M per unit); then micro-batch
+      M-1 must finish its forward along a path P from u to a sink, whose device runs every
+      forward before any backward, and the backward of micro-batch 0 must come back along P
+      (tail = sum over P of (fwd + bwd) / M, longest P); then u's M backwards run back to
+      back: step >= head(u) + fwd_u + tail(u) + bwd_u. With M = 1 this is the critical path.
+    The bound is reached by one device on a chain at M = 1 (critical path = all the work);
+    with M > 1 it leaves out the pipeline's fill and drain, so it is loose on pipelines.
+    """
+    m_count = problem.micro_batches
+    fwd, bwd = problem.fwd_s, problem.bwd_s
+    u_count = problem.num_units
+    head = np.zeros(u_count)             # units are numbered topologically
+    for u in range(u_count):
+        for e in range(problem.out_indptr[u], problem.out_indptr[u + 1]):
+            v = int(problem.edge_dst[e])
+            head[v] = max(head[v], head[u] + fwd[u] / m_count)
+    tail = np.zeros(u_count)
+    for u in range(u_count - 1, -1, -1):
+        for e in range(problem.out_indptr[u], problem.out_indptr[u + 1]):
+            v = int(problem.edge_dst[e])
+            tail[u] = max(tail[u], tail[v] + (fwd[v] + bwd[v]) / m_count)
+    per_unit = float((head + fwd + tail + bwd).max()) if u_count else 0.0
+    return max(float((fwd + bwd).sum()) / problem.num_devices, per_unit)
 
 
 def penalised_cost(problem: PlacementProblem, step_s: np.ndarray, mem: np.ndarray) -> np.ndarray:

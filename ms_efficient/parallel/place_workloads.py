@@ -4,23 +4,20 @@ and mindcv loaders here import it only when called).
 - ``transformer_graph``: an analytic OpGraph of a GPT-style decoder (dense or MoE FFN),
   FLOPs and bytes from the layer shapes (fp16): for configurations too large to export on
   this CPU. Every node is a forward op; the cost model derives backward = 2 x forward.
-- ``reference_model_graph``: the repository's GPT-MoE reference model exported to MINDIR
-  (``ms_efficient.graph.from_network``), cached as JSON.
-- ``mindcv_graph``: a mindcv vision model exported to MINDIR, if mindcv is installed.
+- ``reference_model_graph``, ``mindcv_graph``: real MindSpore networks exported to MINDIR
+  (``ms_efficient.graph.zoo``, re-exported here).
 """
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict
 
 from ms_efficient.graph.opgraph import OpGraph, OpNode
+from ms_efficient.graph.zoo import mindcv_graph, reference_model_graph
 
 __all__ = ["TransformerShape", "TRANSFORMER_CONFIGS", "transformer_graph",
            "reference_model_graph", "mindcv_graph"]
 
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -99,54 +96,3 @@ def transformer_graph(shape: TransformerShape, name: str = "transformer") -> OpG
     logits = node("head", "MatMul", 2.0 * tok * h * v, tok * v * _B, 0, ln)
     node("loss", "SoftmaxCrossEntropy", 5.0 * tok * v, 4, 0, logits)
     return g
-
-
-def reference_model_graph(config_path: str, cache_dir: Optional[str] = None) -> OpGraph:
-    """Forward OpGraph of the reference GPT-MoE for a config YAML (MINDIR export, imports
-    MindSpore); cached as ``<cache_dir>/<config name>.json`` when ``cache_dir`` is given."""
-    stem = os.path.splitext(os.path.basename(config_path))[0]
-    cache = os.path.join(cache_dir, f"{stem}.forward.json") if cache_dir else None
-    if cache and os.path.isfile(cache) and os.path.getmtime(cache) >= os.path.getmtime(config_path):
-        return OpGraph.load_json(cache)
-    import numpy as np
-    import mindspore as ms
-    from mindspore import Tensor
-
-    from ms_efficient.config import load_config
-    from ms_efficient.graph import from_network
-    from ms_efficient.models.gpt_moe import build_model
-
-    cfg = load_config(config_path)
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device(cfg.context.device_target)
-    ms.set_seed(cfg.context.seed)
-    net = build_model(cfg.model, cfg.moe, cfg.train.batch_size)
-    tokens = Tensor(np.zeros((cfg.train.batch_size, cfg.model.seq_length), np.int32))
-    graph = from_network(net, tokens, tokens, mode="forward")
-    graph.name = stem
-    if cache:
-        graph.save_json(cache)
-    return graph
-
-
-def mindcv_graph(model_name: str, image_size: int = 224, batch: int = 1) -> Optional[OpGraph]:
-    """Forward OpGraph of a mindcv model, or None (logged) when mindcv is not installed."""
-    try:
-        import mindcv  # noqa: F401  (optional extra)
-    except ImportError:
-        logger.info("mindcv is not installed: skipping workload %s (pip install mindcv==0.3.0)",
-                    model_name)
-        return None
-    import numpy as np
-    import mindspore as ms
-    from mindspore import Tensor
-
-    from ms_efficient.graph import from_network
-
-    ms.set_context(mode=ms.GRAPH_MODE)
-    net = mindcv.create_model(model_name, pretrained=False)
-    net.set_train(False)
-    x = Tensor(np.zeros((batch, 3, image_size, image_size), np.float32))
-    graph = from_network(net, x, mode="forward")
-    graph.name = model_name
-    return graph
