@@ -230,3 +230,18 @@ def test_bench_summary_reports_the_lower_bound_over_the_best_baechi_method():
     value = {r["metric"]: r["value"] for r in summarise(rows)}
     assert value["lower bound / best Baechi (geomean)"] == pytest.approx(0.25 ** 0.5)
     assert value["tga / best Baechi (geomean)"] == pytest.approx(0.5 ** 0.5)
+
+
+def test_tga_plan_carries_the_order_it_was_scored_in_and_keeps_its_budget():
+    from ms_efficient.parallel.place_cost import penalised_cost, simulate_placement
+
+    problem = build_problem(random_dag(60, seed=2), toy_cluster(devices=4),
+                            PlacementOptions(micro_batches=1))
+    result = tga(problem, TGAConfig(seed=0, max_evaluations=200))
+    assert result.evaluations <= 200
+    sim = simulate_placement(problem, result.assign, order=result.order)
+    assert result.cost_s == pytest.approx(float(penalised_cost(
+        problem, np.array([sim.step_time_s]), sim.peak_memory_bytes[None])[0]), rel=1e-9)
+    # the list order is only taken when it beats the unit numbering for that placement
+    if result.order is not None:
+        assert sim.step_time_s < simulate_placement(problem, result.assign).step_time_s

@@ -106,9 +106,10 @@ def _comm_s(problem: PlacementProblem) -> np.ndarray:
                 * problem.inv_bw_s_per_B[None])
 
 
-def _list_schedule(problem: PlacementProblem,
-                   favourite_parent: Optional[np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
-    """ETF list scheduling under memory; with ``favourite_parent`` [U] (-1: none) it is SCT.
+def _list_schedule(problem: PlacementProblem, favourite_parent: Optional[np.ndarray],
+                   fixed: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
+    """ETF list scheduling under memory; with ``favourite_parent`` [U] (-1: none) it is SCT;
+    with ``fixed`` [U] devices it only orders: every unit goes to its fixed device.
     Returns ([U] device per unit, [U] units in the order they were scheduled)."""
     p = problem.fwd_s + problem.bwd_s
     comm = _comm_s(problem)
@@ -136,7 +137,10 @@ def _list_schedule(problem: PlacementProblem,
             if not fits.any():
                 fits = used == used.min()  # nothing fits: least-used device, repair later
             allowed = fits.copy()
-            if favourite_parent is not None and favourite_parent[u] >= 0:
+            if fixed is not None:
+                allowed[:] = False
+                allowed[fixed[u]] = True
+            elif favourite_parent is not None and favourite_parent[u] >= 0:
                 home = dev[favourite_parent[u]]
                 if fits[home]:
                     allowed[:] = False
@@ -157,6 +161,12 @@ def _list_schedule(problem: PlacementProblem,
             if waiting[v] == 0:
                 ready.append(v)
     return dev, np.array(order, dtype=np.int64)
+
+
+def list_order(problem: PlacementProblem, assign: np.ndarray) -> np.ndarray:
+    """[U] program order for the fixed placement ``assign``: ETF list scheduling (the ready
+    unit that can start first on its device goes next), a topological order."""
+    return _list_schedule(problem, None, fixed=np.asarray(assign, dtype=np.int64))[1]
 
 
 def m_etf_plan(problem: PlacementProblem) -> Tuple[np.ndarray, np.ndarray]:
