@@ -23,7 +23,8 @@ def test_plan_command_writes_a_plan_that_loads_back(tmp_path, capsys):
     assert doc["summary"]["comm_time_s"] <= 1.2 * doc["reference"]["comm_time_s"] * (1 + 1e-9)
     assert doc["summary"]["memory_per_device_bytes"] < doc["reference"]["memory_per_device_bytes"]
     strategies = load_plan_strategies(out)
-    assert sum(e["ops"] for e in doc["templates"].values()) == 24 * 18 + 4
+    # every op is in its template or, where its layer class chose otherwise, an override
+    assert sum(e["ops"] for e in doc["templates"].values()) + len(doc["overrides"]) == 24 * 18 + 4
     assert len(strategies["dense.qkv"]["in_strategy"]) == 2
     assert "| ilp |" in capsys.readouterr().out
 
@@ -85,3 +86,22 @@ def test_plan_is_set_on_the_mindspore_network_primitives(tmp_path):
     js = json.load(open(out))
     assert js["parallel_strategy_item"]["blocks.0.ffn.fc1"]["parallel_strategy"] == [list(x) for x in expected]
     assert js["parallel_layout_item"]["blocks.0.ffn.fc1.weight"]["dev_matrix"] == [2, 2]
+
+
+def test_a_layer_override_wins_over_its_template(tmp_path):
+    pytest.importorskip("mindspore")
+    from ms_efficient.config import config_from_dict
+    from ms_efficient.models.gpt_moe import build_model
+    from ms_efficient.parallel.shard_apply import apply_shard_plan
+
+    data = {"model": {"seq_length": 32, "hidden_size": 32, "num_layers": 3, "num_heads": 2,
+                      "ffn_hidden_size": 64}, "moe": {"num_experts": 4, "moe_every": 3},
+            "train": {"batch_size": 4}}       # blocks 0 and 1 dense, block 2 MoE
+    cfg = config_from_dict(data)
+    net = build_model(cfg.model, cfg.moe, cfg.train.batch_size)
+    templates = {"dense.fc1": {"in_strategy": [[2, 1, 1], [1, 2]]}}    # x(b,s,h), w(h,f)
+    overrides = {"L1.fc1": {"in_strategy": [[1, 1, 2], [2, 1]]}}
+    applied = apply_shard_plan(net, templates, overrides)
+    assert applied["blocks.0.ffn.fc1"] == ((2, 1), (2, 1))   # template: w folded to (f, h)
+    assert applied["blocks.1.ffn.fc1"] == ((1, 2), (1, 2))   # its layer's own strategy
+    assert net.blocks[1].ffn.fc1.matmul.in_strategy == ((1, 2), (1, 2))

@@ -71,11 +71,14 @@ def _resolve(cell: Any, path: str, attr: str) -> Any:
     return getattr(cell, attr, None) if attr else cell
 
 
-def apply_shard_plan(network: Any, templates: Dict[str, Dict[str, Any]]) -> Dict[str, Tuple]:
-    """Set ``shard()`` on the primitives of a :class:`GPTMoE`-like network from plan templates.
+def apply_shard_plan(network: Any, templates: Dict[str, Dict[str, Any]],
+                     overrides: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Tuple]:
+    """Set ``shard()`` on the primitives of a :class:`GPTMoE`-like network from a plan.
 
     network: an ``nn.Cell`` with ``blocks`` (a CellList of Blocks).
-    templates: ``{tie key: {"in_strategy": [[...], ...], ...}}`` (``load_plan_strategies``).
+    templates: ``{tie key: {"in_strategy": [[...], ...], ...}}``, the plan's ``templates``.
+    overrides: ``{op name "L<i>.<op>": entry}``, the plan's ``overrides`` (layers whose tie
+        class chose another strategy); they win over the template for block i.
     Returns ``{"blocks.<i>.<cell path>": in_strategy}`` of every primitive that was set.
     """
     blocks = getattr(network, "blocks", None)
@@ -87,7 +90,7 @@ def apply_shard_plan(network: Any, templates: Dict[str, Dict[str, Any]]) -> Dict
     for i, block in enumerate(blocks):
         kind = "moe" if i in moe_index else "dense"
         for short, (path, attr, fold) in _FOLDS.items():
-            entry = templates.get(f"{kind}.{short}")
+            entry = (overrides or {}).get(f"L{i}.{short}") or templates.get(f"{kind}.{short}")
             prim = _resolve(block, path, attr)
             if entry is None or prim is None:
                 continue
@@ -163,7 +166,7 @@ def shard_pass(network: Any, config: Any) -> Tuple[Any, Dict[str, Any]]:
     req = _request({"mesh": mesh}, _dims_from_run_config(config.to_dict()))
     req.cluster = config.cluster_spec()
     doc = plan_to_dict(req, plan(req))
-    applied = apply_shard_plan(network, doc["templates"])
+    applied = apply_shard_plan(network, doc["templates"], doc.get("overrides"))
     doc["applied"] = {k: [list(t) for t in v] for k, v in applied.items()}
     return network, doc
 

@@ -51,7 +51,7 @@ def _strategy_json_for(args, req, doc) -> None:
         data = yaml.safe_load(fh) or {}
     if "shard" in data:    # analytic workload: one item per planner operator
         applied = {name: tuple(tuple(f) for f in e["in_strategy"])
-                   for name, e in doc["templates"].items()}
+                   for name, e in {**doc["templates"], **doc["overrides"]}.items()}
         atomic_write_text(args.strategy_json, json.dumps(strategy_json(applied, doc), indent=1) + "\n")
         return
     import mindspore as ms
@@ -62,7 +62,7 @@ def _strategy_json_for(args, req, doc) -> None:
     cfg = load_config(args.config)
     ms.set_context(mode=ms.GRAPH_MODE)
     net = build_model(cfg.model, cfg.moe, cfg.train.batch_size)
-    applied = apply_shard_plan(net, doc["templates"])
+    applied = apply_shard_plan(net, doc["templates"], doc.get("overrides"))
     write_strategy_json(args.strategy_json, net, applied, doc)
 
 
@@ -88,8 +88,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", required=True, help="write the result rows here")
     parser.add_argument("--budget-ratio", type=float, default=1.2,
                         help="ILP communication budget relative to megatron-tp (default 1.2)")
-    parser.add_argument("--tie", default="layer", choices=("layer", "binary", "none"),
-                        help="how repeated layers share strategies in the ILP")
+    parser.add_argument("--tie", default="binary", choices=("layer", "binary", "none"),
+                        help="how repeated layers share strategies in the ILP (default "
+                             "binary: any number of layers may differ, ~log2(L) layer copies)")
 
 
 # (workload preset, devices, mesh, batch label); batch "N" = one sequence per device (every
@@ -101,7 +102,7 @@ _QUICK = [(w, n, mesh, "N") for w in ("gpt-1.3b", "gpt-175b", "moe-1.3b-e32")
           for n, mesh in ((8, "1x8"), (32, "4x8"))]
 
 
-def bench_rows(cases, budget_ratio: float = 1.2, tie: str = "layer") -> List[Dict[str, Any]]:
+def bench_rows(cases, budget_ratio: float = 1.2, tie: str = "binary") -> List[Dict[str, Any]]:
     """Rows for every (workload, devices, mesh, batch label) case: the baselines and the ILP."""
     from ms_efficient.parallel.shard_baselines import METHODS, baseline_cost
     from ms_efficient.parallel.shard_cost import CostModel

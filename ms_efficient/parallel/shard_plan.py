@@ -9,7 +9,7 @@ A request is the ``shard:`` section of a config file (``configs/shard_*.yaml``):
       cluster: {preset: ascend910b-4x8}
       objective: budget           # or weighted (comm_weight_gib_per_s)
       comm_budget: {relative_to: megatron-tp, ratio: 1.2}   # or comm_budget_s: 3.0
-      tie: layer                  # layer | binary | none (see ShardOptions.tie)
+      tie: binary                 # binary | layer | none (see ShardOptions.tie)
 
 A training config (``configs/gpt_moe_tiny.yaml``: model/moe/train sections) is also accepted:
 its model is planned at its ``train.batch_size``.
@@ -128,7 +128,7 @@ def _request(sec: Dict[str, Any], dims: TransformerDims) -> ShardRequest:
     options = ShardOptions(objective=sec.get("objective", "budget"), comm_budget_s=budget_s,
                            comm_weight_gib_per_s=float(sec.get("comm_weight_gib_per_s", 1.0)),
                            redundancy_weight=float(sec.get("redundancy_weight", 0.0)),
-                           tie=sec.get("tie", "layer"),
+                           tie=sec.get("tie", "binary"),
                            time_limit_s=float(sec.get("time_limit_s", 120.0)))
     return ShardRequest(dims, mesh, cluster, options, ratio, method)
 
