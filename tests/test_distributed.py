@@ -147,6 +147,26 @@ def test_alltoall_twice_gives_back_the_input(results):
         np.testing.assert_array_equal(results("a2a_roundtrip", r), worker.alltoall_inputs(r, WORLD)[0])
 
 
+def _v_blocks(a, counts):
+    """Split rows of ``a`` into consecutive blocks of ``counts`` rows."""
+    return np.split(a, np.cumsum(counts)[:-1])
+
+
+@pytest.mark.slow
+@needs_msrun
+def test_alltoallv_uneven_blocks_arrive_in_source_order_and_gradients_go_back(results):
+    counts = np.array(worker.alltoallv_counts(WORLD))
+    sent = [_v_blocks(worker.alltoallv_inputs(r, WORLD)[0], counts[r]) for r in range(WORLD)]
+    weights = [_v_blocks(worker.alltoallv_inputs(r, WORLD)[1], counts[:, r]) for r in range(WORLD)]
+    for r in range(WORLD):
+        # rank r receives block r of every source i, in source order: [sum_i counts[i, r], D]
+        np.testing.assert_array_equal(results("a2av_y", r),
+                                      np.concatenate([sent[i][r] for i in range(WORLD)]))
+        # loss = sum_d sum(w_d * y_d): the rows rank r sent to d get d's weights for them
+        np.testing.assert_array_equal(results("a2av_grad", r),
+                                      np.concatenate([weights[d][r] for d in range(WORLD)]))
+
+
 # --- single process ---------------------------------------------------------------------------
 
 
@@ -176,3 +196,24 @@ def test_alltoall_rejects_an_unknown_implementation():
 
     with pytest.raises(ValueError, match="'impl' must be one of"):
         AllToAll(impl="ring")
+
+
+@pytest.mark.mindspore
+def test_alltoallv_with_one_rank_is_the_identity_and_rejects_bad_counts():
+    ms = pytest.importorskip("mindspore")
+    from ms_efficient.moe.alltoall import AllToAllV
+
+    x = np.arange(15, dtype=np.float32).reshape(5, 3)
+    w = np.linspace(-1.0, 1.0, 15, dtype=np.float32).reshape(5, 3)
+    exchange = AllToAllV([5], [5], row_numel=3)
+    np.testing.assert_array_equal(exchange(ms.Tensor(x)).asnumpy(), x)
+    weight = ms.Tensor(w)
+
+    def loss(t):
+        return (weight * exchange(t)).sum()
+
+    np.testing.assert_array_equal(ms.grad(loss)(ms.Tensor(x)).asnumpy(), w)
+    with pytest.raises(ValueError, match="one per rank"):
+        AllToAllV([2, 3], [5], row_numel=3)
+    with pytest.raises(ValueError, match="'block_rows' must be >= every count"):
+        AllToAllV([5], [5], row_numel=3, block_rows=4)

@@ -86,16 +86,22 @@ def simulate_dispatch(plan, rows_RS, world):
     """Follow every reservable arrival (rank r, expert e, p) through the tables of both ends:
     returns {(r, e, p): (slot, row within the slot's computed rows)}."""
     tables = [rank_dispatch(plan, rows_RS, E, r) for r in range(world)]
-    c = tables[0].send_rows
+    for r, tab in enumerate(tables):       # AlltoAllV counts agree across the group
+        assert [t.recv_counts[r] for t in tables] == tab.send_counts.tolist()
+        assert tab.recv_index_N.size == tab.recv_counts.sum()      # no padding row
     landing = {}
     for r, tab in enumerate(tables):
+        send_end = np.cumsum(tab.send_counts)
         for e in range(E):
             for p in range(int(tab.rows_E[e])):
                 j = int((tab.ends_EJ[e] <= p).sum())
                 row = int(tab.shift_EJ[e, j]) + p
-                dest, offset = divmod(row, c)
+                assert 0 <= row < send_end[-1]
+                dest = int(np.searchsorted(send_end, row, side="right"))
+                offset = row - (send_end[dest] - tab.send_counts[dest])
                 recv = tables[dest]
-                n = int(np.flatnonzero(recv.recv_index_N == r * c + offset)[0])
+                recv_start = int(recv.recv_counts[:r].sum())
+                n = int(np.flatnonzero(recv.recv_index_N == recv_start + offset)[0])
                 start = 0          # slot-major layout: groups, then slots of a group
                 for cap, members in recv.groups:
                     if n < start + cap * len(members):

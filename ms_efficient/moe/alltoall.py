@@ -39,7 +39,7 @@ from mindspore import Tensor, nn, ops
 
 from ms_efficient import backend
 
-__all__ = ["AllToAll"]
+__all__ = ["AllToAll", "AllToAllV"]
 
 
 class AllToAll(nn.Cell):
@@ -104,3 +104,98 @@ class AllToAll(nn.Cell):
         sent_WWCX = sent_WNX.reshape((self.world, self.world, n // self.world) + rest)
         mine_W1CX = ops.gather(sent_WWCX, self.my_column, 1)
         return mine_W1CX.reshape((n,) + rest)
+
+
+class AllToAllV(nn.Cell):
+    """Exchange row blocks of static, uneven sizes with every rank of `group` (an AlltoAllV
+    whose per-peer counts are fixed before compilation, so every shape is static).
+
+    Rank r sends ``send_counts[d]`` rows to rank d (its input is the concatenation of those
+    blocks in rank order) and receives ``recv_counts[i]`` rows from rank i (its output is
+    the concatenation in source order). The counts must agree across ranks: rank r's
+    send_counts[d] == rank d's recv_counts[r] (the caller's static tables ensure it).
+
+    Gradient: the adjoint of an AlltoAllV is the AlltoAllV with the two count lists
+    swapped (each row is copied to exactly one place, as for AllToAll).
+
+    Implementations (``backend.alltoall_impl``):
+    - "native" (Ascend): ``ops.AlltoAllV`` on the flattened buffer, ``block_size`` = one row,
+      with a bprop that runs it with the counts swapped;
+    - emulations (CPU/GPU): every block is padded with zero rows to ``C = max`` rows over all
+      blocks of the group, exchanged with :class:`AllToAll`, and the real rows are gathered
+      out: exact, at the padded traffic (for building and testing, not for speed); gathers
+      and AllToAll's own bprop give the gradient.
+
+    Args:
+        send_counts: [W] ints >= 0, rows to each rank.
+        recv_counts: [W] ints >= 0, rows from each rank.
+        row_numel: elements of one row (product of the trailing dims, e.g. H).
+        block_rows: C, the largest block of the whole group (the same on every rank; the
+            emulation's padded block); default max(send_counts, recv_counts), which is only
+            the same on every rank when the caller makes it so.
+        group, impl: as for :class:`AllToAll`.
+
+    Inputs: x [sum(send_counts), ...]. Outputs: [sum(recv_counts), ...].
+    """
+
+    def __init__(self, send_counts, recv_counts, row_numel: int, block_rows: Optional[int] = None,
+                 group: Optional[str] = None, impl: Optional[str] = None):
+        super().__init__()
+        send = np.asarray(send_counts, dtype=np.int64)
+        recv = np.asarray(recv_counts, dtype=np.int64)
+        self.exchange = AllToAll(group=group, impl=impl)
+        self.world = self.exchange.world
+        if send.shape != (self.world,) or recv.shape != (self.world,) or (send < 0).any() \
+                or (recv < 0).any():
+            raise ValueError(f"'send_counts' and 'recv_counts' must be {self.world} ints >= 0 "
+                             f"(one per rank), but got {send.tolist()} and {recv.tolist()}.")
+        block = int(max(send.max(), recv.max())) if block_rows is None else int(block_rows)
+        if block < max(send.max(), recv.max()):
+            raise ValueError(f"'block_rows' must be >= every count ({max(send.max(), recv.max())}), "
+                             f"but got {block_rows}.")
+        if row_numel < 1:
+            raise ValueError(f"'row_numel' must be >= 1, but got {row_numel}.")
+        self.send_total, self.recv_total = int(send.sum()), int(recv.sum())
+        self.native = self.world > 1 and self.exchange.impl == backend.ALLTOALL_NATIVE
+        if self.native:
+            self.send_numel = tuple(int(c) for c in send)
+            self.recv_numel = tuple(int(c) for c in recv)
+            self.alltoallv = ops.AlltoAllV(group=self.exchange.group, block_size=int(row_numel))
+            return
+        # Emulation tables: padded row j of block d reads input row pad_index[j] (send_total
+        # = a zero row); output row i reads padded receive row pick[i].
+        pad_index = np.full((self.world, block), self.send_total, dtype=np.int32)
+        pick = []
+        start = 0
+        for d in range(self.world):
+            pad_index[d, :send[d]] = np.arange(start, start + send[d])
+            start += int(send[d])
+            pick.extend(range(d * block, d * block + int(recv[d])))
+        self.padded_rows = self.world * block
+        self.pad_index = Tensor(pad_index.reshape(-1))
+        self.pick = Tensor(np.array(pick, dtype=np.int32))
+
+    def construct(self, x):
+        if self.native:
+            return self._native(x, self.send_numel, self.recv_numel, self.recv_total)
+        rest = x.shape[1:]
+        x_pad = ops.concat((x, ops.zeros((1,) + rest, x.dtype)), 0)
+        return ops.gather(self.exchange(ops.gather(x_pad, self.pad_index, 0)), self.pick, 0)
+
+    def bprop(self, x, out, dout):
+        """Adjoint: the exchange with the count lists swapped (native); the emulation's
+        gather / pad / AllToAll chain is differentiated as written."""
+        if self.native:
+            return (self._native(dout, self.recv_numel, self.send_numel, self.send_total),)
+        rest = dout.shape[1:]
+        # transpose of "gather pick" then of "exchange" then of "gather pad_index"
+        grad_pad = ops.zeros((self.padded_rows,) + rest, dout.dtype)
+        grad_pad = ops.tensor_scatter_add(grad_pad, self.pick.reshape(-1, 1), dout)
+        grad_sent = self.exchange(grad_pad)
+        grad_x = ops.unsorted_segment_sum(grad_sent, self.pad_index, self.send_total + 1)
+        return (grad_x[:self.send_total],)
+
+    def _native(self, x, send_numel, recv_numel, rows_out):
+        rest = x.shape[1:]
+        out = self.alltoallv(x.reshape(-1), send_numel, recv_numel)
+        return out.reshape((rows_out,) + rest)

@@ -64,10 +64,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                                             "method starts from (e.g. runs/demo)")
     parser.add_argument("--no-measured", action="store_true",
                         help="simulated rows only (no MindSpore training)")
-    parser.add_argument("--static-blocks", choices=("equal", "exact"), default="equal",
-                        help="simulated All-to-All of static-graph methods: every block padded "
-                             "to the largest (what ExpertParallelMoE does now), or per-peer "
-                             "counts fixed at compile time (AlltoAllV)")
+    parser.add_argument("--static-blocks", choices=("exact", "equal"), default="exact",
+                        help="simulated All-to-All of static-graph methods: per-peer counts "
+                             "fixed at compile time (AlltoAllV, what ExpertParallelMoE sends), "
+                             "or every block padded to the largest (equal-split AlltoAll)")
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -8,13 +8,14 @@ For a layer with plan ``plan`` (:class:`ms_efficient.moe.plan.ExpertPlan`) and r
     exchange  = AllGather of the [R, E] int32 counts ("alltoallv" plans only, once per step)
     dispatch  = rows device r sends to device d: the kept tokens ("alltoallv"); for "static"
                 plans every row rank r owns in d's slots, full or empty, sent
+                  static_blocks="exact" (default): as exactly those rows (an AlltoAllV whose
+                    per-peer counts are compile-time constants, ``mindspore.ops.AlltoAllV``
+                    with tuple counts: still static shapes, no padding to the largest block;
+                    what ms_efficient.moe.ep_layer sends);
                   static_blocks="equal": as C_send rows to every device of the group, C_send
                     the largest number of rows any rank owns on any one device (an
-                    equal-split AlltoAll of a [W, C_send, H] buffer: ms_efficient.moe.ep_layer
-                    today, and GShard, whose blocks are all equal anyway);
-                  static_blocks="exact": as exactly those rows (an AlltoAllV whose per-peer
-                    counts are compile-time constants, ``mindspore.ops.AlltoAllV`` with tuple
-                    counts: still static shapes, no padding to the largest block)
+                    equal-split AlltoAll of a [W, C_send, H] buffer, as GShard, whose blocks
+                    are all equal anyway)
     A2A       = max over devices of the per-link send/receive time (uneven all-to-all)
     compute_d = compute_passes * rows_d * 4 H F / (peak FLOP/s * efficiency)
     sync_d    = all-reduce of an expert's gradients among its replicas' devices
@@ -65,7 +66,7 @@ class CostModel:
     compute_passes: float = 3.0
     a2a_passes: int = 4
     sync_replica_grads: bool = True
-    static_blocks: str = "equal"
+    static_blocks: str = "exact"
 
     def __post_init__(self) -> None:
         if self.static_blocks not in ("equal", "exact"):

@@ -1,8 +1,8 @@
 """Expert-parallel MoE layer: experts as physical slots (replicas) on the ranks of a group.
 
 Shapes (names carry their dimensions): T local tokens, H hidden, F expert FFN width, E logical
-experts, K top-k, A = K*T assignments, W ranks, S_l slots on this rank, C_send rows per
-destination block, M = W*C_send send/receive buffer rows, N rows computed by the local slots.
+experts, K top-k, A = K*T assignments, W ranks, S_l slots on this rank, M rows this rank sends
+(the rows it reserves on all slots), N rows computed by the local slots (= rows received).
 
 An :class:`~ms_efficient.moe.plan.ExpertPlan` maps every slot to a logical expert, a device
 (= rank in the expert-parallel group) and a static capacity. Each rank holds the weights of its
@@ -13,17 +13,19 @@ own slots only, and runs, per step on its local tokens:
          -> send row from the static tables of :mod:`ms_efficient.moe.ep_routing`: the
             replicas this rank feeds for e in spill order (own device, same node, others),
             each with the rows reserved for this rank; p beyond them is dropped
-         -> send buffer [W*C_send, H], block d for the slots on rank d      -> AllToAll
-         -> local slot-major rows [N, H] -> batched-matmul experts (grouped by capacity)
-         -> back to [W*C_send, H]                                            -> AllToAll
+         -> send buffer [M, H], block d = the rows reserved on rank d's slots -> AllToAllV
+         -> received rows [N, H], permuted slot-major -> batched-matmul experts (grouped by
+            capacity) -> back to receive order [N, H]                        -> AllToAllV
          -> every assignment reads its send row back, weighted; sum over K  -> y_TH
 
-Capacity split: a slot's capacity is shared among the source ranks before compilation
-(:func:`~ms_efficient.moe.ep_routing.source_rows`; equal shares of each expert's total
-capacity by default), because with an equal-split All-to-All every rank must know, without
+The exchanges are AlltoAllV with per-peer counts fixed before compilation
+(:class:`~ms_efficient.moe.alltoall.AllToAllV`): every block holds exactly the rows reserved
+for it, no padding to the largest block. Capacity split: a slot's capacity is shared among
+the source ranks before compilation (:func:`~ms_efficient.moe.ep_routing.source_rows`; equal
+shares of each expert's total capacity by default), because every rank must know, without
 communication, how many rows it owns in every slot. Static shapes, so the graph compiles once;
 a rank that routes more than its share of an expert drops the excess even if another rank
-left room (count-based AlltoAllV dispatch would not; it needs dynamic shapes).
+left room (count-based dispatch would not; it needs dynamic shapes).
 
 Gradient sync of replicas: replicas of a logical expert start identical (initialised from a
 seed and the logical expert id) and get the same gradient, the sum over all replicas, so any
@@ -48,7 +50,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from ms_efficient import backend
-from ms_efficient.moe.alltoall import AllToAll
+from ms_efficient.moe.alltoall import AllToAllV
 from ms_efficient.moe.layer import TopKArrival, routing_statistics
 from ms_efficient.moe.ep_routing import rank_dispatch, replica_sync, source_rows
 from ms_efficient.moe.plan import ExpertPlan
@@ -156,9 +158,8 @@ class ExpertParallelMoE(nn.Cell):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"'top_k' must be in [1, {num_experts}], but got {top_k}.")
-        self.exchange = AllToAll(group=group)
-        self.world = self.exchange.world
-        actual = self.exchange.rank if self.world > 1 else 0
+        self.world = backend.group_size(group or backend.world_group())
+        actual = backend.group_rank(group or backend.world_group()) if self.world > 1 else 0
         if rank is not None and rank != actual:
             raise ValueError(f"'rank' must be this process's rank in the group ({actual}), "
                              f"but got {rank}.")
@@ -174,8 +175,12 @@ class ExpertParallelMoE(nn.Cell):
         self.local_slots = tables.local_slots
         self.local_experts = plan.slot_expert[tables.local_slots]
         self.groups = tuple((c, len(ix)) for c, ix in tables.groups)
-        self.send_rows = tables.send_rows
+        self.send_total = int(tables.send_counts.sum())
         self.num_rows = int(tables.recv_index_N.size)
+        self.dispatch = AllToAllV(tables.send_counts, tables.recv_counts, hidden_size,
+                                  tables.send_rows, group)
+        self.undispatch = AllToAllV(tables.recv_counts, tables.send_counts, hidden_size,
+                                    tables.send_rows, group)
         self.num_j = tables.replicas_per_expert
         self.rows_E = Tensor(tables.rows_E)
         self.ends_EJ = Tensor(tables.ends_EJ)
@@ -213,7 +218,7 @@ class ExpertParallelMoE(nn.Cell):
     def construct(self, x):
         b, s, h = x.shape
         t = b * s
-        k, m = self.top_k, self.world * self.send_rows
+        k, m = self.top_k, self.send_total
         x_TH = x.reshape(t, h)
 
         # Step 1: route top-k (A = K*T assignments, k-major, arrival position p each).
@@ -232,21 +237,16 @@ class ExpertParallelMoE(nn.Cell):
         row_A = ops.select(keep_A, ops.gather(self.shift_X, replica_A, 0) + position_A,
                            ops.fill(ms.int32, (k * t,), m))               # m: the zero row
 
-        # Step 3: send buffer [W*C_send, H] (token T = empty row -> zeros), exchange.
+        # Step 3: send buffer [M, H] (token T = empty row -> zeros), exchange.
         token_A = ops.tile(ops.arange(t, dtype=ms.int32), (k,))
         row_token = ops.fill(ms.int32, (m + 1,), t)
         row_token = ops.tensor_scatter_update(row_token, row_A.reshape(-1, 1), token_A)
         x_pad = ops.concat((x_TH, ops.zeros((1, h), x_TH.dtype)), 0)
-        recv_MH = self.exchange(ops.gather(x_pad, row_token[:m], 0))
+        recv_NH = self.dispatch(ops.gather(x_pad, row_token[:m], 0))
 
-        # Step 4: local experts on their slot-major rows, results back to buffer order.
-        if self.num_rows == 0:
-            back_MH = ops.zeros((m, h), recv_MH.dtype)
-        else:
-            out_NH = self._experts(ops.gather(recv_MH, self.recv_index, 0))
-            out_pad = ops.concat((out_NH, ops.zeros((1, h), out_NH.dtype)), 0)
-            back_MH = ops.gather(out_pad, self.back_index, 0)
-        ret_MH = self.exchange(back_MH)
+        # Step 4: local experts on their slot-major rows, results back to receive order.
+        out_NH = self._experts(ops.gather(recv_NH, self.recv_index, 0))
+        ret_MH = self.undispatch(ops.gather(out_NH, self.back_index, 0))
 
         # Step 5: combine: every assignment reads its send row back, weighted; drops read 0.
         ret_pad = ops.concat((ret_MH, ops.zeros((1, h), ret_MH.dtype)), 0)

@@ -18,14 +18,16 @@ Static dispatch, in three tables:
    Assignment number p (0-based, by arrival within (r, expert e), k-major) goes to the first
    replica j whose end exceeds p, at send row ``shift_EJ[e, j] + p``; p >= the rank's rows
    for e is dropped.
-3. Buffers: the send buffer is [W, C_send, H]; block d holds, for every slot on rank d in slot
-   id order, that slot's rows_RS[r, s] rows, then zero padding. C_send is the largest number
-   of rows any rank reserves on any destination (it must be the same on every rank for an
-   equal-split All-to-All). The receiver gathers the rows of its slots into a slot-major
-   buffer of their reserved rows (the sum of the local capacities with :func:`source_rows`;
-   slots grouped by capacity, one batched matmul per group, as in
-   :class:`~ms_efficient.moe.layer.MoEFeedForward`) and scatters the results back with the
-   inverse table.
+3. Buffers, exact (an AlltoAllV with counts fixed before compilation,
+   :class:`~ms_efficient.moe.alltoall.AllToAllV`): rank r's send buffer is the concatenation
+   over destinations d of blocks of ``send_counts[d]`` rows (the rows r reserves on d's
+   slots); block d holds, for every slot on rank d in slot id order, that slot's
+   rows_RS[r, s] rows, so no row is padding. The receive buffer concatenates, over sources,
+   ``recv_counts[src]`` rows; they are exactly the rows reserved on the local slots, so the
+   receiver's slot-major buffer (slots grouped by capacity, one batched matmul per group, as
+   in :class:`~ms_efficient.moe.layer.MoEFeedForward`) is a permutation of it
+   (``recv_index_N``, inverse ``back_index_M``). C_send, the largest block of the group, is
+   what an emulation pads every block to.
 
 Replica gradient sync (:func:`replica_sync`): gradients of a logical expert's replicas are
 summed: first over the replicas on this rank, then, for experts with replicas on more than
@@ -101,7 +103,9 @@ def capacity_groups(slots: np.ndarray,
 class RankDispatch:
     """Static dispatch tables of one rank (every index table int32, ready for a Tensor).
 
-    send_rows: C_send, rows of each destination block (the same on every rank).
+    send_rows: C_send, the largest block any rank sends any rank (the same on every rank).
+    send_counts: int64 [W], rows this rank sends to each rank (its send buffer's blocks).
+    recv_counts: int64 [W], rows this rank receives from each rank.
     local_slots: int64 [S_l], global ids of the slots on this rank, ascending.
     groups: ((rows, (local slot index, ...)), ...), the batched-matmul groups of the local
         slots in slot-major order, by reserved rows (:func:`capacity_groups`).
@@ -110,13 +114,14 @@ class RankDispatch:
         in spill order; padded with rows_E.
     shift_EJ: int32 [E, J], send row of arrival p on replica j is shift_EJ[e, j] + p.
     recv_index_N: int32 [N], N = rows reserved on the local slots (the sum of their
-        capacities for rows from :func:`source_rows`): receive-buffer row
-        (src * C_send + row) of every slot-major row.
-    back_index_M: int32 [W * C_send], slot-major row of every receive-buffer row, N for
-        padding rows (they read a zero row).
+        capacities for rows from :func:`source_rows`) = sum(recv_counts): receive-buffer
+        row of every slot-major row (a permutation).
+    back_index_M: int32 [N], slot-major row of every receive-buffer row (its inverse).
     """
 
     send_rows: int
+    send_counts: np.ndarray
+    recv_counts: np.ndarray
     local_slots: np.ndarray
     groups: Tuple[Tuple[int, Tuple[int, ...]], ...]
     rows_E: np.ndarray
@@ -161,13 +166,16 @@ def rank_dispatch(plan: ExpertPlan, rows_RS: np.ndarray, num_experts: int, rank:
     if local_slots.size == 0:
         raise ValueError(f"rank {rank} hosts no slot of the expert plan; every rank of the "
                          f"expert-parallel group needs at least one slot.")
-    # Step 1: destination blocks: C_send = the most rows any source sends any destination.
+    # Step 1: blocks: rank r sends to_dev_RD[r, d] rows to d; block offsets in both buffers.
     to_dev_RD = np.zeros((world, world), dtype=np.int64)
     np.add.at(to_dev_RD.T, plan.slot_device, rows_RS.T)
     send_rows = int(to_dev_RD.max())
     if send_rows == 0:
         raise ValueError("the expert plan reserves no row for any rank (all capacities are 0).")
     off_RS = _block_offsets(plan, rows_RS)
+    send_counts, recv_counts = to_dev_RD[rank], to_dev_RD[:, rank]
+    send_off = np.cumsum(send_counts) - send_counts     # [W] start of the block to rank d
+    recv_off = np.cumsum(recv_counts) - recv_counts     # [W] start of the block from src
 
     # Step 2: send side: every expert's replicas in spill order, with cumulative ends.
     node = (lambda d: d // devices_per_node) if devices_per_node else (lambda d: 0)
@@ -184,7 +192,7 @@ def rank_dispatch(plan: ExpertPlan, rows_RS: np.ndarray, num_experts: int, rank:
     for e, f in enumerate(feeds):
         start = 0
         for j, s in enumerate(f):
-            shift_EJ[e, j] = plan.slot_device[s] * send_rows + off_RS[rank, s] - start
+            shift_EJ[e, j] = send_off[plan.slot_device[s]] + off_RS[rank, s] - start
             start += rows_RS[rank, s]
             ends_EJ[e, j] = start
 
@@ -197,14 +205,15 @@ def rank_dispatch(plan: ExpertPlan, rows_RS: np.ndarray, num_experts: int, rank:
         for i in members:
             s = local_slots[i]
             for src in range(world):
-                first = src * send_rows + off_RS[src, s]
+                first = recv_off[src] + off_RS[src, s]
                 recv.extend(range(first, first + rows_RS[src, s]))
-    recv_index_N = np.array(recv, dtype=np.int64)
-    back_index_M = np.full(world * send_rows, recv_index_N.size, dtype=np.int64)
+    recv_index_N = np.array(recv, dtype=np.int64)     # every received row, once
+    back_index_M = np.empty(recv_index_N.size, dtype=np.int64)
     back_index_M[recv_index_N] = np.arange(recv_index_N.size)
     i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
-    return RankDispatch(send_rows, local_slots, groups, i32(rows_E), i32(ends_EJ),
-                        i32(shift_EJ), i32(recv_index_N), i32(back_index_M))
+    return RankDispatch(send_rows, send_counts.copy(), recv_counts.copy(), local_slots, groups,
+                        i32(rows_E), i32(ends_EJ), i32(shift_EJ), i32(recv_index_N),
+                        i32(back_index_M))
 
 
 @dataclass(frozen=True)

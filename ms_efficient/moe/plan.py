@@ -19,11 +19,11 @@ tokens are dropped and what the All-to-All carries:
                  equally or in proportion to ``rank_share``, then attributed to the expert's
                  replicas own device first, same node next, then by remaining room). A rank
                  fills its rows in arrival order and drops what does not fit, even when another
-                 rank left rows of the same slot empty. The send buffer is [W, C_send, H] for an
-                 equal-split AlltoAll: W blocks of C_send rows, C_send the largest number of rows
-                 any rank owns on any one device, so every block travels full, zero rows
-                 included (Lepikhin et al., "GShard", 2020, sec. 2.2 and Algorithm 1; Fedus et
-                 al., "Switch Transformers", JMLR 2022, sec. 2.1).
+                 rank left rows of the same slot empty. Every owned row travels, full or
+                 empty (zero rows included): GShard / Switch send equal blocks of a
+                 [W, C, H] buffer (Lepikhin et al., "GShard", 2020, sec. 2.2 and Algorithm 1;
+                 Fedus et al., "Switch Transformers", JMLR 2022, sec. 2.1); ep_layer sends each
+                 peer exactly the rows it owns there, an AlltoAllV with compile-time counts.
     "alltoallv"  dynamic, counts first: every rank learns the step's routing counts [R, E] (an
                  AllGather of R x E integers), applies :func:`split_tokens`, and sends each peer
                  exactly the tokens it keeps for that peer's slots; a slot's capacity is shared

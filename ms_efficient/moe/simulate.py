@@ -89,9 +89,9 @@ class ReplayConfig:
         one-step relative forecast errors is above this. 0.5 sits between the demo run's
         first 50 steps (one-step MAPE 35-100 %: experts go from 0 to 2000 tokens within a
         few steps) and its steady state or the synthetic traces (MAPE 6-10 %).
-    static_blocks: how static-graph methods send the rows each rank owns (CostModel): "equal"
-        (an equal-split AlltoAll padded to the largest block, as ms_efficient.moe.ep_layer
-        does today) or "exact" (an AlltoAllV with compile-time per-peer counts).
+    static_blocks: how static-graph methods send the rows each rank owns (CostModel): "exact"
+        (an AlltoAllV with compile-time per-peer counts, as ms_efficient.moe.ep_layer does)
+        or "equal" (an equal-split AlltoAll padded to the largest block).
     sync_replica_grads: charge the all-reduce of replicated experts' gradients (False: assume
         it is hidden behind other layers' backward).
     """
@@ -109,7 +109,7 @@ class ReplayConfig:
     predictor: str = "ar-ridge"
     recompile_s: float = 1.2
     max_forecast_error: float = 0.5
-    static_blocks: str = "equal"
+    static_blocks: str = "exact"
     sync_replica_grads: bool = True
 
 

@@ -1,4 +1,4 @@
-"""msrun worker for tests/test_distributed.py: data-parallel training and AllToAll checks.
+"""msrun worker for tests/test_distributed.py: data-parallel training, AllToAll and AllToAllV checks.
 
 Launched on every rank by msrun as ``python check_collectives.py OUT_DIR [graph|pynative]``.
 Each rank writes its results to OUT_DIR as ``<name>_rank<r>.npy`` plus ``done_rank<r>.json``;
@@ -39,6 +39,19 @@ def dp_global_batch(step, world):
         rng.standard_normal((rows, DP_IN)).astype(np.float32),
         rng.standard_normal((rows, DP_OUT)).astype(np.float32),
     )
+
+
+def alltoallv_counts(world):
+    """[src][dst] rows of the uneven AllToAllV check: rank r sends 1 + r + 2 * d rows to d."""
+    return [[1 + r + 2 * d for d in range(world)] for r in range(world)]
+
+
+def alltoallv_inputs(rank, world):
+    """(x [sum of rank's sends, D], w [sum of rank's receives, D]) of `rank`."""
+    counts = np.array(alltoallv_counts(world))
+    rng = np.random.default_rng(2000 + rank)
+    return (rng.standard_normal((counts[rank].sum(), A2A_HIDDEN)).astype(np.float32),
+            rng.standard_normal((counts[:, rank].sum(), A2A_HIDDEN)).astype(np.float32))
 
 
 def alltoall_inputs(rank, world):
@@ -82,6 +95,17 @@ def check_alltoall(out_dir, rank, world):
 
     create_group("a2a_pair", list(range(world)))
     np.save(os.path.join(out_dir, f"a2a_group_y_rank{rank}.npy"), AllToAll(group="a2a_pair")(x).asnumpy())
+
+    # AllToAllV: uneven static blocks, forward and gradient
+    from ms_efficient.moe.alltoall import AllToAllV
+
+    counts = np.array(alltoallv_counts(world))
+    xv_np, wv_np = alltoallv_inputs(rank, world)
+    xv, wv = Tensor(xv_np), Tensor(wv_np)
+    exchange_v = AllToAllV(counts[rank], counts[:, rank], A2A_HIDDEN, int(counts.max()))
+    np.save(os.path.join(out_dir, f"a2av_y_rank{rank}.npy"), exchange_v(xv).asnumpy())
+    grad_xv = ms.grad(WeightedSum(exchange_v), grad_position=0)(xv, wv)
+    np.save(os.path.join(out_dir, f"a2av_grad_rank{rank}.npy"), grad_xv.asnumpy())
 
 
 def check_data_parallel(out_dir, rank, world):
