@@ -581,3 +581,29 @@ def test_bench_rows_follow_the_issue_format_and_plan_trace_writes_plans(small_tr
     assert len(plans) == 1
     plans[0].validate(16, 16)
     save_plans(str(tmp_path / "p.yaml"), plans, 16)
+
+
+def test_hindsight_capacities_hand_case_and_brute_force_optimum():
+    import itertools
+
+    from ms_efficient.moe.capacity import hindsight_capacities, static_capacity_limit
+
+    loads = np.array([[10, 20], [10, 20], [10, 20], [30, 20]], dtype=float)   # [T, E]
+    none = hindsight_capacities(loads, 0.0)
+    assert none.capacity_S.tolist() == [30, 20] and none.expected_drop_rate == 0.0
+    assert none.expected_padding_fraction == pytest.approx(60 / 200)   # 3 x 20 empty of 4 x 50
+    # 20 of 140 tokens may drop: cutting expert 0 from 30 to 10 costs exactly those 20
+    cut = hindsight_capacities(loads, 20 / 140)
+    assert cut.capacity_S.tolist() == [10, 20] and cut.expected_padding_fraction == 0.0
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        small = rng.integers(0, 9, size=(5, 3)).astype(float)
+        target = 0.1
+        got = hindsight_capacities(small, target)
+        assert got.expected_drop_rate <= target + 1e-12
+        best = min(sum(c) for c in itertools.product(range(9), repeat=3)
+                   if np.maximum(small - np.array(c), 0).sum() <= target * small.sum())
+        assert best <= got.capacity_S.sum() <= best + 2      # continuous optimum, rounded up
+    # re-planned every step, hindsight capacities fit every load: no padding, no drop
+    pad, drop = static_capacity_limit(loads[:, None, :], 0.0, window=1)
+    assert pad == 0.0 and drop == 0.0

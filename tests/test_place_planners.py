@@ -224,12 +224,13 @@ def test_bench_summary_reports_the_lower_bound_over_the_best_baechi_method():
 
     rows = [{"workload": w, "devices": 4, "micro_batches": 1, "method": m, "step_time_s": t,
              "step_time_bound_s": b}
-            for w, b, steps in (("chain", 1.0, {"tga": 1.0, "m-etf": 1.0}),
-                                ("fork", 0.25, {"tga": 0.5, "m-etf": 1.0}))
+            for w, b, steps in (("chain", 1.0, {"tga": 1.0, "m-etf": 1.0, "hierarchical": 1.0}),
+                                ("fork", 0.25, {"tga": 0.5, "m-etf": 1.0, "hierarchical": 2.0}))
             for m, t in steps.items()]
     value = {r["metric"]: r["value"] for r in summarise(rows)}
     assert value["lower bound / best Baechi (geomean)"] == pytest.approx(0.25 ** 0.5)
     assert value["tga / best Baechi (geomean)"] == pytest.approx(0.5 ** 0.5)
+    assert value["lower bound / hierarchical (geomean)"] == pytest.approx(0.125 ** 0.5)
 
 
 def test_tga_plan_carries_the_order_it_was_scored_in_and_keeps_its_budget():

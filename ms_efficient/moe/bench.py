@@ -14,6 +14,7 @@ from typing import Dict, List, Sequence, Tuple, Union
 import numpy as np
 
 from ms_efficient.cluster import ClusterSpec, get_cluster
+from ms_efficient.moe.capacity import static_capacity_limit
 from ms_efficient.moe.predictor import PREDICTOR_NAMES, evaluate_predictors, get_predictor
 from ms_efficient.moe.simulate import METHODS, ReplayConfig, cluster_for_ranks, replay
 from ms_efficient.moe.trace import RoutingTrace, load_trace
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 QUICK_ROWS = 64     # --quick: the LAST rows of each trace ...
 QUICK_LAYERS = 2    # ... and its first layers: the 32-rank, 64-expert synthetic trace in ~10 s
 REFERENCE = "switch-cf1.25"
+LIMIT_WINDOWS = (1, 2, 5, 10, 20)   # trace rows a static plan is held, for static-limit rows
 
 TraceInput = Union[str, Tuple[str, RoutingTrace]]
 
@@ -116,7 +118,11 @@ def run_simulated(traces: Sequence[TraceInput], cluster: Union[None, str, Cluste
     Method rows: {"evidence": "simulated", "workload", "method", "cluster", iteration_time_s,
     a2a_time_s, max_over_mean_load, padding_fraction, drop_rate, replans, replan_overhead_s}.
     Predictor rows: {"evidence", "workload", "method": predictor name, "mape" (percent, mean
-    over layers), "mape_per_layer"}.
+    over layers), "mape_per_layer"}. Static-limit rows (a yardstick for the padding target):
+    {"method": "static-limit", "window_rows", "padding_fraction", "drop_rate"}, the least
+    padding at ``config.drop_target`` drops of any static-capacity plan re-planned every
+    ``window_rows`` trace rows, capacities chosen knowing the loads
+    (:func:`~ms_efficient.moe.capacity.static_capacity_limit`).
     """
     spec = get_cluster(cluster) if isinstance(cluster, str) else cluster
     rows: List[Dict[str, object]] = []
@@ -130,6 +136,12 @@ def run_simulated(traces: Sequence[TraceInput], cluster: Union[None, str, Cluste
             rows.append({"evidence": "simulated", "workload": name, "method": method,
                          "cluster": target.name, **result.metrics()})
             logger.info("%s %s: %.4g s/step", name, method, result.iteration_time_s)
+        loads = trace.expert_load().astype(np.float64)
+        for window in sorted({w for w in LIMIT_WINDOWS if w < trace.num_steps}
+                             | {trace.num_steps}):
+            pad, drop = static_capacity_limit(loads, config.drop_target, window)
+            rows.append({"evidence": "simulated", "workload": name, "method": "static-limit",
+                         "window_rows": window, "padding_fraction": pad, "drop_rate": drop})
         mape = evaluate_predictors(trace.expert_load(),
                                    [get_predictor(p) for p in PREDICTOR_NAMES],
                                    warmup=min(config.warmup, trace.num_steps - 1))
@@ -170,6 +182,13 @@ def markdown_table(rows: Sequence[Dict[str, object]], reference: str = REFERENCE
                      f"{1e3 * float(r['a2a_time_s']):.3f} | {float(r['max_over_mean_load']):.2f} | "
                      f"{100 * float(r['padding_fraction']):.1f} | "
                      f"{100 * float(r['drop_rate']):.2f} | {r.get('replans', 0)} |")
+    limits = [r for r in rows if r.get("method") == "static-limit"]
+    if limits:
+        lines += ["", "| workload | static plan held for (trace rows) | least padding % | "
+                      "drop % |", "|---|---:|---:|---:|"]
+        lines += [f"| {r['workload']} | {r['window_rows']} | "
+                  f"{100 * float(r['padding_fraction']):.1f} | "
+                  f"{100 * float(r['drop_rate']):.2f} |" for r in limits]
     predicted = [r for r in rows if "mape" in r]
     if predicted:
         lines += ["", "| workload | predictor | MAPE % (mean over layers) | per layer |",

@@ -52,7 +52,8 @@ from ms_efficient.moe.predictor import FLOOR_FRACTION
 
 __all__ = ["CapacityResult", "round_up", "switch_capacity", "error_scales", "load_samples",
            "expected_drop_and_padding", "slot_capacities", "uniform_capacity",
-           "exact_capacities", "expected_expert_drop_rate"]
+           "exact_capacities", "expected_expert_drop_rate", "hindsight_capacities",
+           "static_capacity_limit"]
 
 logger = logging.getLogger(__name__)
 
@@ -327,3 +328,68 @@ def expected_expert_drop_rate(capacity_E: np.ndarray, pred_load_E: np.ndarray,
     pred = np.asarray(pred_load_E, dtype=np.float64)
     spread_E, z = _error_model(pred, np.arange(pred.size), rel_err_KE)
     return _expected(np.asarray(capacity_E, dtype=np.float64), pred, spread_E, z, max_load)[0]
+
+
+def hindsight_capacities(loads_TE: np.ndarray, drop_target: float) -> CapacityResult:
+    """The static capacities with the fewest rows whose drop rate over the steps ``loads_TE``
+    (float [T, E] tokens per expert and step, known in advance) is at most ``drop_target``:
+    the best any planner could give these T steps, so a yardstick, not a planner.
+
+    Per expert the dropped tokens d_e(c) = sum_t (l_te - c)^+ are convex and piecewise
+    linear in c, with slope -#{t: l_te > c}. Minimising sum_e c_e subject to
+    sum_e d_e(c_e) <= drop_target * sum l is a separable convex problem, so lowering the
+    capacities from each expert's largest load in order of increasing slope (segment by
+    segment between sorted loads, the last one partly) is exact; capacities are then rounded
+    up to whole rows (no multiple: the bound stays a bound).
+    """
+    loads = np.asarray(loads_TE, dtype=np.float64)
+    if loads.ndim != 2 or loads.shape[0] < 1 or (loads < 0).any():
+        raise ValueError(f"'loads_TE' must be a [steps, experts] array of loads >= 0, but got "
+                         f"shape {loads.shape}.")
+    if not 0 <= drop_target < 1:
+        raise ValueError(f"'drop_target' must be in [0, 1), but got {drop_target}.")
+    steps = loads.shape[0]
+    desc = -np.sort(-loads, axis=0)                       # [T, E], largest first
+    # segment k of expert e: lowering c from desc[k-1] to desc[k] drops k tokens per row
+    lengths = np.vstack([desc[:-1] - desc[1:], desc[-1:]])     # [T, E]; last: down to 0
+    slopes = np.repeat(np.arange(1, steps + 1)[:, None], loads.shape[1], axis=1)
+    cap = desc[0].copy()
+    budget = drop_target * loads.sum()
+    order = np.argsort(slopes.ravel(), kind="stable")
+    for idx in order:
+        k, e = divmod(int(idx), loads.shape[1])
+        length, slope = lengths[k, e], k + 1
+        if length <= 0:
+            continue
+        if slope * length <= budget:
+            cap[e] -= length
+            budget -= slope * length
+        else:
+            cap[e] -= budget / slope
+            break
+    cap = np.ceil(cap - 1e-9).astype(np.int64)
+    drop, pad = expected_drop_and_padding(cap, loads)
+    return CapacityResult(cap, math.nan, drop, pad)
+
+
+def static_capacity_limit(loads_TLE: np.ndarray, drop_target: float,
+                          window: int) -> Tuple[float, float]:
+    """(padding fraction, drop rate) of :func:`hindsight_capacities` chosen afresh for every
+    layer and every ``window`` consecutive steps of ``loads_TLE`` (float [T, L, E]): the least
+    padding any static-capacity plan re-planned every ``window`` steps can have at that drop
+    rate. Expert-level capacities pool an expert's replicas and source ranks, which only
+    lowers drops, so the figure bounds per-rank, per-replica plans too."""
+    loads = np.asarray(loads_TLE, dtype=np.float64)
+    if loads.ndim != 3 or window < 1:
+        raise ValueError(f"'loads_TLE' must be [steps, layers, experts] and 'window' >= 1, but "
+                         f"got shape {loads.shape} and window {window}.")
+    rows = pad_rows = dropped = 0.0
+    for start in range(0, loads.shape[0], window):
+        for layer in range(loads.shape[1]):
+            block = loads[start:start + window, layer]
+            res = hindsight_capacities(block, drop_target)
+            computed = float(res.capacity_S.sum()) * block.shape[0]
+            rows += computed
+            pad_rows += res.expected_padding_fraction * computed
+            dropped += res.expected_drop_rate * float(block.sum())
+    return pad_rows / max(rows, 1.0), dropped / max(float(loads.sum()), 1.0)
