@@ -212,7 +212,12 @@ def test_bench_summary_reports_each_micro_batch_count_separately():
                 "step_time_s": step}
 
     rows = [row("tga", 1, 1.0), row("m-etf", 1, 1.0), row("m-topo", 1, 2.0),
-            row("tga", 8, 0.5), row("m-etf", 8, 1.0), row("m-topo", 8, 0.8)]
+            row("m-sct", 1, 1.5), row("tga", 8, 0.5), row("m-etf", 8, 1.0),
+            row("m-topo", 8, 0.8), row("m-sct", 8, 0.9),
+            # a case without m-ETF / m-SCT (the scaling run) is not a "best of three" case
+            {"workload": "scaling", "devices": 8, "micro_batches": 8, "method": "tga",
+             "step_time_s": 0.1}, {"workload": "scaling", "devices": 8, "micro_batches": 8,
+                                   "method": "m-topo", "step_time_s": 1.0}]
     value = {r["metric"]: r["value"] for r in summarise(rows)}
     assert value["tga / best Baechi (geomean, M=1)"] == pytest.approx(1.0)
     assert value["tga / best Baechi (geomean, M=8)"] == pytest.approx(0.5 / 0.8)
@@ -224,8 +229,10 @@ def test_bench_summary_reports_the_lower_bound_over_the_best_baechi_method():
 
     rows = [{"workload": w, "devices": 4, "micro_batches": 1, "method": m, "step_time_s": t,
              "step_time_bound_s": b}
-            for w, b, steps in (("chain", 1.0, {"tga": 1.0, "m-etf": 1.0, "hierarchical": 1.0}),
-                                ("fork", 0.25, {"tga": 0.5, "m-etf": 1.0, "hierarchical": 2.0}))
+            for w, b, steps in (("chain", 1.0, {"tga": 1.0, "m-etf": 1.0, "m-topo": 1.0,
+                                                "m-sct": 1.0, "hierarchical": 1.0}),
+                                ("fork", 0.25, {"tga": 0.5, "m-etf": 1.0, "m-topo": 2.0,
+                                                "m-sct": 1.0, "hierarchical": 2.0}))
             for m, t in steps.items()]
     value = {r["metric"]: r["value"] for r in summarise(rows)}
     assert value["lower bound / best Baechi (geomean)"] == pytest.approx(0.25 ** 0.5)
