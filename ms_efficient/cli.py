@@ -110,6 +110,7 @@ PLANNER_COMMANDS = {
     "memory": "ms_efficient.memopt.commands",
     "shard": "ms_efficient.parallel.shard_commands",
     "place": "ms_efficient.parallel.place_commands",
+    "mpipe": "ms_efficient.moe.mpipe_commands",
 }
 # other names accepted for a kind (issue texts call the memory benchmark "memopt")
 PLANNER_ALIASES = {"memory": ["memopt"]}

@@ -97,6 +97,8 @@ def test_graph_command_on_a_missing_file_is_an_error(capsys):
      "'mesh' must look like DPxMP"),
     (["plan", "moe", "--trace", "/nonexistent/trace.npz"], "cannot be read as .npz"),
     (["plan", "place", "/nonexistent/graph.json"], "does not exist"),
+    (["plan", "mpipe", "configs/gpt_moe_tiny.yaml", "--cluster", "ascend910b-1x8",
+      "--budget", "1KiB"], "is below the least memory"),
 ])
 def test_planner_commands_reject_bad_input_in_one_line(argv, message, tmp_path, capsys):
     out = tmp_path / "plan.yaml"
