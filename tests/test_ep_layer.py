@@ -169,6 +169,9 @@ def test_bad_plans_and_arguments_are_rejected():
         ExpertParallelMoE(H, F, E, K, plan)                     # W = 1, slots on device 1
     with pytest.raises(ValueError, match="rank 2 hosts no slot"):
         rank_dispatch(plan, source_rows(plan, E, 3), E, 2)
+    cold = ExpertPlan([0, 1, 2, 3], [0, 0, 1, 1], [8, 8, 0, 0])
+    with pytest.raises(ValueError, match="rank 1 hosts only slots with no reserved row"):
+        rank_dispatch(cold, source_rows(cold, E, 2), E, 1)
     with pytest.raises(ValueError, match="'top_k' must be in"):
         ExpertParallelMoE(H, F, E, 5, ExpertPlan([0, 1, 2, 3], [0] * 4, [4] * 4))
     with pytest.raises(ValueError, match="'rank' must be this process's rank"):

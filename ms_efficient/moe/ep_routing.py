@@ -208,6 +208,9 @@ def rank_dispatch(plan: ExpertPlan, rows_RS: np.ndarray, num_experts: int, rank:
                 first = recv_off[src] + off_RS[src, s]
                 recv.extend(range(first, first + rows_RS[src, s]))
     recv_index_N = np.array(recv, dtype=np.int64)     # every received row, once
+    if recv_index_N.size == 0:
+        raise ValueError(f"rank {rank} hosts only slots with no reserved row (capacity 0): "
+                         f"give it a slot with capacity >= 1 or move its slots elsewhere.")
     back_index_M = np.empty(recv_index_N.size, dtype=np.int64)
     back_index_M[recv_index_N] = np.arange(recv_index_N.size)
     i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
