@@ -430,3 +430,17 @@ def test_bench_summary_flags_targets_against_the_bound_and_the_exact_milp():
     assert batch["best_baseline"] == "capuchin-greedy 20" and batch["met"] is True
     assert batch["memopt_vs_best"] == pytest.approx(1.15)
     assert batch["bound_vs_best"] == pytest.approx(1.5)
+
+
+def test_link_estimate_spans_checkmate_to_the_bound_with_the_host_bandwidth():
+    from ms_efficient.memopt.planner import max_batch_bound, max_batch_link_estimate, max_batches
+
+    prof = random_profile(6, 9).at_batch(1)
+    budget = prof.static_bytes + 12 * (min_budget_bytes(prof) - prof.static_bytes)
+    slow, fast = Link(latency_s=0.0, bandwidth_Bps=1e-9), Link(latency_s=0.0, bandwidth_Bps=1e12)
+    checkmate = max_batches(["checkmate-milp"], prof, budget, slow, hi=64)["checkmate-milp"]
+    # no bandwidth: paging frees nothing, the recompute-only limit stays
+    assert max_batch_link_estimate(prof, budget, slow) == checkmate
+    # unlimited bandwidth: only the single-layer working set is left, the bound
+    assert max_batch_link_estimate(prof, budget, fast) == max_batch_bound(prof, budget) == 12
+    assert checkmate < 12

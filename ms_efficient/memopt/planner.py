@@ -25,7 +25,7 @@ from ms_efficient.memopt.milp import checkmate_milp, checkmate_min_peak, exact_m
 from ms_efficient.memopt.profile import LayerProfile, format_size
 
 __all__ = ["METHODS", "WARM_START_METHODS", "plan_memory", "plan_with", "max_batch",
-           "max_batches", "max_batch_bound"]
+           "max_batches", "max_batch_bound", "max_batch_link_estimate"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +144,32 @@ def max_batch_bound(profile: LayerProfile, budget_bytes: float) -> int:
     while min_budget_bytes(one.at_batch(bound + 1)) <= budget_bytes:
         bound += 1
     return bound
+
+
+def max_batch_link_estimate(profile: LayerProfile, budget_bytes: float, host_link) -> int:
+    """Largest batch at which paging can plausibly close the gap of the least-peak
+    recompute-only plan (an estimate between Checkmate's largest batch and the bound).
+
+    Swapping a layer out instead of keeping (or recomputing from) its checkpoint lowers the
+    memory at a program point by at most the bytes the host link has moved by then, and the
+    forward pass never waits for a page-out, so a plan fits at batch b only if
+        peak(least-peak recompute plan at b) - bandwidth * (sum f + sum b at b) <= budget.
+    Not a proof (a backward pass that stalls on prefetches leaves the link more time), but it
+    shows when the host link, not the planner, sets the largest batch."""
+    one = profile.at_batch(1)
+    least = checkmate_min_peak(one, host_link, allow_drop=True)
+
+    def fits(batch: int) -> bool:
+        prof = one.at_batch(batch)
+        moved = host_link.bandwidth_Bps * float(prof.forward_time_s.sum()
+                                                + prof.backward_time_s.sum())
+        return evaluate(prof, least, budget_bytes, host_link).peak_bytes - moved <= budget_bytes
+
+    lo, hi = 0, max_batch_bound(profile, budget_bytes) + 1     # fits(lo); not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def max_batch(method: str, profile: LayerProfile, budget_bytes: float, host_link,
