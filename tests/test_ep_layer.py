@@ -326,8 +326,9 @@ def _finish_workers(proc, out_dir, log_dir, world):
 def test_two_workers_match_one_process_on_the_whole_batch(tmp_path):
     """Each rank feeds half the batch: outputs, counts, input gradients and every slot's
     gradient (= its logical expert's, summed over replicas) equal MoEFeedForward on the whole
-    batch, with experts spread over the ranks and with a hot expert on both ranks (one rank
-    spilling into the other's replica); after Adam steps the hot expert's replicas are
+    batch, with experts spread over the ranks, the same in 2 MPipeMoE chunks (PipelinedMoE),
+    and with a hot expert on both ranks (one rank spilling into the other's replica); after
+    Adam steps the hot expert's replicas are
     identical on both ranks and every weight matches the one-process run."""
     wk = _worker_module()
     workers = _start_workers(tmp_path, wk.WORLD)

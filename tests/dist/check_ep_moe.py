@@ -32,6 +32,10 @@ PLANS = {
     "hot": dict(slot_expert=[0, 1, 2, 0, 3], slot_device=[0, 0, 0, 1, 1],
                 slot_capacity=[T_LOCAL + 8, FULL, FULL, T_LOCAL - 8, FULL]),
 }
+# MPipeMoE: the spread plan in 2 chunks of the batch (one sample each), every slot sized for a
+# chunk (still dropless: a rank routes at most T_LOCAL / 2 tokens to an expert per chunk)
+PLANS["spread-chunked"] = dict(PLANS["spread"], slot_capacity=[FULL // 2] * 4)
+CHUNKS = {"spread-chunked": 2}
 TRAIN_PLAN = "hot"
 PARAM_NAMES = ("router", "w1", "b1", "w2", "b2")   # saved as grad_<name>, trained_<name>
 
@@ -63,6 +67,7 @@ def run(out_dir, rank, world):
     from mindspore import Tensor, nn, ops
 
     from ms_efficient.moe.ep_layer import ExpertParallelMoE
+    from ms_efficient.moe.pipelined import PipelinedMoE
     from ms_efficient.moe.plan import ExpertPlan
 
     class WeightedOutput(nn.Cell):
@@ -99,10 +104,11 @@ def run(out_dir, rank, world):
     seconds = {}
     for name, fields in PLANS.items():
         start = time.perf_counter()
-        layer = ExpertParallelMoE(H, F, E, K, ExpertPlan(**fields), rank=rank)
-        layer.set_weights(*weights)
+        inner = ExpertParallelMoE(H, F, E, K, ExpertPlan(**fields), rank=rank)
+        inner.set_weights(*weights)
+        layer = PipelinedMoE(inner, CHUNKS[name]) if name in CHUNKS else inner
         x, dy = (Tensor(a[rows]) for a in global_batch())
-        params = [layer.router.weight, layer.w1, layer.b1, layer.w2, layer.b2]
+        params = [inner.router.weight, inner.w1, inner.b1, inner.w2, inner.b2]
         if name == TRAIN_PLAN:   # the first step's gradients are the checked ones
             step = TrainStep(layer, params)
         else:
@@ -112,7 +118,7 @@ def run(out_dir, rank, world):
         out = {"y": y, "aux": aux, "counts": counts, "dropped": dropped, "dx": dx}
         out.update({f"grad_{n}": g for n, g in zip(PARAM_NAMES, grads)})
         out = {k: v.asnumpy() for k, v in out.items()}
-        out["local_slots"] = layer.local_slots
+        out["local_slots"] = inner.local_slots
         if name == TRAIN_PLAN:
             for i in range(1, TRAIN_STEPS):
                 xs, dys = global_batch(i)
