@@ -148,8 +148,7 @@ def _summary(rows: List[dict], tag: str) -> List[dict]:
         if "step_time_bound_s" in r:
             cases[key]["bound"] = r["step_time_bound_s"]
     out = []
-    # only cases where all three Baechi methods ran (the 10k-operator scaling run has m-TOPO
-    # alone: it is a search-time check, reported on its own)
+    # "best of the three Baechi methods": only cases where all three ran
     with_baechi = [c for c in cases.values() if "tga" in c and all(m in c for m in BAECHI)]
     to_baechi = [c["tga"] / min(c[m] for m in BAECHI) for c in with_baechi]
     floor = [c["bound"] / min(c[m] for m in BAECHI) for c in with_baechi if "bound" in c]

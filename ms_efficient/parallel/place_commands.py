@@ -211,9 +211,10 @@ def run_bench(args: argparse.Namespace) -> int:
         graph = transformer_graph(TRANSFORMER_CONFIGS["moe-10k-ops"], "moe-10k-ops")
         graph_s = time.perf_counter() - t_graph
         devices, micro_batches = args.devices or 8, max(args.micro_batches)
-        got, results = bench_workload(graph, "moe-10k-ops", devices, ["tga", "m-topo",
-                                      "contiguous"], 10**6, args.time_budget, args.seed,
-                                      micro_batches, graph_s=graph_s)
+        got, results = bench_workload(graph, "moe-10k-ops", devices,
+                                      ["tga", "m-topo", "m-etf", "m-sct", "contiguous"], 10**6,
+                                      args.time_budget, args.seed, micro_batches,
+                                      graph_s=graph_s)
         rows += got
         traces[f"moe-10k-ops / {devices} dev / M={micro_batches}"] = {"tga": results["tga"]}
     summary = summarise(rows)
