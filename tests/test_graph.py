@@ -340,3 +340,18 @@ def test_from_network_rejects_an_unknown_mode(ms_graphs):
 
     with pytest.raises(ValueError, match="'mode' must be 'forward' or 'train'"):
         from_network(nn.ReLU(), np.ones((2, 2), np.float32), mode="backward")
+
+
+@pytest.mark.mindspore
+def test_mindcv_graph_counts_every_parameter_and_reloads_from_its_cache(tmp_path):
+    mindcv = pytest.importorskip("mindcv")
+    from ms_efficient.graph.zoo import mindcv_graph
+
+    graph = mindcv_graph("resnet18", image_size=32, batch=2, cache_dir=str(tmp_path))
+    net = mindcv.create_model("resnet18", pretrained=False)
+    assert graph.total_param_bytes == 4 * sum(p.size for p in net.get_parameters())
+    assert graph.meta["model"] == "mindcv/resnet18" and graph.meta["batch"] == 2
+    cached = mindcv_graph("resnet18", image_size=32, batch=2, cache_dir=str(tmp_path))
+    assert len(cached) == len(graph) and cached.total_param_bytes == graph.total_param_bytes
+    with pytest.raises(ValueError, match="mindcv has no model 'resnet-nine'"):
+        mindcv_graph("resnet-nine", cache_dir=str(tmp_path))
