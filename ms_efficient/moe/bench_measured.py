@@ -45,10 +45,10 @@ def quick_config(cfg: RunConfig) -> RunConfig:
     cfg = copy.deepcopy(cfg)
     cfg.model.hidden_size, cfg.model.ffn_hidden_size, cfg.model.num_heads = 64, 128, 2
     cfg.model.num_layers, cfg.model.seq_length = 2, 64
-    cfg.train.batch_size, cfg.train.steps = 8, 30
+    cfg.train.batch_size, cfg.train.steps = 8, 20
     cfg.moe.trace_ranks = 4
-    cfg.efficientmoe.warmup_steps, cfg.efficientmoe.replan_every = 8, 8
-    cfg.efficientmoe.window = 8
+    cfg.efficientmoe.warmup_steps, cfg.efficientmoe.replan_every = 6, 7   # plans at 6 and 13
+    cfg.efficientmoe.window = 6
     return cfg
 
 
