@@ -30,6 +30,7 @@ __all__ = [
     "ALLTOALL_ALLREDUCE_EMULATION",
     "ALLTOALL_IMPLS",
     "device_target",
+    "use_device",
     "is_ascend",
     "alltoall_impl",
     "world_group",
@@ -51,6 +52,14 @@ ALLTOALL_IMPLS = (ALLTOALL_NATIVE, ALLTOALL_ALLGATHER_EMULATION, ALLTOALL_ALLRED
 def device_target() -> str:
     """The MindSpore device target of this process: "Ascend", "CPU" or "GPU"."""
     return ms.get_context("device_target")
+
+
+def use_device(target: str) -> None:
+    """Run this process on ``target`` ("Ascend", "CPU", "GPU"). A no-op when it already is:
+    MindSpore refuses ``set_device`` once a kernel has run, even to the same target, so a
+    process that builds several networks (a benchmark, a test run) calls this every time."""
+    if device_target() != target:
+        ms.set_device(target)
 
 
 def is_ascend(target: Optional[str] = None) -> bool:

@@ -66,13 +66,14 @@ def _graph_from_config(path: str, mode: str):
     import mindspore as ms
     from mindspore import Tensor, nn
 
+    from ms_efficient import backend
     from ms_efficient.config import load_config
     from ms_efficient.graph import from_network
     from ms_efficient.models.gpt_moe import build_model
 
     cfg = load_config(path)
     ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device(cfg.context.device_target)
+    backend.use_device(cfg.context.device_target)
     ms.set_seed(cfg.context.seed)
     net = build_model(cfg.model, cfg.moe, cfg.train.batch_size)
     shape = (cfg.train.batch_size, cfg.model.seq_length)

@@ -28,6 +28,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
+from ms_efficient import backend
 from ms_efficient.config import RunConfig, load_config, save_config
 from ms_efficient.data import Corpus, load_corpus
 from ms_efficient.fileio import atomic_write_text, atomic_write_with
@@ -73,7 +74,7 @@ class Trainer:
         self.out_dir = out_dir
         self.resume = resume
         ms.set_context(mode=getattr(ms, cfg.context.mode))
-        ms.set_device(cfg.context.device_target)
+        backend.use_device(cfg.context.device_target)
         ms.set_seed(cfg.context.seed)
         self.corpus: Corpus = load_corpus(cfg.data, cfg.model.seq_length)
         tr = cfg.train

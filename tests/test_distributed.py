@@ -217,3 +217,14 @@ def test_alltoallv_with_one_rank_is_the_identity_and_rejects_bad_counts():
         AllToAllV([2, 3], [5], row_numel=3)
     with pytest.raises(ValueError, match="'block_rows' must be >= every count"):
         AllToAllV([5], [5], row_numel=3, block_rows=4)
+
+
+@pytest.mark.mindspore
+def test_use_device_twice_after_a_kernel_ran_is_allowed():
+    ms = pytest.importorskip("mindspore")
+    from ms_efficient import backend
+
+    (ms.Tensor(np.ones(3, np.float32)) * 2).asnumpy()       # the runtime is initialised
+    backend.use_device("CPU")
+    backend.use_device("CPU")
+    assert backend.device_target() == "CPU"

@@ -51,13 +51,14 @@ def reference_model_graph(config_path: str, cache_dir: Optional[str] = None) -> 
     import mindspore as ms
     from mindspore import Tensor
 
+    from ms_efficient import backend
     from ms_efficient.config import load_config
     from ms_efficient.graph import from_network
     from ms_efficient.models.gpt_moe import build_model
 
     cfg = load_config(config_path)
     ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device(cfg.context.device_target)
+    backend.use_device(cfg.context.device_target)
     ms.set_seed(cfg.context.seed)
     net = build_model(cfg.model, cfg.moe, cfg.train.batch_size)
     tokens = Tensor(np.zeros((cfg.train.batch_size, cfg.model.seq_length), np.int32))

@@ -24,7 +24,7 @@ forward + backward of one layer), "speedup_vs_no_pipeline", "exposed_comm_fracti
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
@@ -34,7 +34,8 @@ from ms_efficient.moe.pipeline import (CHUNK_CANDIDATES, ChunkSelector, MoELayer
                                        choose_chunks, choose_reuse, reuse_memory_bytes,
                                        rows_per_step, simulate_layer)
 
-__all__ = ["MPipeWorkload", "WORKLOADS", "POLICIES", "policy_rows", "reuse_rows"]
+__all__ = ["MPipeWorkload", "WORKLOADS", "POLICIES", "policy_rows", "reuse_rows",
+           "RECOMPILE_S", "STEPS_PER_ROW"]
 
 POLICIES = ("no-pipeline", "fixed-2", "fixed-4", "fixed-8", "tutel-adaptive", "mpipe-online",
             "oracle")
@@ -152,11 +153,3 @@ def reuse_rows(w: MPipeWorkload, fractions: Sequence[float] = (1.0, 0.6, 0.35),
                     "slowdown_vs_keep": best.time_s / choose_chunks(shape, cluster,
                                                                    candidates)[0].time_s})
     return out
-
-
-def quick_workloads() -> Tuple[MPipeWorkload, ...]:
-    """The first workload only, for --quick."""
-    return (replace(WORKLOADS[0]),)
-
-
-__all__ += ["quick_workloads", "RECOMPILE_S", "STEPS_PER_ROW"]

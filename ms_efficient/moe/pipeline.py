@@ -48,7 +48,7 @@ from ms_efficient.sim import Simulator
 
 __all__ = ["MoELayerShape", "LayerTiming", "REUSE_STRATEGIES", "CHUNK_CANDIDATES",
            "simulate_layer", "choose_chunks", "choose_reuse", "reuse_memory_bytes",
-           "ChunkSelector"]
+           "ChunkSelector", "rows_per_step"]
 
 REUSE_STRATEGIES = ("keep", "recomm", "recompute", "both")
 CHUNK_CANDIDATES = (1, 2, 4, 8, 16)
@@ -245,5 +245,3 @@ def rows_per_step(counts_SRE: np.ndarray, devices: int) -> np.ndarray:
     load_SE = counts.sum(axis=1)
     return load_SE.reshape(load_SE.shape[0], devices, experts // devices).sum(axis=2).max(axis=1)
 
-
-__all__ += ["rows_per_step"]
