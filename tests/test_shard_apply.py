@@ -19,7 +19,7 @@ def test_plan_command_writes_a_plan_that_loads_back(tmp_path, capsys):
     out = str(tmp_path / "plan.yaml")
     assert main(["plan", "shard", cfg, "--mesh", "2x4", "--out", out]) == 0
     doc = yaml.safe_load(open(out))
-    assert doc["mesh"] == {"dp": 2, "mp": 4, "optimizer_shard": True}
+    assert doc["mesh"] == {"dp": 2, "mp": 4, "optimizer_shard": True, "dp_model_split": True}
     assert doc["summary"]["comm_time_s"] <= 1.2 * doc["reference"]["comm_time_s"] * (1 + 1e-9)
     assert doc["summary"]["memory_per_device_bytes"] < doc["reference"]["memory_per_device_bytes"]
     strategies = load_plan_strategies(out)

@@ -103,3 +103,22 @@ def test_layouts_respect_divisibility_and_unshardable_dims():
     layouts = candidate_layouts(ln, Mesh(2, 4))
     assert all(lay.mp != "h" for lay in layouts)                   # normalised dim stays whole
     assert Layout("b", "s") in layouts and Layout("b", "b") not in layouts   # b=2 cannot split 8
+
+
+def test_two_d_tensor_parallel_matmul_costs_by_hand():
+    # dp splits the weight's f, mp its h: a 4-way split of w that no two devices share
+    spec, mesh = _matmul(), Mesh(2, 2)
+    cost = CostModel(mesh, NODE).node_cost(spec, Strategy(Layout("f", "h")))
+    w_elems = 64 * 128 / 4
+    assert (cost.params, cost.grads, cost.optim) == (2 * w_elems, 2 * w_elems, 12 * w_elems)
+    assert cost.redundant == 0                      # nothing kept twice, no gradient all-reduce
+    # output [4, 8, 128] fp16 split on f by dp, a partial sum over mp: all-reduce of 4 KiB
+    assert cost.comm_s == pytest.approx(allreduce_time_s(2 * 4 * 8 * 128 / 2, 2, LINK))
+    assert shard_tuple(spec, Layout("f", "h"), mesh) == ((1, 1, 2), (2, 2))
+
+
+def test_dp_splits_model_dims_only_when_the_mesh_allows_it():
+    spec = _matmul()
+    both = {lay.dp for lay in candidate_layouts(spec, Mesh(2, 2))}
+    batch_only = {lay.dp for lay in candidate_layouts(spec, Mesh(2, 2, dp_model_split=False))}
+    assert both == {"b", "s", "h", "f"} and batch_only == {"b"}

@@ -91,6 +91,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tie", default="binary", choices=("layer", "binary", "none"),
                         help="how repeated layers share strategies in the ILP (default "
                              "binary: any number of layers may differ, ~log2(L) layer copies)")
+    parser.add_argument("--dp-batch-only", action="store_true",
+                        help="the ILP's dp axis splits only batch/expert dims (classic data "
+                             "parallelism), not model dims (2-D tensor parallelism)")
 
 
 # (workload preset, devices, mesh, batch label); batch "N" = one sequence per device (every
@@ -102,7 +105,8 @@ _QUICK = [(w, n, mesh, "N") for w in ("gpt-1.3b", "gpt-175b", "moe-1.3b-e32")
           for n, mesh in ((8, "1x8"), (32, "4x8"))]
 
 
-def bench_rows(cases, budget_ratio: float = 1.2, tie: str = "binary") -> List[Dict[str, Any]]:
+def bench_rows(cases, budget_ratio: float = 1.2, tie: str = "binary",
+               dp_model_split: bool = True) -> List[Dict[str, Any]]:
     """Rows for every (workload, devices, mesh, batch label) case: the baselines and the ILP."""
     from ms_efficient.parallel.shard_baselines import METHODS, baseline_cost
     from ms_efficient.parallel.shard_cost import CostModel
@@ -113,7 +117,7 @@ def bench_rows(cases, budget_ratio: float = 1.2, tie: str = "binary") -> List[Di
 
     rows: List[Dict[str, Any]] = []
     for name, devices, mesh_text, blabel in cases:
-        mesh = parse_mesh(mesh_text)
+        mesh = parse_mesh(mesh_text, dp_model_split=dp_model_split)
         batch = devices if blabel == "N" else max(mesh.dp, 1)
         dims = get_workload(name, batch=batch)
         specs = transformer_ops(dims)
@@ -149,7 +153,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     cases = _QUICK if args.quick else _FULL
-    rows = bench_rows(cases, args.budget_ratio, args.tie)
+    rows = bench_rows(cases, args.budget_ratio, args.tie, not args.dp_batch_only)
     shown = [{"workload": r["workload"], "devices": r["devices"], "method": r["method"],
               "memory_GiB": r["memory_per_device_bytes"] / _GIB,
               "mem_x_tp": r["memory_vs_megatron_tp"], "comm_s": r["comm_time_s"],
@@ -157,6 +161,7 @@ def run_bench(args: argparse.Namespace) -> int:
               "solve_s": r["solve_time_s"]} for r in rows]
     print(markdown_table(shown))
     meta = {"budget_ratio": args.budget_ratio, "tie": args.tie, "quick": bool(args.quick),
+            "dp_model_split": not args.dp_batch_only,
             "evidence": "analytic cost model (shard_cost) on ascend910b presets, not measured",
             "wall_s": time.perf_counter() - t0}
     write_bench_json(args.json, "shard", rows, meta)

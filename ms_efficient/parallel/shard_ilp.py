@@ -45,6 +45,7 @@ OBJECTIVES = ("budget", "weighted")
 TIE_MODES = ("binary", "layer", "none")
 _GIB = float(2**30)
 _TIE_BREAK = 1e-6
+_DOMINANCE_RTOL = 1e-9
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ class ShardOptions:
         number 0..n of layers a different strategy with only ~log2(n) copies of a layer;
         "layer" ties all n repeats to one strategy; "none" solves every operator separately.
     time_limit_s: CBC time limit, seconds.
+    mip_gap: relative optimality gap at which CBC stops (1e-4: the plan's objective is within
+        0.01% of the optimum over the strategy space; 0 proves exact optimality, which on
+        the largest meshes can take minutes to close the last megabytes of a ~1e-5 gap).
     """
 
     objective: str = "budget"
@@ -70,6 +74,7 @@ class ShardOptions:
     redundancy_weight: float = 0.0
     tie: str = "binary"
     time_limit_s: float = 120.0
+    mip_gap: float = 1e-4
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -80,7 +85,7 @@ class ShardOptions:
         if self.comm_budget_s is not None and not self.comm_budget_s >= 0:
             raise ValueError(f"'comm_budget_s' must be >= 0 or None, but got "
                              f"{self.comm_budget_s!r}.")
-        for key in ("comm_weight_gib_per_s", "redundancy_weight"):
+        for key in ("comm_weight_gib_per_s", "redundancy_weight", "mip_gap"):
             if not getattr(self, key) >= 0:
                 raise ValueError(f"'{key}' must be >= 0, but got {getattr(self, key)!r}.")
 
@@ -145,9 +150,40 @@ def _groups(specs: Sequence[OpSpec], model: CostModel, tie: str) -> "OrderedDict
             groups[key].members.append(spec)
             continue
         cands = candidate_strategies(spec, model.mesh)
+        costs = [model.node_cost(spec, c) for c in cands]
+        keep = _undominated(cands, costs)
+        cands, costs = [cands[i] for i in keep], [costs[i] for i in keep]
         layouts = list(OrderedDict.fromkeys(c.layout for c in cands))
-        groups[key] = _Group(spec, [spec], cands, layouts, [model.node_cost(spec, c) for c in cands])
+        groups[key] = _Group(spec, [spec], cands, layouts, costs)
     return groups
+
+
+def _no_worse(a: float, b: float) -> bool:
+    return a <= b + _DOMINANCE_RTOL * max(abs(a), abs(b))
+
+
+def _undominated(cands: Sequence[Strategy], costs: Sequence[Cost]) -> List[int]:
+    """Indices of the candidates no other candidate of the same layout dominates.
+
+    Edge costs depend on the layout only, so a candidate whose node memory, redundant share
+    and communication are all no better than another's of the same layout can never be
+    needed (the other is at least as good in every objective and constraint). Of equal
+    candidates the first (lowest ZeRO level) is kept, so e.g. ZeRO levels of a parameter that
+    no two devices hold identically collapse to level 0, and ZeRO-1 (reduce-scatter +
+    all-gather, as cheap as the all-reduce it replaces) removes level 0 where it shards.
+    """
+    def dominates(j: int, i: int) -> bool:
+        a, b = costs[j], costs[i]
+        return (_no_worse(a.memory, b.memory) and _no_worse(a.redundant, b.redundant)
+                and _no_worse(a.comm_s, b.comm_s))
+
+    keep = []
+    for i in range(len(cands)):
+        rivals = [j for j in range(len(cands)) if j != i and cands[j].layout == cands[i].layout]
+        if any(dominates(j, i) and (j < i or not dominates(i, j)) for j in rivals):
+            continue
+        keep.append(i)
+    return keep
 
 
 def _edge_groups(specs: Sequence[OpSpec], key_of: Dict[str, str]) -> "OrderedDict[Tuple[str, str, int], int]":
@@ -281,7 +317,8 @@ class _Build:
         return self._run(options)
 
     def _run(self, options: ShardOptions) -> str:
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=options.time_limit_s, threads=1)
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=options.time_limit_s, threads=1,
+                                   gapRel=options.mip_gap)
         self.prob.solve(solver)
         return pulp.LpStatus[self.prob.status]
 

@@ -10,6 +10,7 @@ A request is the ``shard:`` section of a config file (``configs/shard_*.yaml``):
       objective: budget           # or weighted (comm_weight_gib_per_s)
       comm_budget: {relative_to: megatron-tp, ratio: 1.2}   # or comm_budget_s: 3.0
       tie: binary                 # binary | layer | none (see ShardOptions.tie)
+      dp_model_split: true        # dp may split model dims too (2-D TP); false: batch only
 
 A training config (``configs/gpt_moe_tiny.yaml``: model/moe/train sections) is also accepted:
 its model is planned at its ``train.batch_size``.
@@ -39,7 +40,7 @@ __all__ = ["ShardRequest", "load_request", "default_cluster", "plan", "plan_to_d
 
 _REQUEST_KEYS = ("workload", "model", "batch", "mesh", "cluster", "objective", "comm_budget",
                  "comm_budget_s", "comm_weight_gib_per_s", "redundancy_weight", "tie",
-                 "optimizer_shard", "time_limit_s")
+                 "optimizer_shard", "dp_model_split", "time_limit_s", "mip_gap")
 
 
 @dataclass
@@ -110,7 +111,12 @@ def load_request(path: str, mesh: Optional[str] = None) -> ShardRequest:
 
 
 def _request(sec: Dict[str, Any], dims: TransformerDims) -> ShardRequest:
-    mesh = parse_mesh(sec.get("mesh", "1x8"), bool(sec.get("optimizer_shard", True)))
+    flags = {}
+    for key in ("optimizer_shard", "dp_model_split"):
+        flags[key] = sec.get(key, True)
+        if not isinstance(flags[key], bool):
+            raise ValueError(f"'shard.{key}' must be true or false, but got {flags[key]!r}.")
+    mesh = parse_mesh(sec.get("mesh", "1x8"), **flags)
     cluster = (ClusterSpec.from_dict(sec["cluster"]) if "cluster" in sec
                else default_cluster(mesh.devices))
     ratio, method, budget_s = 1.2, "megatron-tp", sec.get("comm_budget_s")
@@ -129,7 +135,8 @@ def _request(sec: Dict[str, Any], dims: TransformerDims) -> ShardRequest:
                            comm_weight_gib_per_s=float(sec.get("comm_weight_gib_per_s", 1.0)),
                            redundancy_weight=float(sec.get("redundancy_weight", 0.0)),
                            tie=sec.get("tie", "binary"),
-                           time_limit_s=float(sec.get("time_limit_s", 120.0)))
+                           time_limit_s=float(sec.get("time_limit_s", 120.0)),
+                           mip_gap=float(sec.get("mip_gap", 1e-4)))
     return ShardRequest(dims, mesh, cluster, options, ratio, method)
 
 
@@ -181,7 +188,8 @@ def plan_to_dict(req: ShardRequest, result: Dict[str, Any]) -> Dict[str, Any]:
     return {
         "kind": "shard",
         "workload": dict(req.dims.__dict__),
-        "mesh": {"dp": req.mesh.dp, "mp": req.mesh.mp, "optimizer_shard": req.mesh.optimizer_shard},
+        "mesh": {"dp": req.mesh.dp, "mp": req.mesh.mp, "optimizer_shard": req.mesh.optimizer_shard,
+                 "dp_model_split": req.mesh.dp_model_split},
         "cluster": req.cluster.name,
         "objective": result["options"].objective,
         "comm_budget_s": result["options"].comm_budget_s,

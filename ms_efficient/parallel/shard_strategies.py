@@ -4,7 +4,14 @@ Every operator the sharding planner sees is an :class:`OpSpec`: named dimensions
 input tensors and one output, each a tuple of dimension names. A strategy maps each mesh axis
 (``dp``, ``mp``) to one dimension of the operator (or to none: replicated along that axis),
 optionally reduce-scatters a partial-sum output onto an output dimension, and picks a ZeRO
-level for the operator's parameters (the optional optimizer-state shard dimension)::
+level for the operator's parameters (the optional optimizer-state shard dimension).
+
+The outer axis is called ``dp`` because it splits the batch in the classic layouts, but by
+default (``Mesh.dp_model_split``) it may split any dimension, as MindSpore's ``shard()``
+allows: ``Layout(dp="f", mp="f")`` is 2-D (dp*mp-way) tensor parallelism of a weight across
+nodes, which holds no byte of it twice and needs no gradient all-reduce, at the price of
+activation collectives over the dp groups. With ``dp_model_split=False`` dp splits only
+``OpSpec.dp_dims`` (batch, experts): data parallelism in the usual sense::
 
     MatMul x(b,s,h) . w(h,f) -> y(b,s,f)      Layout(dp="b", mp="f")      Megatron column
     MatMul x(b,s,f) . w(f,h) -> y(b,s,h)      Layout(dp="b", mp="f")      row, all-reduce
@@ -40,11 +47,14 @@ class Mesh:
     mp: size of the model-parallel axis (inner, contiguous), >= 1.
     optimizer_shard: allow ZeRO levels 1..3 (optimizer states / grads / params sharded over
         the devices that would otherwise hold the same parameter shard).
+    dp_model_split: let the dp axis split any dimension an operator allows (model dims too:
+        2-D tensor parallelism), not only the batch-like ``OpSpec.dp_dims``.
     """
 
     dp: int
     mp: int
     optimizer_shard: bool = True
+    dp_model_split: bool = True
 
     def __post_init__(self) -> None:
         for name in AXES:
@@ -69,13 +79,13 @@ class Mesh:
         return f"{self.dp}x{self.mp}"
 
 
-def parse_mesh(text: str, optimizer_shard: bool = True) -> Mesh:
+def parse_mesh(text: str, optimizer_shard: bool = True, dp_model_split: bool = True) -> Mesh:
     """``"4x8"`` -> ``Mesh(dp=4, mp=8)``; bad text raises ValueError naming the format."""
     parts = str(text).lower().split("x")
     if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
         raise ValueError(f"'mesh' must look like DPxMP with positive integers (e.g. '4x8'), "
                          f"but got {text!r}.")
-    return Mesh(int(parts[0]), int(parts[1]), optimizer_shard)
+    return Mesh(int(parts[0]), int(parts[1]), optimizer_shard, dp_model_split)
 
 
 @dataclass(frozen=True)
@@ -116,7 +126,8 @@ class OpSpec:
     out: output dimension names. out_bytes: bytes per output element.
     contract: dims summed over (sharding one gives a partial-sum output needing a reduction).
     no_shard: dims no mesh axis may split (the normalised dim of LayerNorm / Softmax, ...).
-    dp_dims: dims the dp axis may split (batch-like: "b", experts "e").
+    dp_dims: dims the dp axis may split when the mesh's ``dp_model_split`` is off (batch-like:
+        "b", experts "e"); with it on, dp may split any dim mp may.
     scatter_dims: output dims a partial sum may be reduce-scattered onto (sequence parallel).
     saves: what backward keeps: "in<i>" (input i), "out" (the output), "mask" (1 byte per
         output element: dropout).
@@ -222,15 +233,17 @@ def _divides(spec: OpSpec, mesh: Mesh, layout: Layout) -> bool:
 def candidate_layouts(spec: OpSpec, mesh: Mesh) -> List[Layout]:
     """Every legal layout of ``spec`` on ``mesh``, in a fixed (deterministic) order.
 
-    dp splits one of ``spec.dp_dims`` (a mesh axis of size 1 always maps to None); mp splits
-    any dim outside ``no_shard`` (or none); a partial sum over mp may be reduce-scattered onto
-    one of ``scatter_dims`` that no axis splits yet. Sizes must divide evenly.
+    dp splits one dim (never none: every device of a dp group computes a different part) out of
+    ``no_shard``: any such dim with ``mesh.dp_model_split``, else one of ``spec.dp_dims``
+    (a mesh axis of size 1 always maps to None); mp splits any dim outside ``no_shard`` (or
+    none); a partial sum over mp may be reduce-scattered onto one of ``scatter_dims`` that no
+    axis splits yet. Sizes must divide evenly.
     """
     names = [d for d, _ in spec.dims]
     implicit = set(names) - set(spec.out) - set(spec.contract)   # sliced away: never split
     blocked = set(spec.no_shard) | implicit
     dp_opts: List[Optional[str]] = [None] if mesh.dp == 1 else [
-        d for d in names if d in spec.dp_dims and d not in blocked]
+        d for d in names if (mesh.dp_model_split or d in spec.dp_dims) and d not in blocked]
     if not dp_opts:
         dp_opts = [None]
     mp_opts: List[Optional[str]] = [None] + ([] if mesh.mp == 1 else
