@@ -29,6 +29,7 @@ import yaml
 from ms_efficient.fileio import atomic_write_text
 
 __all__ = [
+    "history_trace_path",
     "ContextConfig",
     "ModelConfig",
     "MoEConfig",
@@ -42,6 +43,11 @@ __all__ = [
     "save_config",
     "read_yaml",
 ]
+
+
+def history_trace_path(path: str) -> str:
+    """``efficientmoe.history`` as a file: a run folder means its ``trace.npz``."""
+    return os.path.join(path, "trace.npz") if os.path.isdir(path) else path
 
 
 def _fail(path: str, value: Any, allowed: str) -> None:
@@ -151,9 +157,20 @@ class EfficientMoEConfig:
     # value rather than a live measurement so that the same seed gives the same plans; the
     # trainer logs the measured first-step compile time (`compile_s`) to set it from.
     recompile_cost_s: float = 2.0
+    # Routing history to plan from before the first step: a trace .npz (`bench moe --trace`
+    # format) or a run folder holding trace.npz, e.g. the run these weights continue. With
+    # >= 3 rows the first plan is made before the first compilation (no warm-up steps at the
+    # static `capacity_factor`); "" = none.
+    history: str = ""
 
     def validate(self, path: str) -> None:
         from ms_efficient.moe.predictor import PREDICTOR_NAMES
+
+        if not isinstance(self.history, str):
+            _fail(f"{path}.history", self.history, "a path string or ''")
+        if self.history and not os.path.isfile(history_trace_path(self.history)):
+            _fail(f"{path}.history", self.history,
+                  "a routing trace .npz or a run folder holding trace.npz")
 
         for name in ("warmup_steps", "replan_every", "window", "capacity_multiple",
                      "capacity_levels"):

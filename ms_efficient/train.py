@@ -29,7 +29,7 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from ms_efficient import backend
-from ms_efficient.config import RunConfig, load_config, save_config
+from ms_efficient.config import RunConfig, history_trace_path, load_config, save_config
 from ms_efficient.data import Corpus, load_corpus
 from ms_efficient.fileio import atomic_write_text, atomic_write_with
 from ms_efficient.models.gpt_moe import build_model
@@ -101,6 +101,7 @@ class Trainer:
         tokens = tr.batch_size * cfg.model.seq_length
         self.planner = (CapacityPlanner(cfg.efficientmoe, tokens)
                         if cfg.efficientmoe.enabled else None)
+        self.history_LE = self._load_history(tokens) if self.planner else None
 
     # ------------------------------------------------------------------ capacities
     def capacities(self) -> np.ndarray:
@@ -120,17 +121,44 @@ class Trainer:
         flops = 3 * 2 * 2 * mc.hidden_size * mc.ffn_hidden_size
         return self.cfg.cluster_spec().compute_time_s(flops, "fp32")
 
+    def _load_history(self, tokens_per_step: int) -> np.ndarray:
+        """int64 [t, moe layer, expert] loads of ``efficientmoe.history`` ([0, L, E] if none)."""
+        em, mc = self.cfg.efficientmoe, self.cfg.moe
+        shape = (len(self.moe_layers), mc.num_experts)
+        if not em.history:
+            return np.zeros((0,) + shape, np.int64)
+        path = history_trace_path(em.history)
+        load = load_trace(path).counts.sum(axis=2)
+        if load.shape[1:] != shape:
+            raise ValueError(f"'efficientmoe.history' trace {path} has loads of shape "
+                             f"[layer, expert] = {list(load.shape[1:])}, but this model has "
+                             f"{list(shape)}.")
+        routed = int(load[-1, 0].sum())
+        if routed != tokens_per_step * mc.top_k:
+            raise ValueError(f"'efficientmoe.history' trace {path} routes {routed} assignments "
+                             f"per layer and step, but this run routes "
+                             f"{tokens_per_step * mc.top_k} (batch x seq_length x top_k).")
+        logger.info("EfficientMoE: %d history steps from %s", len(load), path)
+        return load
+
+    def _first_plan_step(self) -> int:
+        """0 when the history can fit the predictor (>= 3 rows), else ``warmup_steps``."""
+        return 0 if len(self.history_LE) >= 3 else self.cfg.efficientmoe.warmup_steps
+
     def _maybe_replan(self) -> None:
         em = self.cfg.efficientmoe
-        if self.planner is None or self.step < em.warmup_steps:
+        if self.planner is None or self.step < self._first_plan_step():
             return
-        if (self.step - em.warmup_steps) % em.replan_every or self.step >= self.cfg.train.steps:
+        if (self.step - self._first_plan_step()) % em.replan_every or self.step >= self.cfg.train.steps:
             return
-        load = self.sampler.expert_load()
+        load = self.history_LE
+        if len(self.sampler):
+            load = np.concatenate([load, self.sampler.expert_load()])
         plan = self.planner.plan(load)
         current = self.capacities()
-        if not self.planner.worth_applying(current, plan, load, self._row_time_s(),
-                                           self.cfg.efficientmoe.recompile_cost_s):
+        # before the first step nothing is compiled yet: a new plan costs no recompilation
+        recompile_s = em.recompile_cost_s if self.step else 0.0
+        if not self.planner.worth_applying(current, plan, load, self._row_time_s(), recompile_s):
             logger.info("step %d: EfficientMoE keeps capacities (%d rows)", self.step,
                         int(current.sum()))
             return
@@ -270,6 +298,8 @@ class Trainer:
         if self.resume:
             self._restore()
         save_config(self.cfg, os.path.join(self.out_dir, "config.yaml"))
+        if self.step == 0:
+            self._maybe_replan()          # plans from efficientmoe.history before compiling
         if not any(m["kind"] == "val" and m["step"] == 0 for m in self.metrics):
             self._log_val()
         moe_index = list(self.net.moe_index)

@@ -162,3 +162,53 @@ def test_efficientmoe_replans_capacities_and_resume_keeps_them(tmp_path, text_di
     resumed = Trainer(cfg, out, resume=True)
     resumed._restore()
     assert resumed.capacities().tolist() == final.tolist()
+
+
+def _history(tmp_path, per_rank_E, layers=2, ranks=2, steps=6):
+    from ms_efficient.moe.trace import RoutingTrace, save_trace
+
+    counts = np.broadcast_to(np.asarray(per_rank_E, np.int64),
+                             (steps, layers, ranks, len(per_rank_E))).copy()
+    path = str(tmp_path / "history.npz")
+    save_trace(RoutingTrace(counts, top_k=2), path)
+    return path
+
+
+def test_efficientmoe_history_plans_before_the_first_step(tmp_path, text_dir):
+    """A routing history (the run these weights continue) gives the first plan before the
+    first compilation: no step runs at the static capacity factor."""
+    from ms_efficient.config import load_config
+    from ms_efficient.train import Trainer
+
+    config = _write_config(tmp_path, text_dir, steps=3, save_every=3, eval_every=3)
+    # every step of the history routes [64, 32, 16, 16] per rank: [128, 64, 32, 32] per layer
+    history = _history(tmp_path, [64, 32, 16, 16])
+    cfg = load_config(config, {"efficientmoe.enabled": True, "efficientmoe.history": history,
+                               "efficientmoe.predictor": "last-value",
+                               "efficientmoe.replan_every": 100, "efficientmoe.window": 4,
+                               "efficientmoe.capacity_multiple": 4,
+                               "efficientmoe.capacity_levels": 4})
+    trainer = Trainer(cfg, str(tmp_path / "run"))
+    assert trainer.capacities().tolist() == [[80, 80, 80, 80]] * 2    # capacity_factor 1.25
+    trainer.run()
+    with open(os.path.join(str(tmp_path / "run"), "metrics.jsonl")) as fh:
+        plans = [r for r in map(json.loads, fh) if r["kind"] == "plan"]
+    # a steady history is forecast exactly: capacities equal the loads (multiples of 4)
+    assert [p["step"] for p in plans] == [0]
+    assert plans[0]["capacities"] == [[128, 64, 32, 32]] * 2
+    # every one of the 3 steps computed 2 layers x 256 rows, not the static 2 x 320
+    assert trainer.totals["rows"] == 3 * 2 * 256
+
+
+def test_efficientmoe_history_of_another_model_is_refused(tmp_path, text_dir):
+    from ms_efficient.config import load_config
+    from ms_efficient.train import Trainer
+
+    config = _write_config(tmp_path, text_dir, steps=3)
+    wrong = _history(tmp_path, [32, 32, 16, 16, 16, 16])          # 6 experts, model has 4
+    cfg = load_config(config, {"efficientmoe.enabled": True, "efficientmoe.history": wrong})
+    with pytest.raises(ValueError, match="efficientmoe.history.*6"):
+        Trainer(cfg, str(tmp_path / "run"))
+    with pytest.raises(ValueError, match="'efficientmoe.history' must be"):
+        load_config(config, {"efficientmoe.enabled": True,
+                             "efficientmoe.history": str(tmp_path / "missing.npz")})

@@ -92,6 +92,10 @@ def run_measured(base: RunConfig, methods: Optional[List[str]] = None, steps: Op
         if init_from:
             cfg.train.warmup_steps = 0
             cfg.train.learning_rate = 0.1 * base.train.learning_rate
+            if online and not cfg.efficientmoe.history and os.path.isfile(
+                    os.path.join(init_from, "trace.npz")):
+                # the continued run's routing: plan before the first compilation
+                cfg.efficientmoe.history = init_from
         with tempfile.TemporaryDirectory(prefix=f"bench-{method}-") as out:
             logger.info("measured run: %s (%d steps)", method, cfg.train.steps)
             run = _run_one(cfg, out, init_from)
