@@ -149,7 +149,8 @@ class Trainer:
         em = self.cfg.efficientmoe
         if self.planner is None or self.step < self._first_plan_step():
             return
-        if (self.step - self._first_plan_step()) % em.replan_every or self.step >= self.cfg.train.steps:
+        since_first = self.step - self._first_plan_step()
+        if since_first % em.replan_every or self.step >= self.cfg.train.steps:
             return
         load = self.history_LE
         if len(self.sampler):
