@@ -33,7 +33,7 @@ from ms_efficient.config import RunConfig, history_trace_path, load_config, save
 from ms_efficient.data import Corpus, load_corpus
 from ms_efficient.fileio import atomic_write_text, atomic_write_with
 from ms_efficient.models.gpt_moe import build_model
-from ms_efficient.moe.layer import MoEFeedForward
+from ms_efficient.moe.layer import ROUTING_COUNTS, MoEFeedForward
 from ms_efficient.moe.online import CapacityPlanner, RoutingSampler
 from ms_efficient.moe.trace import load_trace, save_trace
 
@@ -199,7 +199,7 @@ class Trainer:
     def _state_tensors(self) -> List[Dict]:
         seen, out = set(), []
         for p in list(self.net.get_parameters()) + list(self.optimizer.get_parameters()):
-            if p.name not in seen:
+            if p.name not in seen and not _is_scratch(p.name):
                 seen.add(p.name)
                 out.append({"name": p.name, "data": p})
         return out
@@ -252,7 +252,8 @@ class Trainer:
             params.pop(name, None)
         for cell in (self.net, self.optimizer):
             not_loaded, _ = ms.load_param_into_net(cell, params, strict_load=True)
-            missing = [name for name in not_loaded if name not in skip]
+            missing = [name for name in not_loaded
+                       if name not in skip and not _is_scratch(name)]
             if missing:
                 raise ValueError(f"checkpoint '{state['checkpoint']}' in '{run_dir}' does "
                                  f"not match the model: it lacks {missing[:5]}.")
@@ -364,6 +365,11 @@ class Trainer:
         return TrainResult(out_dir=self.out_dir, steps=self.step, first_val_loss=vals[0],
                            final_val_loss=vals[-1], step_time_s=step_time,
                            tokens_per_s=tokens_per_step / step_time)
+
+
+def _is_scratch(name: str) -> bool:
+    """Parameters that are per-step buffers, not state: the MoE layers' last routing counts."""
+    return name.rsplit(".", 1)[-1] == ROUTING_COUNTS
 
 
 def _fmt_eta(seconds: float) -> str:

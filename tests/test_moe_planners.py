@@ -467,6 +467,27 @@ def test_a_noisy_steady_demo_shaped_load_pads_near_the_static_bound():
     assert ours.drop_rate < 0.005 and ours.padding_fraction < bound + 0.08
     oracle = replay(trace, "oracle", NODE_1x8, ReplayConfig(warmup=16))
     assert oracle.padding_fraction < 0.03 and oracle.drop_rate == 0.0
+    # perfect foresight in a static graph reaches the hindsight bound computed above, and
+    # sits between the free-re-planning oracle and our forecasts
+    static = replay(trace, "oracle-static", NODE_1x8, ReplayConfig(warmup=16))
+    assert static.drop_rate < 0.005 and abs(static.padding_fraction - bound) < 0.02
+    assert oracle.iteration_time_s < static.iteration_time_s < ours.iteration_time_s
+
+
+def test_oracle_static_foresight_is_the_mean_and_deviation_of_the_coming_rows():
+    """1 layer, 1 rank, 2 experts, rows [10, 30], [20, 10], [30, 20]: seen from row 1 with a
+    2-row horizon, the forecast is the mean [25, 15] of rows 1-2 and the error samples are
+    (row - mean) / mean = [-0.2, -1/3] and [0.2, 1/3] (the floor, 1 token, does not bind)."""
+    from ms_efficient.moe.simulate import _Context
+
+    counts = np.array([[10, 30], [20, 10], [30, 20]]).reshape(3, 1, 1, 2)
+    trace = RoutingTrace(counts=counts, top_k=1, hidden=64, tokens_per_rank=40)
+    ctx = _Context(trace, NODE_1x8, ReplayConfig(warmup=2))
+    mean, rel = ctx.predicted(1, "oracle-static", 2)
+    assert mean.reshape(-1).tolist() == [25.0, 15.0]
+    assert np.allclose(rel.reshape(2, 2), [[-0.2, -1 / 3], [0.2, 1 / 3]])
+    mean, rel = ctx.predicted(2, "oracle-static", 5)           # cut at the end of the trace
+    assert mean.reshape(-1).tolist() == [30.0, 20.0] and np.all(rel == 0)
 
 
 def test_every_planner_keeps_its_slots_on_the_chips_of_the_run():

@@ -14,7 +14,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from ms_efficient.config import ModelConfig, MoEConfig
-from ms_efficient.moe.layer import MoEFeedForward, expert_capacity
+from ms_efficient.moe.layer import MoEFeedForward, TanhGELU, expert_capacity
 
 __all__ = ["GPTMoE", "CausalSelfAttention", "DenseFeedForward", "Block", "build_model"]
 
@@ -38,8 +38,12 @@ class CausalSelfAttention(nn.Cell):
     def construct(self, x):
         b, s, h = x.shape
         nh, hd = self.num_heads, self.head_dim
-        qkv = self.qkv(x.reshape(b * s, h)).reshape(b, s, 3, nh, hd).transpose(2, 0, 3, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]                                  # [B, nh, S, hd]
+        # split before the head transpose: three [B*S, H] blocks, not strided slices of
+        # [3, B, nh, S, hd] (which the CPU backend copies slowly)
+        q, k, v = ops.split(self.qkv(x.reshape(b * s, h)), h, -1)
+        q = q.reshape(b, s, nh, hd).transpose(0, 2, 1, 3)                # [B, nh, S, hd]
+        k = k.reshape(b, s, nh, hd).transpose(0, 2, 1, 3)
+        v = v.reshape(b, s, nh, hd).transpose(0, 2, 1, 3)
         scores = self.bmm_qk(q, k) * self.scale + self.mask_SS[:s, :s]
         y = self.bmm_pv(self.softmax(scores), v)                          # [B, nh, S, hd]
         y = y.transpose(0, 2, 1, 3).reshape(b * s, h)
@@ -54,7 +58,7 @@ class DenseFeedForward(nn.Cell):
         super().__init__()
         self.fc1 = nn.Dense(hidden_size, ffn_hidden_size, weight_init=Normal(init_std))
         self.fc2 = nn.Dense(ffn_hidden_size, hidden_size, weight_init=Normal(init_std))
-        self.gelu = nn.GELU(approximate=True)
+        self.gelu = TanhGELU()
         self.zero_counts = Tensor(np.zeros((trace_ranks, num_experts), np.int32))
 
     def construct(self, x):

@@ -51,7 +51,8 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from ms_efficient import backend
 from ms_efficient.moe.alltoall import AllToAllV
-from ms_efficient.moe.layer import TopKArrival, routing_statistics
+from ms_efficient.moe.layer import (TanhGELU, TopKArrival, routing_counts_buffer,
+                                    routing_statistics, sum_choices)
 from ms_efficient.moe.ep_routing import rank_dispatch, replica_sync, source_rows
 from ms_efficient.moe.plan import ExpertPlan
 
@@ -185,7 +186,10 @@ class ExpertParallelMoE(nn.Cell):
         self.rows_E = Tensor(tables.rows_E)
         self.ends_EJ = Tensor(tables.ends_EJ)
         self.shift_X = Tensor(tables.shift_EJ.reshape(-1))
-        self.recv_index = Tensor(tables.recv_index_N)
+        # receive rows of every capacity group, slot-major (one gather per group)
+        bounds = np.cumsum([0] + [c * len(ix) for c, ix in tables.groups])
+        self.recv_index = tuple(Tensor(tables.recv_index_N[lo:hi])
+                                for lo, hi in zip(bounds[:-1], bounds[1:]))
         self.back_index = Tensor(tables.back_index_M)
         order = [i for _, ix in tables.groups for i in ix]
         self.in_order = order == list(range(len(self.local_slots)))
@@ -203,8 +207,9 @@ class ExpertParallelMoE(nn.Cell):
         self.w2 = Parameter(Tensor(w2), name="w2")
         self.b2 = Parameter(Tensor(b2), name="b2")
         self.bmm = ops.BatchMatMul()
-        self.gelu = nn.GELU(approximate=True)
+        self.gelu = TanhGELU()
         self.arrival = TopKArrival(num_experts, top_k)
+        self.routing_counts = routing_counts_buffer(trace_ranks, num_experts)
 
     def set_weights(self, router_EH, w1_EHF, b1_E1F, w2_EFH, b2_E1H) -> None:
         """Load logical weights (numpy, all E experts): the router, and for every local slot
@@ -245,32 +250,32 @@ class ExpertParallelMoE(nn.Cell):
         recv_NH = self.dispatch(ops.gather(x_pad, row_token[:m], 0))
 
         # Step 4: local experts on their slot-major rows, results back to receive order.
-        out_NH = self._experts(ops.gather(recv_NH, self.recv_index, 0))
+        out_NH = self._experts(recv_NH)
         ret_MH = self.undispatch(ops.gather(out_NH, self.back_index, 0))
 
         # Step 5: combine: every assignment reads its send row back, weighted; drops read 0.
         ret_pad = ops.concat((ret_MH, ops.zeros((1, h), ret_MH.dtype)), 0)
         gate_A = weights_TK.transpose(1, 0).reshape(-1) * keep_A.astype(ms.float32)
-        y_ATH = ops.gather(ret_pad, row_A, 0) * gate_A.reshape(-1, 1).astype(x.dtype)
-        y_TH = y_ATH.reshape(k, t, h).sum(axis=0)
+        y_AH = ops.gather(ret_pad, row_A, 0) * gate_A.reshape(-1, 1).astype(x.dtype)
+        y_TH = sum_choices(y_AH, k, t)
 
         # Step 6: statistics of the local tokens.
         aux_loss, counts_RE = routing_statistics(probs_TE, onehot_AE, k, self.trace_ranks)
+        ops.assign(self.routing_counts, counts_RE)
         dropped = (k * t - keep_A.astype(ms.int32).sum()).astype(ms.int32)
         return y_TH.reshape(b, s, h), aux_loss, counts_RE, dropped
 
-    def _experts(self, x_NH):
-        """Local slot FFNs on slot-major rows [N, H] -> [N, H]: one batched matmul per group
-        of equal capacity, against the group's slot weights (gathered unless all, in order)."""
+    def _experts(self, recv_NH):
+        """Local slot FFNs on the received rows -> slot-major [N, H]: per group of equal
+        capacity, its rows gathered from ``recv_NH`` and one batched matmul against the
+        group's slot weights (gathered unless all, in order)."""
         w1, b1, w2, b2 = self.w1, self.b1, self.w2, self.b2
         if self.sync is not None:
             w1, b1, w2, b2 = self.sync(w1), self.sync(b1), self.sync(w2), self.sync(b2)
         outs = ()
-        start = 0
         for gi in range(len(self.groups)):
             c, g = self.groups[gi]
-            rows = x_NH[start:start + g * c].reshape(g, c, -1)
-            start = start + g * c
+            rows = ops.gather(recv_NH, self.recv_index[gi], 0).reshape(g, c, -1)
             if self.in_order and len(self.groups) == 1:
                 gw1, gb1, gw2, gb2 = w1, b1, w2, b2
             else:

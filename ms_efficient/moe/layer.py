@@ -28,7 +28,12 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
-__all__ = ["MoEFeedForward", "TopKArrival", "routing_statistics", "expert_capacity"]
+__all__ = ["MoEFeedForward", "TopKArrival", "TanhGELU", "routing_statistics", "sum_choices",
+           "expert_capacity", "ROUTING_COUNTS", "routing_counts_buffer"]
+
+# name of the per-layer buffer holding the last forward's counts [R, E] (int32): read by
+# ms_efficient.moe.callback.RoutingTraceCallback, never checkpointed (not model state)
+ROUTING_COUNTS = "routing_counts"
 
 
 def expert_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float,
@@ -75,6 +80,41 @@ class TopKArrival(nn.Cell):
         return probs_TE, weights_TK, expert_ids_A, onehot_AE, position_A.astype(ms.int32)
 
 
+class TanhGELU(nn.Cell):
+    """GELU in its tanh form (Hendrycks & Gimpel 2016), the function ``nn.GELU(approximate=
+    True)`` computes: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+
+    Written with elementwise primitives because MindSpore 2.10's CPU GeLU / GeLUGrad kernels
+    are slow: forward + backward on a [5632, 512] float32 tensor take 1.6-2.7x less time this
+    way (``.venv/bin/python scripts/bench_cpu_ops.py``), and the kernels' GELU was a fifth of
+    the reference model's step in the MindSpore profiler. Same values to float32 rounding
+    (max difference 2e-4).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.c = math.sqrt(2.0 / math.pi)
+
+    def construct(self, x):
+        return 0.5 * x * (1.0 + ops.tanh(self.c * (x + 0.044715 * x * x * x)))
+
+
+def sum_choices(y_AH, top_k: int, tokens: int):
+    """Sum the K = ``top_k`` weighted expert outputs of every token: [K * T, H] k-major ->
+    [T, H]. Split + AddN: the CPU backend's ReduceSum over the leading axis of [K, T, H] is
+    several times slower than adding K contiguous blocks."""
+    if top_k == 1:
+        return y_AH
+    return ops.addn(ops.split(y_AH, tokens, 0))
+
+
+def routing_counts_buffer(ranks: int, num_experts: int) -> Parameter:
+    """The non-trainable int32 [ranks, E] Parameter an MoE layer assigns its counts to on
+    every forward, so a training-loop callback can read them (see ROUTING_COUNTS)."""
+    return Parameter(Tensor(np.zeros((ranks, num_experts), np.int32)), name=ROUTING_COUNTS,
+                     requires_grad=False)
+
+
 def routing_statistics(probs_TE, onehot_AE, top_k: int, ranks: int):
     """(aux_loss, counts_RE): the Switch load-balancing loss E * sum_e f_e * p_e and the
     assignments each of ``ranks`` equal token groups routed to each expert (int32 [R, E])."""
@@ -103,7 +143,8 @@ class MoEFeedForward(nn.Cell):
         aux_loss: Switch-Transformer load-balancing loss E * sum_e f_e * p_e, where f_e is the
             fraction of assignments routed to e and p_e the mean router probability of e
             (Fedus et al. 2021, eq. 4, with top-k assignments counted k times).
-        counts_RE: int32 [R, E], assignments each group routed to each expert (before drops).
+        counts_RE: int32 [R, E], assignments each group routed to each expert (before drops);
+            also kept in the ``routing_counts`` buffer for training-loop callbacks.
         dropped: int32 scalar, assignments that found no free slot.
     """
 
@@ -123,8 +164,9 @@ class MoEFeedForward(nn.Cell):
         self.w2 = Parameter(initializer(Normal(init_std), (e, f, h), ms.float32), name="w2")
         self.b2 = Parameter(initializer("zeros", (e, 1, h), ms.float32), name="b2")
         self.bmm = ops.BatchMatMul()
-        self.gelu = nn.GELU(approximate=True)
+        self.gelu = TanhGELU()
         self.arrival = TopKArrival(num_experts, top_k)
+        self.routing_counts = routing_counts_buffer(trace_ranks, num_experts)
 
     def construct(self, x):
         b, s, h = x.shape
@@ -146,19 +188,19 @@ class MoEFeedForward(nn.Cell):
         slot_token = ops.fill(ms.int32, (n + 1,), t)
         slot_token = ops.tensor_scatter_update(slot_token, slot_A.reshape(-1, 1), token_A)
         x_pad = ops.concat((x_TH, ops.zeros((1, h), x_TH.dtype)), 0)
-        expert_in_NH = ops.gather(x_pad, slot_token[:dummy], 0)
 
-        # Step 4: experts on their own slot rows.
-        expert_out_NH = self._experts(expert_in_NH)
+        # Step 4: experts on their own slot rows, gathered group by group.
+        expert_out_NH = self._experts(x_pad, slot_token)
 
         # Step 5: combine: every assignment reads its slot back, weighted; drops read zeros.
         out_pad = ops.concat((expert_out_NH, ops.zeros((1, h), expert_out_NH.dtype)), 0)
         gate_A = weights_TK.transpose(1, 0).reshape(-1) * keep_A.astype(ms.float32)
-        y_ATH = ops.gather(out_pad, slot_A, 0) * gate_A.reshape(-1, 1).astype(x.dtype)
-        y_TH = y_ATH.reshape(k, t, h).sum(axis=0)
+        y_AH = ops.gather(out_pad, slot_A, 0) * gate_A.reshape(-1, 1).astype(x.dtype)
+        y_TH = sum_choices(y_AH, k, t)
 
         # Step 6: statistics: load-balancing loss, per-group counts, drops.
         aux_loss, counts_RE = routing_statistics(probs_TE, onehot_AE, k, self.trace_ranks)
+        ops.assign(self.routing_counts, counts_RE)
         dropped = (k * t - keep_A.astype(ms.int32).sum()).astype(ms.int32)
         return y_TH.reshape(b, s, h), aux_loss, counts_RE, dropped
 
@@ -186,18 +228,21 @@ class MoEFeedForward(nn.Cell):
         self.off_E = Tensor(np.array(self.offsets, np.int32))
         self.group_index = tuple(Tensor(np.array(es, np.int32)) for _, es in self.groups)
 
-    def _experts(self, x_NH):
-        """Expert FFNs on the slot buffer [N, H] -> [N, H] (N = sum of capacities).
+    def _experts(self, x_pad, slot_token):
+        """Expert FFNs on the slot rows -> [N, H] (N = sum of capacities).
 
-        One batched matmul per capacity group: the group's rows [g * c, H] as [g, c, H]
-        against its experts' weights [g, H, F] (gathered unless the group is every expert).
+        x_pad: [T + 1, H] tokens and a zero row (index T); slot_token: int32 [N + 1], the token
+        each slot holds (T when empty). One batched matmul per capacity group: the group's
+        rows gathered straight from the tokens as [g, c, H] (slicing an [N, H] buffer instead
+        costs a copy the CPU backend does slowly) against its experts' weights [g, H, F]
+        (gathered unless the group is every expert).
         """
         outs = ()
         start = 0
         for gi in range(len(self.groups)):
             c, experts = self.groups[gi]
             g = len(experts)
-            rows = x_NH[start:start + g * c].reshape(g, c, -1)
+            rows = ops.gather(x_pad, slot_token[start:start + g * c], 0).reshape(g, c, -1)
             start = start + g * c
             if g == self.num_experts:
                 w1, b1, w2, b2 = self.w1, self.b1, self.w2, self.b2

@@ -25,6 +25,13 @@ full or empty (``dispatch="static"``, see :mod:`ms_efficient.moe.plan`; ``static
                      routed tokens; no padding, no drops, no compile cost.
     oracle           our scheduler with the true counts of each step, exact capacities, and
                      free re-planning every step (a reference, not a reachable system).
+    oracle-static    ours with perfect foresight and nothing else changed: a static graph,
+                     re-planned by the same checks and the same rule at the same cost, whose
+                     planner is given the true counts of the rows each candidate plan would
+                     serve (their mean as the forecast, their deviations from it as the
+                     error samples) instead of forecasts. The gap between it and
+                     efficientmoe is what forecasting costs; the gap between it and oracle
+                     is what static shapes cost.
 
 Re-plan checks happen every ``check_every_steps`` training steps, and as soon as the current
 plan dropped more than 1 % of the tokens over ``monitor_steps`` (the drop monitor, what the
@@ -52,8 +59,8 @@ from ms_efficient.moe.capacity import expected_expert_drop_rate
 from ms_efficient.moe.cost import CostModel, layer_cost
 from ms_efficient.moe.placement import PlacementConfig, default_slots_per_device, plan_layer
 from ms_efficient.moe.plan import ExpertPlan, static_rank_rows
-from ms_efficient.moe.predictor import (EMA, PerRank, get_predictor, predict_counts,
-                                        relative_residuals)
+from ms_efficient.moe.predictor import (EMA, FLOOR_FRACTION, PerRank, get_predictor,
+                                        predict_counts, relative_residuals)
 from ms_efficient.moe.schedule import (DropMonitor, ReplanCosts, choose_horizon, decide_replan,
                                        migration_time_s)
 from ms_efficient.moe.trace import RoutingTrace
@@ -64,8 +71,9 @@ __all__ = ["METHODS", "ReplayConfig", "ReplayResult", "cluster_for_ranks", "chec
 logger = logging.getLogger(__name__)
 
 METHODS = ("efficientmoe", "switch-cf1.0", "switch-cf1.25", "switch-cf2.0", "dropless-static",
-           "fastermoe", "eplb-ema", "mindspeed-greedy", "oracle")
-_ADAPTIVE = {"efficientmoe", "eplb-ema", "mindspeed-greedy"}
+           "fastermoe", "eplb-ema", "mindspeed-greedy", "oracle", "oracle-static")
+_ADAPTIVE = {"efficientmoe", "eplb-ema", "mindspeed-greedy", "oracle-static"}
+_OURS = {"efficientmoe", "oracle-static"}     # our placement + capacity planner
 HORIZON_MULTIPLES = (1, 2, 4, 8)  # plan lifetimes our scheduler considers, in check intervals
 
 
@@ -168,6 +176,18 @@ def _stride(trace: RoutingTrace) -> int:
     return int(np.median(diffs))
 
 
+def _deviations(rows: np.ndarray):
+    """(mean over rows [L, ...], relative deviations of every row from it [h, L, ...]) of
+    ``rows`` [h, L, ...], relative to max(mean, floor), floor = max(1, FLOOR_FRACTION x the
+    layer's mean entry), as :func:`ms_efficient.moe.predictor.relative_residuals` floors."""
+    future = np.asarray(rows, dtype=np.float64)
+    mean = future.mean(axis=0)
+    layers = mean.shape[0]
+    floor = np.maximum(1.0, FLOOR_FRACTION * mean.reshape(layers, -1).mean(axis=1))
+    floor = floor.reshape((layers,) + (1,) * (mean.ndim - 1))
+    return mean, (future - mean) / np.maximum(mean, floor)
+
+
 class _Context:
     """Everything a method needs to plan one row: the trace, cost model and settings."""
 
@@ -202,9 +222,13 @@ class _Context:
             self.tokens_per_step = (int(per_rank.sum(axis=2).max()) // trace.top_k
                                     if trace.top_k else None)
 
-    def predicted(self, t: int, predictor, horizon_rows: int):
+    def predicted(self, t: int, method: str, horizon_rows: int):
         """(predicted counts [L, R, E] for row t, relative errors of those per-rank forecasts
-        [K, L, R, E] over the next ``horizon_rows`` rows) from rows < t."""
+        [K, L, R, E] over the next ``horizon_rows`` rows) from rows < t; for oracle-static
+        from the true rows [t, t + horizon_rows) instead (:meth:`foresight`)."""
+        if method == "oracle-static":
+            return self.foresight(t, horizon_rows)
+        predictor = self._predictor(method)
         counts = self.trace.counts[:t]
         pred = predict_counts(counts, predictor)
         steps, layers, ranks, experts = counts.shape
@@ -213,16 +237,24 @@ class _Context:
                                  horizon_rows)
         return pred, rel.reshape(-1, layers, ranks, experts)
 
+    def foresight(self, t: int, horizon_rows: int):
+        """Perfect foresight in the form of a forecast: (mean true counts [L, R, E] of rows
+        [t, t + h), their relative deviations from that mean [h, L, R, E]), relative to the
+        same floored mean as :func:`ms_efficient.moe.predictor.relative_residuals` (h is cut
+        at the end of the trace)."""
+        return _deviations(self.trace.counts[t:t + horizon_rows])
+
     def adaptive_plans(self, method: str, t: int, horizon_rows: Optional[int] = None):
         """(plans per layer, predicted counts [L, R, E], residuals [K, L, R, E]) at row t, with
         capacities sized for ``horizon_rows`` rows (default: until the next check)."""
-        pred, rel = self.predicted(t, self._predictor(method), horizon_rows or self.check_rows)
-        unpredictable = self.unpredictable_layers(t) if method == "efficientmoe" else None
+        pred, rel = self.predicted(t, method, horizon_rows or self.check_rows)
+        unpredictable = (self.unpredictable_layers(t, method) if method in _OURS else
+                         np.zeros(self.trace.num_layers, dtype=bool))
         plans = []
         for layer in range(self.trace.num_layers):
             args = (pred[layer], rel[:, layer], self.model, self.placement, self.rank_device)
             sizes = {"top_k": self.top_k, "tokens_per_step": self.tokens_per_step}
-            if method == "efficientmoe":
+            if method in _OURS:
                 plans.append(plan_layer(pred[layer], self.model, self.placement,
                                         self.rank_device, rel[:, layer], **sizes,
                                         dropless=bool(unpredictable[layer])))
@@ -232,18 +264,24 @@ class _Context:
                 plans.append(baselines.greedy_plan(*args, **sizes))
         return plans, pred, rel
 
-    def unpredictable_layers(self, t: int) -> np.ndarray:
+    def unpredictable_layers(self, t: int, method: str = "efficientmoe") -> np.ndarray:
         """bool [L]: layers whose recent one-step forecast errors (rms, relative) exceed
         ``max_forecast_error`` at row t; never when there is no forecast error yet or the
-        token count per step is unknown (no dropless size)."""
-        rel = relative_residuals(self.load[:t], get_predictor(self.config.predictor),
-                                 self.config.residual_window, 1)
+        token count per step is unknown (no dropless size). For oracle-static the same test
+        on the true expert loads of the coming check interval, relative to their mean: a
+        layer whose loads swing that much within one plan's life is planned dropless by an
+        oracle too (a static plan sized for it would be re-planned by the drop monitor)."""
+        if method == "oracle-static":
+            _, rel = _deviations(self.load[t:t + self.check_rows])             # [h, L, E]
+        else:
+            rel = relative_residuals(self.load[:t], get_predictor(self.config.predictor),
+                                     self.config.residual_window, 1)
         if rel.shape[0] == 0 or not self.tokens_per_step:
             return np.zeros(self.trace.num_layers, dtype=bool)
         return np.sqrt(np.mean(rel ** 2, axis=(0, 2))) > self.config.max_forecast_error
 
     def _predictor(self, method: str):
-        return get_predictor(self.config.predictor) if method == "efficientmoe" else EMA()
+        return get_predictor(self.config.predictor) if method in _OURS else EMA()
 
     def propose(self, method: str, t: int, current: Optional[List[ExpertPlan]]):
         """Candidate plans at row t: (plans, predicted counts [L, R, E], horizon_steps).
@@ -252,7 +290,7 @@ class _Context:
         with the least amortised step time
         (:func:`ms_efficient.moe.schedule.choose_horizon`); baselines plan for one interval.
         """
-        if method != "efficientmoe":
+        if method not in _OURS:
             plans, pred, _ = self.adaptive_plans(method, t)
             return plans, pred, self.costs.horizon_steps
         options = []
@@ -272,7 +310,7 @@ class _Context:
         """Re-plan check at row t: (ReplanDecision, candidate plans). ``observed_drop_rate``:
         the current plan's drop rate since the last check, when the drop monitor fired."""
         candidate, pred, horizon = self.propose(method, t, current)
-        _, rel_next = self.predicted(t, self._predictor(method), self.check_rows)
+        _, rel_next = self.predicted(t, method, self.check_rows)
         costs = ReplanCosts(self.costs.recompile_s, self.costs.bytes_per_param, horizon,
                             self.costs.max_drop_rate)
         decision = decide_replan(sum(c.time_s for c in self.step_cost(current, pred)),
