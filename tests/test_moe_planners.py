@@ -545,13 +545,13 @@ def test_replan_only_when_gain_over_the_horizon_exceeds_migration_plus_recompile
     cost = migration + 1.2
     yes = decide_replan(0.030, 0.030 - 1.01 * cost / 100, old, new, model, costs)
     no = decide_replan(0.030, 0.030 - 0.99 * cost / 100, old, new, model, costs)
-    assert yes.replan and not no.replan
+    assert yes.replan and not no.replan and not yes.forced
     assert yes.migration_s == pytest.approx(migration) and yes.cost_s == pytest.approx(cost)
     forced = decide_replan(0.03, 0.04, old, new, model, costs, current_drop_rate=0.05)
-    assert forced.replan and "predicted to drop 5.00%" in forced.reason
+    assert forced.replan and forced.forced and "predicted to drop 5.00%" in forced.reason
     observed = decide_replan(0.03, 0.04, old, new, model, costs, current_drop_rate=0.0,
                              observed_drop_rate=0.02)
-    assert observed.replan and "dropped 2.00%" in observed.reason
+    assert observed.replan and observed.forced and "dropped 2.00%" in observed.reason
     assert not decide_replan(0.03, 0.04, old, new, model, costs, 0.01, 0.01).replan   # = limit
     assert not decide_replan(0.03, 0.01, old, old, model, costs).replan
 

@@ -173,7 +173,7 @@ def markdown_table(rows: Sequence[Dict[str, object]], reference: str = REFERENCE
     timed = [r for r in rows if "iteration_time_s" in r]
     ref = {r["workload"]: float(r["iteration_time_s"]) for r in timed if r["method"] == reference}
     lines = [f"| workload | method | iteration ms | speed-up vs {reference} | a2a ms | "
-             f"max/mean load | padding % | drop % | re-plans |",
+             f"max/mean load | padding % | drop % | re-plans (forced) |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in timed:
         t = float(r["iteration_time_s"])
@@ -181,7 +181,8 @@ def markdown_table(rows: Sequence[Dict[str, object]], reference: str = REFERENCE
         lines.append(f"| {r['workload']} | {r['method']} | {1e3 * t:.3f} | {speed} | "
                      f"{1e3 * float(r['a2a_time_s']):.3f} | {float(r['max_over_mean_load']):.2f} | "
                      f"{100 * float(r['padding_fraction']):.1f} | "
-                     f"{100 * float(r['drop_rate']):.2f} | {r.get('replans', 0)} |")
+                     f"{100 * float(r['drop_rate']):.2f} | {r.get('replans', 0)} "
+                     f"({r.get('forced_replans', 0)}) |")
     limits = [r for r in rows if r.get("method") == "static-limit"]
     if limits:
         lines += ["", "| workload | static plan held for (trace rows) | least padding % | "

@@ -64,7 +64,8 @@ class ReplanCosts:
 
 @dataclass(frozen=True)
 class ReplanDecision:
-    """The decision and its figures (seconds, bytes). cost_s = migration_s + recompile_s."""
+    """The decision and its figures (seconds, bytes). cost_s = migration_s + recompile_s.
+    forced: adopted for its drops (predicted or observed above max_drop_rate), not its gain."""
 
     replan: bool
     reason: str
@@ -74,6 +75,7 @@ class ReplanDecision:
     migration_bytes: float
     migration_s: float
     recompile_s: float
+    forced: bool = False
 
     @property
     def cost_s(self) -> float:
@@ -155,7 +157,8 @@ def decide_replan(current_step_s: float, candidate_step_s: float,
     else:
         reason = f"gain {total_gain:.3g} s over {costs.horizon_steps} steps <= cost {cost:.3g} s"
     decision = ReplanDecision(forced or total_gain > cost, reason, gain, costs.horizon_steps,
-                              total_gain, float(moved.sum()), migration, costs.recompile_s)
+                              total_gain, float(moved.sum()), migration, costs.recompile_s,
+                              forced)
     logger.debug("replan=%s: %s", decision.replan, reason)
     return decision
 

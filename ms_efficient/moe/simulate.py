@@ -129,7 +129,8 @@ class ReplayResult:
         re-planning. a2a_time_s: its All-to-All part (routing-count exchange included).
         max_over_mean_load: tokens of the busiest device over the mean, averaged over layers
         and steps. padding_fraction: computed slot rows that held no token / computed slot
-        rows. drop_rate: dropped / routed tokens.
+        rows. drop_rate: dropped / routed tokens. replans: adopted re-plans, forced_replans
+        of them adopted for their drops rather than their gain (see decide_replan).
     """
 
     method: str
@@ -140,6 +141,7 @@ class ReplayResult:
     drop_rate: float
     replans: int = 0
     replan_overhead_s: float = 0.0
+    forced_replans: int = 0
     step_time_s: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
 
     def metrics(self) -> Dict[str, float]:
@@ -147,7 +149,8 @@ class ReplayResult:
         return {"iteration_time_s": self.iteration_time_s, "a2a_time_s": self.a2a_time_s,
                 "max_over_mean_load": self.max_over_mean_load,
                 "padding_fraction": self.padding_fraction, "drop_rate": self.drop_rate,
-                "replans": self.replans, "replan_overhead_s": self.replan_overhead_s}
+                "replans": self.replans, "forced_replans": self.forced_replans,
+                "replan_overhead_s": self.replan_overhead_s}
 
 
 def cluster_for_ranks(num_ranks: int) -> ClusterSpec:
@@ -367,7 +370,7 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
         plans = ctx.static_plans(method)
     step_times, a2a_times, imbalance = [], [], []
     rows = computed = assigned = dropped = 0
-    replans, overhead = 0, 0.0
+    replans, forced, overhead = 0, 0, 0.0
     monitor = DropMonitor(ctx.monitor_rows, ctx.costs.max_drop_rate)
 
     def due(t: int) -> bool:                         # periodic re-plan check
@@ -393,6 +396,7 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
             if decision.replan:
                 plans = candidate
                 replans += 1
+                forced += int(decision.forced)
                 overhead += decision.cost_s
         costs = ctx.step_cost(plans, counts[t])
         step_times.append(sum(c.time_s for c in costs) + extra_s)
@@ -412,7 +416,8 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
         max_over_mean_load=float(np.mean(imbalance)),
         padding_fraction=(computed - assigned) / computed if computed else 0.0,
         drop_rate=dropped / routed if routed else 0.0,
-        replans=replans, replan_overhead_s=overhead, step_time_s=np.array(step_times))
+        replans=replans, replan_overhead_s=overhead, forced_replans=forced,
+        step_time_s=np.array(step_times))
 
 
 def plan_trace(trace: RoutingTrace, cluster: Optional[ClusterSpec] = None,
