@@ -14,6 +14,11 @@ in the trace format of :mod:`ms_efficient.moe.trace`, is written atomically at t
 training and every ``save_every`` steps. ``overhead_s`` is the host time the callback took
 (the cost of leaving it on); the trainer of this package records the same counts from its
 step outputs instead.
+
+Two things the callback cannot change: with ``dataset_sink_mode=True`` MindSpore runs step
+callbacks once per sink, so only every ``sink_size``-th step is recorded (use sink_size=1, or
+no sink, for every step); and in an expert-parallel run each rank's layers count that rank's
+tokens only, so give every rank its own ``path`` (e.g. with the rank id in it).
 """
 from __future__ import annotations
 

@@ -86,9 +86,9 @@ class TanhGELU(nn.Cell):
 
     Written with elementwise primitives because MindSpore 2.10's CPU GeLU / GeLUGrad kernels
     are slow: forward + backward on a [5632, 512] float32 tensor take 1.6-2.7x less time this
-    way (``.venv/bin/python scripts/bench_cpu_ops.py``), and the kernels' GELU was a fifth of
-    the reference model's step in the MindSpore profiler. Same values to float32 rounding
-    (max difference 2e-4).
+    way (``.venv/bin/python scripts/bench_cpu_ops.py``), and the kernels' GELU was the largest
+    non-matmul cost of the reference model's step in the MindSpore profiler. Same values to
+    float32 rounding (max difference 2e-4).
     """
 
     def __init__(self):
