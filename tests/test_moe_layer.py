@@ -157,3 +157,30 @@ def test_bad_capacity_lists_are_rejected():
         MoEFeedForward(8, 16, num_experts=4, top_k=1, capacity=[1, 2, 3])
     with pytest.raises(ValueError, match=r"every expert capacity must be >= 1"):
         MoEFeedForward(8, 16, num_experts=4, top_k=1, capacity=[1, 0, 3, 2])
+
+
+def test_cpu_gelu_matches_the_gelu_kernel_in_value_and_gradient():
+    """make_gelu() on CPU is the composite TanhGELU with a hand-written backward; both must
+    agree with MindSpore's GeLU / GeLUGrad kernels (nn.GELU(approximate=True))."""
+    import mindspore as ms
+    from mindspore import nn
+
+    from ms_efficient.moe.layer import TanhGELU, make_gelu
+
+    ours = make_gelu()
+    assert isinstance(ours, TanhGELU)
+    kernel = nn.GELU(approximate=True)
+    x = Tensor(np.random.default_rng(0).normal(0, 3, (64, 32)).astype(np.float32))
+    assert np.allclose(ours(x).asnumpy(), kernel(x).asnumpy(), atol=1e-5)
+    weights = Tensor(np.random.default_rng(1).normal(0, 1, (64, 32)).astype(np.float32))
+
+    def loss_ours(a):
+        return (ours(a) * weights).sum()
+
+    def loss_kernel(a):
+        return (kernel(a) * weights).sum()
+
+    grad_ours = ms.grad(loss_ours)(x).asnumpy()
+    grad_kernel = ms.grad(loss_kernel)(x).asnumpy()
+    assert np.allclose(grad_ours, grad_kernel, atol=1e-5)
+    assert np.abs(grad_ours).max() > 0.5                      # not a vanishing gradient

@@ -14,7 +14,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from ms_efficient.config import ModelConfig, MoEConfig
-from ms_efficient.moe.layer import MoEFeedForward, TanhGELU, expert_capacity
+from ms_efficient.moe.layer import MoEFeedForward, expert_capacity, make_gelu
 
 __all__ = ["GPTMoE", "CausalSelfAttention", "DenseFeedForward", "Block", "build_model"]
 
@@ -58,7 +58,7 @@ class DenseFeedForward(nn.Cell):
         super().__init__()
         self.fc1 = nn.Dense(hidden_size, ffn_hidden_size, weight_init=Normal(init_std))
         self.fc2 = nn.Dense(ffn_hidden_size, hidden_size, weight_init=Normal(init_std))
-        self.gelu = TanhGELU()
+        self.gelu = make_gelu()
         self.zero_counts = Tensor(np.zeros((trace_ranks, num_experts), np.int32))
 
     def construct(self, x):

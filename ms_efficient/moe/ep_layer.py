@@ -51,7 +51,7 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from ms_efficient import backend
 from ms_efficient.moe.alltoall import AllToAllV
-from ms_efficient.moe.layer import (TanhGELU, TopKArrival, routing_counts_buffer,
+from ms_efficient.moe.layer import (TopKArrival, make_gelu, routing_counts_buffer,
                                     routing_statistics, sum_choices)
 from ms_efficient.moe.ep_routing import rank_dispatch, replica_sync, source_rows
 from ms_efficient.moe.plan import ExpertPlan
@@ -207,7 +207,7 @@ class ExpertParallelMoE(nn.Cell):
         self.w2 = Parameter(Tensor(w2), name="w2")
         self.b2 = Parameter(Tensor(b2), name="b2")
         self.bmm = ops.BatchMatMul()
-        self.gelu = TanhGELU()
+        self.gelu = make_gelu()
         self.arrival = TopKArrival(num_experts, top_k)
         self.routing_counts = routing_counts_buffer(trace_ranks, num_experts)
 

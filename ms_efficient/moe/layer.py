@@ -29,7 +29,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 __all__ = ["MoEFeedForward", "TopKArrival", "TanhGELU", "routing_statistics", "sum_choices",
-           "expert_capacity", "ROUTING_COUNTS", "routing_counts_buffer"]
+           "expert_capacity", "ROUTING_COUNTS", "routing_counts_buffer", "make_gelu"]
 
 # name of the per-layer buffer holding the last forward's counts [R, E] (int32): read by
 # ms_efficient.moe.callback.RoutingTraceCallback, never checkpointed (not model state)
@@ -82,21 +82,44 @@ class TopKArrival(nn.Cell):
 
 class TanhGELU(nn.Cell):
     """GELU in its tanh form (Hendrycks & Gimpel 2016), the function ``nn.GELU(approximate=
-    True)`` computes: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+    True)`` computes: 0.5 x (1 + tanh(z)), z = sqrt(2 / pi) (x + 0.044715 x^3), evaluated as
+    x * sigmoid(2 z) (the same function: 0.5 (1 + tanh(z)) = sigmoid(2 z)).
 
     Written with elementwise primitives because MindSpore 2.10's CPU GeLU / GeLUGrad kernels
-    are slow: forward + backward on a [5632, 512] float32 tensor take 1.6-2.7x less time this
+    are slow: forward + backward on a [5632, 512] float32 tensor take 1.6-2.8x less time this
     way (``.venv/bin/python scripts/bench_cpu_ops.py``), and the kernels' GELU was the largest
-    non-matmul cost of the reference model's step in the MindSpore profiler. Same values to
-    float32 rounding (max difference 2e-4).
+    non-matmul cost of the reference model's step in the MindSpore profiler.
+
+    The backward is written by hand, from x alone (as GeLUGrad's): automatic differentiation
+    would keep the forward's intermediate [N, F] tensors alive until the backward, and its
+    1 - tanh(z)^2 loses float32 precision where tanh saturates (1.6e-3 off at x = 3.7);
+    sigmoid(2 z) sigmoid(-2 z) = (1 - tanh(z)^2) / 4 does not.
     """
 
     def __init__(self):
         super().__init__()
-        self.c = math.sqrt(2.0 / math.pi)
+        self.c2 = 2.0 * math.sqrt(2.0 / math.pi)
 
     def construct(self, x):
-        return 0.5 * x * (1.0 + ops.tanh(self.c * (x + 0.044715 * x * x * x)))
+        return x * ops.sigmoid(self.c2 * (x + 0.044715 * x * x * x))
+
+    def bprop(self, x, out, dout):
+        """d/dx [x s(2z)] = s + x s(2z) s(-2z) 2 z'(x), z' = sqrt(2 / pi) (1 + 3 * 0.044715 x^2)."""
+        x2 = x * x
+        z2 = self.c2 * (x + 0.044715 * x2 * x)
+        s = ops.sigmoid(z2)
+        slope = s + x * s * ops.sigmoid(-z2) * (self.c2 * (1.0 + 3 * 0.044715 * x2))
+        return (dout * slope,)
+
+
+def make_gelu() -> nn.Cell:
+    """The tanh GELU for the current device target: :class:`TanhGELU` on CPU, where the
+    GeLU kernels are slow, and ``nn.GELU(approximate=True)`` elsewhere (Ascend's GeLU kernel is
+    fused: one pass forward and backward, no temporaries, which the composite cannot match).
+    Reads ``device_target`` when the layer is built, so set the context first."""
+    if ms.get_context("device_target") == "CPU":
+        return TanhGELU()
+    return nn.GELU(approximate=True)
 
 
 def sum_choices(y_AH, top_k: int, tokens: int):
@@ -164,7 +187,7 @@ class MoEFeedForward(nn.Cell):
         self.w2 = Parameter(initializer(Normal(init_std), (e, f, h), ms.float32), name="w2")
         self.b2 = Parameter(initializer("zeros", (e, 1, h), ms.float32), name="b2")
         self.bmm = ops.BatchMatMul()
-        self.gelu = TanhGELU()
+        self.gelu = make_gelu()
         self.arrival = TopKArrival(num_experts, top_k)
         self.routing_counts = routing_counts_buffer(trace_ranks, num_experts)
 
@@ -226,7 +249,6 @@ class MoEFeedForward(nn.Cell):
         self.num_slots = sum(caps)
         self.cap_E = Tensor(np.array(caps, np.int32))
         self.off_E = Tensor(np.array(self.offsets, np.int32))
-        self.group_index = tuple(Tensor(np.array(es, np.int32)) for _, es in self.groups)
 
     def _experts(self, x_pad, slot_token):
         """Expert FFNs on the slot rows -> [N, H] (N = sum of capacities).
@@ -235,10 +257,17 @@ class MoEFeedForward(nn.Cell):
         each slot holds (T when empty). One batched matmul per capacity group: the group's
         rows gathered straight from the tokens as [g, c, H] (slicing an [N, H] buffer instead
         costs a copy the CPU backend does slowly) against its experts' weights [g, H, F]
-        (gathered unless the group is every expert).
+        (the tables themselves when the group is every expert). With several groups the
+        tables are unstacked into experts and each group's are stacked back: the backward is
+        then a stack and an unstack, where gathering each group's rows of the tables would
+        scatter a full-size gradient per group and add them up, markedly slower on this CPU
+        once there are more than two groups (``scripts/bench_capacity_levels.py`` shows what
+        groups cost end to end).
         """
         outs = ()
         start = 0
+        u1, v1 = ops.unstack(self.w1, 0), ops.unstack(self.b1, 0)
+        u2, v2 = ops.unstack(self.w2, 0), ops.unstack(self.b2, 0)
         for gi in range(len(self.groups)):
             c, experts = self.groups[gi]
             g = len(experts)
@@ -247,9 +276,10 @@ class MoEFeedForward(nn.Cell):
             if g == self.num_experts:
                 w1, b1, w2, b2 = self.w1, self.b1, self.w2, self.b2
             else:
-                idx = self.group_index[gi]
-                w1, b1 = ops.gather(self.w1, idx, 0), ops.gather(self.b1, idx, 0)
-                w2, b2 = ops.gather(self.w2, idx, 0), ops.gather(self.b2, idx, 0)
+                w1 = ops.stack([u1[e] for e in experts])
+                b1 = ops.stack([v1[e] for e in experts])
+                w2 = ops.stack([u2[e] for e in experts])
+                b2 = ops.stack([v2[e] for e in experts])
             hid = self.gelu(self.bmm(rows, w1) + b1)
             outs = outs + ((self.bmm(hid, w2) + b2).reshape(g * c, -1),)
         if len(outs) == 1:
