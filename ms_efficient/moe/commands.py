@@ -99,7 +99,7 @@ def run_bench(args: argparse.Namespace) -> int:
                                  keep_trace=trace_path)
             if os.path.isfile(trace_path):
                 traces.insert(0, ("measured-efficientmoe-trace", load_trace(trace_path)))
-    synthetic = synthetic_trace(steps=48 if args.quick else 128)   # --quick: under a minute
+    synthetic = synthetic_trace(steps=40 if args.quick else 128)   # --quick: under a minute
     traces.append(("synthetic-32r", synthetic))
     measured = [r for r in rows if r["evidence"] == "measured"]
     from ms_efficient.moe.simulate import ReplayConfig
