@@ -51,8 +51,8 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from ms_efficient import backend
 from ms_efficient.moe.alltoall import AllToAllV
-from ms_efficient.moe.layer import (TopKArrival, make_gelu, routing_counts_buffer,
-                                    routing_statistics, sum_choices)
+from ms_efficient.moe.layer import (TopKArrival, group_tables, make_gelu,
+                                    routing_counts_buffer, routing_statistics, sum_choices)
 from ms_efficient.moe.ep_routing import rank_dispatch, replica_sync, source_rows
 from ms_efficient.moe.plan import ExpertPlan
 
@@ -191,9 +191,7 @@ class ExpertParallelMoE(nn.Cell):
         self.recv_index = tuple(Tensor(tables.recv_index_N[lo:hi])
                                 for lo, hi in zip(bounds[:-1], bounds[1:]))
         self.back_index = Tensor(tables.back_index_M)
-        order = [i for _, ix in tables.groups for i in ix]
-        self.in_order = order == list(range(len(self.local_slots)))
-        self.group_index = tuple(Tensor(np.array(ix, np.int32)) for _, ix in tables.groups)
+        self.group_members = tuple(tuple(int(i) for i in ix) for _, ix in tables.groups)
         sync = replica_sync(plan, self.rank)
         self.sync = ReplicaGradSum(sync, group) if sync.needed else None
 
@@ -268,20 +266,16 @@ class ExpertParallelMoE(nn.Cell):
     def _experts(self, recv_NH):
         """Local slot FFNs on the received rows -> slot-major [N, H]: per group of equal
         capacity, its rows gathered from ``recv_NH`` and one batched matmul against the
-        group's slot weights (gathered unless all, in order)."""
+        group's slot weights (:func:`~ms_efficient.moe.layer.group_tables`)."""
         w1, b1, w2, b2 = self.w1, self.b1, self.w2, self.b2
         if self.sync is not None:
             w1, b1, w2, b2 = self.sync(w1), self.sync(b1), self.sync(w2), self.sync(b2)
+        weights = group_tables((w1, b1, w2, b2), self.group_members, len(self.local_slots))
         outs = ()
         for gi in range(len(self.groups)):
             c, g = self.groups[gi]
             rows = ops.gather(recv_NH, self.recv_index[gi], 0).reshape(g, c, -1)
-            if self.in_order and len(self.groups) == 1:
-                gw1, gb1, gw2, gb2 = w1, b1, w2, b2
-            else:
-                idx = self.group_index[gi]
-                gw1, gb1 = ops.gather(w1, idx, 0), ops.gather(b1, idx, 0)
-                gw2, gb2 = ops.gather(w2, idx, 0), ops.gather(b2, idx, 0)
+            gw1, gb1, gw2, gb2 = weights[gi]
             hid = self.gelu(self.bmm(rows, gw1) + gb1)
             outs = outs + ((self.bmm(hid, gw2) + gb2).reshape(g * c, -1),)
         if len(outs) == 1:

@@ -29,7 +29,8 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 __all__ = ["MoEFeedForward", "TopKArrival", "TanhGELU", "routing_statistics", "sum_choices",
-           "expert_capacity", "ROUTING_COUNTS", "routing_counts_buffer", "make_gelu"]
+           "expert_capacity", "ROUTING_COUNTS", "routing_counts_buffer", "make_gelu",
+           "group_tables"]
 
 # name of the per-layer buffer holding the last forward's counts [R, E] (int32): read by
 # ms_efficient.moe.callback.RoutingTraceCallback, never checkpointed (not model state)
@@ -130,6 +131,24 @@ def sum_choices(y_AH, top_k: int, tokens: int):
     if top_k == 1:
         return y_AH
     return ops.addn(ops.split(y_AH, tokens, 0))
+
+
+def group_tables(tables, groups, total: int):
+    """Per capacity group, the rows of every expert table [X, ...] (X = ``total`` experts or
+    slots) that its members use: a tuple over groups of tuples over ``tables``.
+
+    groups: a tuple of member-index tuples (Python ints). One group holding 0..X-1 in order
+    gets the tables themselves; otherwise they are unstacked once and each group's members
+    stacked, so the backward is a stack plus an unstack per group. Gathering each group's
+    rows instead scatters a full-size gradient per group and adds them up, which on this CPU
+    made more than two capacity levels markedly slower (``scripts/bench_capacity_levels.py``
+    shows what levels cost end to end).
+    """
+    if len(groups) == 1 and tuple(groups[0]) == tuple(range(total)):
+        return (tuple(tables),)
+    parts = [ops.unstack(table, 0) for table in tables]
+    return tuple(tuple(ops.stack([part[i] for i in members]) for part in parts)
+                 for members in groups)
 
 
 def routing_counts_buffer(ranks: int, num_experts: int) -> Parameter:
@@ -243,6 +262,7 @@ class MoEFeedForward(nn.Cell):
         for e, c in enumerate(caps):
             groups.setdefault(c, []).append(e)
         self.groups = tuple((c, tuple(es)) for c, es in sorted(groups.items(), reverse=True))
+        self.group_members = tuple(es for _, es in self.groups)
         order = [e for _, es in self.groups for e in es]
         offsets = np.zeros(self.num_experts, np.int64)
         offsets[order] = np.cumsum([0] + [caps[e] for e in order[:-1]])
@@ -258,29 +278,18 @@ class MoEFeedForward(nn.Cell):
         each slot holds (T when empty). One batched matmul per capacity group: the group's
         rows gathered straight from the tokens as [g, c, H] (slicing an [N, H] buffer instead
         costs a copy the CPU backend does slowly) against its experts' weights [g, H, F]
-        (the tables themselves when the group is every expert). With several groups the
-        tables are unstacked into experts and each group's are stacked back: the backward is
-        then a stack and an unstack, where gathering each group's rows of the tables would
-        scatter a full-size gradient per group and add them up, markedly slower on this CPU
-        once there are more than two groups (``scripts/bench_capacity_levels.py`` shows what
-        groups cost end to end).
+        (:func:`group_tables`).
         """
+        weights = group_tables((self.w1, self.b1, self.w2, self.b2), self.group_members,
+                               self.num_experts)
         outs = ()
         start = 0
-        u1, v1 = ops.unstack(self.w1, 0), ops.unstack(self.b1, 0)
-        u2, v2 = ops.unstack(self.w2, 0), ops.unstack(self.b2, 0)
         for gi in range(len(self.groups)):
             c, experts = self.groups[gi]
             g = len(experts)
             rows = ops.gather(x_pad, slot_token[start:start + g * c], 0).reshape(g, c, -1)
             start = start + g * c
-            if g == self.num_experts:
-                w1, b1, w2, b2 = self.w1, self.b1, self.w2, self.b2
-            else:
-                w1 = ops.stack([u1[e] for e in experts])
-                b1 = ops.stack([v1[e] for e in experts])
-                w2 = ops.stack([u2[e] for e in experts])
-                b2 = ops.stack([v2[e] for e in experts])
+            w1, b1, w2, b2 = weights[gi]
             hid = self.gelu(self.bmm(rows, w1) + b1)
             outs = outs + ((self.bmm(hid, w2) + b2).reshape(g * c, -1),)
         if len(outs) == 1:

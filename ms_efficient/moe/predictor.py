@@ -25,7 +25,8 @@ import numpy as np
 
 __all__ = ["LastValue", "EMA", "ARRidge", "PerRank", "Predictor", "PREDICTOR_NAMES",
            "get_predictor", "evaluate_predictors", "mape_percent", "predict_counts",
-           "relative_residuals", "EXTRAPOLATED_LEADS", "EXTRAPOLATION_LIMIT", "FLOOR_FRACTION"]
+           "relative_residuals", "error_floor", "EXTRAPOLATED_LEADS", "EXTRAPOLATION_LIMIT",
+           "FLOOR_FRACTION"]
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ def get_predictor(name: str) -> Predictor:
     return table[name]()
 
 
-def _floor(actual_LE: np.ndarray, floor_fraction: float) -> np.ndarray:
+def error_floor(actual_LE: np.ndarray, floor_fraction: float) -> np.ndarray:
     """Per-layer error floor, tokens: max(1, floor_fraction * mean expert load): [L, 1]."""
     return np.maximum(1.0, floor_fraction * actual_LE.mean(axis=-1, keepdims=True))
 
@@ -200,7 +201,7 @@ def mape_percent(pred_TLE: np.ndarray, actual_TLE: np.ndarray,
     if pred.shape != actual.shape or actual.ndim != 3:
         raise ValueError(f"pred and actual must both be [t, layer, expert], but got "
                          f"{pred.shape} and {actual.shape}.")
-    denom = np.maximum(actual, _floor(actual, floor_fraction))
+    denom = np.maximum(actual, error_floor(actual, floor_fraction))
     return 100.0 * (np.abs(pred - actual) / denom).mean(axis=(0, 2))
 
 
@@ -288,7 +289,7 @@ def relative_residuals(load_TLE: np.ndarray, predictor: Predictor, window: int =
             if o not in forecasts:
                 forecasts[o] = predictor.predict(hist[:o])
             pred = forecasts[o]
-            denom = np.maximum(pred, _floor(pred, floor_fraction))
+            denom = np.maximum(pred, error_floor(pred, floor_fraction))
             samples.append((hist[o + lead - 1] - pred) / denom)
         by_lead.append(np.stack(samples))
     if not by_lead:

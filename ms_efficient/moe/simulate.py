@@ -59,8 +59,8 @@ from ms_efficient.moe.capacity import expected_expert_drop_rate
 from ms_efficient.moe.cost import CostModel, layer_cost
 from ms_efficient.moe.placement import PlacementConfig, default_slots_per_device, plan_layer
 from ms_efficient.moe.plan import ExpertPlan, static_rank_rows
-from ms_efficient.moe.predictor import (EMA, FLOOR_FRACTION, PerRank, get_predictor,
-                                        predict_counts, relative_residuals)
+from ms_efficient.moe.predictor import (EMA, FLOOR_FRACTION, PerRank, error_floor,
+                                        get_predictor, predict_counts, relative_residuals)
 from ms_efficient.moe.schedule import (DropMonitor, ReplanCosts, choose_horizon, decide_replan,
                                        migration_time_s)
 from ms_efficient.moe.trace import RoutingTrace
@@ -186,9 +186,9 @@ def _deviations(rows: np.ndarray):
     future = np.asarray(rows, dtype=np.float64)
     mean = future.mean(axis=0)
     layers = mean.shape[0]
-    floor = np.maximum(1.0, FLOOR_FRACTION * mean.reshape(layers, -1).mean(axis=1))
-    floor = floor.reshape((layers,) + (1,) * (mean.ndim - 1))
-    return mean, (future - mean) / np.maximum(mean, floor)
+    floor = error_floor(mean.reshape(layers, -1), FLOOR_FRACTION)             # [L, 1]
+    return mean, (future - mean) / np.maximum(mean, floor.reshape(
+        (layers,) + (1,) * (mean.ndim - 1)))
 
 
 class _Context:
