@@ -10,7 +10,6 @@ setup(
     ),
     python_requires=">=3.9",
     packages=find_packages(include=["ms_efficient", "ms_efficient.*"]),
-    package_data={"ms_efficient": ["presets/*.yaml"]},
     install_requires=[
         "mindspore==2.10.0",
         "numpy>=1.24,<2",

@@ -1,13 +1,39 @@
 """ms_efficient: faster, leaner training of dense and Mixture-of-Experts models in MindSpore.
 
+    import ms_efficient
+    cfg = ms_efficient.load_config("configs/gpt_moe_tiny.yaml")
+    network, plans = ms_efficient.optimize(network, cfg)
+
 ``import ms_efficient`` is cheap: planners (cluster model, simulator, graph tools, traces) are
 plain numpy; MindSpore is imported only by the modules that build or change networks.
 
-    import ms_efficient
-    network, plans = ms_efficient.optimize(network, "configs/gpt_moe_tiny.yaml")
+Package map (each capability is one folder with the same role files: ``planner`` (the entry
+point, pure numpy), ``baselines`` (what it is compared with, written from their papers),
+``apply`` / ``layer`` / ``callback`` (the MindSpore-facing part), ``bench`` (the benchmark
+rows) and ``commands`` (its ``ms-efficient plan|bench`` sub-commands)):
+
+    core/          config, cluster model, collectives, pass registry, backend, file writes
+    graph/         OpGraph and its readers (MINDIR, PipeDream, JSON), FLOP/byte estimates
+    sim/           the event-driven simulator every planner scores its plans with
+    moe/           MoE runtime: layer Cells, expert-parallel layer, All-to-All, dispatch
+                   kernels, the ExpertPlan and routing-trace formats
+    models/        the reference GPT-MoE network and the exported benchmark graphs (zoo)
+    efficientmoe/  load sampler, predictor, capacity, placement, re-plan schedule, replay
+    mpipe/         chunked All-to-All / expert-compute overlap and activation reuse
+    memopt/        dual-agent RL keep/recompute/swap planner and its MILP baselines
+    shard/         minimal-redundancy sharding ILP and the Megatron / ZeRO baselines
+    place/         TGA partitioning and placement and the Baechi / Hierarchical baselines
+    train/         trainer, corpus and run report of the reference model
+    passes.py      optimize(): runs the configured passes on a network
+    cli.py         the ``ms-efficient`` command
+
+Layers, lowest first; a module imports only from its own layer or below (tests/test_layout.py
+checks this and that there is no import cycle): core -> graph, sim -> moe -> models ->
+the capabilities -> train -> passes, cli. Planners never import MindSpore.
 """
+from ms_efficient.core.config import load_config
 from ms_efficient.passes import optimize, register_pass, registered_passes
 
 __version__ = "0.1.0"
 
-__all__ = ["optimize", "register_pass", "registered_passes", "__version__"]
+__all__ = ["optimize", "load_config", "register_pass", "registered_passes", "__version__"]

@@ -40,7 +40,7 @@ def _positive_int(text: str) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from ms_efficient.train import train
+    from ms_efficient.train.trainer import train
 
     if args.resume and args.config:
         raise ValueError("give either CONFIG or --resume DIR, not both.")
@@ -66,8 +66,8 @@ def _graph_from_config(path: str, mode: str):
     import mindspore as ms
     from mindspore import Tensor, nn
 
-    from ms_efficient import backend
-    from ms_efficient.config import load_config
+    from ms_efficient.core import backend
+    from ms_efficient.core.config import load_config
     from ms_efficient.graph import from_network
     from ms_efficient.models.gpt_moe import build_model
 
@@ -99,7 +99,7 @@ def _cmd_graph(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from ms_efficient.report import write_report
+    from ms_efficient.train.report import write_report
 
     print(f"report: {write_report(args.run_dir)}")
     return 0
@@ -107,11 +107,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 # plan/bench kind -> module with add_plan_arguments/run_plan/add_bench_arguments/run_bench.
 PLANNER_COMMANDS = {
-    "moe": "ms_efficient.moe.commands",
+    "moe": "ms_efficient.efficientmoe.commands",
     "memory": "ms_efficient.memopt.commands",
-    "shard": "ms_efficient.parallel.shard_commands",
-    "place": "ms_efficient.parallel.place_commands",
-    "mpipe": "ms_efficient.moe.mpipe_commands",
+    "shard": "ms_efficient.shard.commands",
+    "place": "ms_efficient.place.commands",
+    "mpipe": "ms_efficient.mpipe.commands",
 }
 # other names accepted for a kind (issue texts call the memory benchmark "memopt")
 PLANNER_ALIASES = {"memory": ["memopt"]}

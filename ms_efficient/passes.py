@@ -10,21 +10,19 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Dict, Tuple
+
+from ms_efficient.core.registry import PassFn, register_pass, registered
 
 __all__ = ["register_pass", "registered_passes", "optimize", "PassFn"]
 
 logger = logging.getLogger(__name__)
 
-PassFn = Callable[[Any, Any], Tuple[Any, Any]]
-
-_REGISTRY: Dict[str, PassFn] = {}
-
-# Modules that register the built-in passes; imported on first use of the registry (they
-# import MindSpore only inside the pass functions).
+# Modules that register the built-in passes (core.registry.BUILTIN_PASSES); imported on first
+# use of the registry (they import MindSpore only inside the pass functions).
 _PASS_MODULES = (
     "ms_efficient.memopt.apply",
-    "ms_efficient.parallel.shard_apply",
+    "ms_efficient.shard.apply",
 )
 
 
@@ -34,23 +32,10 @@ def _load_builtin_passes() -> None:
         importlib.import_module(name)
 
 
-def register_pass(name: str) -> Callable[[PassFn], PassFn]:
-    """Decorator: register ``fn`` as the pass called ``name`` (names are unique)."""
-
-    def wrap(fn: PassFn) -> PassFn:
-        if name in _REGISTRY and _REGISTRY[name] is not fn:
-            raise ValueError(f"pass '{name}' is already registered by "
-                             f"{_REGISTRY[name].__module__}.{_REGISTRY[name].__qualname__}.")
-        _REGISTRY[name] = fn
-        return fn
-
-    return wrap
-
-
 def registered_passes() -> Dict[str, PassFn]:
     """A copy of the name -> pass registry (built-in passes included)."""
     _load_builtin_passes()
-    return dict(_REGISTRY)
+    return registered()
 
 
 def optimize(network, config) -> Tuple[Any, Dict[str, Any]]:
@@ -58,25 +43,25 @@ def optimize(network, config) -> Tuple[Any, Dict[str, Any]]:
 
     Args:
         network: the user's network; passes may modify it in place or return a new Cell.
-        config: a :class:`ms_efficient.config.RunConfig` (its ``optimize.passes`` list) or a
+        config: a :class:`ms_efficient.core.config.RunConfig` (its ``optimize.passes`` list) or a
             path to a YAML config file.
 
     Returns:
         (network, plans): the network to compile and ``{pass name: plan}`` it applied.
     """
-    from ms_efficient.config import RunConfig, load_config
+    from ms_efficient.core.config import RunConfig, load_config
 
     if isinstance(config, str):
         config = load_config(config)
     if not isinstance(config, RunConfig):
         raise TypeError(f"optimize() takes a RunConfig or a config path, but got "
                         f"{type(config).__name__}.")
-    _load_builtin_passes()
+    known = registered_passes()
     plans: Dict[str, Any] = {}
     for name in config.optimize.passes:
-        if name not in _REGISTRY:
+        if name not in known:
             raise ValueError(f"'optimize.passes' names unknown pass '{name}'; registered: "
-                             f"{sorted(_REGISTRY)}.")
+                             f"{sorted(known)}.")
         logger.info("running pass %s", name)
-        network, plans[name] = _REGISTRY[name](network, config)
+        network, plans[name] = known[name](network, config)
     return network, plans

@@ -5,7 +5,7 @@ capacities per layer), against dropless static capacities, on this CPU (GRAPH_MO
         [--init-from runs/demo] [--config configs/gpt_moe_tiny.yaml] [--json OUT]
 
 Every arm is the ``efficientmoe`` (or ``dropless-static``) row of ``ms-efficient bench moe``
-(:func:`ms_efficient.moe.bench_measured.run_measured`): same checkpoint, batches and steps;
+(:func:`ms_efficient.efficientmoe.bench.run_measured`): same checkpoint, batches and steps;
 only the number of capacity levels differs. Few levels mean few batched matmuls per layer but
 more padding (every expert of a level takes the level's largest capacity). Run ``make demo``
 first for ``--init-from runs/demo``.
@@ -22,9 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from ms_efficient.benchio import markdown_table, write_bench_json  # noqa: E402
-from ms_efficient.config import load_config  # noqa: E402
-from ms_efficient.moe.bench_measured import run_measured  # noqa: E402
+from ms_efficient.core.benchio import markdown_table, write_bench_json  # noqa: E402
+from ms_efficient.core.config import load_config  # noqa: E402
+from ms_efficient.efficientmoe.bench import run_measured  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -29,7 +29,7 @@ if ROOT not in sys.path:
 import mindspore as ms  # noqa: E402
 from mindspore import Tensor, nn, ops  # noqa: E402
 
-from ms_efficient.benchio import markdown_table, write_bench_json  # noqa: E402
+from ms_efficient.core.benchio import markdown_table, write_bench_json  # noqa: E402
 from ms_efficient.moe.layer import TanhGELU, sum_choices  # noqa: E402
 
 

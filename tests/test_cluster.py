@@ -1,4 +1,4 @@
-"""Tests for ms_efficient.cluster and ms_efficient.collectives (pure Python, fast)."""
+"""Tests for ms_efficient.core.cluster and ms_efficient.core.collectives (pure Python, fast)."""
 import dataclasses
 import math
 import re
@@ -6,21 +6,10 @@ import re
 import pytest
 import yaml
 
-from ms_efficient.cluster import (
-    LOCAL_LINK,
-    PRESETS,
-    ClusterSpec,
-    Link,
-    allgather_time_s,
-    allreduce_time_s,
-    alltoall_time_s,
-    broadcast_time_s,
-    cluster_names,
-    get_cluster,
-    hierarchical_collective_time_s,
-    p2p_time_s,
-    reduce_scatter_time_s,
-)
+from ms_efficient.core.cluster import (LOCAL_LINK, PRESETS, ClusterSpec, Link, allgather_time_s,
+                                       allreduce_time_s, alltoall_time_s, broadcast_time_s,
+                                       cluster_names, get_cluster, hierarchical_collective_time_s,
+                                       p2p_time_s, reduce_scatter_time_s)
 
 # The running example: alpha = 10 us, B = 1 GB/s, n = 4 ranks, a 4 MB buffer.
 LINK = Link(latency_s=1e-5, bandwidth_Bps=1e9)

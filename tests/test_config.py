@@ -1,7 +1,7 @@
 import pytest
 import yaml
 
-from ms_efficient.config import RunConfig, config_from_dict, load_config, save_config
+from ms_efficient.core.config import RunConfig, config_from_dict, load_config, save_config
 
 
 def test_defaults_validate_and_round_trip(tmp_path):

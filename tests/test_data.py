@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from ms_efficient.config import DataConfig
-from ms_efficient.data import corpus_files, load_corpus
+from ms_efficient.core.config import DataConfig
+from ms_efficient.train.data import corpus_files, load_corpus
 
 
 def test_split_is_deterministic_and_disjoint_by_file(text_dir):

@@ -222,7 +222,7 @@ def test_alltoallv_with_one_rank_is_the_identity_and_rejects_bad_counts():
 @pytest.mark.mindspore
 def test_use_device_twice_after_a_kernel_ran_is_allowed():
     ms = pytest.importorskip("mindspore")
-    from ms_efficient import backend
+    from ms_efficient.core import backend
 
     (ms.Tensor(np.ones(3, np.float32)) * 2).asnumpy()       # the runtime is initialised
     backend.use_device("CPU")

@@ -20,9 +20,10 @@ import mindspore as ms
 from mindspore import Tensor, nn
 
 from ms_efficient.moe.ep_layer import ExpertParallelMoE, init_expert_weights
-from ms_efficient.moe.ep_routing import rank_dispatch, replica_sync, source_rows
+from ms_efficient.moe.ep_routing import rank_dispatch, replica_sync
 from ms_efficient.moe.layer import MoEFeedForward
 from ms_efficient.moe.plan import ExpertPlan
+from ms_efficient.moe.split import source_rows
 
 ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
 

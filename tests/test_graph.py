@@ -7,10 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from ms_efficient.graph import (
-    OpGraph, OpNode, contract_chains, graph_summary_table, load_graph, load_pipedream,
-    parse_pipedream,
-)
+from ms_efficient.graph import (OpGraph, OpNode, contract_chains, graph_summary_table, load_graph,
+                                load_pipedream, parse_pipedream)
 from ms_efficient.graph.flops import op_flops, tensor_bytes
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "pipedream_tiny.txt")
@@ -356,7 +354,7 @@ def test_mindcv_graph_counts_every_parameter_and_reloads_from_its_cache(tmp_path
     code = f"""
 import json
 import mindcv
-from ms_efficient.graph.zoo import mindcv_graph
+from ms_efficient.models.zoo import mindcv_graph
 g = mindcv_graph("resnet18", image_size=32, batch=2, cache_dir={str(tmp_path)!r})
 net = mindcv.create_model("resnet18", pretrained=False)
 c = mindcv_graph("resnet18", image_size=32, batch=2, cache_dir={str(tmp_path)!r})

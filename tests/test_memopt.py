@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import yaml
 
-from ms_efficient.collectives import Link
+from ms_efficient.core.collectives import Link
+from ms_efficient.core.units import parse_size
 from ms_efficient.memopt.agents import RLConfig, train_agents
 from ms_efficient.memopt.apply import plan_to_dict, plan_from_dict
 from ms_efficient.memopt.baselines import (capuchin_greedy, chen_segments, chen_sqrt,
@@ -16,7 +17,7 @@ from ms_efficient.memopt.env import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_ALL, SW
                                      evaluate, min_budget_bytes, plan_from_names)
 from ms_efficient.memopt.milp import checkmate_milp, exact_milp
 from ms_efficient.memopt.planner import plan_memory
-from ms_efficient.memopt.profile import LayerProfile, parse_size, profile_from_graph
+from ms_efficient.memopt.profile import LayerProfile, profile_from_graph
 
 LINK = Link(latency_s=0.0, bandwidth_Bps=100.0)
 
@@ -224,7 +225,7 @@ def test_cli_plan_memory_budget_below_minimum_exits_2(tmp_path):
 
 @pytest.mark.slow
 def test_apply_plan_sets_recompute_and_swap_flags_on_reference_cells():
-    from ms_efficient.config import ModelConfig, MoEConfig
+    from ms_efficient.core.config import ModelConfig, MoEConfig
     from ms_efficient.memopt.apply import apply_plan
     from ms_efficient.models.gpt_moe import build_model
     from ms_efficient.passes import registered_passes
@@ -295,8 +296,8 @@ def test_calibration_rejects_measurements_the_layer_model_cannot_explain():
 def test_measured_check_plans_on_the_calibrated_profile_and_fits_the_budget():
     """The whole check with a stand-in for the MindSpore process: the "device" is a profile
     whose bytes differ from the estimate per Cell kind, as on the real CPU run."""
-    from ms_efficient.cluster import get_cluster
-    from ms_efficient.config import ModelConfig, MoEConfig
+    from ms_efficient.core.cluster import get_cluster
+    from ms_efficient.core.config import ModelConfig, MoEConfig
     from ms_efficient.memopt.measure import REFERENCE, measured_check
     from ms_efficient.memopt.profile import profile_from_model
 

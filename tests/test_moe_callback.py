@@ -6,7 +6,7 @@ import mindspore.dataset as ds
 from mindspore import Tensor, nn
 from mindspore.train import Model
 
-from ms_efficient.moe.callback import RoutingTraceCallback
+from ms_efficient.efficientmoe.callback import RoutingTraceCallback
 from ms_efficient.moe.layer import MoEFeedForward
 from ms_efficient.moe.trace import load_trace
 

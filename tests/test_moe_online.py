@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from ms_efficient.config import EfficientMoEConfig
-from ms_efficient.moe.online import CapacityPlanner, RoutingSampler, quantize_levels
+from ms_efficient.core.config import EfficientMoEConfig
+from ms_efficient.efficientmoe.planner import CapacityPlanner, RoutingSampler, quantize_levels
 
 
 @pytest.mark.parametrize("caps, levels, expected", [

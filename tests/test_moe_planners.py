@@ -5,25 +5,24 @@ import math
 import numpy as np
 import pytest
 
-from ms_efficient.cluster import get_cluster
-from ms_efficient.moe import baselines
-from ms_efficient.moe.bench import (_truncate, markdown_table, run_simulated, speedups,
-                                    synthetic_trace)
-from ms_efficient.moe.capacity import (expected_drop_and_padding, load_samples, round_up,
-                                       slot_capacities, switch_capacity, uniform_capacity)
-from ms_efficient.moe.cost import (CostModel, event_step_time_s, layer_cost,
-                                   uneven_alltoall_time_s)
-from ms_efficient.moe.placement import (PlacementConfig, levelled_shares, plan_layer,
-                                        replica_counts_greedy)
-from ms_efficient.moe.plan import (ExpertPlan, load_plans, save_plans, split_tokens,
-                                   static_rank_rows)
-from ms_efficient.moe.predictor import (EMA, EXTRAPOLATED_LEADS, EXTRAPOLATION_LIMIT, ARRidge,
-                                        LastValue, evaluate_predictors, mape_percent,
-                                        predict_counts, relative_residuals)
-from ms_efficient.moe.schedule import (ReplanCosts, choose_horizon, decide_replan,
-                                       migration_bytes_DD)
-from ms_efficient.moe.simulate import ReplayConfig, cluster_for_ranks, plan_trace, replay
-from ms_efficient.moe.trace import RoutingTrace
+from ms_efficient.core.cluster import get_cluster
+from ms_efficient.efficientmoe import baselines
+from ms_efficient.efficientmoe.bench import _truncate, markdown_table, run_simulated, speedups
+from ms_efficient.efficientmoe.capacity import (expected_drop_and_padding, load_samples, round_up,
+                                                slot_capacities, switch_capacity, uniform_capacity)
+from ms_efficient.efficientmoe.cost import (CostModel, event_step_time_s, layer_cost,
+                                            uneven_alltoall_time_s)
+from ms_efficient.efficientmoe.placement import (PlacementConfig, levelled_shares, plan_layer,
+                                                 replica_counts_greedy)
+from ms_efficient.efficientmoe.predictor import (EMA, EXTRAPOLATED_LEADS, EXTRAPOLATION_LIMIT,
+                                                 ARRidge, LastValue, evaluate_predictors,
+                                                 mape_percent, predict_counts, relative_residuals)
+from ms_efficient.efficientmoe.replay import ReplayConfig, cluster_for_ranks, plan_trace, replay
+from ms_efficient.efficientmoe.schedule import (ReplanCosts, choose_horizon, decide_replan,
+                                                migration_bytes_DD)
+from ms_efficient.moe.plan import ExpertPlan, load_plans, save_plans
+from ms_efficient.moe.split import largest_remainder, source_rows, split_tokens
+from ms_efficient.moe.trace import RoutingTrace, synthetic_trace
 
 CLUSTER_2x8 = cluster_for_ranks(16)
 NODE_1x8 = cluster_for_ranks(4)          # a 4-rank run uses 4 of the node's 8 chips
@@ -112,25 +111,32 @@ def test_static_rows_follow_the_rank_shares_and_spill_to_a_sibling_replica_by_ha
     # gets all 60 rows of its local replica and 15 of the sibling, rank 1 the other 25
     plan = ExpertPlan([0, 0, 1], [0, 1, 1], [60, 40, 50], dispatch="static",
                       rank_share=[[3.0, 1.0], [1.0, 1.0]])
-    rows = static_rank_rows(plan, [0, 1], 2)
+    rows = source_rows(plan, 2, [0, 1], 2, plan.rank_share)
     assert rows.tolist() == [[60, 15, 25], [0, 25, 25]]
     # rank 0 sends 70 to expert 0: 60 local, then 10 in its rows on device 1
     assigned, dropped = split_tokens(plan, [[70, 30], [30, 20]], [0, 1], 2)
     assert assigned.tolist() == [[60, 10, 25], [0, 25, 20]] and dropped == 5 + 5
 
 
-def test_static_rows_equal_the_layers_reservation_table():
-    ep_routing = pytest.importorskip("ms_efficient.moe.ep_routing")
+def test_static_rows_equal_a_column_by_column_largest_remainder_split():
+    # source_rows shares every expert's capacity with one vectorised largest remainder; the
+    # naive form splits expert by expert, then attributes the shares with split_tokens
     rng = np.random.default_rng(4)
+    checked = 0
     for _ in range(10):
         slot_expert = np.concatenate([np.arange(6), rng.integers(0, 6, 4)])
         plan = ExpertPlan(slot_expert, rng.permutation(10) % 4, rng.integers(1, 90, 10),
                           dispatch="static", rank_share=rng.uniform(0, 5, (4, 6)))
-        try:
-            expected = ep_routing.source_rows(plan, 6, 4, 2, plan.rank_share)
-        except (AssertionError, ValueError):
-            continue                                   # replicas sharing a device, etc.
-        np.testing.assert_array_equal(static_rank_rows(plan, np.arange(4), 2), expected)
+        plan.rank_share[:, 5] = 0.0                   # an all-zero column: equal shares
+        total_E = np.bincount(slot_expert, weights=plan.slot_capacity, minlength=6)
+        share_RE = np.stack([largest_remainder(int(total_E[e]), plan.rank_share[:, e])
+                             for e in range(6)], axis=1)
+        counted = ExpertPlan(plan.slot_expert, plan.slot_device, plan.slot_capacity)
+        expected, dropped = split_tokens(counted, share_RE, np.arange(4), 2)
+        assert dropped == 0
+        np.testing.assert_array_equal(source_rows(plan, 6, 4, 2, plan.rank_share), expected)
+        checked += 1
+    assert checked == 10
 
 
 def test_split_tokens_matches_a_naive_loop_on_random_cases():
@@ -478,7 +484,7 @@ def test_oracle_static_foresight_is_the_mean_and_deviation_of_the_coming_rows():
     """1 layer, 1 rank, 2 experts, rows [10, 30], [20, 10], [30, 20]: seen from row 1 with a
     2-row horizon, the forecast is the mean [25, 15] of rows 1-2 and the error samples are
     (row - mean) / mean = [-0.2, -1/3] and [0.2, 1/3] (the floor, 1 token, does not bind)."""
-    from ms_efficient.moe.simulate import _Context
+    from ms_efficient.efficientmoe.replay import _Context
 
     counts = np.array([[10, 30], [20, 10], [30, 20]]).reshape(3, 1, 1, 2)
     trace = RoutingTrace(counts=counts, top_k=1, hidden=64, tokens_per_rank=40)
@@ -607,7 +613,7 @@ def test_bench_rows_follow_the_issue_format_and_plan_trace_writes_plans(small_tr
 def test_hindsight_capacities_hand_case_and_brute_force_optimum():
     import itertools
 
-    from ms_efficient.moe.capacity import hindsight_capacities, static_capacity_limit
+    from ms_efficient.efficientmoe.capacity import hindsight_capacities, static_capacity_limit
 
     loads = np.array([[10, 20], [10, 20], [10, 20], [30, 20]], dtype=float)   # [T, E]
     none = hindsight_capacities(loads, 0.0)

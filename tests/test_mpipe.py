@@ -3,9 +3,9 @@ selection, and the chunked Cell equal to the unchunked layer."""
 import numpy as np
 import pytest
 
-from ms_efficient.cluster import ClusterSpec, Link
-from ms_efficient.moe.pipeline import (ChunkSelector, MoELayerShape, choose_chunks, choose_reuse,
-                                       reuse_memory_bytes, rows_per_step, simulate_layer)
+from ms_efficient.core.cluster import ClusterSpec, Link
+from ms_efficient.mpipe.planner import (ChunkSelector, MoELayerShape, choose_chunks, choose_reuse,
+                                        reuse_memory_bytes, rows_per_step, simulate_layer)
 
 
 def toy_cluster(latency_s=0.0, bandwidth_Bps=1e3, flops=1e6):
@@ -92,7 +92,7 @@ def test_chunked_layer_equals_the_unchunked_one_when_dropless():
     from mindspore import Tensor
 
     from ms_efficient.moe.layer import MoEFeedForward
-    from ms_efficient.moe.pipelined import PipelinedMoE
+    from ms_efficient.mpipe.layer import PipelinedMoE
 
     ms.set_context(mode=ms.GRAPH_MODE)
     b, s, h, f, e = 4, 8, 16, 32, 4
@@ -122,7 +122,7 @@ def test_chunked_layer_equals_the_unchunked_one_when_dropless():
 def test_bench_policies_never_beat_the_oracle_and_online_tracks_warmup():
     from dataclasses import replace
 
-    from ms_efficient.moe.mpipe_bench import WORKLOADS, policy_rows
+    from ms_efficient.mpipe.bench import WORKLOADS, policy_rows
 
     w = replace(WORKLOADS[1], name="warm", warmup_from=0.125)
     rows = {r["method"]: r for r in policy_rows(w, steps=24)}

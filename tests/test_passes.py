@@ -1,11 +1,10 @@
 import numpy as np
 import pytest
 
-import mindspore as ms
 from mindspore import nn
 
 import ms_efficient
-from ms_efficient.config import config_from_dict
+from ms_efficient.core.config import config_from_dict
 from ms_efficient.passes import register_pass, registered_passes
 
 

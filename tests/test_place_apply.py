@@ -6,9 +6,8 @@ import pytest
 
 from ms_efficient.cli import main
 from ms_efficient.graph import OpGraph, OpNode
-from ms_efficient.parallel.place_apply import (apply_pipeline_stages, load_plan, make_plan,
-                                               save_plan)
-from ms_efficient.parallel.place_problem import build_problem
+from ms_efficient.place.apply import apply_pipeline_stages, load_plan, make_plan, save_plan
+from ms_efficient.place.problem import build_problem
 from tests.test_place_cost import chain_graph, toy_cluster
 
 

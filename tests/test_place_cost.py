@@ -2,11 +2,11 @@
 import numpy as np
 import pytest
 
-from ms_efficient.cluster import ClusterSpec, Link
+from ms_efficient.core.cluster import ClusterSpec, Link
 from ms_efficient.graph import OpGraph, OpNode
-from ms_efficient.parallel.place_cost import (evaluate_population, memory_by_device,
-                                              simulate_placement, step_time_lower_bound)
-from ms_efficient.parallel.place_problem import PlacementOptions, build_problem
+from ms_efficient.place.cost import (evaluate_population, memory_by_device, simulate_placement,
+                                     step_time_lower_bound)
+from ms_efficient.place.problem import PlacementOptions, build_problem
 
 
 def toy_cluster(devices=2, memory=10**6, latency_s=1e-3, bandwidth_Bps=1e6):
@@ -125,7 +125,7 @@ def test_lower_bound_of_a_chain_is_its_work_at_one_micro_batch_and_hand_value_at
 @pytest.mark.parametrize("micro_batches", [1, 4])
 @pytest.mark.parametrize("seed", [0, 3])
 def test_no_placement_or_program_order_beats_the_lower_bound(seed, micro_batches):
-    from ms_efficient.parallel.place_baselines import m_etf_plan, m_sct_plan
+    from ms_efficient.place.baselines import m_etf_plan, m_sct_plan
 
     problem = build_problem(random_dag(40, seed), toy_cluster(devices=4, latency_s=0.0,
                                                               bandwidth_Bps=1e15),

@@ -2,13 +2,12 @@
 import numpy as np
 import pytest
 
-from ms_efficient.parallel.place_cost import memory_by_device
-from ms_efficient.parallel.place_operators import (crossover_stages, is_monotone,
-                                                   move_with_closure, repair, spread_all,
-                                                   stage_sort)
-from ms_efficient.parallel.place_problem import PlacementOptions, build_problem
-from ms_efficient.parallel.place_search import Evaluator
-from ms_efficient.parallel.place_workloads import TransformerShape, transformer_graph
+from ms_efficient.place.cost import memory_by_device
+from ms_efficient.place.cost import Evaluator
+from ms_efficient.place.operators import (crossover_stages, is_monotone, move_with_closure, repair,
+                                          spread_all, stage_sort)
+from ms_efficient.place.problem import PlacementOptions, build_problem
+from ms_efficient.place.workloads import TransformerShape, transformer_graph
 from tests.test_place_cost import random_dag, toy_cluster
 from tests.test_place_planners import chain
 

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 
 from ms_efficient.graph import OpGraph, OpNode
-from ms_efficient.parallel import place_baselines as baselines
-from ms_efficient.parallel.place_cost import evaluate_population, memory_by_device, penalised_cost
-from ms_efficient.parallel.place_hierarchical import HierarchicalConfig, hierarchical
-from ms_efficient.parallel.place_operators import repair
-from ms_efficient.parallel.place_problem import PlacementOptions, build_problem
-from ms_efficient.parallel.place_tga import TGAConfig, ga_single, tga
+from ms_efficient.place import baselines as baselines
+from ms_efficient.place.cost import evaluate_population, memory_by_device, penalised_cost
+from ms_efficient.place.hierarchical import HierarchicalConfig, hierarchical
+from ms_efficient.place.operators import repair
+from ms_efficient.place.planner import TGAConfig, ga_single, tga
+from ms_efficient.place.problem import PlacementOptions, build_problem
 from tests.test_place_cost import random_dag, toy_cluster
 
 
@@ -195,7 +195,7 @@ def test_tga_stops_within_its_time_budget():
 
 
 def test_search_baselines_get_exactly_the_evaluations_tga_used():
-    from ms_efficient.parallel.place_bench import run_methods
+    from ms_efficient.place.bench import run_methods
 
     problem = build_problem(random_dag(40, seed=6), toy_cluster(devices=4),
                             PlacementOptions(micro_batches=2))
@@ -205,7 +205,7 @@ def test_search_baselines_get_exactly_the_evaluations_tga_used():
 
 
 def test_bench_summary_reports_each_micro_batch_count_separately():
-    from ms_efficient.parallel.place_bench import summarise
+    from ms_efficient.place.bench import summarise
 
     def row(method, m, step):
         return {"workload": "w", "devices": 4, "micro_batches": m, "method": method,
@@ -225,7 +225,7 @@ def test_bench_summary_reports_each_micro_batch_count_separately():
 
 
 def test_bench_summary_reports_the_lower_bound_over_the_best_baechi_method():
-    from ms_efficient.parallel.place_bench import summarise
+    from ms_efficient.place.bench import summarise
 
     rows = [{"workload": w, "devices": 4, "micro_batches": 1, "method": m, "step_time_s": t,
              "step_time_bound_s": b}
@@ -241,7 +241,7 @@ def test_bench_summary_reports_the_lower_bound_over_the_best_baechi_method():
 
 
 def test_tga_plan_carries_the_order_it_was_scored_in_and_keeps_its_budget():
-    from ms_efficient.parallel.place_cost import penalised_cost, simulate_placement
+    from ms_efficient.place.cost import penalised_cost, simulate_placement
 
     problem = build_problem(random_dag(60, seed=2), toy_cluster(devices=4),
                             PlacementOptions(micro_batches=1))

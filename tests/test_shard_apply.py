@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from ms_efficient.cli import main
-from ms_efficient.parallel.shard_plan import load_plan_strategies
+from ms_efficient.shard.planner import load_plan_strategies
 
 
 def _write(tmp_path, name, text):
@@ -45,7 +45,7 @@ def test_unknown_shard_key_is_named(tmp_path, capsys):
 
 
 def test_bench_rows_carry_the_required_fields():
-    from ms_efficient.parallel.shard_commands import bench_rows
+    from ms_efficient.shard.bench import bench_rows
 
     rows = bench_rows([("gpt-1.3b", 8, "1x8", "N")])
     methods = [r["method"] for r in rows]
@@ -62,10 +62,10 @@ def test_bench_rows_carry_the_required_fields():
 
 def test_plan_is_set_on_the_mindspore_network_primitives(tmp_path):
     ms = pytest.importorskip("mindspore")
-    from ms_efficient.config import config_from_dict
+    from ms_efficient.core.config import config_from_dict
     from ms_efficient.models.gpt_moe import build_model
-    from ms_efficient.parallel.shard_apply import apply_shard_plan, write_strategy_json
-    from ms_efficient.parallel.shard_plan import load_request, plan, plan_to_dict
+    from ms_efficient.shard.apply import apply_shard_plan, write_strategy_json
+    from ms_efficient.shard.planner import load_request, plan, plan_to_dict
 
     data = {"model": {"seq_length": 32, "hidden_size": 32, "num_layers": 2, "num_heads": 2,
                       "ffn_hidden_size": 64},
@@ -90,9 +90,9 @@ def test_plan_is_set_on_the_mindspore_network_primitives(tmp_path):
 
 def test_a_layer_override_wins_over_its_template(tmp_path):
     pytest.importorskip("mindspore")
-    from ms_efficient.config import config_from_dict
+    from ms_efficient.core.config import config_from_dict
     from ms_efficient.models.gpt_moe import build_model
-    from ms_efficient.parallel.shard_apply import apply_shard_plan
+    from ms_efficient.shard.apply import apply_shard_plan
 
     data = {"model": {"seq_length": 32, "hidden_size": 32, "num_layers": 3, "num_heads": 2,
                       "ffn_hidden_size": 64}, "moe": {"num_experts": 4, "moe_every": 3},

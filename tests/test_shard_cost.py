@@ -1,14 +1,14 @@
 """Sharding cost model vs hand-computed cases and the published Megatron / ZeRO formulas."""
 import pytest
 
-from ms_efficient.cluster import allgather_time_s, allreduce_time_s, get_cluster, reduce_scatter_time_s
-from ms_efficient.parallel.shard_baselines import (baseline_cost,
-                                                   megatron_activation_bytes,
-                                                   zero_model_state_bytes)
-from ms_efficient.parallel.shard_cost import CostModel, evaluate
-from ms_efficient.parallel.shard_models import TransformerDims, transformer_ops
-from ms_efficient.parallel.shard_strategies import (Layout, Mesh, OpSpec, Strategy, TensorRef,
-                                                    candidate_layouts, shard_tuple)
+from ms_efficient.core.cluster import (allgather_time_s, allreduce_time_s, get_cluster,
+                                       reduce_scatter_time_s)
+from ms_efficient.shard.baselines import (baseline_cost, megatron_activation_bytes,
+                                          zero_model_state_bytes)
+from ms_efficient.shard.cost import CostModel, evaluate
+from ms_efficient.shard.strategies import (Layout, Mesh, OpSpec, Strategy, TensorRef,
+                                           candidate_layouts, shard_tuple)
+from ms_efficient.shard.workloads import TransformerDims, transformer_ops
 
 NODE = get_cluster("ascend910b-1x8")
 LINK = NODE.intra_link

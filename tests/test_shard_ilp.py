@@ -4,13 +4,12 @@ import time
 
 import pytest
 
-from ms_efficient.cluster import allreduce_time_s, get_cluster
-from ms_efficient.parallel.shard_baselines import baseline_cost
-from ms_efficient.parallel.shard_cost import CostModel, evaluate
-from ms_efficient.parallel.shard_ilp import ShardOptions, solve_sharding
-from ms_efficient.parallel.shard_models import TransformerDims, get_workload, transformer_ops
-from ms_efficient.parallel.shard_strategies import (Mesh, OpSpec, TensorRef,
-                                                    candidate_strategies)
+from ms_efficient.core.cluster import allreduce_time_s, get_cluster
+from ms_efficient.shard.baselines import baseline_cost
+from ms_efficient.shard.cost import CostModel, evaluate
+from ms_efficient.shard.ilp import ShardOptions, solve_sharding
+from ms_efficient.shard.strategies import Mesh, OpSpec, TensorRef, candidate_strategies
+from ms_efficient.shard.workloads import TransformerDims, get_workload, transformer_ops
 
 NODE = get_cluster("ascend910b-1x8")
 DIMS = (("b", 4), ("s", 16), ("h", 64), ("f", 256))

@@ -9,7 +9,7 @@ import yaml
 from conftest import tiny_config_dict
 from ms_efficient.cli import main
 from ms_efficient.moe.trace import load_trace
-from ms_efficient.train import lr_schedule
+from ms_efficient.train.trainer import lr_schedule
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
@@ -74,9 +74,8 @@ def test_resume_after_a_kill_continues_exactly(tmp_path, text_dir):
 
 
 def test_resume_restores_the_checkpointed_state_bit_for_bit(tmp_path, text_dir):
-    import mindspore as ms
-    from ms_efficient.config import load_config
-    from ms_efficient.train import Trainer
+    from ms_efficient.core.config import load_config
+    from ms_efficient.train.trainer import Trainer
 
     config = _write_config(tmp_path, text_dir, steps=4, save_every=2, eval_every=4)
     cfg = load_config(config)
@@ -134,8 +133,8 @@ def test_a_run_killed_with_sigkill_loses_at_most_one_checkpoint_interval(tmp_pat
 def test_efficientmoe_replans_capacities_and_resume_keeps_them(tmp_path, text_dir):
     """With EfficientMoE on, the trainer re-plans per-expert capacities, recompiles, records
     the plan, and a resumed run compiles with the planned capacities."""
-    from ms_efficient.config import load_config
-    from ms_efficient.train import Trainer
+    from ms_efficient.core.config import load_config
+    from ms_efficient.train.trainer import Trainer
 
     config = _write_config(tmp_path, text_dir, steps=12, save_every=12, eval_every=12,
                            log_every=4)
@@ -177,8 +176,8 @@ def _history(tmp_path, per_rank_E, layers=2, ranks=2, steps=6):
 def test_efficientmoe_history_plans_before_the_first_step(tmp_path, text_dir):
     """A routing history (the run these weights continue) gives the first plan before the
     first compilation: no step runs at the static capacity factor."""
-    from ms_efficient.config import load_config
-    from ms_efficient.train import Trainer
+    from ms_efficient.core.config import load_config
+    from ms_efficient.train.trainer import Trainer
 
     config = _write_config(tmp_path, text_dir, steps=3, save_every=3, eval_every=3)
     # every step of the history routes [64, 32, 16, 16] per rank: [128, 64, 32, 32] per layer
@@ -201,8 +200,8 @@ def test_efficientmoe_history_plans_before_the_first_step(tmp_path, text_dir):
 
 
 def test_efficientmoe_history_of_another_model_is_refused(tmp_path, text_dir):
-    from ms_efficient.config import load_config
-    from ms_efficient.train import Trainer
+    from ms_efficient.core.config import load_config
+    from ms_efficient.train.trainer import Trainer
 
     config = _write_config(tmp_path, text_dir, steps=3)
     wrong = _history(tmp_path, [32, 32, 16, 16, 16, 16])          # 6 experts, model has 4

@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from ms_efficient.fileio import atomic_write_text
+from ms_efficient.core.fileio import atomic_write_text
 
 __all__ = ["PHASES", "OpNode", "OpGraph", "GraphArrays", "JSON_FORMAT", "JSON_VERSION"]
 
@@ -314,11 +314,6 @@ class OpGraph:
             pred_indptr=pred[0], pred_indices=pred[1], pred_bytes=pred[2],
             topo_order=np.array([index[n] for n in self.topological_order()], dtype=np.int64),
         )
-
-    def contract_chains(self, max_members: Optional[int] = None) -> "OpGraph":
-        """Merge linear chains into group nodes (see ``ms_efficient.graph.contract``)."""
-        from ms_efficient.graph.contract import contract_chains
-        return contract_chains(self, max_members=max_members)
 
     # -- JSON -------------------------------------------------------------------------
     def to_dict(self) -> Dict[str, Any]:

@@ -27,9 +27,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ms_efficient.memopt.env import (ALL_ACTIONS, HOST_ACTIONS, MAX_DELAY, MAX_LEAD,
-                                     MemoryPlan, StepResult, check_actions, evaluate,
-                                     no_plan_time_s)
+from ms_efficient.memopt.env import (ALL_ACTIONS, HOST_ACTIONS, MAX_DELAY, MAX_LEAD, MemoryPlan,
+                                     StepResult, check_actions, evaluate, no_plan_time_s)
 from ms_efficient.memopt.profile import LayerProfile
 
 __all__ = ["RLConfig", "PolicyNet", "layer_features", "train_agents"]

@@ -16,12 +16,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import yaml
 
-from ms_efficient.fileio import atomic_write_text
+from ms_efficient.core.fileio import atomic_write_text
+from ms_efficient.core.registry import register_pass
 from ms_efficient.memopt.env import (ACTION_NAMES, ALL_ACTIONS, CELL_RECOMPUTE_ACTIONS,
                                      HOST_ACTIONS, OFFLOAD, RECOMPUTE, RECOMPUTE_ALL, SWAP,
                                      MemoryPlan, StepResult)
 from ms_efficient.memopt.profile import LayerProfile
-from ms_efficient.passes import register_pass
 
 __all__ = ["plan_to_dict", "plan_from_dict", "save_plan", "load_plan", "apply_plan",
            "recompute_config", "swap_config", "memopt_pass"]

@@ -10,8 +10,8 @@ import math
 
 import numpy as np
 
-from ms_efficient.memopt.env import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_ALL, SWAP,
-                                     MemoryPlan, evaluate)
+from ms_efficient.memopt.env import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_ALL, SWAP, MemoryPlan,
+                                     evaluate)
 from ms_efficient.memopt.profile import LayerProfile
 
 __all__ = ["no_optimization", "full_recompute", "chen_sqrt", "chen_segments", "capuchin_greedy"]

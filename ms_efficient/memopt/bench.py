@@ -1,7 +1,7 @@
 """MemOpt benchmark rows: every method on the same profiles and budgets (simulated, Ascend
 910B preset) plus the measured CPU check. No MindSpore import at module level: the measured
 part spawns a child process, and ``vision_workloads`` imports MindSpore (and mindcv) only to
-export a model the first time (``ms_efficient.graph.zoo`` caches the graph).
+export a model the first time (``ms_efficient.models.zoo`` caches the graph).
 
 Row: {"evidence", "workload", "method", "budget_bytes", "peak_bytes", "step_time_s",
 "max_batch", "fits", "throughput_vs_full_recompute", "planning_time_s"}; device rows add
@@ -16,8 +16,8 @@ import logging
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ms_efficient.cluster import ClusterSpec
-from ms_efficient.config import ModelConfig, MoEConfig
+from ms_efficient.core.cluster import ClusterSpec
+from ms_efficient.core.config import ModelConfig, MoEConfig
 from ms_efficient.memopt.agents import RLConfig
 from ms_efficient.memopt.env import evaluate, min_budget_bytes
 from ms_efficient.memopt.planner import (METHODS, WARM_START_METHODS, max_batch_bound,
@@ -196,7 +196,7 @@ def vision_workloads(quick: bool, cluster: ClusterSpec,
     """Profiles of mindcv vision models (MINDIR export of one image, so ``at_batch`` scales
     it; timed from FLOPs on ``cluster``): resnet50, plus inception_v3 unless ``quick``.
     Empty when mindcv is not installed."""
-    from ms_efficient.graph.zoo import mindcv_graph
+    from ms_efficient.models.zoo import mindcv_graph
 
     out = []
     for model in ("resnet50",) if quick else ("resnet50", "inception_v3"):

@@ -32,8 +32,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ms_efficient.core.units import format_size
 from ms_efficient.memopt.env import RECOMPUTE, MemoryPlan, evaluate, no_plan_time_s
-from ms_efficient.memopt.profile import LayerProfile, format_size
+from ms_efficient.memopt.profile import LayerProfile
 
 __all__ = ["layer_kinds", "kind_plans", "calibration_plans", "calibrate_profile"]
 

@@ -41,11 +41,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _profile_for(args):
-    from ms_efficient.cluster import get_cluster
+    from ms_efficient.core.cluster import get_cluster
     from ms_efficient.memopt.profile import profile_from_graph, profile_from_model
 
     if args.config.endswith((".yaml", ".yml")):
-        from ms_efficient.config import load_config
+        from ms_efficient.core.config import load_config
 
         cfg = load_config(args.config)
         cluster = get_cluster(args.cluster) if args.cluster else cfg.cluster_spec()
@@ -62,10 +62,10 @@ def _profile_for(args):
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from ms_efficient.core.units import format_size, parse_size
     from ms_efficient.memopt.agents import RLConfig
     from ms_efficient.memopt.apply import plan_to_dict, save_plan
     from ms_efficient.memopt.planner import METHODS, plan_with
-    from ms_efficient.memopt.profile import format_size, parse_size
 
     if args.method not in METHODS:
         raise ValueError(f"'--method' must be one of {list(METHODS)}, but got {args.method!r}.")
@@ -102,8 +102,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from ms_efficient.benchio import markdown_table, write_bench_json
-    from ms_efficient.cluster import get_cluster
+    from ms_efficient.core.benchio import markdown_table, write_bench_json
+    from ms_efficient.core.cluster import get_cluster
     from ms_efficient.memopt.agents import RLConfig
     from ms_efficient.memopt.bench import (graph_workloads, gpt_workloads, measured_rows,
                                            simulated_rows, summarise, vision_workloads)

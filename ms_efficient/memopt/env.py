@@ -35,11 +35,12 @@ peak exceeds the budget is reported as not fitting (planners penalise it, never 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import numpy as np
 
-from ms_efficient.memopt.profile import LayerProfile, format_size
+from ms_efficient.core.units import format_size
+from ms_efficient.memopt.profile import LayerProfile
 from ms_efficient.sim import Simulator
 
 __all__ = ["KEEP", "RECOMPUTE", "RECOMPUTE_ALL", "SWAP", "OFFLOAD", "ACTION_NAMES",
@@ -225,7 +226,7 @@ def _build(profile: LayerProfile, plan: MemoryPlan, host_latency_s: float,
 def evaluate(profile: LayerProfile, plan: MemoryPlan, budget_bytes: float,
              host_link) -> StepResult:
     """Simulate one step of ``plan`` on ``profile`` with host link ``host_link`` (a
-    ``ms_efficient.cluster.Link``: latency_s, bandwidth_Bps); budget in bytes."""
+    ``ms_efficient.core.cluster.Link``: latency_s, bandwidth_Bps); budget in bytes."""
     if len(plan.actions) != profile.num_layers:
         raise ValueError(f"plan has {len(plan.actions)} actions but the profile has "
                          f"{profile.num_layers} layers.")

@@ -100,8 +100,8 @@ def measured_check(rl, methods=MEASURED_METHODS, budget_fraction: float = 0.5,
     "max_batch"}; info: the budget, the planning margin, every calibration measurement and
     the fitted parameters, the Cells each method recomputed, the number of processes.
     """
-    from ms_efficient.cluster import get_cluster
-    from ms_efficient.config import ModelConfig, MoEConfig
+    from ms_efficient.core.cluster import get_cluster
+    from ms_efficient.core.config import ModelConfig, MoEConfig
     from ms_efficient.memopt.calibrate import calibrate_profile, calibration_plans
     from ms_efficient.memopt.env import (CELL_RECOMPUTE_ACTIONS, KEEP, RECOMPUTE, MemoryPlan,
                                          evaluate)
@@ -202,7 +202,7 @@ def _child(spec: Dict[str, Any]) -> Dict[str, float]:
     from mindspore import Tensor, nn
     from mindspore.profiler import ProfilerActivity, tensorboard_trace_handler
 
-    from ms_efficient.config import ModelConfig, MoEConfig
+    from ms_efficient.core.config import ModelConfig, MoEConfig
     from ms_efficient.memopt.apply import apply_plan
     from ms_efficient.memopt.env import RECOMPUTE, MemoryPlan
     from ms_efficient.models.gpt_moe import build_model

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, Optional
+from typing import Optional
 
 import numpy as np
 
-from ms_efficient.memopt.env import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_ALL, SWAP,
-                                     MemoryPlan, check_budget)
-from ms_efficient.memopt.profile import LayerProfile, format_size
+from ms_efficient.core.units import format_size
+from ms_efficient.memopt.env import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_ALL, SWAP, MemoryPlan,
+                                     check_budget)
+from ms_efficient.memopt.profile import LayerProfile
 
 __all__ = ["checkmate_milp", "checkmate_min_peak", "exact_milp", "solve_chain_milp"]
 

@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ms_efficient.core.units import format_size
 from ms_efficient.memopt.agents import RLConfig, train_agents
 from ms_efficient.memopt.baselines import (capuchin_greedy, chen_sqrt, full_recompute,
                                            no_optimization)
@@ -22,7 +23,7 @@ from ms_efficient.memopt.env import (ALL_ACTIONS, OFFLOAD, RECOMPUTE_ALL, SWAP, 
                                      StepResult, check_actions, check_budget, evaluate,
                                      min_budget_bytes)
 from ms_efficient.memopt.milp import checkmate_milp, checkmate_min_peak, exact_milp
-from ms_efficient.memopt.profile import LayerProfile, format_size
+from ms_efficient.memopt.profile import LayerProfile
 
 __all__ = ["METHODS", "WARM_START_METHODS", "plan_memory", "plan_with", "max_batch",
            "max_batches", "max_batch_bound", "max_batch_link_estimate"]

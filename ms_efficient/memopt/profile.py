@@ -18,43 +18,12 @@ reference GPT/MoE configuration by FLOP and activation-size estimates with a Clu
 """
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-__all__ = ["LayerProfile", "profile_from_graph", "profile_from_model", "parse_size",
-           "format_size"]
-
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text: Any, what: str = "budget") -> int:
-    """Bytes from ``12GiB``, ``800MB``, ``1.5e9`` or an int; ValueError names ``what``."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = float(text)
-    else:
-        match = re.fullmatch(r"\s*([0-9.]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-        unit = match.group(2).lower() if match else None
-        if not match or unit not in _UNITS:
-            raise ValueError(f"'{what}' must be a size like 12GiB, 800MB or a number of bytes, "
-                             f"but got {text!r}.")
-        value = float(match.group(1)) * _UNITS[unit]
-    if not value > 0 or math.isinf(value):
-        raise ValueError(f"'{what}' must be > 0 bytes, but got {text!r}.")
-    return int(value)
-
-
-def format_size(nbytes: float) -> str:
-    """``12.00 GiB`` style text for error messages and tables."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes:.0f} B"
-
+__all__ = ["LayerProfile", "profile_from_graph", "profile_from_model"]
 
 @dataclass(frozen=True)
 class LayerProfile:
@@ -194,7 +163,7 @@ def profile_from_model(model, moe=None, batch_size: int = 1, cluster=None,
     times = FLOPs / (peak FLOP/s of ``cluster`` for the dtype). static bytes: mixed-precision
     Adam, 16 bytes per parameter (fp32 in fp32 mode: 16 as well: weight, grad, 2 moments).
     """
-    from ms_efficient.cluster import get_cluster
+    from ms_efficient.core.cluster import get_cluster
 
     cluster = cluster or get_cluster("ascend910b-1x8")
     dtype = dtype or model.dtype

@@ -13,7 +13,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
-from ms_efficient.config import ModelConfig, MoEConfig
+from ms_efficient.core.config import ModelConfig, MoEConfig
 from ms_efficient.moe.layer import MoEFeedForward, expert_capacity, make_gelu
 
 __all__ = ["GPTMoE", "CausalSelfAttention", "DenseFeedForward", "Block", "build_model"]

@@ -18,7 +18,7 @@ which is (1) with g in place of x: grad_x = AllToAll(dout). In matrix terms the 
 permutation P (a block transpose), its adjoint is P^T = P^-1, and a block transpose is an
 involution (P P = I), so P^T = P: AllToAll is its own adjoint and its own inverse.
 
-Implementations (chosen in ms_efficient.backend.alltoall_impl):
+Implementations (chosen in ms_efficient.core.backend.alltoall_impl):
 - "native" (Ascend): ops.AlltoAll(split_count=W, split_dim=0, concat_dim=0, group).
 - "allgather-emulation" (CPU/GPU, world group): AllGather the send buffers to
   [W (src), W (dst), C, ...], i.e. row block i*W + j is x_i[j], and keep my column: blocks
@@ -37,7 +37,7 @@ from typing import Optional
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from ms_efficient import backend
+from ms_efficient.core import backend
 
 __all__ = ["AllToAll", "AllToAllV"]
 

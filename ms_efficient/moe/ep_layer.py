@@ -21,7 +21,7 @@ own slots only, and runs, per step on its local tokens:
 The exchanges are AlltoAllV with per-peer counts fixed before compilation
 (:class:`~ms_efficient.moe.alltoall.AllToAllV`): every block holds exactly the rows reserved
 for it, no padding to the largest block. Capacity split: a slot's capacity is shared among
-the source ranks before compilation (:func:`~ms_efficient.moe.ep_routing.source_rows`; equal
+the source ranks before compilation (:func:`~ms_efficient.moe.split.source_rows`; equal
 shares of each expert's total capacity by default), because every rank must know, without
 communication, how many rows it owns in every slot. Static shapes, so the graph compiles once;
 a rank that routes more than its share of an expert drops the excess even if another rank
@@ -49,12 +49,13 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
-from ms_efficient import backend
+from ms_efficient.core import backend
 from ms_efficient.moe.alltoall import AllToAllV
-from ms_efficient.moe.layer import (TopKArrival, group_tables, make_gelu,
-                                    routing_counts_buffer, routing_statistics, sum_choices)
-from ms_efficient.moe.ep_routing import rank_dispatch, replica_sync, source_rows
+from ms_efficient.moe.ep_routing import rank_dispatch, replica_sync
+from ms_efficient.moe.layer import (TopKArrival, group_tables, make_gelu, routing_counts_buffer,
+                                    routing_statistics, sum_choices)
 from ms_efficient.moe.plan import ExpertPlan
+from ms_efficient.moe.split import source_rows
 
 __all__ = ["ExpertParallelMoE", "ReplicaGradSum", "init_expert_weights"]
 

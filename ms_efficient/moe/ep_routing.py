@@ -6,11 +6,11 @@ replicas of one expert a rank sends to, C_send rows per destination block of the
 
 Static dispatch, in three tables:
 
-1. ``rows_RS`` (:func:`source_rows`), int64 [W, S]: the rows of slot s reserved for the tokens
-   of source rank r, so ``rows_RS[:, s].sum() == slot_capacity[s]``. Each expert's capacity
+1. ``rows_RS`` (:func:`~ms_efficient.moe.split.source_rows`), int64 [W, S]: the rows of slot s
+   reserved for the tokens of source rank r, so ``rows_RS[:, s].sum() == slot_capacity[s]``. Each expert's capacity
    (summed over its replicas) is first shared among the source ranks, equally by default or in
    proportion to a per-rank load forecast; every rank's share is then attributed to the
-   expert's replicas with the package's dispatch rule :func:`~ms_efficient.moe.plan.split_tokens`
+   expert's replicas with the package's dispatch rule :func:`~ms_efficient.moe.split.split_tokens`
    (own device first, then same node, then balanced by remaining room). A rank's share of an
    expert may so span several replicas: its local replica first, the overflow in a sibling.
 2. Send side, per rank r (:func:`rank_dispatch`): the replicas r feeds for each expert in
@@ -42,49 +42,10 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from ms_efficient.moe.plan import ExpertPlan, largest_remainder, split_tokens
+from ms_efficient.moe.plan import ExpertPlan
 
-__all__ = ["source_rows", "RankDispatch", "rank_dispatch", "ReplicaSync", "replica_sync",
+__all__ = ["RankDispatch", "rank_dispatch", "ReplicaSync", "replica_sync",
            "capacity_groups"]
-
-
-def source_rows(plan: ExpertPlan, num_experts: int, num_ranks: int,
-                devices_per_node: Optional[int] = None,
-                rank_load_RE: Optional[np.ndarray] = None) -> np.ndarray:
-    """Rows of every slot reserved for every source rank: int64 [R, S] (R = num_ranks).
-
-    plan: slots on devices 0..R-1 (device = rank of the expert-parallel group).
-    devices_per_node: devices per node for the same-node tier; None: no node tier.
-    rank_load_RE: optional float [R, E] forecast of the tokens each rank routes to each expert;
-        each expert's total capacity is shared among the ranks in proportion to it (largest
-        remainder). Default: equal shares (the lower ranks take the remainder).
-
-    Every slot's rows sum to its capacity. The share of rank r in expert e is attributed to
-    e's replicas by :func:`~ms_efficient.moe.plan.split_tokens`, which serves a rank from the
-    replica on its own device first, then its node, then any replica with room.
-    """
-    plan.validate(num_experts, num_ranks)
-    # Step 1: each expert's capacity, shared among the source ranks.
-    total_E = np.bincount(plan.slot_expert, weights=plan.slot_capacity,
-                          minlength=num_experts).astype(np.int64)
-    if rank_load_RE is None:
-        load_RE = np.ones((num_ranks, num_experts))
-    else:
-        load_RE = np.asarray(rank_load_RE, dtype=np.float64)
-        if load_RE.shape != (num_ranks, num_experts):
-            raise ValueError(f"'rank_load_RE' must have shape {(num_ranks, num_experts)}, but "
-                             f"got {load_RE.shape}.")
-        if not np.all(np.isfinite(load_RE)) or (load_RE < 0).any():
-            raise ValueError("'rank_load_RE' must be finite and >= 0.")
-    share_RE = np.stack([largest_remainder(int(total_E[e]), load_RE[:, e])
-                         for e in range(num_experts)], axis=1)
-    # Step 2: shares to replicas by the dispatch rule; total shares == total capacity, so
-    # nothing is dropped and every row of every slot is reserved for some rank.
-    # (A plain copy of the slots: the rule for dynamic, count-based dispatch.)
-    slots_only = ExpertPlan(plan.slot_expert, plan.slot_device, plan.slot_capacity)
-    rows_RS, dropped = split_tokens(slots_only, share_RE, np.arange(num_ranks), devices_per_node)
-    assert dropped == 0 and np.array_equal(rows_RS.sum(axis=0), plan.slot_capacity)
-    return rows_RS.astype(np.int64)
 
 
 def capacity_groups(slots: np.ndarray,
@@ -114,8 +75,8 @@ class RankDispatch:
         in spill order; padded with rows_E.
     shift_EJ: int32 [E, J], send row of arrival p on replica j is shift_EJ[e, j] + p.
     recv_index_N: int32 [N], N = rows reserved on the local slots (the sum of their
-        capacities for rows from :func:`source_rows`) = sum(recv_counts): receive-buffer
-        row of every slot-major row (a permutation).
+        capacities for rows from :func:`~ms_efficient.moe.split.source_rows`) =
+        sum(recv_counts): receive-buffer row of every slot-major row (a permutation).
     back_index_M: int32 [N], slot-major row of every receive-buffer row (its inverse).
     """
 

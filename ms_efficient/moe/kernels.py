@@ -42,7 +42,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn, ops
 
-from ms_efficient.backend import ASCEND, CPU, device_target
+from ms_efficient.core.backend import ASCEND, CPU, device_target
 
 __all__ = [
     "KERNEL_AOT", "KERNEL_OPS", "KERNEL_SOURCE", "CACHE_ENV", "KernelBuildError",
@@ -72,7 +72,7 @@ class KernelBuildError(RuntimeError):
 def dispatch_kernel_impl(target: Optional[str] = None) -> str:
     """KERNEL_AOT on CPU (the aot .so runs host code on host memory), KERNEL_OPS elsewhere.
 
-    Belongs in the table of ms_efficient.backend; kept here until it moves there.
+    Belongs in the table of ms_efficient.core.backend; kept here until it moves there.
     """
     return KERNEL_AOT if (target or device_target()) == CPU else KERNEL_OPS
 

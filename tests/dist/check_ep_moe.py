@@ -67,8 +67,8 @@ def run(out_dir, rank, world):
     from mindspore import Tensor, nn, ops
 
     from ms_efficient.moe.ep_layer import ExpertParallelMoE
-    from ms_efficient.moe.pipelined import PipelinedMoE
     from ms_efficient.moe.plan import ExpertPlan
+    from ms_efficient.mpipe.layer import PipelinedMoE
 
     class WeightedOutput(nn.Cell):
         """sum(y * dy), and the layer's outputs as auxiliary results."""

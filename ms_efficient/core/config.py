@@ -1,0 +1,387 @@
+"""Typed run configuration loaded from YAML, validated once where it is built.
+
+A config file has MindFormers-like sections; every section is optional and falls back to the
+defaults below::
+
+    context:  {mode: GRAPH_MODE, device_target: CPU, seed: 1234}
+    model:    {vocab_size: 256, seq_length: 128, hidden_size: 256, num_layers: 4, ...}
+    moe:      {num_experts: 8, top_k: 2, capacity_factor: 1.25, ...}
+    efficientmoe: {enabled: false, replan_every: 25, ...}   # online per-expert capacities
+    data:     {path: stdlib, val_fraction: 0.05, ...}
+    train:    {steps: 300, batch_size: 16, learning_rate: 1.0e-3, ...}
+    cluster:  {preset: cpu-local}           # or a preset plus overrides, see cluster.py
+    optimize: {passes: []}                  # passes run by ms_efficient.optimize
+
+Unknown keys, wrong types and out-of-range values raise ``ValueError`` naming the key path,
+the bad value and what is allowed, e.g.
+``"moe.top_k must be <= moe.num_experts (8), but got 9."``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import yaml
+
+from ms_efficient.core.fileio import atomic_write_text
+from ms_efficient.core.registry import known_pass_names
+
+__all__ = [
+    "history_trace_path",
+    "ContextConfig",
+    "ModelConfig",
+    "MoEConfig",
+    "EfficientMoEConfig",
+    "DataConfig",
+    "TrainConfig",
+    "OptimizeConfig",
+    "RunConfig",
+    "load_config",
+    "config_from_dict",
+    "save_config",
+    "read_yaml",
+]
+
+
+def history_trace_path(path: str) -> str:
+    """``efficientmoe.history`` as a file: a run folder means its ``trace.npz``."""
+    return os.path.join(path, "trace.npz") if os.path.isdir(path) else path
+
+
+# Load predictors `efficientmoe.predictor` may name (ms_efficient.efficientmoe.predictor
+# implements exactly these; a test checks they agree).
+PREDICTOR_NAMES = ("last-value", "ema", "ar-ridge")
+
+
+def _fail(path: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"'{path}' must be {allowed}, but got {value!r}.")
+
+
+@dataclass
+class ContextConfig:
+    # GRAPH_MODE compiles one static graph per step shape: the fast path and the one Ascend uses.
+    mode: str = "GRAPH_MODE"
+    device_target: str = "CPU"
+    seed: int = 1234
+
+    def validate(self, path: str) -> None:
+        if self.mode not in ("GRAPH_MODE", "PYNATIVE_MODE"):
+            _fail(f"{path}.mode", self.mode, "one of ['GRAPH_MODE', 'PYNATIVE_MODE']")
+        if self.device_target not in ("CPU", "Ascend", "GPU"):
+            _fail(f"{path}.device_target", self.device_target, "one of ['CPU', 'Ascend', 'GPU']")
+        if self.seed < 0:
+            _fail(f"{path}.seed", self.seed, ">= 0")
+
+
+@dataclass
+class ModelConfig:
+    # Byte-level vocabulary: any text file works, no tokenizer download needed.
+    vocab_size: int = 256
+    # 128 bytes of context is enough for the model to learn Python syntax locally.
+    seq_length: int = 128
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    # Per-expert FFN width; with top-2 of 8 experts each token sees 2 x 512 hidden units.
+    ffn_hidden_size: int = 512
+    dropout: float = 0.0
+    dtype: str = "float32"
+
+    def validate(self, path: str) -> None:
+        for name in ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_heads",
+                     "ffn_hidden_size"):
+            if getattr(self, name) < 1:
+                _fail(f"{path}.{name}", getattr(self, name), "a positive integer")
+        if self.hidden_size % self.num_heads:
+            _fail(f"{path}.hidden_size", self.hidden_size,
+                  f"a multiple of {path}.num_heads ({self.num_heads})")
+        if not 0.0 <= self.dropout < 1.0:
+            _fail(f"{path}.dropout", self.dropout, "in [0, 1)")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            _fail(f"{path}.dtype", self.dtype, "one of ['float32', 'float16', 'bfloat16']")
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 8
+    top_k: int = 2
+    # Slots per expert = ceil(capacity_factor * tokens * top_k / num_experts); 0 means dropless
+    # (capacity = tokens, every expert can take every token).
+    capacity_factor: float = 1.25
+    # Switch-Transformer load-balancing loss weight (Fedus et al. 2021 use 1e-2).
+    aux_loss_coef: float = 0.01
+    # Every `moe_every`-th block has an MoE FFN, the others a dense FFN (1 = all MoE).
+    moe_every: int = 1
+    # Capacities are rounded up to a multiple of this (hardware-friendly tile size).
+    capacity_multiple: int = 1
+    # The batch's tokens are recorded as this many groups ("source ranks") in the routing
+    # trace, as data-parallel ranks would each see batch_size / trace_ranks samples.
+    trace_ranks: int = 1
+
+    def validate(self, path: str) -> None:
+        if self.num_experts < 1:
+            _fail(f"{path}.num_experts", self.num_experts, "a positive integer")
+        if not 1 <= self.top_k <= self.num_experts:
+            _fail(f"{path}.top_k", self.top_k,
+                  f"in [1, {path}.num_experts ({self.num_experts})]")
+        if self.capacity_factor != 0 and self.capacity_factor < 1.0:
+            _fail(f"{path}.capacity_factor", self.capacity_factor, ">= 1.0, or 0 for dropless")
+        if self.aux_loss_coef < 0:
+            _fail(f"{path}.aux_loss_coef", self.aux_loss_coef, ">= 0")
+        if self.moe_every < 1:
+            _fail(f"{path}.moe_every", self.moe_every, "a positive integer")
+        if self.capacity_multiple < 1:
+            _fail(f"{path}.capacity_multiple", self.capacity_multiple, "a positive integer")
+        if self.trace_ranks < 1:
+            _fail(f"{path}.trace_ranks", self.trace_ranks, "a positive integer")
+
+
+@dataclass
+class EfficientMoEConfig:
+    """Online per-expert capacities (EfficientMoE): sample load, predict, re-plan, recompile."""
+
+    enabled: bool = False
+    # Steps run with the static `moe.capacity_factor` capacity before the first plan, so the
+    # predictor has a history to fit.
+    warmup_steps: int = 20
+    # A re-plan is considered every this many steps (and adopted only when it pays).
+    replan_every: int = 25
+    # History rows the predictor and the capacity model look at.
+    window: int = 16
+    predictor: str = "ar-ridge"
+    # Expected share of assignments dropped that the capacities aim to stay under.
+    drop_target: float = 0.005
+    # Capacities are multiples of this many tokens (16x16 cube tiles on Ascend).
+    capacity_multiple: int = 16
+    # At most this many distinct capacities per layer: experts of equal capacity share one
+    # batched matmul, so fewer levels mean fewer kernels (at the price of a little padding).
+    capacity_levels: int = 2
+    # Seconds one recompilation costs, weighed against the compute a new plan saves. A config
+    # value rather than a live measurement so that the same seed gives the same plans; the
+    # trainer logs the measured first-step compile time (`compile_s`) to set it from.
+    recompile_cost_s: float = 2.0
+    # Routing history to plan from before the first step: a trace .npz (`bench moe --trace`
+    # format) or a run folder holding trace.npz, e.g. the run these weights continue. With
+    # >= 3 rows the first plan is made before the first compilation (no warm-up steps at the
+    # static `capacity_factor`); "" = none.
+    history: str = ""
+
+    def validate(self, path: str) -> None:
+        if not isinstance(self.history, str):
+            _fail(f"{path}.history", self.history, "a path string or ''")
+        if self.history and not os.path.isfile(history_trace_path(self.history)):
+            _fail(f"{path}.history", self.history,
+                  "a routing trace .npz or a run folder holding trace.npz")
+
+        for name in ("warmup_steps", "replan_every", "window", "capacity_multiple",
+                     "capacity_levels"):
+            if getattr(self, name) < 1:
+                _fail(f"{path}.{name}", getattr(self, name), "a positive integer")
+        if self.window < 3:
+            _fail(f"{path}.window", self.window, ">= 3")
+        if self.predictor not in PREDICTOR_NAMES:
+            _fail(f"{path}.predictor", self.predictor, f"one of {list(PREDICTOR_NAMES)}")
+        if not 0.0 <= self.drop_target < 1.0:
+            _fail(f"{path}.drop_target", self.drop_target, "in [0, 1)")
+        if self.recompile_cost_s < 0:
+            _fail(f"{path}.recompile_cost_s", self.recompile_cost_s, ">= 0")
+
+
+@dataclass
+class DataConfig:
+    # 'stdlib' = the .py sources of this Python's standard library: real text on every machine.
+    path: str = "stdlib"
+    # File name suffixes read when `path` is a folder.
+    suffixes: List[str] = field(default_factory=lambda: [".py", ".txt", ".md"])
+    # Cap on bytes read, so the demo starts in seconds; files are taken in sorted order.
+    max_bytes: int = 8_000_000
+    # Every file is assigned to validation by a hash of its relative path: deterministic.
+    val_fraction: float = 0.05
+
+    def validate(self, path: str) -> None:
+        if not self.path:
+            _fail(f"{path}.path", self.path, "'stdlib' or an existing file or folder")
+        if self.path != "stdlib" and not os.path.exists(os.path.expanduser(self.path)):
+            _fail(f"{path}.path", self.path, "'stdlib' or an existing file or folder")
+        if self.max_bytes < 1024:
+            _fail(f"{path}.max_bytes", self.max_bytes, ">= 1024")
+        if not 0.0 < self.val_fraction < 0.5:
+            _fail(f"{path}.val_fraction", self.val_fraction, "in (0, 0.5)")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    batch_size: int = 16
+    learning_rate: float = 1.0e-3
+    # Linear warm-up then cosine decay to 10% of the peak rate.
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    log_every: int = 10
+    eval_every: int = 50
+    eval_batches: int = 8
+    # A run killed with SIGKILL loses at most this many steps.
+    save_every: int = 50
+    out_dir: str = "runs/gpt_moe_tiny"
+
+    def validate(self, path: str) -> None:
+        for name in ("steps", "batch_size", "log_every", "eval_every", "eval_batches",
+                     "save_every"):
+            if getattr(self, name) < 1:
+                _fail(f"{path}.{name}", getattr(self, name), "a positive integer")
+        if self.learning_rate <= 0:
+            _fail(f"{path}.learning_rate", self.learning_rate, "> 0")
+        if self.warmup_steps < 0:
+            _fail(f"{path}.warmup_steps", self.warmup_steps, ">= 0")
+        if self.weight_decay < 0:
+            _fail(f"{path}.weight_decay", self.weight_decay, ">= 0")
+        if self.grad_clip < 0:
+            _fail(f"{path}.grad_clip", self.grad_clip, ">= 0 (0 disables clipping)")
+
+
+@dataclass
+class OptimizeConfig:
+    # Names of passes to run, in order: the built-in ones or any registered with register_pass.
+    passes: List[str] = field(default_factory=list)
+
+    def validate(self, path: str) -> None:
+        known = known_pass_names()
+        for i, name in enumerate(self.passes):
+            if name not in known:
+                _fail(f"{path}.passes[{i}]", name, f"one of {sorted(known)}")
+
+
+@dataclass
+class RunConfig:
+    context: ContextConfig = field(default_factory=ContextConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    efficientmoe: EfficientMoEConfig = field(default_factory=EfficientMoEConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    # Cluster section as given (a preset name plus overrides); resolved by cluster_spec().
+    cluster: Dict[str, Any] = field(default_factory=lambda: {"preset": "cpu-local"})
+    optimize: OptimizeConfig = field(default_factory=OptimizeConfig)
+
+    def validate(self, path: str = "") -> None:
+        if self.train.batch_size % self.moe.trace_ranks:
+            _fail("train.batch_size", self.train.batch_size,
+                  f"a multiple of moe.trace_ranks ({self.moe.trace_ranks})")
+        self.cluster_spec()
+
+    def cluster_spec(self):
+        """The resolved :class:`~ms_efficient.core.cluster.ClusterSpec` of ``cluster``."""
+        from ms_efficient.core.cluster import ClusterSpec
+
+        try:
+            return ClusterSpec.from_dict(self.cluster)
+        except ValueError as err:
+            raise ValueError(f"in section 'cluster': {err}") from None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_type(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted where floats are."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _check_type(value, args[0], path)
+    if origin in (list, List):
+        if not isinstance(value, list):
+            _fail(path, value, "a list")
+        (item_tp,) = typing.get_args(tp)
+        return [_check_type(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin in (dict, Dict):
+        if not isinstance(value, dict):
+            _fail(path, value, "a mapping")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            _fail(path, value, "a boolean (true/false)")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(path, value, "an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(path, value, "a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            _fail(path, value, "a string")
+        return value
+    return value
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        _fail(path or "config", data, "a mapping of keys to values")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        where = f"'{path}.{unknown[0]}'" if path else f"'{unknown[0]}'"
+        raise ValueError(f"Unknown config key {where}; allowed keys"
+                         f"{' in ' + repr(path) if path else ''}: {names}.")
+    kwargs = {}
+    for name in names:
+        if name not in data:
+            continue
+        sub = f"{path}.{name}" if path else name
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, data[name], sub)
+        else:
+            kwargs[name] = _check_type(data[name], tp, sub)
+    obj = cls(**kwargs)
+    if hasattr(obj, "validate"):
+        obj.validate(path or "")
+    return obj
+
+
+def config_from_dict(data: Dict[str, Any]) -> RunConfig:
+    """Build and validate a :class:`RunConfig` from a plain mapping (e.g. parsed YAML)."""
+    return _build(RunConfig, data, "")
+
+
+def read_yaml(path: str) -> Dict[str, Any]:
+    """The mapping in YAML file ``path`` ({} for an empty file); clear errors otherwise."""
+    if not os.path.isfile(path):
+        raise ValueError(f"Config file '{path}' does not exist.")
+    with open(path, "r", encoding="utf-8") as fh:
+        try:
+            data = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"Config file '{path}' is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"Config file '{path}' must hold a mapping of sections, but got "
+                         f"{type(data).__name__}.")
+    return data
+
+
+def load_config(path: str, overrides: Optional[Dict[str, Any]] = None) -> RunConfig:
+    """Load ``path`` (YAML), apply dotted ``overrides`` (``{"train.steps": 10}``), validate."""
+    data = read_yaml(path)
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return config_from_dict(data)
+
+
+def save_config(cfg: RunConfig, path: str) -> None:
+    """Write the resolved config as YAML, atomically (temp file then rename)."""
+    atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,259 @@
+"""MoE benchmark rows: every planning method on the same inputs, simulated and measured.
+
+Simulated (``evidence: "simulated"``): :func:`run_simulated` replays the same traces under every
+method on a simulated cluster, :func:`markdown_table` renders them with speed-ups against
+Switch CF 1.25. No MindSpore import at module level.
+
+Measured (``evidence: "measured"``): :func:`run_measured` trains the reference model on this
+CPU under each capacity policy. Every method trains the same network from the same seed on
+the same batches for the same number of steps; only the expert capacities differ. Rows report
+the median step time (MindSpore GRAPH_MODE on CPU, excluding the compiling first step and
+any recompiling step), the padding fraction (computed slot rows that held no token / computed
+slot rows) and the drop rate (assignments that found no slot / assignments), both over the
+whole run.
+
+Methods that differ only in where experts live on several devices (FasterMoE shadowing, EPLB,
+MindSpeed placement, the oracle) have nothing to change on one CPU process; they appear in the
+simulated rows only.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import shutil
+import tempfile
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from ms_efficient.core.cluster import ClusterSpec, get_cluster
+from ms_efficient.core.config import RunConfig
+from ms_efficient.efficientmoe.capacity import static_capacity_limit
+from ms_efficient.efficientmoe.predictor import PREDICTOR_NAMES, evaluate_predictors, get_predictor
+from ms_efficient.efficientmoe.replay import METHODS, ReplayConfig, cluster_for_ranks, replay
+from ms_efficient.moe.trace import RoutingTrace, load_trace
+
+__all__ = ["run_simulated", "speedups", "markdown_table", "QUICK_ROWS", "QUICK_LAYERS",
+           "run_measured", "quick_config", "MEASURED_METHODS"]
+
+logger = logging.getLogger(__name__)
+
+QUICK_ROWS = 64     # --quick: the LAST rows of each trace ...
+QUICK_LAYERS = 2    # ... and its first layers: the 32-rank, 64-expert synthetic trace in ~10 s
+REFERENCE = "switch-cf1.25"
+LIMIT_WINDOWS = (1, 2, 5, 10, 20)   # trace rows a static plan is held, for static-limit rows
+
+TraceInput = Union[str, Tuple[str, RoutingTrace]]
+
+
+def _load(trace: TraceInput) -> Tuple[str, RoutingTrace]:
+    if isinstance(trace, str):
+        return os.path.basename(trace), load_trace(trace)
+    name, tr = trace
+    if not isinstance(tr, RoutingTrace):
+        raise ValueError(f"trace '{name}' must be a RoutingTrace, but got {type(tr).__name__}.")
+    return name, tr
+
+
+def _truncate(trace: RoutingTrace, rows: int, layers: int) -> RoutingTrace:
+    """The last ``rows`` rows and the first ``layers`` layers of ``trace``.
+
+    Why the last rows: the first steps of a training run are its least representative part
+    (the router is still moving fast: on the demo run, expert loads change several-fold from
+    one step to the next during the first ~50 of 300 steps, while a real run lasts 10^4-10^5
+    steps whose routing drifts slowly). The tail is the steady state that the bulk of a long
+    run looks like, and it keeps consecutive rows, so the predictors see the trace's own
+    stride. A full (non-quick) run replays every row, the early phase included.
+    """
+    steps = None if trace.steps is None else trace.steps[-rows:]
+    return RoutingTrace(counts=trace.counts[-rows:, :layers], top_k=trace.top_k,
+                        hidden=trace.hidden, tokens_per_rank=trace.tokens_per_rank, steps=steps)
+
+
+def run_simulated(traces: Sequence[TraceInput], cluster: Union[None, str, ClusterSpec] = None,
+                  quick: bool = False, methods: Sequence[str] = METHODS,
+                  config: ReplayConfig = ReplayConfig()) -> List[Dict[str, object]]:
+    """Replay every trace under every method; rows in issue 4's JSON format.
+
+    traces: paths of ``.npz`` traces (workload = file name) or (name, RoutingTrace) pairs.
+    cluster: a ClusterSpec, a preset name, or None (per trace: ceil(ranks / 8) 910B nodes).
+    quick: only the last QUICK_ROWS rows and the first QUICK_LAYERS layers of each trace
+        (:func:`_truncate` says why the last rows).
+    Method rows: {"evidence": "simulated", "workload", "method", "cluster", iteration_time_s,
+    a2a_time_s, max_over_mean_load, padding_fraction, drop_rate, replans, replan_overhead_s}.
+    Predictor rows: {"evidence", "workload", "method": predictor name, "mape" (percent, mean
+    over layers), "mape_per_layer"}. Static-limit rows (a yardstick for the padding target):
+    {"method": "static-limit", "window_rows", "padding_fraction", "drop_rate"}, the least
+    padding at ``config.drop_target`` drops of any static-capacity plan re-planned every
+    ``window_rows`` trace rows, capacities chosen knowing the loads
+    (:func:`~ms_efficient.efficientmoe.capacity.static_capacity_limit`).
+    """
+    spec = get_cluster(cluster) if isinstance(cluster, str) else cluster
+    rows: List[Dict[str, object]] = []
+    for item in traces:
+        name, trace = _load(item)
+        if quick:
+            trace = _truncate(trace, QUICK_ROWS, QUICK_LAYERS)
+        target = spec or cluster_for_ranks(trace.num_ranks)
+        for method in methods:
+            result = replay(trace, method, target, config)
+            rows.append({"evidence": "simulated", "workload": name, "method": method,
+                         "cluster": target.name, **result.metrics()})
+            logger.info("%s %s: %.4g s/step", name, method, result.iteration_time_s)
+        loads = trace.expert_load().astype(np.float64)
+        for window in sorted({w for w in LIMIT_WINDOWS if w < trace.num_steps}
+                             | {trace.num_steps}):
+            pad, drop = static_capacity_limit(loads, config.drop_target, window)
+            rows.append({"evidence": "simulated", "workload": name, "method": "static-limit",
+                         "window_rows": window, "padding_fraction": pad, "drop_rate": drop})
+        mape = evaluate_predictors(trace.expert_load(),
+                                   [get_predictor(p) for p in PREDICTOR_NAMES],
+                                   warmup=min(config.warmup, trace.num_steps - 1))
+        for pred_name, per_layer in mape.items():
+            rows.append({"evidence": "simulated", "workload": name, "method": pred_name,
+                         "mape": float(per_layer.mean()),
+                         "mape_per_layer": [round(float(v), 3) for v in per_layer]})
+    return rows
+
+
+def speedups(rows: Sequence[Dict[str, object]],
+             method: str = "efficientmoe") -> Dict[str, Dict[str, float]]:
+    """Per workload: {other method: its iteration time / ``method``'s} (> 1: ``method`` faster)."""
+    out: Dict[str, Dict[str, float]] = {}
+    timed = [r for r in rows if "iteration_time_s" in r]
+    for r in timed:
+        if r["method"] != method:
+            continue
+        mine = float(r["iteration_time_s"])
+        out[str(r["workload"])] = {str(o["method"]): float(o["iteration_time_s"]) / mine
+                                   for o in timed if o["workload"] == r["workload"]
+                                   and o["method"] != method}
+    return out
+
+
+def markdown_table(rows: Sequence[Dict[str, object]], reference: str = REFERENCE) -> str:
+    """Markdown tables: methods (time in ms, speed-up over ``reference``, a2a, imbalance,
+    padding, drops, re-plans) and predictors (MAPE %)."""
+    timed = [r for r in rows if "iteration_time_s" in r]
+    ref = {r["workload"]: float(r["iteration_time_s"]) for r in timed if r["method"] == reference}
+    lines = [f"| workload | method | iteration ms | speed-up vs {reference} | a2a ms | "
+             f"max/mean load | padding % | drop % | re-plans (forced) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in timed:
+        t = float(r["iteration_time_s"])
+        speed = f"{ref[r['workload']] / t:.2f}x" if r["workload"] in ref else "-"
+        lines.append(f"| {r['workload']} | {r['method']} | {1e3 * t:.3f} | {speed} | "
+                     f"{1e3 * float(r['a2a_time_s']):.3f} | {float(r['max_over_mean_load']):.2f} | "
+                     f"{100 * float(r['padding_fraction']):.1f} | "
+                     f"{100 * float(r['drop_rate']):.2f} | {r.get('replans', 0)} "
+                     f"({r.get('forced_replans', 0)}) |")
+    limits = [r for r in rows if r.get("method") == "static-limit"]
+    if limits:
+        lines += ["", "| workload | static plan held for (trace rows) | least padding % | "
+                      "drop % |", "|---|---:|---:|---:|"]
+        lines += [f"| {r['workload']} | {r['window_rows']} | "
+                  f"{100 * float(r['padding_fraction']):.1f} | "
+                  f"{100 * float(r['drop_rate']):.2f} |" for r in limits]
+    predicted = [r for r in rows if "mape" in r]
+    if predicted:
+        lines += ["", "| workload | predictor | MAPE % (mean over layers) | per layer |",
+                  "|---|---|---:|---|"]
+        lines += [f"| {r['workload']} | {r['method']} | {float(r['mape']):.2f} | "
+                  f"{', '.join(f'{v:.1f}' for v in r.get('mape_per_layer', []))} |"
+                  for r in predicted]
+    return "\n".join(lines)
+
+
+# ---- measured rows (MindSpore on this CPU) ----------------------------------------------
+# method label -> (moe.capacity_factor, efficientmoe.enabled)
+MEASURED_METHODS = {
+    "switch-cf1.0": (1.0, False),
+    "switch-cf1.25": (1.25, False),
+    "switch-cf2.0": (2.0, False),
+    # capacity = tokens per step: the only static capacity that can never drop for any routing
+    "dropless-static": (0.0, False),
+    # warm-up at CF 1.25, then per-expert capacities planned online
+    "efficientmoe": (1.25, True),
+}
+
+
+def quick_config(cfg: RunConfig) -> RunConfig:
+    """A smaller model and run for ``--quick`` (about a minute for all methods)."""
+    cfg = copy.deepcopy(cfg)
+    cfg.model.hidden_size, cfg.model.ffn_hidden_size, cfg.model.num_heads = 64, 128, 2
+    cfg.model.num_layers, cfg.model.seq_length = 2, 64
+    cfg.train.batch_size, cfg.train.steps = 8, 20
+    cfg.moe.trace_ranks = 4
+    cfg.efficientmoe.warmup_steps, cfg.efficientmoe.replan_every = 6, 7   # plans at 6 and 13
+    cfg.efficientmoe.window = 6
+    return cfg
+
+
+def _run_one(cfg: RunConfig, out_dir: str, init_from: Optional[str]) -> Dict:
+    from ms_efficient.train.trainer import Trainer
+
+    trainer = Trainer(cfg, out_dir)
+    if init_from:
+        trainer.load_weights(init_from, keep_step=False)
+    result = trainer.run()
+    with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as fh:
+        rows = [json.loads(line) for line in fh if line.strip()]
+    return {"result": result, "rows": rows, "step_times": trainer.step_times,
+            "replans": [r["step"] for r in rows if r["kind"] == "plan"],
+            "totals": trainer.totals}
+
+
+def run_measured(base: RunConfig, methods: Optional[List[str]] = None, steps: Optional[int] = None,
+                 workload: str = "gpt_moe", init_from: Optional[str] = None,
+                 keep_trace: Optional[str] = None) -> List[Dict]:
+    """Train ``base`` once per method; returns benchmark rows (evidence "measured").
+
+    keep_trace: copy the routing trace of the ``efficientmoe`` run to this path.
+    init_from: a run folder whose last checkpoint every method starts from (routing of a
+    trained model is steadier than at initialisation, which is where static capacities are
+    decided in practice); its learning rate continues at the schedule's floor (10% of peak)
+    with no warm-up.
+    """
+    methods = list(methods or MEASURED_METHODS)
+    rows = []
+    for method in methods:
+        if method not in MEASURED_METHODS:
+            raise ValueError(f"measured method must be one of {list(MEASURED_METHODS)}, "
+                             f"but got {method!r}.")
+        cf, online = MEASURED_METHODS[method]
+        cfg = copy.deepcopy(base)
+        cfg.moe.capacity_factor = cf
+        cfg.efficientmoe.enabled = online
+        cfg.train.eval_every = cfg.train.steps = steps or cfg.train.steps
+        cfg.train.save_every = cfg.train.steps
+        if init_from:
+            cfg.train.warmup_steps = 0
+            cfg.train.learning_rate = 0.1 * base.train.learning_rate
+            if online and not cfg.efficientmoe.history and os.path.isfile(
+                    os.path.join(init_from, "trace.npz")):
+                # the continued run's routing: plan before the first compilation
+                cfg.efficientmoe.history = init_from
+        with tempfile.TemporaryDirectory(prefix=f"bench-{method}-") as out:
+            logger.info("measured run: %s (%d steps)", method, cfg.train.steps)
+            run = _run_one(cfg, out, init_from)
+            if keep_trace and method == "efficientmoe":
+                shutil.copyfile(os.path.join(out, "trace.npz"), keep_trace)
+        times = np.array(run["step_times"])
+        # drop the compiling first step and every step right after a recompilation
+        skip = {0} | set(run["replans"])
+        steady = [t for i, t in enumerate(times) if i not in skip] or list(times)
+        tot = run["totals"]
+        rows.append({
+            "evidence": "measured", "workload": workload, "method": method,
+            "step_time_s": float(np.median(steady)),
+            "padding_fraction": 1.0 - tot["kept"] / max(1, tot["rows"]),
+            "drop_rate": 1.0 - tot["kept"] / max(1, tot["assigned"]),
+            "final_val_loss": run["result"].final_val_loss,
+            "steps": cfg.train.steps, "replans": len(run["replans"])})
+    dropless = [r for r in rows if r["method"] == "dropless-static"]
+    for r in rows:
+        if dropless:
+            r["step_time_vs_dropless"] = r["step_time_s"] / dropless[0]["step_time_s"]
+    return rows

@@ -1,0 +1,121 @@
+"""EfficientMoE: expert replication, placement and per-replica capacities from routing traces.
+
+    ms-efficient plan moe --trace FILE.npz [--cluster NAME] --out plan.yaml
+    ms-efficient bench moe [--quick] [--trace FILE.npz ...] [--cluster NAME] --json OUT
+                           [--config CONFIG] [--steps N] [--init-from RUN_DIR] [--no-measured]
+
+The bench runs two kinds of evidence, never mixed in one number: measured rows (the reference
+model trained on this CPU under each capacity policy, see ``bench.run_measured``) and simulated
+rows (traces replayed on an Ascend cluster preset, see ``bench`` and ``simulate``). The trace
+written by the measured EfficientMoE run is replayed too.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import tempfile
+import time
+
+__all__ = ["add_plan_arguments", "run_plan", "add_bench_arguments", "run_bench"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONFIG = "configs/gpt_moe_tiny.yaml"
+MEASURED_COLUMNS = ("workload", "method", "step_time_s", "step_time_vs_dropless",
+                    "padding_fraction", "drop_rate", "final_val_loss", "steps", "replans")
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, help="routing trace (.npz, see README)")
+    parser.add_argument("--cluster", help="cluster preset (default: 8-chip Ascend 910B nodes, "
+                                          "as many as the trace's ranks need)")
+    parser.add_argument("--out", required=True, help="plan YAML to write")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from ms_efficient.core.cluster import get_cluster
+    from ms_efficient.efficientmoe.replay import plan_trace
+    from ms_efficient.moe.plan import save_plans
+    from ms_efficient.moe.trace import load_trace
+
+    trace = load_trace(args.trace)
+    cluster = get_cluster(args.cluster) if args.cluster else None
+    plans = plan_trace(trace, cluster)
+    save_plans(args.out, plans, trace.num_experts,
+               extra={"trace": os.path.basename(args.trace), "cluster": args.cluster or "auto"})
+    for layer, plan in enumerate(plans):
+        print(f"layer {layer}: {plan.num_slots} slots for {trace.num_experts} experts, "
+              f"{int(plan.slot_capacity.sum())} capacity rows")
+    print(f"plan written to {args.out}")
+    return 0
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help="small model and short replays (about a minute)")
+    parser.add_argument("--trace", nargs="*", default=[], metavar="FILE",
+                        help="extra routing traces to replay (.npz)")
+    parser.add_argument("--cluster", help="cluster preset for the simulated rows")
+    parser.add_argument("--json", required=True, help="write the rows here")
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="model for the measured rows")
+    parser.add_argument("--steps", type=int, help="training steps per measured method")
+    parser.add_argument("--init-from", help="run folder whose checkpoint every measured "
+                                            "method starts from (e.g. runs/demo)")
+    parser.add_argument("--no-measured", action="store_true",
+                        help="simulated rows only (no MindSpore training)")
+    parser.add_argument("--static-blocks", choices=("exact", "equal"), default="exact",
+                        help="simulated All-to-All of static-graph methods: per-peer counts "
+                             "fixed at compile time (AlltoAllV, what ExpertParallelMoE sends), "
+                             "or every block padded to the largest (equal-split AlltoAll)")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from ms_efficient.core import benchio
+    from ms_efficient.core.benchio import write_bench_json
+    from ms_efficient.core.config import load_config
+    from ms_efficient.efficientmoe.bench import markdown_table, run_simulated
+    from ms_efficient.moe.trace import synthetic_trace
+    from ms_efficient.moe.trace import load_trace
+
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"'--steps' must be a positive integer, but got {args.steps}.")
+    traces = [(os.path.basename(p), load_trace(p)) for p in args.trace]   # validate first
+    if args.cluster:
+        from ms_efficient.core.cluster import get_cluster
+
+        get_cluster(args.cluster)
+    start = time.perf_counter()
+    rows = []
+    if not args.no_measured:
+        from ms_efficient.efficientmoe.bench import quick_config, run_measured
+
+        cfg = load_config(args.config)
+        if args.quick:
+            cfg = quick_config(cfg)
+        with tempfile.TemporaryDirectory(prefix="bench-moe-trace-") as keep:
+            trace_path = os.path.join(keep, "trace.npz")
+            rows += run_measured(cfg, steps=args.steps, init_from=args.init_from,
+                                 workload=os.path.splitext(os.path.basename(args.config))[0],
+                                 keep_trace=trace_path)
+            if os.path.isfile(trace_path):
+                traces.insert(0, ("measured-efficientmoe-trace", load_trace(trace_path)))
+    synthetic = synthetic_trace(steps=40 if args.quick else 128)   # --quick: under a minute
+    traces.append(("synthetic-32r", synthetic))
+    measured = [r for r in rows if r["evidence"] == "measured"]
+    from ms_efficient.efficientmoe.replay import ReplayConfig
+
+    rows += run_simulated(traces, args.cluster, args.quick,
+                          config=ReplayConfig(static_blocks=args.static_blocks))
+    if measured:
+        print("Measured (MindSpore GRAPH_MODE on this CPU):")
+        print(benchio.markdown_table(measured, MEASURED_COLUMNS))
+        print()
+    print("Simulated (trace replay on the cluster preset):")
+    print(markdown_table(rows))
+    write_bench_json(args.json, "moe", rows,
+                     meta={"quick": args.quick, "seconds": round(time.perf_counter() - start, 1),
+                           "config": args.config, "init_from": args.init_from,
+                           "static_blocks": args.static_blocks})
+    print(f"rows written to {args.json}")
+    return 0

@@ -1,0 +1,319 @@
+"""Cost of one MoE layer for one training step: the analytic model the planners optimise, and
+the same schedule on the shared event simulator (to validate it).
+
+For a layer with plan ``plan`` (:class:`ms_efficient.moe.plan.ExpertPlan`) and routing counts
+``counts_RE`` (tokens each source rank sends to each expert, top-k counted k times):
+
+    time      = exchange + a2a_passes * A2A(dispatch bytes) + max_d compute_d + max_d sync_d
+    exchange  = AllGather of the [R, E] int32 counts ("alltoallv" plans only, once per step)
+    dispatch  = rows device r sends to device d: the kept tokens ("alltoallv"); for "static"
+                plans every row rank r owns in d's slots, full or empty, sent
+                  static_blocks="exact" (default): as exactly those rows (an AlltoAllV whose
+                    per-peer counts are compile-time constants, ``mindspore.ops.AlltoAllV``
+                    with tuple counts: still static shapes, no padding to the largest block;
+                    what ms_efficient.moe.ep_layer sends);
+                  static_blocks="equal": as C_send rows to every device of the group, C_send
+                    the largest number of rows any rank owns on any one device (an
+                    equal-split AlltoAll of a [W, C_send, H] buffer, as GShard, whose blocks
+                    are all equal anyway)
+    A2A       = max over devices of the per-link send/receive time (uneven all-to-all)
+    compute_d = compute_passes * rows_d * 4 H F / (peak FLOP/s * efficiency)
+    sync_d    = all-reduce of an expert's gradients among its replicas' devices
+
+rows_d is the sum of the device's slot capacities: a static graph computes every compiled row,
+token or padding (a dynamic-shape system such as FasterMoE is modelled with capacities equal
+to the step's loads). Forward + backward: the backward pass does twice the forward FLOPs
+(compute_passes = 3) and runs two All-to-Alls of the forward's size (a2a_passes = 4:
+dispatch and combine, forward and backward). The backward pass reuses the forward's counts,
+so the exchange is paid once. Replica gradient sync is charged after the layer, not
+overlapped: a conservative choice that makes replication pay for itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from ms_efficient.core.cluster import ClusterSpec
+from ms_efficient.moe.plan import ExpertPlan
+from ms_efficient.moe.split import source_rows, split_tokens, static_assignments
+from ms_efficient.sim import Simulator
+
+__all__ = ["CostModel", "LayerCost", "uneven_alltoall_time_s", "device_matrix",
+           "check_rank_device", "count_exchange_time_s", "layer_cost", "event_step_time_s"]
+
+_DTYPE_BYTES = {"fp16": 2, "bf16": 2, "float16": 2, "bfloat16": 2, "fp32": 4, "float32": 4}
+COUNT_BYTES = 4   # one routing count in the exchange: int32
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What one token and one expert cost on a cluster.
+
+    cluster: the devices and links. hidden: H. ffn_hidden: F, each expert's FFN width.
+    dtype: activation/weight dtype ("bf16", "fp16", "fp32"); 2 bytes per value for 16-bit.
+    compute_passes: expert FLOPs of a training step per forward FLOP (3: backward = 2x fwd).
+    a2a_passes: All-to-Alls per step of the dispatch's size (4: dispatch + combine, fwd + bwd).
+    sync_replica_grads: charge an all-reduce of each replicated expert's gradients.
+    static_blocks: how "static" plans send their rows, "equal" or "exact" (module docstring).
+    """
+
+    cluster: ClusterSpec
+    hidden: int
+    ffn_hidden: int
+    dtype: str = "bf16"
+    compute_passes: float = 3.0
+    a2a_passes: int = 4
+    sync_replica_grads: bool = True
+    static_blocks: str = "exact"
+
+    def __post_init__(self) -> None:
+        if self.static_blocks not in ("equal", "exact"):
+            raise ValueError(f"'static_blocks' must be 'equal' or 'exact', but got "
+                             f"{self.static_blocks!r}.")
+        if self.hidden < 1 or self.ffn_hidden < 1:
+            raise ValueError(f"'hidden' and 'ffn_hidden' must be positive, but got "
+                             f"{self.hidden} and {self.ffn_hidden}.")
+        if self.dtype not in _DTYPE_BYTES:
+            raise ValueError(f"'dtype' must be one of {sorted(_DTYPE_BYTES)}, but got "
+                             f"{self.dtype!r}.")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return _DTYPE_BYTES[self.dtype]
+
+    @property
+    def flops_per_row(self) -> float:
+        """Forward FLOPs of one token through one expert: two H x F matmuls, 2 FLOP per MAC."""
+        return 4.0 * self.hidden * self.ffn_hidden
+
+    @property
+    def row_time_s(self) -> float:
+        """Seconds of one computed row (token or padding) per training step on one device."""
+        return self.cluster.compute_time_s(self.compute_passes * self.flops_per_row, self.dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one token's activation in an All-to-All: dtype bytes * H."""
+        return self.dtype_bytes * self.hidden
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one expert FFN (biases ignored): 2 H F."""
+        return 2 * self.hidden * self.ffn_hidden
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of one expert's gradient (dtype)."""
+        return self.dtype_bytes * self.expert_params
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Predicted cost of one MoE layer for one training step (seconds, tokens).
+
+    time_s = exchange_time_s + a2a_time_s + compute_time_s + sync_time_s.
+    exchange_time_s: the routing-count AllGather. a2a_time_s: all a2a_passes All-to-Alls.
+    compute_time_s: max over devices. sync_time_s: max over devices of replica all-reduces.
+    tokens_D: float64 [D] tokens computed per device (kept, no padding).
+    rows_D: float64 [D] rows computed per device (capacities, padding included).
+    assigned, dropped: tokens kept and dropped.
+    """
+
+    time_s: float
+    exchange_time_s: float
+    a2a_time_s: float
+    compute_time_s: float
+    sync_time_s: float
+    tokens_D: np.ndarray
+    rows_D: np.ndarray
+    assigned: int
+    dropped: int
+
+
+def uneven_alltoall_time_s(bytes_DD: np.ndarray, cluster: ClusterSpec) -> float:
+    """Seconds of an All-to-All where device i sends bytes_DD[i, j] bytes to device j.
+
+    Each device sends to its node peers over ``intra_link`` and to other nodes over
+    ``inter_link``, both directions at once; every message costs alpha + bytes / B and the
+    messages of one link kind serialize on one device. The time is the largest, over devices,
+    of their four sums (intra send, inter send, intra receive, inter receive). For equal
+    messages this is :meth:`ClusterSpec.collective_time_s` ("alltoall"). The diagonal is local.
+    """
+    b = np.asarray(bytes_DD, dtype=np.float64)
+    num_devices = cluster.num_devices
+    if b.shape != (num_devices, num_devices):
+        raise ValueError(f"'bytes_DD' must be [{num_devices}, {num_devices}], but got {b.shape}.")
+    node = np.arange(num_devices) // cluster.devices_per_node
+    same = node[:, None] == node[None, :]
+    np.fill_diagonal(same, False)
+    other = node[:, None] != node[None, :]
+    worst = 0.0
+    for mask, link in ((same, cluster.intra_link), (other, cluster.inter_link)):
+        msg = np.where(mask & (b > 0), link.latency_s + b / link.bandwidth_Bps, 0.0)
+        worst = max(worst, float(msg.sum(axis=1).max()), float(msg.sum(axis=0).max()))
+    return worst
+
+
+def device_matrix(per_rank_slot_RS: np.ndarray, rank_device: np.ndarray, slot_device: np.ndarray,
+                  num_devices: int) -> np.ndarray:
+    """Sum a [R, S] rank-to-slot matrix into a [D, D] device-to-device one (float64)."""
+    out = np.zeros((num_devices, num_devices))
+    np.add.at(out, (np.asarray(rank_device)[:, None], np.asarray(slot_device)[None, :]),
+              per_rank_slot_RS)
+    return out
+
+
+def check_rank_device(rank_device: Optional[Sequence[int]], num_ranks: int,
+                      cluster: ClusterSpec) -> np.ndarray:
+    """Device of each source rank, int64 [R] (default rank r on device r), checked: ranks
+    must sit on distinct devices of the cluster (one rank per chip)."""
+    if rank_device is None:
+        if num_ranks > cluster.num_devices:
+            raise ValueError(f"the load has {num_ranks} source ranks but cluster "
+                             f"'{cluster.name}' has {cluster.num_devices} devices; one rank per "
+                             f"device needs a cluster with >= {num_ranks} devices.")
+        return np.arange(num_ranks)
+    rd = np.asarray(rank_device, dtype=np.int64)
+    if (rd.shape != (num_ranks,) or (rd < 0).any() or (rd >= cluster.num_devices).any()
+            or np.unique(rd).size != rd.size):
+        raise ValueError(f"'rank_device' must give each of {num_ranks} ranks its own device in "
+                         f"[0, {cluster.num_devices}), but got {rd.tolist()}.")
+    return rd
+
+
+def count_exchange_time_s(num_ranks: int, num_experts: int, model: CostModel,
+                          rank_device: Sequence[int]) -> float:
+    """Seconds of the AllGather of the [R, E] int32 routing counts among the ranks' devices
+    (what "alltoallv" dispatch needs before it can size its messages); 0 for one rank."""
+    if num_ranks < 2:
+        return 0.0
+    return model.cluster.collective_time_s("allgather", num_ranks * num_experts * COUNT_BYTES,
+                                           [int(d) for d in rank_device])
+
+
+def _sync_time_D(plan: ExpertPlan, num_experts: int, model: CostModel) -> np.ndarray:
+    """Seconds each device spends all-reducing replicated experts' gradients: float64 [D]."""
+    sync = np.zeros(model.cluster.num_devices)
+    if not model.sync_replica_grads:
+        return sync
+    for e in np.flatnonzero(plan.replica_counts(num_experts) > 1):
+        devices = np.unique(plan.slot_device[plan.replicas_of(int(e))])
+        if devices.size > 1:
+            sync[devices] += model.cluster.collective_time_s("allreduce", model.grad_bytes,
+                                                             devices.tolist())
+    return sync
+
+
+def _dispatch(plan: ExpertPlan, counts_RE: np.ndarray, model: CostModel, rd: np.ndarray):
+    """(assigned_RS, dropped, sent_DD rows, exchange seconds) of one step."""
+    dpn, num_devices = model.cluster.devices_per_node, model.cluster.num_devices
+    if plan.dispatch == "static":
+        if not np.isin(plan.slot_device, rd).all():
+            raise ValueError(f"a 'static' plan must keep its slots on the ranks' devices "
+                             f"{sorted(rd.tolist())}, but got {sorted(set(plan.slot_device))}.")
+        rows_RS = source_rows(plan, counts_RE.shape[1], rd, dpn, plan.rank_share)
+        assigned_RS, dropped = static_assignments(plan, counts_RE, rows_RS, rd, dpn)
+        sent_DD = device_matrix(rows_RS, rd, plan.slot_device, num_devices)
+        if model.static_blocks == "equal":
+            sent_DD[np.ix_(rd, rd)] = sent_DD.max()            # C_send rows, every pair
+        return assigned_RS, dropped, sent_DD, 0.0
+    assigned_RS, dropped = split_tokens(plan, counts_RE, rd, dpn)
+    sent_DD = device_matrix(assigned_RS, rd, plan.slot_device, num_devices)
+    return assigned_RS, dropped, sent_DD, count_exchange_time_s(*counts_RE.shape, model, rd)
+
+
+def layer_cost(plan: ExpertPlan, counts_RE: np.ndarray, model: CostModel,
+               rank_device: Optional[Sequence[int]] = None) -> LayerCost:
+    """Analytic cost of one training step of one MoE layer under ``plan`` (module docstring).
+
+    counts_RE: int [R, E] tokens each source rank routes to each expert.
+    rank_device: int [R] device of each rank; default rank r on device r.
+    """
+    counts_RE = np.rint(np.asarray(counts_RE, dtype=np.float64)).astype(np.int64)
+    cluster = model.cluster
+    rd = check_rank_device(rank_device, counts_RE.shape[0], cluster)
+    num_devices = cluster.num_devices
+    # Step 1: dispatch rows between devices [D, D], and the count exchange
+    assigned_RS, dropped, sent_DD, exchange = _dispatch(plan, counts_RE, model, rd)
+    a2a = model.a2a_passes * uneven_alltoall_time_s(sent_DD * model.bytes_per_token, cluster)
+    # Step 2: expert compute on padded capacities, and replica gradient sync
+    rows_D = np.bincount(plan.slot_device, weights=plan.slot_capacity, minlength=num_devices)
+    compute = float(rows_D.max()) * model.row_time_s
+    sync = float(_sync_time_D(plan, counts_RE.shape[1], model).max())
+    tokens_D = np.bincount(plan.slot_device, weights=assigned_RS.sum(axis=0),
+                           minlength=num_devices)
+    return LayerCost(time_s=exchange + a2a + compute + sync, exchange_time_s=exchange,
+                     a2a_time_s=a2a, compute_time_s=compute, sync_time_s=sync,
+                     tokens_D=tokens_D, rows_D=rows_D, assigned=int(assigned_RS.sum()),
+                     dropped=int(dropped))
+
+
+def event_step_time_s(plan: ExpertPlan, counts_RE: np.ndarray, model: CostModel,
+                      rank_device: Optional[Sequence[int]] = None) -> float:
+    """One layer's training step on the shared event simulator, seconds.
+
+    Phases, each waiting for the previous one to end on every device: count exchange
+    ("alltoallv" plans), forward dispatch All-to-All, forward expert compute, forward combine,
+    backward combine-gradient All-to-All, backward compute (2x), backward dispatch-gradient
+    All-to-All, replica gradient sync. Every message of an All-to-All is a transfer on the
+    sender's transmit resource and one on the receiver's receive resource (per link kind,
+    intra- or inter-node), so messages of one kind serialize per device; a replica group's
+    all-reduce occupies each member's sync resource. Equal to :func:`layer_cost` ``.time_s``
+    (tests check it); slower, for validation.
+    """
+    cluster = model.cluster
+    counts = np.rint(np.asarray(counts_RE, dtype=np.float64)).astype(np.int64)
+    rd = check_rank_device(rank_device, counts.shape[0], cluster)
+    _, _, sent_DD, exchange = _dispatch(plan, counts, model, rd)
+    bytes_DD = sent_DD * model.bytes_per_token
+    num_devices = cluster.num_devices
+    rows_D = np.bincount(plan.slot_device, weights=plan.slot_capacity, minlength=num_devices)
+    sim = Simulator()
+    prev: List[int] = []
+
+    def a2a(tag: str, b: np.ndarray) -> List[int]:
+        ids = []
+        for i, j in zip(*np.nonzero(b)):
+            if i == j:
+                continue
+            kind, link = (("hccs", cluster.intra_link) if cluster.node_of(int(i)) ==
+                          cluster.node_of(int(j)) else ("nic", cluster.inter_link))
+            for side, dev in (("tx", i), ("rx", j)):
+                ids.append(sim.add_transfer(f"{tag}.{side}.{i}->{j}", f"dev{dev}.{kind}_{side}",
+                                            float(b[i, j]), link.latency_s, link.bandwidth_Bps,
+                                            deps=prev))
+        return ids
+
+    def barrier(tag: str, ids: List[int]) -> List[int]:
+        return [sim.add_event(f"{tag}.done", deps=ids or prev)]
+
+    def compute(tag: str, passes: float) -> List[int]:
+        return [sim.add_task(f"{tag}.dev{d}", f"dev{d}.compute",
+                             rows_D[d] * passes * model.row_time_s / model.compute_passes,
+                             deps=prev) for d in range(num_devices)]
+
+    def counts_exchange() -> List[int]:
+        return [sim.add_task(f"counts.dev{d}", f"dev{d}.sync", exchange, deps=prev)
+                for d in rd] if exchange > 0 else []
+
+    prev = barrier("start", [])
+    for tag, work in (("counts", counts_exchange),
+                      ("fwd.dispatch", lambda: a2a("fwd.dispatch", bytes_DD)),
+                      ("fwd.compute", lambda: compute("fwd.compute", 1.0)),
+                      ("fwd.combine", lambda: a2a("fwd.combine", bytes_DD.T)),
+                      ("bwd.combine", lambda: a2a("bwd.combine", bytes_DD)),
+                      ("bwd.compute", lambda: compute("bwd.compute", model.compute_passes - 1)),
+                      ("bwd.dispatch", lambda: a2a("bwd.dispatch", bytes_DD.T))):
+        prev = barrier(tag, work())
+    sync_ids = []
+    if model.sync_replica_grads:
+        for e in np.flatnonzero(plan.replica_counts(counts.shape[1]) > 1):
+            devices = np.unique(plan.slot_device[plan.replicas_of(int(e))])
+            if devices.size > 1:
+                t = cluster.collective_time_s("allreduce", model.grad_bytes, devices.tolist())
+                sync_ids += [sim.add_task(f"sync.e{e}.dev{d}", f"dev{d}.sync", t, deps=prev)
+                             for d in devices]
+    barrier("sync", sync_ids)
+    return sim.run().makespan_s

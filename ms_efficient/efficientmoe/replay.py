@@ -1,0 +1,436 @@
+"""Replay a routing trace step by step under an expert-planning method on a simulated cluster.
+
+One source rank per device (rank r on device r); experts live on the ranks' devices only (a
+4-rank trace on an 8-chip node uses 4 chips). Each row of the trace is one training step's
+routing (``counts[t, layer, rank, expert]``); rows may be sampled every ``stride`` training
+steps (from the trace's ``steps``, default 1). For every row from ``warmup`` on, each MoE
+layer is costed by :func:`ms_efficient.efficientmoe.cost.layer_cost` (All-to-All dispatch and
+combine, forward and backward; expert compute on padded capacities; replica gradient sync),
+which :func:`ms_efficient.efficientmoe.cost.event_step_time_s` re-derives on the shared event
+simulator (tested equal).
+
+Methods (labels of issue 4), each run the way the system itself runs. Every method but
+FasterMoE is a static graph, i.e. the package's expert-parallel layer (``ep_layer``) with that
+method's plan: every rank owns fixed rows of every slot, drops its overflow, and sends its rows
+full or empty (``dispatch="static"``, see :mod:`ms_efficient.moe.plan`; ``static_blocks``):
+    efficientmoe     our predictor (ar-ridge) + scheduler + per-rank, per-slot capacities,
+                     re-planned through :func:`ms_efficient.efficientmoe.schedule.decide_replan`;
+                     layers whose loads cannot be forecast yet are planned dropless.
+    switch-cf1.0/1.25/2.0, dropless-static   GShard / Switch: uniform placement, equal
+                     per-rank capacity in every expert, never re-planned (see :mod:`baselines`).
+    eplb-ema, mindspeed-greedy   their placement policies fed by an EMA predictor, one
+                     capacity for all slots, re-planned by the same rule as ours.
+    fastermoe        per-step shadowing from the step's actual counts (its design), plus the
+                     per-step weight broadcast; dynamic shapes: count exchange, then only the
+                     routed tokens; no padding, no drops, no compile cost.
+    oracle           our scheduler with the true counts of each step, exact capacities, and
+                     free re-planning every step (a reference, not a reachable system).
+    oracle-static    ours with perfect foresight and nothing else changed: a static graph,
+                     re-planned by the same checks and the same rule at the same cost, whose
+                     planner is given the true counts of the rows each candidate plan would
+                     serve (their mean as the forecast, their deviations from it as the
+                     error samples) instead of forecasts. The gap between it and
+                     efficientmoe is what forecasting costs; the gap between it and oracle
+                     is what static shapes cost.
+
+Re-plan checks happen every ``check_every_steps`` training steps, and as soon as the current
+plan dropped more than 1 % of the tokens over ``monitor_steps`` (the drop monitor, what the
+trainer sees from the layer's drop counter). At a check our scheduler sizes candidate plans
+for lifetimes of 1, 2, 4 or 8 check intervals and keeps the one with the least amortised step
+time (:func:`ms_efficient.efficientmoe.schedule.choose_horizon`); the baselines
+plan for one interval. Every method starts from a plan made at row ``warmup`` (its first
+compilation, not charged); an adopted re-plan costs migration + recompilation, amortised over
+the training steps the replay covers:
+    iteration_time_s = mean step time + total re-plan seconds / (rows * stride).
+The oracle re-plans every row for free.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ms_efficient.core.cluster import PRESETS, ClusterSpec, get_cluster
+from ms_efficient.efficientmoe import baselines
+from ms_efficient.efficientmoe.capacity import expected_expert_drop_rate
+from ms_efficient.efficientmoe.cost import CostModel, layer_cost
+from ms_efficient.efficientmoe.placement import (PlacementConfig, default_slots_per_device,
+                                                 plan_layer)
+from ms_efficient.efficientmoe.predictor import (EMA, FLOOR_FRACTION, PerRank, error_floor,
+                                                 get_predictor, predict_counts, relative_residuals)
+from ms_efficient.efficientmoe.schedule import (DropMonitor, ReplanCosts, choose_horizon,
+                                                decide_replan, migration_time_s)
+from ms_efficient.moe.plan import ExpertPlan
+from ms_efficient.moe.split import source_rows
+from ms_efficient.moe.trace import RoutingTrace
+
+__all__ = ["METHODS", "ReplayConfig", "ReplayResult", "cluster_for_ranks", "check_trace_fits",
+           "replay", "plan_trace"]
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("efficientmoe", "switch-cf1.0", "switch-cf1.25", "switch-cf2.0", "dropless-static",
+           "fastermoe", "eplb-ema", "mindspeed-greedy", "oracle", "oracle-static")
+_ADAPTIVE = {"efficientmoe", "eplb-ema", "mindspeed-greedy", "oracle-static"}
+_OURS = {"efficientmoe", "oracle-static"}     # our placement + capacity planner
+HORIZON_MULTIPLES = (1, 2, 4, 8)  # plan lifetimes our scheduler considers, in check intervals
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """Replay and planner settings (units in the names).
+
+    slots_per_device: expert slots per device (None: ceil(E / D) + 1, one spare for replicas).
+    capacity_multiple: capacity rounding, tokens (Ascend cube tile: 16).
+    drop_target: expected drop rate the capacity model aims at.
+    warmup: rows used as history only before metrics start (>= 2).
+    residual_window: forecast-error origins the capacity model looks at.
+    check_every_steps: training steps between re-plan checks, also the re-plan horizon.
+    monitor_steps: the drop monitor forces a check when the current plan dropped more than
+        ReplanCosts.max_drop_rate of the tokens over at least this many training steps.
+    hidden: H (None: the trace's ``hidden``, else 1024). ffn_hidden: F (None: 4 H).
+    dtype: activation/weight dtype. predictor: our load predictor's name.
+    recompile_s: seconds to recompile after a plan change (see ReplanCosts).
+    max_forecast_error: our planner treats a layer as unpredictable, and plans it dropless
+        (every slot sized for all tokens of a step), while the root mean square of its recent
+        one-step relative forecast errors is above this. 0.5 sits between the demo run's
+        first 50 steps (one-step MAPE 35-100 %: experts go from 0 to 2000 tokens within a
+        few steps) and its steady state or the synthetic traces (MAPE 6-10 %).
+    static_blocks: how static-graph methods send the rows each rank owns (CostModel): "exact"
+        (an AlltoAllV with compile-time per-peer counts, as ms_efficient.moe.ep_layer does)
+        or "equal" (an equal-split AlltoAll padded to the largest block).
+    sync_replica_grads: charge the all-reduce of replicated experts' gradients (False: assume
+        it is hidden behind other layers' backward).
+    """
+
+    slots_per_device: Optional[int] = None
+    capacity_multiple: int = 16
+    drop_target: float = 0.005
+    warmup: int = 16
+    residual_window: int = 8
+    check_every_steps: int = 200
+    monitor_steps: int = 20
+    hidden: Optional[int] = None
+    ffn_hidden: Optional[int] = None
+    dtype: str = "bf16"
+    predictor: str = "ar-ridge"
+    recompile_s: float = 1.2
+    max_forecast_error: float = 0.5
+    static_blocks: str = "exact"
+    sync_replica_grads: bool = True
+
+
+@dataclass
+class ReplayResult:
+    """Metrics of one method on one trace (seconds; fractions in [0, 1]).
+
+    iteration_time_s: mean MoE time of a training step (all layers, fwd + bwd) plus amortised
+        re-planning. a2a_time_s: its All-to-All part (routing-count exchange included).
+        max_over_mean_load: tokens of the busiest device over the mean, averaged over layers
+        and steps. padding_fraction: computed slot rows that held no token / computed slot
+        rows. drop_rate: dropped / routed tokens. replans: adopted re-plans, forced_replans
+        of them adopted for their drops rather than their gain (see decide_replan).
+    """
+
+    method: str
+    iteration_time_s: float
+    a2a_time_s: float
+    max_over_mean_load: float
+    padding_fraction: float
+    drop_rate: float
+    replans: int = 0
+    replan_overhead_s: float = 0.0
+    forced_replans: int = 0
+    step_time_s: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+
+    def metrics(self) -> Dict[str, float]:
+        """The issue-4 metric fields plus re-plan figures, JSON-ready."""
+        return {"iteration_time_s": self.iteration_time_s, "a2a_time_s": self.a2a_time_s,
+                "max_over_mean_load": self.max_over_mean_load,
+                "padding_fraction": self.padding_fraction, "drop_rate": self.drop_rate,
+                "replans": self.replans, "forced_replans": self.forced_replans,
+                "replan_overhead_s": self.replan_overhead_s}
+
+
+def cluster_for_ranks(num_ranks: int) -> ClusterSpec:
+    """ceil(R / 8) Ascend 910B nodes of 8 devices (a preset when one matches)."""
+    nodes = max(1, -(-num_ranks // 8))
+    name = f"ascend910b-{nodes}x8"
+    if name in PRESETS:
+        return PRESETS[name]
+    return get_cluster("ascend910b-1x8").with_overrides(nodes=nodes, name=name)
+
+
+def check_trace_fits(trace: RoutingTrace, cluster: ClusterSpec) -> None:
+    """ValueError when the trace has more source ranks than the cluster has devices."""
+    if trace.num_ranks > cluster.num_devices:
+        raise ValueError(f"trace has {trace.num_ranks} source ranks but cluster "
+                         f"'{cluster.name}' has {cluster.num_devices} devices (one rank per "
+                         f"device); use a cluster with >= {trace.num_ranks} devices.")
+
+
+def _stride(trace: RoutingTrace) -> int:
+    if trace.steps is None or trace.num_steps < 2:
+        return 1
+    diffs = np.diff(trace.steps)
+    if (diffs < 1).any():
+        raise ValueError("trace 'steps' must be strictly increasing.")
+    return int(np.median(diffs))
+
+
+def _deviations(rows: np.ndarray):
+    """(mean over rows [L, ...], relative deviations of every row from it [h, L, ...]) of
+    ``rows`` [h, L, ...], relative to max(mean, floor), floor = max(1, FLOOR_FRACTION x the
+    layer's mean entry), as :func:`predictor.relative_residuals` floors."""
+    future = np.asarray(rows, dtype=np.float64)
+    mean = future.mean(axis=0)
+    layers = mean.shape[0]
+    floor = error_floor(mean.reshape(layers, -1), FLOOR_FRACTION)             # [L, 1]
+    return mean, (future - mean) / np.maximum(mean, floor.reshape(
+        (layers,) + (1,) * (mean.ndim - 1)))
+
+
+class _Context:
+    """Everything a method needs to plan one row: the trace, cost model and settings."""
+
+    def __init__(self, trace: RoutingTrace, cluster: ClusterSpec, config: ReplayConfig):
+        if config.warmup < 2 or config.warmup >= trace.num_steps:
+            raise ValueError(f"'warmup' must be in [2, {trace.num_steps - 1}] for a "
+                             f"{trace.num_steps}-row trace, but got {config.warmup}.")
+        self.trace, self.cluster, self.config = trace, cluster, config
+        hidden = config.hidden or trace.hidden or 1024
+        self.model = CostModel(cluster, hidden, config.ffn_hidden or 4 * hidden, config.dtype,
+                               sync_replica_grads=config.sync_replica_grads,
+                               static_blocks=config.static_blocks)
+        self.rank_device = np.arange(trace.num_ranks)
+        slots = config.slots_per_device or default_slots_per_device(trace.num_experts,
+                                                                    trace.num_ranks)
+        self.placement = PlacementConfig(slots, config.capacity_multiple, config.drop_target)
+        self.stride = _stride(trace)
+        self.check_rows = max(1, round(config.check_every_steps / self.stride))
+        self.monitor_rows = max(1, round(config.monitor_steps / self.stride))
+        self.costs = ReplanCosts(recompile_s=config.recompile_s,
+                                 horizon_steps=self.check_rows * self.stride)
+        self.load = trace.expert_load()                                      # [T, L, E]
+        self.top_k = trace.top_k
+        # assignments (tokens x top_k) each rank routes per step, and tokens per step over
+        # all ranks: no expert can receive more than the latter (None: unknown)
+        per_rank = trace.counts.sum(axis=3)                                    # [T, L, R]
+        if trace.tokens_per_rank and trace.top_k:
+            self.assignments_per_rank = trace.tokens_per_rank * trace.top_k
+            self.tokens_per_step: Optional[int] = trace.tokens_per_rank * trace.num_ranks
+        else:
+            self.assignments_per_rank = int(round(per_rank.mean()))
+            self.tokens_per_step = (int(per_rank.sum(axis=2).max()) // trace.top_k
+                                    if trace.top_k else None)
+
+    def predicted(self, t: int, method: str, horizon_rows: int):
+        """(predicted counts [L, R, E] for row t, relative errors of those per-rank forecasts
+        [K, L, R, E] over the next ``horizon_rows`` rows) from rows < t; for oracle-static
+        from the true rows [t, t + horizon_rows) instead (:meth:`foresight`)."""
+        if method == "oracle-static":
+            return self.foresight(t, horizon_rows)
+        predictor = self._predictor(method)
+        counts = self.trace.counts[:t]
+        pred = predict_counts(counts, predictor)
+        steps, layers, ranks, experts = counts.shape
+        rel = relative_residuals(counts.reshape(steps, layers, ranks * experts),
+                                 PerRank(predictor, ranks), self.config.residual_window,
+                                 horizon_rows)
+        return pred, rel.reshape(-1, layers, ranks, experts)
+
+    def foresight(self, t: int, horizon_rows: int):
+        """Perfect foresight in the form of a forecast: (mean true counts [L, R, E] of rows
+        [t, t + h), their relative deviations from that mean [h, L, R, E]), relative to the
+        same floored mean as :func:`predictor.relative_residuals` (h is cut
+        at the end of the trace)."""
+        return _deviations(self.trace.counts[t:t + horizon_rows])
+
+    def adaptive_plans(self, method: str, t: int, horizon_rows: Optional[int] = None):
+        """(plans per layer, predicted counts [L, R, E], residuals [K, L, R, E]) at row t, with
+        capacities sized for ``horizon_rows`` rows (default: until the next check)."""
+        pred, rel = self.predicted(t, method, horizon_rows or self.check_rows)
+        unpredictable = (self.unpredictable_layers(t, method) if method in _OURS else
+                         np.zeros(self.trace.num_layers, dtype=bool))
+        plans = []
+        for layer in range(self.trace.num_layers):
+            args = (pred[layer], rel[:, layer], self.model, self.placement, self.rank_device)
+            sizes = {"top_k": self.top_k, "tokens_per_step": self.tokens_per_step}
+            if method in _OURS:
+                plans.append(plan_layer(pred[layer], self.model, self.placement,
+                                        self.rank_device, rel[:, layer], **sizes,
+                                        dropless=bool(unpredictable[layer])))
+            elif method == "eplb-ema":
+                plans.append(baselines.eplb_plan(*args, **sizes))
+            else:
+                plans.append(baselines.greedy_plan(*args, **sizes))
+        return plans, pred, rel
+
+    def unpredictable_layers(self, t: int, method: str = "efficientmoe") -> np.ndarray:
+        """bool [L]: layers whose recent one-step forecast errors (rms, relative) exceed
+        ``max_forecast_error`` at row t; never when there is no forecast error yet or the
+        token count per step is unknown (no dropless size). For oracle-static the same test
+        on the true expert loads of the coming check interval, relative to their mean: a
+        layer whose loads swing that much within one plan's life is planned dropless by an
+        oracle too (a static plan sized for it would be re-planned by the drop monitor)."""
+        if method == "oracle-static":
+            _, rel = _deviations(self.load[t:t + self.check_rows])             # [h, L, E]
+        else:
+            rel = relative_residuals(self.load[:t], get_predictor(self.config.predictor),
+                                     self.config.residual_window, 1)
+        if rel.shape[0] == 0 or not self.tokens_per_step:
+            return np.zeros(self.trace.num_layers, dtype=bool)
+        return np.sqrt(np.mean(rel ** 2, axis=(0, 2))) > self.config.max_forecast_error
+
+    def _predictor(self, method: str):
+        return get_predictor(self.config.predictor) if method in _OURS else EMA()
+
+    def propose(self, method: str, t: int, current: Optional[List[ExpertPlan]]):
+        """Candidate plans at row t: (plans, predicted counts [L, R, E], horizon_steps).
+
+        Ours considers plan lifetimes of HORIZON_MULTIPLES check intervals and keeps the one
+        with the least amortised step time
+        (:func:`schedule.choose_horizon`); baselines plan for one interval.
+        """
+        if method not in _OURS:
+            plans, pred, _ = self.adaptive_plans(method, t)
+            return plans, pred, self.costs.horizon_steps
+        options = []
+        for mult in HORIZON_MULTIPLES:
+            rows = mult * self.check_rows
+            plans, pred, _ = self.adaptive_plans(method, t, rows)
+            step = sum(c.time_s for c in self.step_cost(plans, pred))
+            moved = 0.0 if current is None else migration_time_s(
+                current, plans, self.model, self.costs.bytes_per_param)
+            options.append((plans, pred, rows * self.stride, step, moved))
+        best = choose_horizon([o[3] for o in options], [o[4] for o in options],
+                              [o[2] for o in options], self.costs.recompile_s)
+        return options[best][:3]
+
+    def check(self, method: str, t: int, current: List[ExpertPlan],
+              observed_drop_rate: Optional[float] = None):
+        """Re-plan check at row t: (ReplanDecision, candidate plans). ``observed_drop_rate``:
+        the current plan's drop rate since the last check, when the drop monitor fired."""
+        candidate, pred, horizon = self.propose(method, t, current)
+        _, rel_next = self.predicted(t, method, self.check_rows)
+        costs = ReplanCosts(self.costs.recompile_s, self.costs.bytes_per_param, horizon,
+                            self.costs.max_drop_rate)
+        decision = decide_replan(sum(c.time_s for c in self.step_cost(current, pred)),
+                                 sum(c.time_s for c in self.step_cost(candidate, pred)),
+                                 current, candidate, self.model, costs,
+                                 self.expected_drop_rate(current, pred, rel_next),
+                                 observed_drop_rate)
+        return decision, candidate
+
+    def expected_drop_rate(self, plans: Sequence[ExpertPlan], pred: np.ndarray,
+                           rel: np.ndarray) -> float:
+        """Expected drop rate of static ``plans`` over the coming rows, rank by rank (each rank
+        drops what exceeds the rows it owns of an expert; mean over layers).
+        pred: [L, R, E] forecast; rel: [K, L, R, E] relative errors."""
+        num_ranks, num_experts = self.trace.num_ranks, self.trace.num_experts
+        per_rank = self.tokens_per_step / num_ranks if self.tokens_per_step else None
+        rates = []
+        for layer, plan in enumerate(plans):
+            rows_RS = source_rows(plan, num_experts, self.rank_device,
+                                  self.cluster.devices_per_node, plan.rank_share)
+            owned_RE = np.zeros((num_ranks, num_experts))
+            np.add.at(owned_RE, (slice(None), plan.slot_expert), rows_RS)
+            rates.append(expected_expert_drop_rate(
+                owned_RE.ravel(), pred[layer].ravel(),
+                rel[:, layer].reshape(rel.shape[0], -1), per_rank))
+        return float(np.mean(rates))
+
+    def static_plans(self, method: str) -> List[ExpertPlan]:
+        num_experts, num_ranks = self.trace.num_experts, self.trace.num_ranks
+        if method.startswith("switch-cf"):
+            cf = float(method[len("switch-cf"):])
+            plan = baselines.switch_plan(num_experts, self.rank_device, num_ranks,
+                                         self.assignments_per_rank, cf, self.top_k)
+            return [plan] * self.trace.num_layers
+        return [baselines.dropless_static_plan(self.trace.counts[:, layer], self.rank_device,
+                                               self.top_k)
+                for layer in range(self.trace.num_layers)]
+
+    def step_cost(self, plans: Sequence[ExpertPlan], counts_LRE: np.ndarray):
+        return [layer_cost(p, c, self.model, self.rank_device) for p, c in zip(plans, counts_LRE)]
+
+
+def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = None,
+           config: ReplayConfig = ReplayConfig()) -> ReplayResult:
+    """Replay ``trace`` under ``method`` (one of METHODS) on ``cluster`` (default:
+    :func:`cluster_for_ranks`); returns the metrics over rows [warmup, T)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {list(METHODS)}, but got {method!r}.")
+    cluster = cluster or cluster_for_ranks(trace.num_ranks)
+    check_trace_fits(trace, cluster)
+    ctx = _Context(trace, cluster, config)
+    counts = trace.counts
+    plans: List[ExpertPlan] = []
+    if method.startswith("switch-cf") or method == "dropless-static":
+        plans = ctx.static_plans(method)
+    step_times, a2a_times, imbalance = [], [], []
+    rows = computed = assigned = dropped = 0
+    replans, forced, overhead = 0, 0, 0.0
+    monitor = DropMonitor(ctx.monitor_rows, ctx.costs.max_drop_rate)
+
+    def due(t: int) -> bool:                         # periodic re-plan check
+        return (t - config.warmup) % ctx.check_rows == 0
+    for t in range(config.warmup, trace.num_steps):
+        extra_s = 0.0
+        if method == "oracle":
+            plans = [baselines.oracle_plan(counts[t, layer], ctx.model, ctx.placement,
+                                           ctx.rank_device, ctx.top_k, ctx.tokens_per_step)
+                     for layer in range(trace.num_layers)]
+        elif method == "fastermoe":
+            made = [baselines.fastermoe_plan(counts[t, layer], ctx.model,
+                                             ctx.placement.slots_per_device, ctx.rank_device)
+                    for layer in range(trace.num_layers)]
+            plans = [p for p, _ in made]
+            extra_s = sum(b for _, b in made)
+        elif method in _ADAPTIVE and t == config.warmup:
+            plans = ctx.propose(method, t, None)[0]               # first compile: not charged
+        elif method in _ADAPTIVE and (due(t) or monitor.fired()):
+            decision, candidate = ctx.check(method, t, plans,
+                                            monitor.rate() if monitor.fired() else None)
+            monitor.reset()
+            if decision.replan:
+                plans = candidate
+                replans += 1
+                forced += int(decision.forced)
+                overhead += decision.cost_s
+        costs = ctx.step_cost(plans, counts[t])
+        step_times.append(sum(c.time_s for c in costs) + extra_s)
+        a2a_times.append(sum(c.a2a_time_s + c.exchange_time_s for c in costs))
+        hosted = [c.tokens_D[ctx.rank_device] for c in costs]        # chips of the job only
+        imbalance.extend(tok.max() / max(tok.mean(), 1e-12) for tok in hosted)
+        computed += sum(int(c.rows_D.sum()) for c in costs)
+        assigned += sum(c.assigned for c in costs)
+        dropped += sum(c.dropped for c in costs)
+        monitor.record(sum(c.dropped for c in costs), int(counts[t].sum()))
+        rows += 1
+    routed = int(counts[config.warmup:].sum())
+    return ReplayResult(
+        method=method,
+        iteration_time_s=float(np.mean(step_times)) + overhead / (rows * ctx.stride),
+        a2a_time_s=float(np.mean(a2a_times)),
+        max_over_mean_load=float(np.mean(imbalance)),
+        padding_fraction=(computed - assigned) / computed if computed else 0.0,
+        drop_rate=dropped / routed if routed else 0.0,
+        replans=replans, replan_overhead_s=overhead, forced_replans=forced,
+        step_time_s=np.array(step_times))
+
+
+def plan_trace(trace: RoutingTrace, cluster: Optional[ClusterSpec] = None,
+               config: ReplayConfig = ReplayConfig()) -> List[ExpertPlan]:
+    """EfficientMoE plans (one per layer) for the step after the trace's last row: what
+    ``ms-efficient plan moe`` writes. Needs a trace of >= 2 rows."""
+    cluster = cluster or cluster_for_ranks(trace.num_ranks)
+    check_trace_fits(trace, cluster)
+    if trace.num_steps < 2:
+        raise ValueError(f"planning needs a trace of >= 2 steps, but got {trace.num_steps}.")
+    ctx = _Context(trace, cluster, dataclasses.replace(
+        config, warmup=min(max(2, config.warmup), trace.num_steps - 1)))
+    return ctx.propose("efficientmoe", trace.num_steps, None)[0]

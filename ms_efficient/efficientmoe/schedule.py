@@ -1,0 +1,202 @@
+"""Re-plan decision: adopt a new expert plan only when it pays for moving weights and recompiling.
+
+A new plan changes the static graph (slot counts and capacities are compiled shapes) and may
+move expert weights between devices. It is adopted when
+
+    gain_per_step_s * horizon_steps  >  migration_s + recompile_s
+
+gain_per_step_s: predicted step time under the current plan minus under the candidate (both
+    evaluated on the same predicted load, seconds).
+horizon_steps: training steps the new plan is expected to serve (until the next check).
+migration_s: time to copy the weights and optimizer state of every expert copy that is new on
+    its device, over the cluster's links (an uneven all-to-all of those bytes).
+recompile_s: graph compilation of the changed network, seconds.
+
+A candidate is also adopted, whatever the arithmetic says, when the current plan is predicted
+to drop, or was observed dropping, more than ``max_drop_rate`` of the tokens: capacities are
+a correctness matter too.
+
+How long should a plan live? Capacities sized for a longer horizon need more headroom (the
+load drifts further), but recompilation is paid less often. :func:`choose_horizon` picks,
+among candidate plans made for different horizons, the one with the least
+    step_time_s + (migration_s + recompile_s) / horizon_steps.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ms_efficient.efficientmoe.cost import CostModel, uneven_alltoall_time_s
+from ms_efficient.moe.plan import ExpertPlan
+
+__all__ = ["ReplanCosts", "ReplanDecision", "migration_bytes_DD", "migration_time_s",
+           "plans_equal", "decide_replan", "DropMonitor", "choose_horizon"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReplanCosts:
+    """recompile_s: seconds to recompile the graph after a plan change. Default 1.2 s: compiling
+        the forward+backward graph of one MoE layer (H=64, 8 experts, MindSpore 2.10 GRAPH_MODE)
+        measured 0.84-0.97 s on this 2-core CPU build machine; 1.2 s rounds it up. A full model
+        on Ascend compiles for longer: set the measured figure.
+    bytes_per_param: bytes moved per parameter of a migrated expert: bf16 weight (2) + fp32
+        master weight (4) + Adam moments (2 x 4) = 14.
+    horizon_steps: training steps a new plan is expected to serve, >= 1.
+    max_drop_rate: predicted drop rate of the current plan above which a candidate is adopted
+        regardless of cost (None: never forced).
+    """
+
+    recompile_s: float = 1.2
+    bytes_per_param: float = 14.0
+    horizon_steps: int = 200
+    max_drop_rate: Optional[float] = 0.01
+
+    def __post_init__(self) -> None:
+        if self.recompile_s < 0 or self.bytes_per_param < 0 or self.horizon_steps < 1:
+            raise ValueError(f"ReplanCosts needs recompile_s >= 0, bytes_per_param >= 0, "
+                             f"horizon_steps >= 1, but got {self}.")
+
+
+@dataclass(frozen=True)
+class ReplanDecision:
+    """The decision and its figures (seconds, bytes). cost_s = migration_s + recompile_s.
+    forced: adopted for its drops (predicted or observed above max_drop_rate), not its gain."""
+
+    replan: bool
+    reason: str
+    gain_per_step_s: float
+    horizon_steps: int
+    total_gain_s: float
+    migration_bytes: float
+    migration_s: float
+    recompile_s: float
+    forced: bool = False
+
+    @property
+    def cost_s(self) -> float:
+        return self.migration_s + self.recompile_s
+
+
+def migration_bytes_DD(old: Sequence[ExpertPlan], new: Sequence[ExpertPlan], model: CostModel,
+                       bytes_per_param: float) -> np.ndarray:
+    """Bytes to copy between devices to go from plans ``old`` to ``new`` (one per layer):
+    float64 [D, D], [src, dst].
+
+    A copy of expert e on device d in the new plan is free when d held e before; otherwise it
+    is copied from a device that held e, preferring d's node, then the lowest id.
+    """
+    if len(old) != len(new):
+        raise ValueError(f"old and new plans must cover the same layers, but got {len(old)} "
+                         f"and {len(new)}.")
+    num_devices, dpn = model.cluster.num_devices, model.cluster.devices_per_node
+    moved = np.zeros((num_devices, num_devices))
+    nbytes = model.expert_params * bytes_per_param
+    for before, after in zip(old, new):
+        held = {}
+        for e, d in zip(before.slot_expert.tolist(), before.slot_device.tolist()):
+            held.setdefault(e, set()).add(d)
+        for e, d in sorted(set(zip(after.slot_expert.tolist(), after.slot_device.tolist()))):
+            sources = held.get(e, set())
+            if d in sources:
+                continue
+            if not sources:
+                raise ValueError(f"expert {e} has no copy in the old plan to migrate from.")
+            near = sorted(s for s in sources if s // dpn == d // dpn)
+            moved[(near or sorted(sources))[0], d] += nbytes
+    return moved
+
+
+def migration_time_s(old: Sequence[ExpertPlan], new: Sequence[ExpertPlan], model: CostModel,
+                     bytes_per_param: float = 14.0) -> float:
+    """Seconds to migrate expert weights from ``old`` to ``new`` plans (all layers at once)."""
+    return uneven_alltoall_time_s(migration_bytes_DD(old, new, model, bytes_per_param),
+                                  model.cluster)
+
+
+def plans_equal(a: Sequence[ExpertPlan], b: Sequence[ExpertPlan]) -> bool:
+    """True when both plan lists have the same slots, devices and capacities, layer by layer."""
+    return len(a) == len(b) and all(
+        all(np.array_equal(getattr(x, f), getattr(y, f))
+            for f in ("slot_expert", "slot_device", "slot_capacity")) for x, y in zip(a, b))
+
+
+def decide_replan(current_step_s: float, candidate_step_s: float,
+                  current: Sequence[ExpertPlan], candidate: Sequence[ExpertPlan],
+                  model: CostModel, costs: ReplanCosts = ReplanCosts(),
+                  current_drop_rate: Optional[float] = None,
+                  observed_drop_rate: Optional[float] = None) -> ReplanDecision:
+    """Decide whether to switch from ``current`` to ``candidate`` plans (module docstring).
+
+    current_step_s, candidate_step_s: predicted step time of each, seconds, on the same load.
+    current_drop_rate: predicted drop rate of the current plan on that load, in [0, 1].
+    observed_drop_rate: drop rate the current plan actually had on the recent steps (the layer
+        counts drops), in [0, 1]; either rate above ``max_drop_rate`` forces the switch.
+    """
+    gain = current_step_s - candidate_step_s
+    if plans_equal(current, candidate):
+        return ReplanDecision(False, "candidate equals the current plan", gain,
+                              costs.horizon_steps, 0.0, 0.0, 0.0, 0.0)
+    moved = migration_bytes_DD(current, candidate, model, costs.bytes_per_param)
+    migration = uneven_alltoall_time_s(moved, model.cluster)
+    total_gain = gain * costs.horizon_steps
+    cost = migration + costs.recompile_s
+    limit = costs.max_drop_rate
+    over = [(what, rate) for what, rate in (("is predicted to drop", current_drop_rate),
+                                            ("dropped", observed_drop_rate))
+            if limit is not None and rate is not None and rate > limit]
+    forced = bool(over)
+    if forced:
+        reason = f"current plan {over[-1][0]} {over[-1][1]:.2%} > {limit:.2%} of tokens"
+    elif total_gain > cost:
+        reason = f"gain {total_gain:.3g} s over {costs.horizon_steps} steps > cost {cost:.3g} s"
+    else:
+        reason = f"gain {total_gain:.3g} s over {costs.horizon_steps} steps <= cost {cost:.3g} s"
+    decision = ReplanDecision(forced or total_gain > cost, reason, gain, costs.horizon_steps,
+                              total_gain, float(moved.sum()), migration, costs.recompile_s,
+                              forced)
+    logger.debug("replan=%s: %s", decision.replan, reason)
+    return decision
+
+
+class DropMonitor:
+    """Observed drop rate of the current plan, as the trainer sees it (the layer counts
+    dropped tokens): fires when, over at least ``rows`` steps (trace rows) since the last
+    check, more than ``max_rate`` of the routed tokens were dropped; its rate then goes to
+    :func:`decide_replan` as ``observed_drop_rate``. Checks are cheap (host-side numbers),
+    re-plans are not, so the plan is checked as soon as drops show, not at the next period."""
+
+    def __init__(self, rows: int, max_rate: Optional[float]):
+        self.rows, self.max_rate = rows, max_rate
+        self.reset()
+
+    def reset(self) -> None:
+        self.seen, self.dropped, self.routed = 0, 0, 0
+
+    def record(self, dropped: int, routed: int) -> None:
+        self.seen += 1
+        self.dropped += dropped
+        self.routed += routed
+
+    def rate(self) -> float:
+        return self.dropped / self.routed if self.routed else 0.0
+
+    def fired(self) -> bool:
+        return (self.max_rate is not None and self.seen >= self.rows and self.routed > 0
+                and self.dropped > self.max_rate * self.routed)
+
+
+def choose_horizon(step_time_s: Sequence[float], migration_s: Sequence[float],
+                   horizon_steps: Sequence[int], recompile_s: float) -> int:
+    """Index of the candidate with the least amortised step time, seconds:
+    step_time_s[i] + (migration_s[i] + recompile_s) / horizon_steps[i] (ties: first)."""
+    if not len(step_time_s) == len(migration_s) == len(horizon_steps) >= 1:
+        raise ValueError("choose_horizon needs equal-length, non-empty candidate lists.")
+    if min(horizon_steps) < 1:
+        raise ValueError(f"'horizon_steps' must be >= 1, but got {list(horizon_steps)}.")
+    score = [t + (m + recompile_s) / h for t, m, h in zip(step_time_s, migration_s, horizon_steps)]
+    return int(np.argmin(score))

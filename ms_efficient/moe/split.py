@@ -1,0 +1,251 @@
+"""The dispatch rule: how each source rank's tokens are split over an expert's replicas.
+
+Both the planners (cost model, replay) and the expert-parallel layer follow it, so what is
+simulated is what runs. Notation as in :mod:`ms_efficient.moe.plan` (R source ranks, E experts,
+S slots).
+
+- :func:`split_tokens`: per-rank routing counts ``counts_RE`` -> per-slot assignments
+  ``assigned_RS`` and the drop count, for either dispatch mode of a plan;
+- :func:`source_rows`: the rows of every slot each rank owns under ``"static"`` dispatch
+  (fixed before compilation), and :func:`static_assignments`, a step's tokens in those rows;
+- :func:`largest_remainder`, :func:`proportional_split`: the integer splits they use.
+No MindSpore import here.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from ms_efficient.moe.plan import ExpertPlan
+
+__all__ = ["split_tokens", "source_rows", "static_assignments", "largest_remainder",
+           "proportional_split"]
+
+
+def proportional_split(total: int, room: np.ndarray) -> np.ndarray:
+    """Split ``total`` integer tokens over bins in proportion to ``room`` (int [n]), never
+    exceeding a bin's room: floors first, then the leftover one by one to the largest
+    fractional parts (ties: lower index). Requires ``total <= room.sum()``."""
+    room = np.asarray(room, dtype=np.int64)
+    cap = int(room.sum())
+    assert 0 <= total <= cap, (total, cap)
+    if total == 0:
+        return np.zeros_like(room)
+    exact = room * (total / cap)
+    out = np.minimum(np.floor(exact).astype(np.int64), room)
+    left = total - int(out.sum())
+    if left:
+        order = np.lexsort((np.arange(room.size), -(exact - out)))
+        order = order[out[order] < room[order]][:left]
+        out[order] += 1
+    return out
+
+
+def _fill_rank_order(assigned_RS: np.ndarray, ranks: np.ndarray, demand_R: np.ndarray,
+                     slots: np.ndarray, intake_S: np.ndarray) -> None:
+    """Attribute each slot's intake to ranks, ranks and slots in ascending order (the
+    north-west corner rule); updates ``assigned_RS`` and ``demand_R`` in place."""
+    left = intake_S.copy()
+    si = 0
+    for r in ranks:
+        while demand_R[r] > 0 and si < slots.size:
+            take = min(int(demand_R[r]), int(left[si]))
+            assigned_RS[r, slots[si]] += take
+            demand_R[r] -= take
+            left[si] -= take
+            if left[si] == 0:
+                si += 1
+
+
+def largest_remainder(total: int, weights: np.ndarray) -> np.ndarray:
+    """Split ``total`` integers in proportion to ``weights`` (>= 0, float [n]); equal split when
+    every weight is 0. Leftovers go to the largest fractional parts, ties to the lower index."""
+    w = np.asarray(weights, dtype=np.float64)
+    if w.sum() <= 0:
+        w = np.ones_like(w)
+    exact = total * w / w.sum()
+    out = np.floor(exact).astype(np.int64)
+    left = total - int(out.sum())
+    order = np.lexsort((np.arange(w.size), -(exact - out)))
+    out[order[:left]] += 1
+    return out
+
+
+def source_rows(plan: ExpertPlan, num_experts: int, rank_device: Union[int, Sequence[int]],
+                devices_per_node: Optional[int] = None,
+                rank_load_RE: Optional[np.ndarray] = None) -> np.ndarray:
+    """Rows of every slot reserved for every source rank under ``"static"`` dispatch: int64
+    [R, S]; every slot's rows sum to its capacity.
+
+    rank_device: R (rank r on device r, as in the expert-parallel layer) or int [R], the
+        device of each source rank.
+    devices_per_node: devices per node for the same-node tier; None: no node tier.
+    rank_load_RE: optional float [R, E] forecast of the tokens each rank routes to each expert
+        (a plan's ``rank_share``); default: equal shares (the lower ranks take the remainder).
+
+    Step 1: each expert's capacity (summed over its replicas) is shared among the R ranks in
+    proportion to ``rank_load_RE``, largest remainder (ties to the lower rank).
+    Step 2: every rank's share is attributed to the expert's replicas by the count-based rule
+    of :func:`split_tokens` (own device, same node, then by remaining room); the shares add up
+    to the capacities, so every row of every slot is reserved for exactly one rank.
+    """
+    if isinstance(rank_device, (int, np.integer)):
+        plan.validate(num_experts, int(rank_device))
+        rank_device = np.arange(int(rank_device))
+    rank_device = np.asarray(rank_device, dtype=np.int64)
+    num_ranks = rank_device.size
+    total_E = np.bincount(plan.slot_expert, weights=plan.slot_capacity,
+                          minlength=num_experts).astype(np.int64)
+    if rank_load_RE is None:
+        weights = np.ones((num_ranks, num_experts))
+    else:
+        weights = np.asarray(rank_load_RE, dtype=np.float64)
+        if weights.shape != (num_ranks, num_experts):
+            raise ValueError(f"'rank_load_RE' must have shape {(num_ranks, num_experts)}, but "
+                             f"got {weights.shape}.")
+        if not np.all(np.isfinite(weights)) or (weights < 0).any():
+            raise ValueError("'rank_load_RE' must be finite and >= 0.")
+    # Step 1: largest remainder, all experts at once (as largest_remainder column by column)
+    w = np.where(weights.sum(axis=0) > 0, weights, 1.0)
+    exact = total_E * w / w.sum(axis=0)
+    share_RE = np.floor(exact).astype(np.int64)
+    left = total_E - share_RE.sum(axis=0)
+    rank_of = np.lexsort((np.broadcast_to(np.arange(num_ranks)[:, None], w.shape),
+                          -(exact - share_RE)), axis=0)                  # per column
+    share_RE[rank_of, np.arange(num_experts)[None, :]] += (
+        np.arange(num_ranks)[:, None] < left[None, :])
+    # Step 2: shares to replicas by the count-based rule (a plain copy of the slots)
+    counted = ExpertPlan(plan.slot_expert, plan.slot_device, plan.slot_capacity)
+    rows_RS, dropped = split_tokens(counted, share_RE, rank_device, devices_per_node)
+    assert dropped == 0 and np.array_equal(rows_RS.sum(axis=0), plan.slot_capacity)
+    return rows_RS
+
+
+def static_assignments(plan: ExpertPlan, counts_RE: np.ndarray, rows_RS: np.ndarray,
+                       rank_device: np.ndarray,
+                       devices_per_node: Optional[int]) -> Tuple[np.ndarray, int]:
+    """:func:`split_tokens` for ``"static"`` dispatch, given the rows each rank owns
+    (``rows_RS``, :func:`source_rows`): rank r's tokens for e fill its rows in e's
+    replicas in spill order (own device, same node, others; then slot id); the rest drop.
+    Returns (assigned_RS int64 [R, S], dropped)."""
+    counts_RE = np.asarray(counts_RE, dtype=np.int64)
+    rank_device = np.asarray(rank_device, dtype=np.int64)
+    replicas = plan.replica_counts(counts_RE.shape[1])
+    single = replicas[plan.slot_expert] == 1
+    assigned_RS = np.zeros_like(rows_RS)
+    assigned_RS[:, single] = np.minimum(counts_RE[:, plan.slot_expert[single]],
+                                        rows_RS[:, single])
+    dpn = devices_per_node or (int(max(plan.slot_device.max(), rank_device.max())) + 1)
+    for e in np.flatnonzero(replicas > 1):
+        slots = plan.replicas_of(int(e))                                     # ascending
+        dev = plan.slot_device[slots][None, :]
+        tier = np.where(dev == rank_device[:, None], 0,
+                        np.where(dev // dpn == rank_device[:, None] // dpn, 1, 2))   # [R, n]
+        order = np.argsort(tier * slots.size + np.arange(slots.size), axis=1)  # spill order
+        rows = np.take_along_axis(rows_RS[:, slots], order, axis=1)
+        before = np.cumsum(rows, axis=1) - rows
+        kept = np.clip(counts_RE[:, [e]] - before, 0, rows)
+        block = np.zeros_like(kept)
+        np.put_along_axis(block, order, kept, axis=1)
+        assigned_RS[:, slots] = block
+    return assigned_RS, int(counts_RE.sum() - assigned_RS.sum())
+
+
+def split_tokens(plan: ExpertPlan, counts_RE: np.ndarray, rank_device: Sequence[int],
+                 devices_per_node: Optional[int] = None) -> Tuple[np.ndarray, int]:
+    """Assign every rank's tokens to the slots of their expert; count drops.
+
+    plan: the layer's ExpertPlan (capacities are hard limits).
+    counts_RE: int [R, E], tokens rank r routes to expert e this step (top-k counted k times).
+    rank_device: int [R], device of each source rank.
+    devices_per_node: devices per node (node of device d = d // devices_per_node); None: no
+        node tier (every other device is equally far).
+
+    Returns ``(assigned_RS, dropped)``: int64 [R, S] tokens of rank r computed by slot s, and
+    the number of tokens no slot had room for.
+
+    ``"static"`` plans: each rank fills the rows it owns (:func:`source_rows`) in spill
+    order and drops the rest. ``"alltoallv"`` plans, the rule per expert, in three tiers;
+    each tier only uses room left by the previous one:
+      1. own device: a rank's tokens go to the expert's replica(s) on its own device;
+      2. same node: what is left goes to replicas on the rank's node;
+      3. anywhere: what is left goes to any replica with room.
+    Within tiers 2 and 3 the tokens that fit are split over the candidate replicas in
+    proportion to their remaining room (largest remainder rounding), so every replica ends the
+    tier with the same fraction of its room left: with capacities sized to predicted loads this
+    balances the replicas. When a tier cannot take all tokens, lower-numbered ranks are served
+    first (the receiver concatenates its buffers by source rank). Tokens beyond all replicas'
+    capacity are dropped. An un-replicated expert is the special case with one slot: it serves
+    its own device's ranks, then its node's, then the others', ascending rank in each group.
+    """
+    counts_RE = np.asarray(counts_RE)
+    if counts_RE.ndim != 2:
+        raise ValueError(f"'counts_RE' must be 2-D [rank, expert], but got shape "
+                         f"{counts_RE.shape}.")
+    if (counts_RE < 0).any():
+        raise ValueError("'counts_RE' must be >= 0, but got a negative count.")
+    counts_RE = counts_RE.astype(np.int64)
+    num_ranks, num_experts = counts_RE.shape
+    rank_device = np.asarray(rank_device, dtype=np.int64)
+    if rank_device.shape != (num_ranks,):
+        raise ValueError(f"'rank_device' must have {num_ranks} entries (one per rank), but "
+                         f"got shape {rank_device.shape}.")
+    plan.validate(num_experts, max(int(plan.slot_device.max()), int(rank_device.max())) + 1)
+    if plan.dispatch == "static":
+        rows_RS = source_rows(plan, num_experts, rank_device, devices_per_node, plan.rank_share)
+        return static_assignments(plan, counts_RE, rows_RS, rank_device, devices_per_node)
+    caps = plan.slot_capacity
+    assigned_RS = np.zeros((num_ranks, plan.num_slots), dtype=np.int64)
+    replicas = plan.replica_counts(num_experts)
+
+    node_of_dev = np.arange(max(int(plan.slot_device.max()), int(rank_device.max())) + 1)
+    node_of_dev = node_of_dev // (devices_per_node or node_of_dev.size)
+
+    # Step 1: experts with one slot, all at once: serve ranks in tier order (own device, same
+    # node, others; ascending rank inside a tier) up to the capacity.
+    single = np.flatnonzero(replicas == 1)
+    slot_of = np.zeros(num_experts, dtype=np.int64)
+    slot_of[plan.slot_expert[::-1]] = np.arange(plan.num_slots)[::-1]   # first slot of e
+    s1 = slot_of[single]
+    dev1 = plan.slot_device[s1][None, :]
+    tier = np.where(rank_device[:, None] == dev1, 0,
+                    np.where(node_of_dev[rank_device][:, None] == node_of_dev[dev1], 1, 2))
+    order = np.argsort(tier * num_ranks + np.arange(num_ranks)[:, None], axis=0, kind="stable")
+    c = np.take_along_axis(counts_RE[:, single], order, axis=0)
+    kept = np.clip(caps[s1][None, :] - (np.cumsum(c, axis=0) - c), 0, c)
+    block = np.zeros_like(kept)
+    np.put_along_axis(block, order, kept, axis=0)
+    assigned_RS[:, s1] = block
+    dropped = int(c.sum() - kept.sum())
+
+    # Step 2: replicated experts, tier by tier.
+    for e in np.flatnonzero(replicas > 1):
+        slots = plan.replicas_of(int(e))
+        room = caps[slots].copy()
+        demand = counts_RE[:, e].copy()
+        # Tier 1: own device
+        for i, s in enumerate(slots):
+            for r in np.flatnonzero(rank_device == plan.slot_device[s]):
+                take = min(int(demand[r]), int(room[i]))
+                assigned_RS[r, s] += take
+                demand[r] -= take
+                room[i] -= take
+        # Tier 2: same node (groups of ranks and slots by node), then Tier 3: anywhere
+        groups: List[Tuple[np.ndarray, np.ndarray]] = []
+        if devices_per_node is not None:
+            slot_node = node_of_dev[plan.slot_device[slots]]
+            rank_node = node_of_dev[rank_device]
+            groups = [(np.flatnonzero(rank_node == n), np.flatnonzero(slot_node == n))
+                      for n in np.unique(slot_node)]
+        groups.append((np.arange(num_ranks), np.arange(slots.size)))
+        for ranks, local in groups:
+            want = int(demand[ranks].sum())
+            have = int(room[local].sum())
+            if want == 0 or have == 0:
+                continue
+            intake = proportional_split(min(want, have), room[local])
+            _fill_rank_order(assigned_RS, ranks, demand, slots[local], intake)
+            room[local] -= intake
+        dropped += int(demand.sum())
+    return assigned_RS, dropped

@@ -1,1 +1,0 @@
-"""Parallel plans: minimal-redundancy sharding (ILP) and TGA partitioning/placement."""

@@ -1,0 +1,205 @@
+"""Placement plans: the YAML file, and pipeline stages applied to a MindSpore Cell tree.
+
+Plan YAML (``kind: place``, version 1)::
+
+    kind: place
+    version: 1
+    method: tga
+    graph: GPTMoE                     # graph name
+    cluster: ascend910b-1x8
+    devices: 8
+    micro_batches: 8
+    step_time_s: 0.0123               # simulated (evidence: simulated)
+    peak_memory_bytes: [..]           # per device
+    stages: [{stage: 0, device: 3, ops: 41, first: node0, last: node40,
+              compute_s: 0.01, memory_bytes: ...}, ...]
+    assignment: {node name: device}
+    parallel_config: {pipeline_stage: 4, micro_batch_num: 8}   # MindFormers shape
+
+Stages are the used devices in a topological order of the device graph (an edge d -> d'
+when data flows from d to d'; ties by the position of each device's first operator), so
+stage ids follow the dataflow as MindSpore's ``pipeline_stage`` expects; parallel
+branches may sit on devices of the same pipeline. When devices feed each other in a cycle
+(a fine-grained model-parallel plan, not a pipeline) the stages fall back to the order of
+first use and ``meta.pipeline`` is false.
+``apply_pipeline_stages`` imports nothing from MindSpore: it only walks
+``network.cells_and_names()`` and sets ``cell.pipeline_stage``.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Tuple
+
+import numpy as np
+
+from ms_efficient.core.fileio import atomic_write_text
+from ms_efficient.place.cost import simulate_placement
+from ms_efficient.place.problem import PlacementProblem
+
+__all__ = ["PlacementPlan", "make_plan", "save_plan", "load_plan", "apply_pipeline_stages"]
+
+PLAN_VERSION = 1
+
+
+@dataclass
+class PlacementPlan:
+    """A placement. assignment: node -> device; stage_of_device: device -> stage (used
+    devices only); scopes: node -> cell scope (for apply); other fields as in the YAML."""
+
+    method: str
+    graph: str
+    cluster: str
+    devices: int
+    micro_batches: int
+    step_time_s: float
+    peak_memory_bytes: List[float]
+    assignment: Dict[str, int]
+    stage_of_device: Dict[int, int]
+    stages: List[Dict[str, Any]] = field(default_factory=list)
+    scopes: Dict[str, str] = field(default_factory=dict)
+    meta: Dict[str, Any] = field(default_factory=dict)
+
+    def stage_of_node(self, name: str) -> int:
+        return self.stage_of_device[self.assignment[name]]
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "kind": "place", "version": PLAN_VERSION, "method": self.method,
+            "graph": self.graph, "cluster": self.cluster, "devices": self.devices,
+            "micro_batches": self.micro_batches, "step_time_s": float(self.step_time_s),
+            "peak_memory_bytes": [float(b) for b in self.peak_memory_bytes],
+            "stages": self.stages, "meta": self.meta,
+            "parallel_config": {"pipeline_stage": len(self.stage_of_device),
+                                "micro_batch_num": self.micro_batches},
+            "assignment": {k: int(v) for k, v in self.assignment.items()},
+            "scopes": self.scopes,
+        }
+
+
+def _device_stages(problem: PlacementProblem, unit_assign: np.ndarray) -> Tuple[List[int], bool]:
+    """(used devices in stage order, True when the device graph is acyclic)."""
+    first_use: List[int] = []
+    for u in range(problem.num_units):
+        if int(unit_assign[u]) not in first_use:
+            first_use.append(int(unit_assign[u]))
+    rank = {d: i for i, d in enumerate(first_use)}
+    src, dst = unit_assign[problem.edge_src], unit_assign[problem.edge_dst]
+    flows = {(int(a), int(b)) for a, b in zip(src, dst) if a != b}
+    waiting = Counter(b for _, b in flows)
+    ready = sorted((rank[d] for d in first_use if not waiting[d]))
+    order: List[int] = []
+    while ready:  # Kahn's algorithm, earliest first use first
+        d = first_use[ready.pop(0)]
+        order.append(d)
+        for a, b in flows:
+            if a == d:
+                waiting[b] -= 1
+                if not waiting[b]:
+                    ready = sorted(ready + [rank[b]])
+    if len(order) < len(first_use):
+        return first_use, False
+    return order, True
+
+
+def make_plan(problem: PlacementProblem, unit_assign: np.ndarray, method: str,
+              scopes: Dict[str, str] = None, meta: Dict[str, Any] = None,
+              order=None) -> PlacementPlan:
+    """Simulate ``unit_assign`` ([U] devices, run in program ``order``, default the unit
+    numbering) and describe it as a plan."""
+    cost = simulate_placement(problem, unit_assign, order=order)
+    assignment = problem.node_assignment(unit_assign)
+    stage_devices, pipeline = _device_stages(problem, unit_assign)
+    stage_of_device = {d: s for s, d in enumerate(stage_devices)}
+    stages = []
+    for d in stage_devices:
+        units = np.flatnonzero(unit_assign == d)
+        ops = int(np.isin(problem.unit_of_node, units).sum())
+        stages.append({"stage": stage_of_device[d], "device": d, "ops": ops,
+                       "first": problem.unit_names[units[0]],
+                       "last": problem.unit_names[units[-1]],
+                       "compute_s": float((problem.fwd_s + problem.bwd_s)[units].sum()),
+                       "memory_bytes": float(cost.peak_memory_bytes[d])})
+    return PlacementPlan(method=method, graph=problem.name, cluster=problem.cluster.name,
+                         devices=problem.num_devices, micro_batches=problem.micro_batches,
+                         step_time_s=cost.step_time_s,
+                         peak_memory_bytes=cost.peak_memory_bytes.tolist(),
+                         assignment=assignment, stage_of_device=stage_of_device, stages=stages,
+                         scopes=dict(scopes or {}),
+                         meta={"feasible": cost.feasible, "evidence": "simulated",
+                               "pipeline": pipeline, **(meta or {})})
+
+
+def save_plan(plan: PlacementPlan, path: str) -> None:
+    """Write the plan YAML atomically."""
+    import yaml
+
+    atomic_write_text(path, yaml.safe_dump(plan.to_dict(), sort_keys=False))
+
+
+def load_plan(path: str) -> PlacementPlan:
+    """Read a plan written by ``save_plan``; ValueError names what is wrong."""
+    import yaml
+
+    with open(path, "r", encoding="utf-8") as fh:
+        data = yaml.safe_load(fh)
+    if not isinstance(data, dict) or data.get("kind") != "place":
+        raise ValueError(f"{path}: not a placement plan (expected 'kind: place').")
+    if data.get("version") != PLAN_VERSION:
+        raise ValueError(f"{path}: unsupported plan version {data.get('version')!r}.")
+    stage_of_device = {int(s["device"]): int(s["stage"]) for s in data.get("stages", [])}
+    return PlacementPlan(method=data["method"], graph=data["graph"], cluster=data["cluster"],
+                         devices=int(data["devices"]), micro_batches=int(data["micro_batches"]),
+                         step_time_s=float(data["step_time_s"]),
+                         peak_memory_bytes=list(data["peak_memory_bytes"]),
+                         assignment={k: int(v) for k, v in data["assignment"].items()},
+                         stage_of_device=stage_of_device, stages=data.get("stages", []),
+                         scopes=dict(data.get("scopes") or {}), meta=data.get("meta") or {})
+
+
+def _scope_path(scope: str) -> str:
+    """``Default/b0-Block/d1-Dense/MatMul-op0`` -> ``b0.d1`` (cell names as in
+    ``cells_and_names``; the ``Default`` root and an op suffix without ``-Class`` part go)."""
+    parts = [p for p in scope.split("/") if p and p != "Default"]
+    names = [p.rsplit("-", 1)[0] for p in parts if "-" in p and not p.split("-")[-1].startswith("op")]
+    return ".".join(names)
+
+
+def apply_pipeline_stages(network: Any, plan: PlacementPlan) -> Dict[str, int]:
+    """Set ``cell.pipeline_stage`` on the cells of ``network`` from a plan.
+
+    Every cell whose scope holds planned operators gets the most common stage of those
+    operators (ties: the lower stage); cells without operators inherit their parent's stage.
+    Sibling cells get non-decreasing stages in registration order (the dataflow order of
+    a sequential model), as pipeline parallelism needs. Returns {cell name: stage} for the cells that were set ("" is the root).
+    """
+    votes: Dict[str, Counter] = {}
+    for node, scope in plan.scopes.items():
+        if node not in plan.assignment:
+            continue
+        path = _scope_path(scope)
+        stage = plan.stage_of_node(node)
+        while True:  # a node votes for its cell and every ancestor cell
+            votes.setdefault(path, Counter())[stage] += 1
+            if not path:
+                break
+            path = path.rsplit(".", 1)[0] if "." in path else ""
+    if not votes:
+        raise ValueError(f"plan for {plan.graph!r} has no operator scopes; build it from a "
+                         "MindSpore graph (MINDIR) so cells can be matched.")
+    out: Dict[str, int] = {}
+    floor: Dict[str, int] = {}  # parent cell -> largest stage among its earlier children
+    for name, cell in network.cells_and_names():
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        if name in votes:
+            counts = votes[name]
+            top = max(counts.values())
+            stage = min(s for s, c in counts.items() if c == top)
+        else:
+            stage = out.get(parent, 0)
+        if name:  # siblings follow the dataflow: stages never go back
+            stage = max(stage, floor.get(parent, 0))
+            floor[parent] = stage
+        cell.pipeline_stage = int(stage)
+        out[name] = int(stage)
+    return out

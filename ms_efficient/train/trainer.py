@@ -1,0 +1,401 @@
+"""Trainer for the reference MoE language model: GRAPH_MODE steps, evaluation, checkpoints,
+metrics, the routing trace and the report.
+
+Run folder layout (``out_dir``)::
+
+    config.yaml        resolved config of the run
+    metrics.jsonl      one JSON object per line: {"kind": "train"|"val", "step", ...}
+    ckpt/step_N.ckpt   network + optimizer state (the last two are kept)
+    state.json         {"step": N, "checkpoint": "ckpt/step_N.ckpt"}: what --resume reads
+    trace.npz          routing trace counts[step, layer, src_rank, expert] (moe/trace.py)
+    report.md, *.png   written by ms_efficient.train.report at the end
+
+Checkpoint, trace and state are written atomically every ``train.save_every`` steps, so a run
+killed with SIGKILL loses at most that many steps and resumes from the checkpointed state (restored
+bit for bit) on the same data.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+
+from ms_efficient.core import backend
+from ms_efficient.core.config import RunConfig, history_trace_path, load_config, save_config
+from ms_efficient.core.fileio import atomic_write_text, atomic_write_with
+from ms_efficient.efficientmoe.planner import CapacityPlanner, RoutingSampler
+from ms_efficient.models.gpt_moe import build_model
+from ms_efficient.moe.layer import ROUTING_COUNTS, MoEFeedForward
+from ms_efficient.moe.trace import load_trace, save_trace
+from ms_efficient.train.data import Corpus, load_corpus
+
+__all__ = ["Trainer", "TrainResult", "lr_schedule", "train"]
+
+logger = logging.getLogger(__name__)
+
+
+def lr_schedule(peak: float, warmup: int, total: int, floor: float = 0.1) -> List[float]:
+    """Per-step learning rate: linear warm-up to ``peak``, cosine decay to ``floor * peak``."""
+    rates = []
+    for step in range(total):
+        if step < warmup:
+            rates.append(peak * (step + 1) / warmup)
+        else:
+            progress = (step - warmup) / max(1, total - warmup)
+            rates.append(peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))))
+    return rates
+
+
+@dataclass
+class TrainResult:
+    """What a finished run reports: losses (nats/byte) and where its files are."""
+
+    out_dir: str
+    steps: int
+    first_val_loss: float
+    final_val_loss: float
+    tokens_per_s: float
+    step_time_s: float
+
+
+class Trainer:
+    """Trains ``GPTMoE`` per ``cfg`` into ``out_dir``; ``resume=True`` continues from state.json."""
+
+    def __init__(self, cfg: RunConfig, out_dir: str, resume: bool = False):
+        self.cfg = cfg
+        self.out_dir = out_dir
+        self.resume = resume
+        ms.set_context(mode=getattr(ms, cfg.context.mode))
+        backend.use_device(cfg.context.device_target)
+        ms.set_seed(cfg.context.seed)
+        self.corpus: Corpus = load_corpus(cfg.data, cfg.model.seq_length)
+        tr = cfg.train
+        self.net = build_model(cfg.model, cfg.moe, tr.batch_size)
+        params = self.net.trainable_params()
+        decay = [p for p in params if p.ndim >= 2 and "embedding" not in p.name]
+        no_decay = [p for p in params if not (p.ndim >= 2 and "embedding" not in p.name)]
+        self.optimizer = nn.AdamWeightDecay(
+            [{"params": decay, "weight_decay": tr.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            learning_rate=lr_schedule(tr.learning_rate, tr.warmup_steps, tr.steps),
+            beta1=0.9, beta2=0.95, eps=1e-8)
+        self.moe_layers = [c for _, c in self.net.cells_and_names()
+                           if isinstance(c, MoEFeedForward)]
+        self._build_steps()
+        self.step = 0
+        self.sampler = RoutingSampler()
+        self.metrics: List[Dict] = []
+        self.compile_s = 0.0
+        # per-step wall times of this process (seconds) and run totals of routed assignments,
+        # kept assignments and computed slot rows, summed over MoE layers
+        self.step_times: List[float] = []
+        self.totals = {"assigned": 0, "kept": 0, "rows": 0}
+        tokens = tr.batch_size * cfg.model.seq_length
+        self.planner = (CapacityPlanner(cfg.efficientmoe, tokens)
+                        if cfg.efficientmoe.enabled else None)
+        self.history_LE = self._load_history(tokens) if self.planner else None
+
+    # ------------------------------------------------------------------ capacities
+    def capacities(self) -> np.ndarray:
+        """int64 [moe layer, expert] static capacities the network is compiled with."""
+        return np.array([layer.capacities for layer in self.moe_layers], np.int64)
+
+    def set_capacities(self, capacity_LE: np.ndarray) -> None:
+        """Apply per-expert capacities to every MoE layer and recompile the step functions."""
+        for layer, caps in zip(self.moe_layers, np.asarray(capacity_LE)):
+            layer.set_capacities([int(c) for c in caps])
+        self._build_steps()
+
+    def _row_time_s(self) -> float:
+        """Modelled seconds per expert slot row, forward + backward: 3 x 2 matmuls of
+        2*H*F FLOPs at the cluster preset's fp32 peak (the gain side of a re-plan)."""
+        mc = self.cfg.model
+        flops = 3 * 2 * 2 * mc.hidden_size * mc.ffn_hidden_size
+        return self.cfg.cluster_spec().compute_time_s(flops, "fp32")
+
+    def _load_history(self, tokens_per_step: int) -> np.ndarray:
+        """int64 [t, moe layer, expert] loads of ``efficientmoe.history`` ([0, L, E] if none)."""
+        em, mc = self.cfg.efficientmoe, self.cfg.moe
+        shape = (len(self.moe_layers), mc.num_experts)
+        if not em.history:
+            return np.zeros((0,) + shape, np.int64)
+        path = history_trace_path(em.history)
+        load = load_trace(path).counts.sum(axis=2)
+        if load.shape[1:] != shape:
+            raise ValueError(f"'efficientmoe.history' trace {path} has loads of shape "
+                             f"[layer, expert] = {list(load.shape[1:])}, but this model has "
+                             f"{list(shape)}.")
+        routed = int(load[-1, 0].sum())
+        if routed != tokens_per_step * mc.top_k:
+            raise ValueError(f"'efficientmoe.history' trace {path} routes {routed} assignments "
+                             f"per layer and step, but this run routes "
+                             f"{tokens_per_step * mc.top_k} (batch x seq_length x top_k).")
+        logger.info("EfficientMoE: %d history steps from %s", len(load), path)
+        return load
+
+    def _first_plan_step(self) -> int:
+        """0 when the history can fit the predictor (>= 3 rows), else ``warmup_steps``."""
+        return 0 if len(self.history_LE) >= 3 else self.cfg.efficientmoe.warmup_steps
+
+    def _maybe_replan(self) -> None:
+        em = self.cfg.efficientmoe
+        if self.planner is None or self.step < self._first_plan_step():
+            return
+        since_first = self.step - self._first_plan_step()
+        if since_first % em.replan_every or self.step >= self.cfg.train.steps:
+            return
+        load = self.history_LE
+        if len(self.sampler):
+            load = np.concatenate([load, self.sampler.expert_load()])
+        plan = self.planner.plan(load)
+        current = self.capacities()
+        # before the first step nothing is compiled yet: a new plan costs no recompilation
+        recompile_s = em.recompile_cost_s if self.step else 0.0
+        if not self.planner.worth_applying(current, plan, load, self._row_time_s(), recompile_s):
+            logger.info("step %d: EfficientMoE keeps capacities (%d rows)", self.step,
+                        int(current.sum()))
+            return
+        self.set_capacities(plan.capacity_LE)
+        self.metrics.append({
+            "kind": "plan", "step": self.step, "capacities": plan.capacity_LE.tolist(),
+            "rows_before": int(current.sum()), "rows_after": plan.rows(),
+            "expected_drop_rate": round(float(plan.expected_drop_rate.mean()), 5),
+            "expected_padding_fraction": round(float(plan.expected_padding_fraction.mean()), 5)})
+        logger.info("step %d: EfficientMoE re-planned capacities: %d -> %d slot rows "
+                    "(expected drop %.4f, padding %.3f); recompiling", self.step,
+                    int(current.sum()), plan.rows(), plan.expected_drop_rate.mean(),
+                    plan.expected_padding_fraction.mean())
+
+    # ------------------------------------------------------------------ compiled functions
+    def _build_steps(self) -> None:
+        net, optimizer, clip = self.net, self.optimizer, self.cfg.train.grad_clip
+        grad_fn = ms.value_and_grad(net, None, optimizer.parameters, has_aux=True)
+
+        @ms.jit
+        def train_step(tokens, targets):
+            (loss, ce, counts, dropped), grads = grad_fn(tokens, targets)
+            if clip > 0:
+                grads = ops.clip_by_global_norm(grads, clip)
+            optimizer(grads)
+            return loss, ce, counts, dropped
+
+        @ms.jit
+        def eval_step(tokens, targets):
+            _, ce, _, _ = net(tokens, targets)
+            return ce
+
+        self.train_step = train_step
+        self.eval_step = eval_step
+
+    # ------------------------------------------------------------------ state
+    def _state_tensors(self) -> List[Dict]:
+        seen, out = set(), []
+        for p in list(self.net.get_parameters()) + list(self.optimizer.get_parameters()):
+            if p.name not in seen and not _is_scratch(p.name):
+                seen.add(p.name)
+                out.append({"name": p.name, "data": p})
+        return out
+
+    def save(self) -> None:
+        """Checkpoint, trace, metrics and state, each written atomically; state.json last."""
+        ckpt_dir = os.path.join(self.out_dir, "ckpt")
+        rel = os.path.join("ckpt", f"step_{self.step:06d}.ckpt")
+        tensors = self._state_tensors()
+        atomic_write_with(os.path.join(self.out_dir, rel),
+                          lambda tmp: ms.save_checkpoint(tensors, tmp), suffix=".ckpt")
+        self._save_trace()
+        self._save_metrics()
+        atomic_write_text(os.path.join(self.out_dir, "state.json"), json.dumps(
+            {"step": self.step, "checkpoint": rel,
+             "capacities": self.capacities().tolist()}) + "\n")
+        keep = sorted(f for f in os.listdir(ckpt_dir) if f.startswith("step_"))[:-2]
+        for name in keep:
+            os.unlink(os.path.join(ckpt_dir, name))
+
+    def _save_trace(self) -> None:
+        if not len(self.sampler):
+            return
+        mc = self.cfg.moe
+        trace = self.sampler.trace(
+            top_k=mc.top_k, hidden=self.cfg.model.hidden_size,
+            tokens_per_rank=self.cfg.train.batch_size * self.cfg.model.seq_length // mc.trace_ranks)
+        save_trace(trace, os.path.join(self.out_dir, "trace.npz"))
+
+    def _save_metrics(self) -> None:
+        text = "".join(json.dumps(m) + "\n" for m in self.metrics)
+        atomic_write_text(os.path.join(self.out_dir, "metrics.jsonl"), text)
+
+    def load_weights(self, run_dir: str, keep_step: bool = True) -> Dict:
+        """Load network and optimizer state from the last checkpoint of ``run_dir``.
+
+        keep_step=False leaves the optimizer's step counter at 0, so a new run (a benchmark
+        arm, a fine-tune) starts its own learning-rate schedule from trained weights.
+        Returns the run's state.json.
+        """
+        state_path = os.path.join(run_dir, "state.json")
+        if not os.path.isfile(state_path):
+            raise ValueError(f"'{run_dir}' has no state.json: not a run folder to load from.")
+        with open(state_path, encoding="utf-8") as fh:
+            state = json.load(fh)
+        params = ms.load_checkpoint(os.path.join(run_dir, state["checkpoint"]))
+        # The learning-rate table is rebuilt from the config (--steps may have changed it).
+        skip = {"learning_rate"} if keep_step else {"learning_rate", "global_step"}
+        for name in skip:
+            params.pop(name, None)
+        for cell in (self.net, self.optimizer):
+            not_loaded, _ = ms.load_param_into_net(cell, params, strict_load=True)
+            missing = [name for name in not_loaded
+                       if name not in skip and not _is_scratch(name)]
+            if missing:
+                raise ValueError(f"checkpoint '{state['checkpoint']}' in '{run_dir}' does "
+                                 f"not match the model: it lacks {missing[:5]}.")
+        return state
+
+    def _restore(self) -> None:
+        if not os.path.isfile(os.path.join(self.out_dir, "state.json")):
+            raise ValueError(f"--resume: '{self.out_dir}' has no state.json; nothing to resume.")
+        state = self.load_weights(self.out_dir)
+        self.step = int(state["step"])
+        if "capacities" in state and state["capacities"] != self.capacities().tolist():
+            self.set_capacities(np.array(state["capacities"], np.int64))
+        trace_path = os.path.join(self.out_dir, "trace.npz")
+        if os.path.isfile(trace_path):
+            for row in load_trace(trace_path).counts[: self.step]:
+                self.sampler.record(row)
+        metrics_path = os.path.join(self.out_dir, "metrics.jsonl")
+        if os.path.isfile(metrics_path):
+            with open(metrics_path, encoding="utf-8") as fh:
+                rows = [json.loads(line) for line in fh if line.strip()]
+            self.metrics = [m for m in rows if m["step"] <= self.step]
+        logger.info("resumed %s at step %d", self.out_dir, self.step)
+
+    # ------------------------------------------------------------------ loop
+    def evaluate(self) -> float:
+        """Mean validation cross-entropy (nats per byte) over the fixed validation batches."""
+        tr, mc = self.cfg.train, self.cfg.model
+        losses = [float(self.eval_step(Tensor(x), Tensor(y)).asnumpy())
+                  for x, y in self.corpus.val_batches(tr.eval_batches, tr.batch_size,
+                                                      mc.seq_length)]
+        return float(np.mean(losses))
+
+    def _log_val(self) -> float:
+        val = self.evaluate()
+        self.metrics.append({"kind": "val", "step": self.step, "val_loss": round(val, 5)})
+        logger.info("step %d/%d  val_loss %.4f", self.step, self.cfg.train.steps, val)
+        return val
+
+    def run(self) -> TrainResult:
+        """Train until ``train.steps``; returns the run's figures."""
+        tr, mc = self.cfg.train, self.cfg.model
+        total = tr.steps
+        os.makedirs(self.out_dir, exist_ok=True)
+        if self.resume:
+            self._restore()
+        save_config(self.cfg, os.path.join(self.out_dir, "config.yaml"))
+        if self.step == 0:
+            self._maybe_replan()          # plans from efficientmoe.history before compiling
+        if not any(m["kind"] == "val" and m["step"] == 0 for m in self.metrics):
+            self._log_val()
+        moe_index = list(self.net.moe_index)
+        tokens_per_step = tr.batch_size * mc.seq_length
+        window_start, window_steps = time.perf_counter(), 0
+        step_times = self.step_times
+        sample_s, kept, rows, assigned = 0.0, 0, 0, 0
+        compiled = False
+        while self.step < total:
+            x, y = self.corpus.train_batch(self.step, tr.batch_size, mc.seq_length,
+                                           self.cfg.context.seed)
+            t0 = time.perf_counter()
+            loss, ce, counts, dropped = self.train_step(Tensor(x), Tensor(y))
+            loss = float(loss.asnumpy())
+            step_times.append(time.perf_counter() - t0)
+            if not compiled and len(step_times) >= 2:
+                # first call compiles: its excess over a steady step is the compile time
+                self.compile_s = max(0.0, step_times[0] - step_times[1])
+                compiled = True
+                logger.info("graph compile took about %.2f s (first step minus second)",
+                            self.compile_s)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at step {self.step + 1}; lower "
+                                         f"'train.learning_rate' ({tr.learning_rate}).")
+            t1 = time.perf_counter()
+            counts = counts.asnumpy()[moe_index]
+            self.sampler.record(counts)
+            sample_s += time.perf_counter() - t1
+            step_dropped = int(dropped.asnumpy()[moe_index].sum())
+            assigned += int(counts.sum())
+            kept += int(counts.sum()) - step_dropped
+            rows += int(self.capacities().sum())
+            for key, value in (("assigned", int(counts.sum())), ("kept", int(counts.sum()) -
+                               step_dropped), ("rows", int(self.capacities().sum()))):
+                self.totals[key] += value
+            self.step += 1
+            window_steps += 1
+            if self.step % tr.log_every == 0 or self.step == total:
+                elapsed = time.perf_counter() - window_start
+                tps = window_steps * tokens_per_step / max(elapsed, 1e-9)
+                drop = 1.0 - kept / max(1, assigned)
+                row = {"kind": "train", "step": self.step, "loss": round(loss, 5),
+                       "ce": round(float(ce.asnumpy()), 5), "tokens_per_s": round(tps, 1),
+                       "drop_rate": round(drop, 5),
+                       "padding_fraction": round(1.0 - kept / max(1, rows), 5),
+                       "sampler_overhead_s": round(sample_s / window_steps, 6)}
+                sample_s, kept, rows, assigned = 0.0, 0, 0, 0
+                self.metrics.append(row)
+                eta = (total - self.step) * elapsed / max(1, window_steps)
+                logger.info("step %d/%d  loss %.4f  ce %.4f  %.0f tok/s  drop %.3f  ETA %s",
+                            self.step, total, loss, row["ce"], tps, drop, _fmt_eta(eta))
+                window_start, window_steps = time.perf_counter(), 0
+            if self.step % tr.eval_every == 0 or self.step == total:
+                self._log_val()
+            self._maybe_replan()
+            if self.step % tr.save_every == 0 or self.step == total:
+                self.save()
+        vals = [m["val_loss"] for m in self.metrics if m["kind"] == "val"]
+        steady = step_times[1:] or step_times or [float("nan")]
+        step_time = float(np.median(steady))
+        return TrainResult(out_dir=self.out_dir, steps=self.step, first_val_loss=vals[0],
+                           final_val_loss=vals[-1], step_time_s=step_time,
+                           tokens_per_s=tokens_per_step / step_time)
+
+
+def _is_scratch(name: str) -> bool:
+    """Parameters that are per-step buffers, not state: the MoE layers' last routing counts."""
+    return name.rsplit(".", 1)[-1] == ROUTING_COUNTS
+
+
+def _fmt_eta(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def train(config_path: str, out_dir: Optional[str] = None, steps: Optional[int] = None,
+          resume: Optional[str] = None, overrides: Optional[Dict] = None) -> TrainResult:
+    """Train from a config file (or resume the run folder ``resume``) and write the report.
+
+    overrides: dotted config keys to set, e.g. ``{"efficientmoe.enabled": True}``.
+    """
+    from ms_efficient.train.report import write_report
+
+    overrides = dict(overrides or {})
+    if steps is not None:
+        overrides["train.steps"] = steps
+    if resume:
+        cfg = load_config(os.path.join(resume, "config.yaml"), overrides)
+        out = resume
+    else:
+        if out_dir:
+            overrides["train.out_dir"] = out_dir
+        cfg = load_config(config_path, overrides)
+        out = cfg.train.out_dir
+    result = Trainer(cfg, out, resume=bool(resume)).run()
+    write_report(out)
+    return result
