@@ -1,8 +1,18 @@
-"""Pass framework: planners' plans applied to a network's Cell tree before compilation.
+"""Pass framework: plans made on the user's own network applied to its Cell tree before
+compilation.
 
-A pass is a function ``(network, config) -> (network, plan)`` registered under a name with
-:func:`register_pass`. :func:`optimize` runs the passes named in ``config.optimize.passes``
-in order and returns the network and a ``{name: plan}`` dict of what it applied. With no pass
+``optimize(network, config, sample_inputs=batch)`` extracts the train-step graph of THAT
+network once (MINDIR export of ``nn.TrainOneStepCell(network, SGD)``, so ``network`` is what the
+user trains, typically ``nn.WithLossCell(backbone, loss)``; ``sample_inputs`` is one batch of
+its inputs), maps its operators to the network's Cells by scope (``ms_efficient.graph.cells``)
+and runs the passes named in ``config.optimize.passes`` in order.
+
+A pass is a function ``(network, context) -> (network, plan)`` registered under a name with
+:func:`register_pass`; ``context`` is the :class:`PassContext` (config, sample inputs, the graph
+and the Cell tree, built on first use). Every plan is a dict whose ``cells`` maps each Cell path
+the pass changed (exactly as in ``network.cells_and_names()``) to what it set there. A pass that
+finds nothing it can change raises ``ValueError`` saying what it looked for; ``optimize`` also
+refuses a plan with no ``cells``, so no pass returns success having done nothing. With no pass
 enabled the network is returned untouched.
 """
 from __future__ import annotations
@@ -10,11 +20,12 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
+from ms_efficient.core.config import RunConfig, load_config
 from ms_efficient.core.registry import PassFn, register_pass, registered
 
-__all__ = ["register_pass", "registered_passes", "optimize", "PassFn"]
+__all__ = ["register_pass", "registered_passes", "optimize", "PassContext", "PassFn"]
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +34,7 @@ logger = logging.getLogger(__name__)
 _PASS_MODULES = (
     "ms_efficient.memopt.apply",
     "ms_efficient.shard.apply",
+    "ms_efficient.place.apply",
 )
 
 
@@ -38,30 +50,82 @@ def registered_passes() -> Dict[str, PassFn]:
     return registered()
 
 
-def optimize(network, config) -> Tuple[Any, Dict[str, Any]]:
+class PassContext:
+    """What every pass of one :func:`optimize` call shares.
+
+    config: the RunConfig. sample_inputs: the batch given to ``optimize`` (or None).
+    :meth:`graph` and :meth:`cell_tree` are built on first use and shared by the passes.
+    """
+
+    def __init__(self, network: Any, config: RunConfig,
+                 sample_inputs: Optional[Sequence[Any]] = None) -> None:
+        self.network = network
+        self.config = config
+        self.sample_inputs = None if sample_inputs is None else tuple(sample_inputs)
+        self._graph = None
+        self._tree = None
+
+    def graph(self, needed_by: str = "this pass"):
+        """The train-step OpGraph of the network (forward, backward and optimizer ops)."""
+        if self._graph is None:
+            if not self.sample_inputs:
+                raise ValueError(f"{needed_by} plans the network's own graph: call "
+                                 "optimize(network, config, sample_inputs=(batch...)) with one "
+                                 "batch of the inputs the network is trained on.")
+            from ms_efficient.graph import from_network
+
+            self._graph = from_network(self.network, *self.sample_inputs, mode="train")
+            logger.info("extracted the train-step graph of %s: %d ops",
+                        type(self.network).__name__, len(self._graph))
+        return self._graph
+
+    def cell_tree(self):
+        """The network's Cells (path, class, parameter bytes) as ``cells_and_names`` lists them."""
+        if self._tree is None:
+            from ms_efficient.graph.cells import CellTree
+
+            rows = []
+            for path, cell in self.network.cells_and_names():
+                nbytes = sum(int(p.size) * p.itemsize for p in cell.get_parameters())
+                rows.append((path, type(cell).__name__, nbytes))
+            self._tree = CellTree.from_cells(rows)
+        return self._tree
+
+
+def optimize(network, config, sample_inputs: Optional[Sequence[Any]] = None
+             ) -> Tuple[Any, Dict[str, Any]]:
     """Run the enabled passes on ``network`` (an ``nn.Cell``) before it is compiled.
 
     Args:
-        network: the user's network; passes may modify it in place or return a new Cell.
-        config: a :class:`ms_efficient.core.config.RunConfig` (its ``optimize.passes`` list) or a
-            path to a YAML config file.
+        network: the Cell the user trains (its output is the loss, e.g.
+            ``nn.WithLossCell(backbone, loss_fn)``); passes modify it in place or return a
+            new Cell.
+        config: a :class:`ms_efficient.core.config.RunConfig` or a path to a YAML config.
+        sample_inputs: one batch of the network's inputs (Tensors or numpy arrays, in
+            ``construct`` order); needed by every pass that plans the network's graph.
 
     Returns:
-        (network, plans): the network to compile and ``{pass name: plan}`` it applied.
+        (network, plans): the network to compile and ``{pass name: plan}``; each plan's
+        ``cells`` names the Cells the pass changed.
     """
-    from ms_efficient.core.config import RunConfig, load_config
-
     if isinstance(config, str):
         config = load_config(config)
     if not isinstance(config, RunConfig):
         raise TypeError(f"optimize() takes a RunConfig or a config path, but got "
                         f"{type(config).__name__}.")
     known = registered_passes()
+    context = PassContext(network, config, sample_inputs)
     plans: Dict[str, Any] = {}
     for name in config.optimize.passes:
         if name not in known:
             raise ValueError(f"'optimize.passes' names unknown pass '{name}'; registered: "
                              f"{sorted(known)}.")
         logger.info("running pass %s", name)
-        network, plans[name] = known[name](network, config)
+        network, plan = known[name](network, context)
+        context.network = network
+        if not isinstance(plan, dict) or not plan.get("cells"):
+            raise ValueError(f"pass '{name}' returned a plan that names no changed Cell "
+                             f"(its 'cells' is empty); a pass with nothing to change must "
+                             f"raise ValueError saying what it looked for.")
+        plans[name] = plan
     return network, plans

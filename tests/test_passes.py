@@ -29,36 +29,48 @@ def test_enabled_passes_run_in_order_and_return_their_plans():
     calls = []
 
     @register_pass("test-mark-a")
-    def mark_a(network, config):
+    def mark_a(network, context):
         calls.append("a")
         network.marked = "a"
-        return network, {"kind": "a"}
+        return network, {"kind": "a", "cells": {"": {"marked": "a"}}}
 
     @register_pass("test-mark-b")
-    def mark_b(network, config):
+    def mark_b(network, context):
         calls.append("b")
-        return network, {"saw": network.marked}
+        return network, {"saw": network.marked, "cells": {"": {}}}
 
     cfg = config_from_dict({"optimize": {"passes": ["test-mark-b", "test-mark-a"]}})
     cfg.optimize.passes = ["test-mark-a", "test-mark-b"]
     net = nn.Dense(2, 2)
     out, plans = ms_efficient.optimize(net, cfg)
-    assert calls == ["a", "b"] and plans == {"test-mark-a": {"kind": "a"},
-                                             "test-mark-b": {"saw": "a"}}
+    assert calls == ["a", "b"]
+    assert plans["test-mark-a"]["kind"] == "a" and plans["test-mark-b"]["saw"] == "a"
     assert "test-mark-a" in registered_passes()
 
 
 def test_a_name_can_only_be_registered_once():
     @register_pass("test-unique")
-    def first(network, config):
+    def first(network, context):
         return network, None
 
     with pytest.raises(ValueError, match="pass 'test-unique' is already registered"):
         @register_pass("test-unique")
-        def second(network, config):
+        def second(network, context):
             return network, None
 
 
 def test_optimize_rejects_other_configs():
     with pytest.raises(TypeError, match="RunConfig or a config path"):
         ms_efficient.optimize(nn.Dense(2, 2), {"optimize": {}})
+
+
+def test_a_pass_whose_plan_names_no_changed_cell_is_refused():
+    @register_pass("test-silent")
+    def silent(network, context):
+        return network, {"kind": "silent", "cells": {}}
+
+    cfg = config_from_dict({})
+    cfg.optimize.passes = ["test-silent"]
+    with pytest.raises(ValueError, match="pass 'test-silent' returned a plan that names no "
+                                         "changed Cell"):
+        ms_efficient.optimize(nn.Dense(2, 2), cfg)

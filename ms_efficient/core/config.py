@@ -28,6 +28,7 @@ import yaml
 
 from ms_efficient.core.fileio import atomic_write_text
 from ms_efficient.core.registry import known_pass_names
+from ms_efficient.core.units import parse_budget
 
 __all__ = [
     "history_trace_path",
@@ -247,12 +248,38 @@ class TrainConfig:
 class OptimizeConfig:
     # Names of passes to run, in order: the built-in ones or any registered with register_pass.
     passes: List[str] = field(default_factory=list)
+    # Peak-memory budget per device for the memopt pass: bytes, a size such as "12GiB", or a
+    # share such as "50%" of the network's unoptimised simulated peak. "" = the device memory
+    # of the cluster (a network that fits it has nothing to plan, and the pass says so).
+    memory_budget: Any = ""
+    # Glob patterns of the Cells memopt plans, e.g. ["model.layers.*.self_attn",
+    # "model.layers.*.mlp"]; [] = the repeated blocks of every CellList / SequentialCell.
+    memopt_cells: List[str] = field(default_factory=list)
+    # GPipe micro-batches per step the place pass plans pipeline stages for (MindSpore's
+    # micro_batch_num); with 1, splitting a chain only adds transfers, so it rarely pays.
+    micro_batches: int = 1
 
     def validate(self, path: str) -> None:
         known = known_pass_names()
         for i, name in enumerate(self.passes):
             if name not in known:
                 _fail(f"{path}.passes[{i}]", name, f"one of {sorted(known)}")
+        if len(set(self.passes)) != len(self.passes):
+            _fail(f"{path}.passes", self.passes, "each pass at most once")
+        if self.memory_budget != "":
+            if isinstance(self.memory_budget, bool) or not isinstance(
+                    self.memory_budget, (int, float, str)):
+                _fail(f"{path}.memory_budget", self.memory_budget,
+                      "bytes, a size such as 12GiB, or a share such as 50%")
+            try:
+                parse_budget(self.memory_budget, f"{path}.memory_budget")
+            except ValueError as err:
+                raise ValueError(str(err)) from None
+        if self.micro_batches < 1:
+            _fail(f"{path}.micro_batches", self.micro_batches, "a positive integer")
+        for i, pattern in enumerate(self.memopt_cells):
+            if not pattern.strip():
+                _fail(f"{path}.memopt_cells[{i}]", pattern, "a non-empty glob pattern")
 
 
 @dataclass

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import Any, Optional, Tuple
 
-__all__ = ["parse_size", "format_size"]
+__all__ = ["parse_size", "format_size", "parse_budget"]
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -33,3 +33,19 @@ def format_size(nbytes: float) -> str:
         if abs(nbytes) >= scale:
             return f"{nbytes / scale:.2f} {unit}"
     return f"{nbytes:.0f} B"
+
+
+def parse_budget(value: Any, what: str = "budget") -> Tuple[Optional[int], Optional[float]]:
+    """A memory budget as bytes or as a share of a reference: ``(bytes, None)`` for ``12GiB``,
+    ``8e9`` or an int; ``(None, 0.5)`` for ``"50%"`` (share in (0, 1]). ValueError names
+    ``what`` and the value."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            share = float(value.strip()[:-1]) / 100.0
+        except ValueError:
+            share = math.nan
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"'{what}' must be a percentage in (0%, 100%], a size like 12GiB "
+                             f"or a number of bytes, but got {value!r}.")
+        return None, share
+    return parse_size(value, what), None

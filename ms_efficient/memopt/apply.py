@@ -19,12 +19,12 @@ import yaml
 from ms_efficient.core.fileio import atomic_write_text
 from ms_efficient.core.registry import register_pass
 from ms_efficient.memopt.env import (ACTION_NAMES, ALL_ACTIONS, CELL_RECOMPUTE_ACTIONS,
-                                     HOST_ACTIONS, OFFLOAD, RECOMPUTE, RECOMPUTE_ALL, SWAP,
+                                     HOST_ACTIONS, KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_ALL, SWAP,
                                      MemoryPlan, StepResult)
 from ms_efficient.memopt.profile import LayerProfile
 
 __all__ = ["plan_to_dict", "plan_from_dict", "save_plan", "load_plan", "apply_plan",
-           "recompute_config", "swap_config", "memopt_pass"]
+           "recompute_config", "swap_config", "resolve_budget", "memopt_pass"]
 
 logger = logging.getLogger(__name__)
 
@@ -132,19 +132,66 @@ def apply_plan(network, names: List[str], plan: MemoryPlan,
     return applied
 
 
-@register_pass("memopt")
-def memopt_pass(network, config) -> Tuple[Any, Dict[str, Any]]:
-    """The ``memopt`` pass: plan the reference network of ``config`` (estimated profile on
-    its cluster, budget 90% of device memory, the actions its device target realises) and
-    apply it. Returns (network, plan dict)."""
-    from ms_efficient.memopt.planner import plan_memory
-    from ms_efficient.memopt.profile import profile_from_model
+def resolve_budget(value, profile: LayerProfile, cluster) -> Tuple[float, float]:
+    """(budget bytes, unoptimised simulated peak bytes) for ``optimize.memory_budget``: bytes
+    or a size as given, a share of the unoptimised peak, or "" = the cluster's device memory."""
+    from ms_efficient.core.units import parse_budget
+    from ms_efficient.memopt.env import evaluate
 
+    keep = MemoryPlan(np.full(profile.num_layers, KEEP))
+    peak = evaluate(profile, keep, float("inf"), cluster.host_link).peak_bytes
+    if value == "":
+        return float(cluster.device_memory_bytes), peak
+    nbytes, share = parse_budget(value, "optimize.memory_budget")
+    return (float(nbytes) if nbytes is not None else share * peak), peak
+
+
+@register_pass("memopt")
+def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
+    """The ``memopt`` pass on the user's network: units are its repeated blocks (or the Cells
+    ``optimize.memopt_cells`` names), profiled from its train-step graph on the config's
+    cluster and planned within ``optimize.memory_budget`` with the actions the device target
+    realises; the plan is applied by Cell path. Returns (network, plan dict with ``cells``).
+    Raises ValueError when the network has no Cell to plan or its unoptimised peak already
+    fits the budget (nothing to change)."""
+    from ms_efficient.core.units import format_size
+    from ms_efficient.graph.cells import assign_units, match_cells, repeated_blocks
+    from ms_efficient.memopt.planner import plan_memory
+    from ms_efficient.memopt.profile import profile_from_units
+
+    config = context.config
+    tree = context.cell_tree()
+    patterns = config.optimize.memopt_cells
+    units = match_cells(tree, patterns) if patterns else repeated_blocks(tree)
+    if not units:
+        raise ValueError(
+            "memopt: found no repeated blocks in the network (children of a CellList or "
+            "SequentialCell, >= 2 of one class, holding parameters); name the Cells to plan "
+            "with optimize.memopt_cells, e.g. ['layers.*'].")
+    graph = context.graph("the memopt pass")
+    assignment = assign_units(graph, units)
     cluster = config.cluster_spec()
-    profile = profile_from_model(config.model, config.moe, config.train.batch_size, cluster)
-    budget = 0.9 * cluster.device_memory_bytes
+    first = context.sample_inputs[0]
+    batch = int(first.shape[0]) if getattr(first, "shape", None) else 1
+    profile = profile_from_units(graph, assignment, cluster, batch_size=batch)
+    budget, peak = resolve_budget(config.optimize.memory_budget, profile, cluster)
+    if peak <= budget:
+        raise ValueError(
+            f"memopt: the unoptimised simulated peak {format_size(peak)} of the "
+            f"{len(units)} planned Cells ({units[0]} ...) already fits the budget "
+            f"{format_size(budget)}; nothing to recompute or swap. Set "
+            f"optimize.memory_budget below the peak (e.g. '50%').")
     target = config.context.device_target
     actions = ALL_ACTIONS if target == "Ascend" else CELL_RECOMPUTE_ACTIONS
     plan, result = plan_memory(profile, budget, cluster.host_link, actions=actions)
-    apply_plan(network, profile.names, plan, config.context.device_target)
-    return network, plan_to_dict(profile, plan, result, budget)
+    applied = apply_plan(network, profile.names, plan, target)
+    doc = plan_to_dict(profile, plan, result, budget,
+                       extra={"unoptimised_peak_bytes": int(peak),
+                              "outside_time_s": profile.meta["outside_time_s"],
+                              "optimizer_time_s": profile.meta["optimizer_time_s"]})
+    action_of = dict(zip(profile.names, plan.actions))
+    doc["cells"] = {name: {"action": ACTION_NAMES[int(action_of[name])],
+                           "recompute": name in applied["recompute"],
+                           "swap": name in applied["swap"]}
+                    for name in profile.names if name in applied["recompute"] + applied["swap"]}
+    return network, doc

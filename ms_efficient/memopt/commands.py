@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="run config YAML (model/moe/train/cluster sections), "
-                                       "or a graph file (PipeDream profile, OpGraph JSON)")
+                                       "or a graph file (MINDIR, OpGraph JSON, PipeDream)")
     parser.add_argument("--budget", required=True,
                         help="device memory the step may use, e.g. 12GiB, 800MB, bytes")
     parser.add_argument("--batch", type=int, help="batch size (default: train.batch_size)")
@@ -35,6 +35,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", default="memopt",
                         help="memopt (default) or a baseline: none, full-recompute, chen-sqrt, "
                              "checkmate-milp, capuchin-greedy, exact-milp")
+    parser.add_argument("--cells", action="append", metavar="PATTERN",
+                        help="for a MINDIR/JSON graph: glob of the Cells to plan, e.g. "
+                             "'model.layers.*' (repeatable; default: its repeated blocks)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-limit", type=float, default=60.0, help="planning seconds")
     parser.add_argument("--out", required=True, help="plan YAML to write")
@@ -52,13 +55,30 @@ def _profile_for(args):
         batch = args.batch or cfg.train.batch_size
         return profile_from_model(cfg.model, cfg.moe, batch, cluster), cluster
     from ms_efficient.graph import load_graph
+    from ms_efficient.graph.cells import (assign_units, cell_tree_from_graph, forward_subgraph,
+                                          match_cells, repeated_blocks)
+    from ms_efficient.memopt.profile import profile_from_units
 
     cluster = get_cluster(args.cluster or "ascend910b-1x8")
     try:
         graph = load_graph(args.config)
     except FileNotFoundError as err:
         raise ValueError(str(err)) from None
-    return profile_from_graph(graph, batch_size=args.batch or 1, cluster=cluster), cluster
+    if any(n.scope for n in graph):
+        # a MindSpore graph: the layers are its Cells, named as apply_plan takes them
+        tree = cell_tree_from_graph(graph)
+        units = match_cells(tree, args.cells) if args.cells else repeated_blocks(tree)
+        if not units:
+            raise ValueError(f"{args.config}: found no repeated blocks (children of a CellList "
+                             "or SequentialCell of one class); name the Cells with --cells.")
+        return profile_from_units(graph, assign_units(graph, units), cluster,
+                                  batch_size=args.batch or 1), cluster
+    if args.cells:
+        raise ValueError(f"{args.config}: '--cells' needs a graph with Cell scopes (MINDIR or "
+                         "its JSON), but this one has none.")
+    # no scopes (PipeDream): layers are runs of forward ops, named by their first and last op
+    return profile_from_graph(forward_subgraph(graph), batch_size=args.batch or 1,
+                              cluster=cluster), cluster
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-__all__ = ["LayerProfile", "profile_from_graph", "profile_from_model"]
+__all__ = ["LayerProfile", "profile_from_graph", "profile_from_units", "profile_from_model"]
 
 @dataclass(frozen=True)
 class LayerProfile:
@@ -144,6 +144,65 @@ def profile_from_graph(graph, max_layers: int = 64, static_bytes: Optional[float
                         output_bytes=np.array(o_L), interior_bytes=np.array(e_L),
                         workspace_bytes=2.0 * np.array(o_L), static_bytes=float(static_bytes),
                         batch_size=batch_size, source=src, meta={"graph": graph.name})
+
+
+def profile_from_units(graph, assignment, cluster, batch_size: int = 1,
+                       optimizer_bytes_per_param_byte: float = 3.0,
+                       dtype: Optional[str] = None) -> LayerProfile:
+    """A chain profile whose layers are the network's own Cells (``assignment.units``).
+
+    graph: OpGraph of the network, a train-step export (backward and optimizer ops present)
+        or a forward one. assignment: :class:`ms_efficient.graph.cells.UnitAssignment` of its
+        forward ops to the units.
+    Per unit (forward ops only; backward and optimizer ops are priced, never planned):
+        forward_time_s = sum of its ops' FLOPs / the cluster's FLOP/s for ``dtype``;
+        backward_time_s = forward_time_s x (backward FLOPs / forward FLOPs of the whole graph,
+            2 when the graph has no backward ops);
+        output_bytes = the output of its last op in topological order (what the next unit
+            reads); interior_bytes = the other ops' outputs; workspace = 2 x output_bytes.
+    static_bytes = parameters of the forward ops x (1 + optimizer_bytes_per_param_byte) + the
+    outputs of the forward ops outside every unit (embedding, head, loss: kept through the step).
+    ``meta["outside_time_s"]``: forward + backward seconds of those outside ops, and
+    ``meta["optimizer_time_s"]`` of the optimizer's ops: the same in every plan, so they are
+    reported beside the simulated step rather than planned.
+    dtype: default from the graph's float outputs ("float32" -> fp32, else fp16).
+    """
+    from ms_efficient.graph.cells import forward_flops_ratio
+
+    nodes = list(graph)
+    if dtype is None:
+        floats = [d for n in nodes for d in n.output_dtypes if "float" in d]
+        dtype = "fp32" if floats and max(set(floats), key=floats.count) == "float32" else "fp16"
+    ratio = forward_flops_ratio(graph) or 2.0
+
+    def seconds(i: int) -> float:
+        return cluster.compute_time_s(float(nodes[i].flops), dtype)
+
+    names, f_L, o_L, e_L = [], [], [], []
+    for u, unit in enumerate(assignment.units):
+        members = assignment.members(u)
+        names.append(unit)
+        f_L.append(sum(seconds(i) for i in members))
+        outs = [float(nodes[i].output_bytes) for i in members]
+        o_L.append(outs[-1])
+        e_L.append(sum(outs[:-1]))
+    outside = assignment.order[assignment.unit_of < 0]
+    outside_bytes = float(sum(nodes[i].output_bytes for i in outside))
+    outside_s = sum(seconds(i) for i in outside) * (1.0 + ratio)
+    optimizer_s = sum(cluster.compute_time_s(float(n.flops), dtype) for n in nodes
+                      if n.phase == "optimizer")
+    # the network's parameters (forward ops load them); the optimizer's ops load its states
+    params = float(sum(n.param_bytes for n in nodes if n.phase == "forward"))
+    f = np.array(f_L)
+    o = np.array(o_L)
+    return LayerProfile(names=names, forward_time_s=f, backward_time_s=ratio * f,
+                        output_bytes=o, interior_bytes=np.array(e_L), workspace_bytes=2.0 * o,
+                        static_bytes=params * (1.0 + optimizer_bytes_per_param_byte)
+                        + outside_bytes,
+                        batch_size=batch_size, source=str(graph.meta.get("source", "graph")),
+                        meta={"graph": graph.name, "cluster": cluster.name, "dtype": dtype,
+                              "backward_flops_ratio": ratio, "outside_ops": int(outside.size),
+                              "outside_time_s": outside_s, "optimizer_time_s": optimizer_s})
 
 
 def profile_from_model(model, moe=None, batch_size: int = 1, cluster=None,

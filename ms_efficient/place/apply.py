@@ -34,12 +34,19 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 
 from ms_efficient.core.fileio import atomic_write_text
+from ms_efficient.core.registry import register_pass
+from ms_efficient.graph.cells import scope_path
 from ms_efficient.place.cost import simulate_placement
 from ms_efficient.place.problem import PlacementProblem
 
-__all__ = ["PlacementPlan", "make_plan", "save_plan", "load_plan", "apply_pipeline_stages"]
+__all__ = ["PlacementPlan", "make_plan", "save_plan", "load_plan", "apply_pipeline_stages",
+           "place_pass"]
 
 PLAN_VERSION = 1
+# The place pass's search: TGA's distinct evaluations (as `bench place --quick`) and its
+# wall-time cap, seconds.
+PLACE_PASS_EVALUATIONS = 300
+PLACE_PASS_TIME_S = 60.0
 
 
 @dataclass
@@ -157,27 +164,20 @@ def load_plan(path: str) -> PlacementPlan:
                          scopes=dict(data.get("scopes") or {}), meta=data.get("meta") or {})
 
 
-def _scope_path(scope: str) -> str:
-    """``Default/b0-Block/d1-Dense/MatMul-op0`` -> ``b0.d1`` (cell names as in
-    ``cells_and_names``; the ``Default`` root and an op suffix without ``-Class`` part go)."""
-    parts = [p for p in scope.split("/") if p and p != "Default"]
-    names = [p.rsplit("-", 1)[0] for p in parts if "-" in p and not p.split("-")[-1].startswith("op")]
-    return ".".join(names)
-
-
 def apply_pipeline_stages(network: Any, plan: PlacementPlan) -> Dict[str, int]:
     """Set ``cell.pipeline_stage`` on the cells of ``network`` from a plan.
 
     Every cell whose scope holds planned operators gets the most common stage of those
     operators (ties: the lower stage); cells without operators inherit their parent's stage.
     Sibling cells get non-decreasing stages in registration order (the dataflow order of
-    a sequential model), as pipeline parallelism needs. Returns {cell name: stage} for the cells that were set ("" is the root).
+    a sequential model), as pipeline parallelism needs. Returns {cell name: stage} for the
+    cells that were set ("" is the root).
     """
     votes: Dict[str, Counter] = {}
     for node, scope in plan.scopes.items():
         if node not in plan.assignment:
             continue
-        path = _scope_path(scope)
+        path = scope_path(scope)
         stage = plan.stage_of_node(node)
         while True:  # a node votes for its cell and every ancestor cell
             votes.setdefault(path, Counter())[stage] += 1
@@ -203,3 +203,48 @@ def apply_pipeline_stages(network: Any, plan: PlacementPlan) -> Dict[str, int]:
         cell.pipeline_stage = int(stage)
         out[name] = int(stage)
     return out
+
+
+@register_pass("place")
+def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
+    """The ``place`` pass: TGA partitions the forward operators of the network's train-step
+    graph into contiguous pipeline stages on the config's cluster (``optimize.micro_batches``
+    micro-batches; each repeated block of the network kept on one stage) and sets ``pipeline_stage`` on the
+    network's Cells. Raises ValueError on a one-device cluster or when the best plan keeps every Cell
+    on one stage (nothing to set)."""
+    from ms_efficient.graph.cells import (assign_units, forward_subgraph, repeated_blocks,
+                                          strip_train_root)
+    from ms_efficient.place.planner import TGAConfig, tga
+    from ms_efficient.place.problem import PlacementOptions, build_problem
+
+    cluster = context.config.cluster_spec()
+    if cluster.num_devices < 2:
+        raise ValueError(f"place: cluster {cluster.name!r} has {cluster.num_devices} device; "
+                         "pipeline stages need >= 2 (set the config's cluster, e.g. "
+                         "{preset: ascend910b-1x8}).")
+    full = context.graph("the place pass")
+    graph = forward_subgraph(full)
+    # each repeated block (decoder layer, residual block) stays on one stage
+    blocks = repeated_blocks(context.cell_tree())
+    colocate = []
+    if blocks:
+        assignment = assign_units(full, blocks)
+        names = [n.name for n in full]
+        colocate = [[names[i] for i in assignment.members(u)]
+                    for u in range(len(assignment.units))]
+    micro = context.config.optimize.micro_batches
+    problem = build_problem(graph, cluster, PlacementOptions(
+        micro_batches=micro, contiguous=True, colocate=colocate))
+    result = tga(problem, TGAConfig(seed=0, max_evaluations=PLACE_PASS_EVALUATIONS,
+                                    time_budget_s=PLACE_PASS_TIME_S))
+    plan = make_plan(problem, result.assign, "tga",
+                     scopes={n.name: strip_train_root(full, n.scope) for n in graph if n.scope},
+                     meta={"evaluations": result.evaluations, "seed": 0}, order=result.order)
+    if len(plan.stages) < 2:
+        raise ValueError(f"place: TGA's best plan for the network on {cluster.name!r} keeps "
+                         f"every operator on one device (simulated {plan.step_time_s * 1e3:.3f} "
+                         "ms); no pipeline stage to set.")
+    stages = apply_pipeline_stages(network, plan)
+    doc = plan.to_dict()
+    doc["cells"] = {path: {"pipeline_stage": s} for path, s in stages.items() if path}
+    return network, doc

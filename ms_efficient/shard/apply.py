@@ -158,15 +158,27 @@ def write_strategy_json(path: str, network: Any, applied: Dict[str, Tuple],
 
 
 @register_pass("shard")
-def shard_pass(network: Any, config: Any) -> Tuple[Any, Dict[str, Any]]:
-    """Pass: plan the config's model on 1 x (cluster devices) and set the strategies."""
+def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
+    """Pass: plan the config's GPT template (``model`` / ``moe`` sections) on a 1 x (cluster
+    devices) mesh and set the strategies on a network laid out as the reference GPT-MoE
+    (``blocks.<i>.attn/ffn/ln1/ln2``). Raises ValueError for any other layout (no primitive
+    it could set); planning a user's own operators is not built yet."""
     from ms_efficient.shard.planner import _dims_from_run_config, _request, plan, plan_to_dict
 
+    config = context.config
+    if getattr(network, "blocks", None) is None:
+        raise ValueError(f"shard: found none of the reference layout's primitives "
+                         f"(blocks.<i>.attn.qkv, ...) in {type(network).__name__}: the pass "
+                         "sets strategies on the package's GPT-MoE layout only; nothing to set.")
     mesh = f"1x{config.cluster_spec().num_devices}"
     req = _request({"mesh": mesh}, _dims_from_run_config(config.to_dict()))
     req.cluster = config.cluster_spec()
     doc = plan_to_dict(req, plan(req))
     applied = apply_shard_plan(network, doc["templates"], doc.get("overrides"))
+    if not applied:
+        raise ValueError(f"shard: found none of the reference layout's primitives "
+                         f"(blocks.<i>.attn.qkv, ...) in {type(network).__name__}; nothing "
+                         "to set.")
     doc["applied"] = {k: [list(t) for t in v] for k, v in applied.items()}
+    doc["cells"] = {k: {"shard": [list(t) for t in v]} for k, v in applied.items()}
     return network, doc
-

@@ -1,0 +1,176 @@
+"""optimize() on networks the package did not write: a LLaMA-shaped decoder with HF /
+MindFormers Cell names (dense, and with the package's MoE layer as its MLP) and mindcv's
+resnet18. The passes plan each network's own train-step graph and change its own Cells; the
+network then still trains in GRAPH_MODE."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import mindspore as ms
+from mindspore import nn
+
+import ms_efficient
+from ms_efficient.core.config import config_from_dict
+from tests.user_models import llama_with_loss
+
+pytestmark = pytest.mark.mindspore
+MOE = {"num_experts": 4, "top_k": 2, "capacity": 16}
+BLOCKS = [f"_backbone.model.layers.{i}" for i in range(3)]
+
+
+def _config(**optimize):
+    return config_from_dict({"optimize": optimize, "cluster": {"preset": "ascend910b-1x8"}})
+
+
+def _train_steps(net, inputs, steps=3):
+    step = nn.TrainOneStepCell(net, nn.Adam(net.trainable_params(), 1e-3))
+    return [float(step(*inputs).asnumpy()) for _ in range(steps)]
+
+
+@pytest.fixture(autouse=True)
+def _graph_mode():
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+
+
+@pytest.mark.parametrize("moe", [None, MOE], ids=["dense", "moe"])
+def test_memopt_and_place_plan_a_llama_decoder_by_its_own_cell_names(moe):
+    net, inputs = llama_with_loss(moe=moe, num_layers=3)
+    names = {n for n, _ in net.cells_and_names()}
+    net, plans = ms_efficient.optimize(net, _config(passes=["memopt", "place"],
+                                                    memory_budget="92%"),
+                                       sample_inputs=inputs)
+    mem = plans["memopt"]
+    # the units are the decoder layers, by the names the user gave them
+    assert [layer["name"] for layer in mem["layers"]] == BLOCKS
+    assert mem["cells"] and set(mem["cells"]) <= set(BLOCKS) <= names
+    assert all(c["recompute"] for c in mem["cells"].values())
+    # the plan fits its budget (92% of the unoptimised simulated peak) and needed to change
+    assert mem["budget_bytes"] == pytest.approx(0.92 * mem["unoptimised_peak_bytes"], rel=1e-6)
+    assert mem["simulated"]["fits"] and mem["simulated"]["peak_bytes"] <= mem["budget_bytes"]
+    place = plans["place"]["cells"]
+    assert set(place) <= names | {f"{b}._recompute_cell" for b in BLOCKS} | \
+        {f"{b}._recompute_cell.wrap_cell" for b in BLOCKS}
+    stages = [place[b]["pipeline_stage"] for b in BLOCKS]
+    assert stages == sorted(stages)                       # stages follow the layers
+    for block, stage in zip(BLOCKS, stages):               # a block stays on one stage
+        inner = [c for c in place if c.startswith(block + ".")]
+        assert inner and all(place[c]["pipeline_stage"] == stage for c in inner)
+    assert len(plans["place"]["stages"]) >= 2
+    losses = _train_steps(net, inputs)
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def test_memopt_cells_patterns_plan_sub_blocks_and_units_must_hold_parameters():
+    net, inputs = llama_with_loss(num_layers=2)
+    patterns = ["_backbone.model.layers.*.self_attn", "_backbone.model.layers.*.mlp"]
+    net, plans = ms_efficient.optimize(net, _config(passes=["memopt"], memory_budget="95%",
+                                                    memopt_cells=patterns),
+                                       sample_inputs=inputs)
+    assert [layer["name"] for layer in plans["memopt"]["layers"]] == [
+        "_backbone.model.layers.0.self_attn", "_backbone.model.layers.0.mlp",
+        "_backbone.model.layers.1.self_attn", "_backbone.model.layers.1.mlp"]
+    assert plans["memopt"]["simulated"]["fits"]
+
+
+def test_passes_that_find_nothing_to_change_say_what_they_looked_for():
+    net, inputs = llama_with_loss(num_layers=2)
+    with pytest.raises(ValueError, match="needs sample_inputs|sample_inputs=\\(batch"):
+        ms_efficient.optimize(net, _config(passes=["memopt"], memory_budget="50%"))
+    with pytest.raises(ValueError, match="already fits the budget .*nothing to recompute"):
+        ms_efficient.optimize(net, _config(passes=["memopt"]), sample_inputs=inputs)
+    dense = nn.WithLossCell(nn.Dense(4, 2), nn.MSELoss())
+    x, y = np.ones((2, 4), np.float32), np.ones((2, 2), np.float32)
+    with pytest.raises(ValueError, match="found no repeated blocks"):
+        ms_efficient.optimize(dense, _config(passes=["memopt"], memory_budget="50%"),
+                              sample_inputs=(x, y))
+    one_device = config_from_dict({"optimize": {"passes": ["place"]},
+                                   "cluster": {"preset": "ascend910b-1x8",
+                                               "devices_per_node": 1}})
+    with pytest.raises(ValueError, match="pipeline stages need >= 2"):
+        ms_efficient.optimize(net, one_device, sample_inputs=inputs)
+    with pytest.raises(ValueError, match="found none of the reference layout"):
+        ms_efficient.optimize(net, _config(passes=["shard"]), sample_inputs=inputs)
+
+
+def test_a_bad_memory_budget_names_the_field():
+    with pytest.raises(ValueError, match="'optimize.memory_budget' must be a percentage"):
+        config_from_dict({"optimize": {"memory_budget": "150%"}})
+    with pytest.raises(ValueError, match="'optimize.memory_budget' must be a size"):
+        config_from_dict({"optimize": {"memory_budget": "lots"}})
+
+
+def test_mindcv_resnet18_is_planned_by_its_residual_blocks_and_still_trains(tmp_path):
+    # in a child process: mindcv's Cells otherwise outlive MindSpore at interpreter exit
+    import importlib.util
+
+    if importlib.util.find_spec("mindcv") is None:
+        pytest.skip("mindcv is not installed")
+    code = """
+import json
+import numpy as np
+import mindcv
+import mindspore as ms
+from mindspore import nn
+import ms_efficient
+from ms_efficient.core.config import config_from_dict
+ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+ms.set_seed(0)
+net = nn.WithLossCell(mindcv.create_model("resnet18", pretrained=False, num_classes=10),
+                      nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
+x = ms.Tensor(np.random.default_rng(0).standard_normal((8, 3, 64, 64)).astype(np.float32))
+y = ms.Tensor(np.arange(8, dtype=np.int32) % 10)
+cfg = config_from_dict({"optimize": {"passes": ["memopt", "place"], "memory_budget": "99%",
+                                     "micro_batches": 8},
+                        "cluster": {"preset": "ascend910b-1x8"}})
+net, plans = ms_efficient.optimize(net, cfg, sample_inputs=(x, y))
+step = nn.TrainOneStepCell(net, nn.Momentum(net.trainable_params(), 0.01, 0.9))
+losses = [float(step(x, y).asnumpy()) for _ in range(2)]
+names = [n for n, _ in net.cells_and_names()]
+print(json.dumps({"units": [l["name"] for l in plans["memopt"]["layers"]],
+                  "memopt": plans["memopt"]["cells"], "fits": plans["memopt"]["simulated"]["fits"],
+                  "stages": {k: v["pipeline_stage"] for k, v in plans["place"]["cells"].items()},
+                  "names": names, "losses": losses}))
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=root, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    blocks = [f"_backbone.layer{i}.{j}" for i in range(1, 5) for j in range(2)]
+    assert got["units"] == blocks
+    assert got["memopt"] and set(got["memopt"]) <= set(blocks) and got["fits"]
+    stages = [got["stages"][b] for b in blocks]
+    assert stages == sorted(stages) and len(set(got["stages"].values())) >= 2
+    assert set(got["stages"]) <= set(got["names"])
+    assert all(np.isfinite(got["losses"]))
+
+
+def test_plan_memory_on_a_saved_graph_names_cells_that_apply_plan_accepts(tmp_path):
+    from ms_efficient.cli import main
+    from ms_efficient.core.cluster import get_cluster
+    from ms_efficient.graph import from_network
+    from ms_efficient.graph.cells import assign_units, cell_tree_from_graph, repeated_blocks
+    from ms_efficient.memopt.apply import apply_plan, load_plan, resolve_budget
+    from ms_efficient.memopt.profile import profile_from_units
+
+    net, inputs = llama_with_loss(num_layers=3)
+    graph = from_network(net, *inputs, mode="train")
+    path = str(tmp_path / "llama.json")
+    graph.save_json(path)
+    cluster = get_cluster("ascend910b-1x8")
+    profile = profile_from_units(graph, assign_units(graph, repeated_blocks(
+        cell_tree_from_graph(graph))), cluster, batch_size=2)
+    budget, _ = resolve_budget("95%", profile, cluster)
+    out = str(tmp_path / "plan.yaml")
+    assert main(["plan", "memory", path, "--budget", str(int(budget)), "--batch", "2",
+                 "--out", out]) == 0
+    names, plan = load_plan(out)
+    assert names == BLOCKS                      # forward Cells only, no backward "layers"
+    applied = apply_plan(net, names, plan)
+    assert applied["recompute"] and set(applied["recompute"]) <= set(BLOCKS)
+    assert main(["plan", "memory", path, "--budget", "1GiB", "--cells", "blocks.*",
+                 "--out", out]) == 2                    # a pattern that matches no Cell
