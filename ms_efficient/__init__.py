@@ -1,15 +1,15 @@
 """ms_efficient: faster, leaner training of dense and Mixture-of-Experts models in MindSpore.
 
     import ms_efficient
-    cfg = ms_efficient.load_config("configs/gpt_moe_tiny.yaml")
-    network, plans = ms_efficient.optimize(network, cfg)
+    cfg = ms_efficient.load_config("my_run.yaml")      # or config_from_dict({...})
+    network, plans = ms_efficient.optimize(network, cfg, sample_inputs=(ids, labels))
 
 ``import ms_efficient`` is cheap: planners (cluster model, simulator, graph tools, traces) are
 plain numpy; MindSpore is imported only by the modules that build or change networks.
 
 Package map (each capability is one folder with the same role files: ``planner`` (the entry
 point, pure numpy), ``baselines`` (what it is compared with, written from their papers),
-``apply`` / ``layer`` / ``callback`` (the MindSpore-facing part), ``bench`` (the benchmark
+``apply`` / ``layer`` (the MindSpore-facing part: passes, Cells, callbacks), ``bench`` (the benchmark
 rows) and ``commands`` (its ``ms-efficient plan|bench`` sub-commands)):
 
     core/          config, cluster model, collectives, pass registry, backend, file writes
@@ -31,9 +31,9 @@ Layers, lowest first; a module imports only from its own layer or below (tests/t
 checks this and that there is no import cycle): core -> graph, sim -> moe -> models ->
 the capabilities -> train -> passes, cli. Planners never import MindSpore.
 """
-from ms_efficient.core.config import load_config
+from ms_efficient.core.config import config_from_dict, load_config
 from ms_efficient.passes import optimize, register_pass, registered_passes
 
 __version__ = "0.1.0"
 
-__all__ = ["optimize", "load_config", "register_pass", "registered_passes", "__version__"]
+__all__ = ["optimize", "load_config", "config_from_dict", "register_pass", "registered_passes", "__version__"]

@@ -30,11 +30,13 @@ __all__ = ["register_pass", "registered_passes", "optimize", "PassContext", "Pas
 logger = logging.getLogger(__name__)
 
 # Modules that register the built-in passes (core.registry.BUILTIN_PASSES); imported on first
-# use of the registry (they import MindSpore only inside the pass functions).
+# use of the registry, i.e. by optimize(), which needs MindSpore anyway.
 _PASS_MODULES = (
     "ms_efficient.memopt.apply",
     "ms_efficient.shard.apply",
     "ms_efficient.place.apply",
+    "ms_efficient.efficientmoe.apply",
+    "ms_efficient.mpipe.apply",
 )
 
 
@@ -79,6 +81,13 @@ class PassContext:
                         type(self.network).__name__, len(self._graph))
         return self._graph
 
+    def invalidate(self) -> None:
+        """Forget the Cell tree (a pass changed the network's Cells). The graph stays: a
+        second export of a compiled network keeps the first compile's scopes, so it would
+        not name the new Cells anyway, and the passes that change Cells (``mpipe``) only
+        wrap Cells inside the blocks the graph's scopes already name."""
+        self._tree = None
+
     def cell_tree(self):
         """The network's Cells (path, class, parameter bytes) as ``cells_and_names`` lists them."""
         if self._tree is None:
@@ -121,8 +130,11 @@ def optimize(network, config, sample_inputs: Optional[Sequence[Any]] = None
             raise ValueError(f"'optimize.passes' names unknown pass '{name}'; registered: "
                              f"{sorted(known)}.")
         logger.info("running pass %s", name)
+        before = [path for path, _ in network.cells_and_names()]
         network, plan = known[name](network, context)
         context.network = network
+        if [path for path, _ in network.cells_and_names()] != before:
+            context.invalidate()          # the Cell tree changed: later passes see the new one
         if not isinstance(plan, dict) or not plan.get("cells"):
             raise ValueError(f"pass '{name}' returned a plan that names no changed Cell "
                              f"(its 'cells' is empty); a pass with nothing to change must "

@@ -11,8 +11,8 @@ CAPABILITIES = ("efficientmoe", "mpipe", "memopt", "shard", "place")
 # Modules at the top of each capability: they may use the trainer and each other's rows.
 APPLICATION_ROLES = ("bench", "commands")
 # Modules of a capability that build or change MindSpore Cells (the rest is numpy only).
-MINDSPORE_ROLES = {"efficientmoe": {"callback"},
-                   "mpipe": {"layer"},
+MINDSPORE_ROLES = {"efficientmoe": {"apply"},
+                   "mpipe": {"layer", "apply"},
                    "memopt": {"apply", "measure", "bench", "commands"},
                    "shard": {"apply", "commands"},
                    "place": {"apply", "commands", "bench", "workloads"}}

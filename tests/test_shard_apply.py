@@ -61,7 +61,7 @@ def test_bench_rows_carry_the_required_fields():
 
 
 def test_plan_is_set_on_the_mindspore_network_primitives(tmp_path):
-    ms = pytest.importorskip("mindspore")
+    pytest.importorskip("mindspore")
     from ms_efficient.core.config import config_from_dict
     from ms_efficient.models.gpt_moe import build_model
     from ms_efficient.shard.apply import apply_shard_plan, write_strategy_json

@@ -174,3 +174,66 @@ def test_plan_memory_on_a_saved_graph_names_cells_that_apply_plan_accepts(tmp_pa
     assert applied["recompute"] and set(applied["recompute"]) <= set(BLOCKS)
     assert main(["plan", "memory", path, "--budget", "1GiB", "--cells", "blocks.*",
                  "--out", out]) == 2                    # a pattern that matches no Cell
+
+
+def _record_trace(net, inputs, path, steps=4):
+    """A routing trace of the network's own training (Model.train + RoutingTraceCallback)."""
+    import mindspore.dataset as ds
+    from mindspore.train import Model
+
+    from ms_efficient.efficientmoe.apply import RoutingTraceCallback
+
+    ids, labels = (x.asnumpy() for x in inputs)
+    data = ds.NumpySlicesDataset({"ids": np.stack([ids] * steps),
+                                  "labels": np.stack([labels] * steps)}, shuffle=False)
+    cb = RoutingTraceCallback(net, str(path))
+    Model(net, optimizer=nn.SGD(net.trainable_params(), 0.0)).train(
+        1, data, callbacks=[cb], dataset_sink_mode=False)
+    return cb.trace()
+
+
+def test_all_passes_together_plan_a_llama_moe_then_it_still_trains(tmp_path):
+    net, inputs = llama_with_loss(moe=MOE, num_layers=3)
+    trace = _record_trace(net, inputs, tmp_path / "trace.npz")
+    experts = [f"{b}.mlp.experts" for b in BLOCKS]
+    # a cluster whose links are slow enough that overlapping the All-to-All pays
+    cfg = config_from_dict({
+        "optimize": {"passes": ["efficientmoe", "mpipe", "memopt", "place"],
+                     "memory_budget": "95%"},
+        "efficientmoe": {"history": str(tmp_path / "trace.npz"), "capacity_multiple": 1},
+        "cluster": {"preset": "ascend910b-1x8",
+                    "intra_link": {"bandwidth_Bps": 1e7, "latency_s": 1e-6}}})
+    net, plans = ms_efficient.optimize(net, cfg, sample_inputs=inputs)
+    # efficientmoe: capacities from the trace, by the layers' own paths
+    em = plans["efficientmoe"]["cells"]
+    assert sorted(em) == experts
+    load = trace.counts.sum(axis=2)[-1]                  # [layer, expert], same batch each step
+    for i, path in enumerate(experts):
+        assert all(c >= n for c, n in zip(em[path]["capacities"], load[i]))
+    assert plans["efficientmoe"]["rows_before"] == 3 * 4 * MOE["capacity"]
+    assert plans["efficientmoe"]["rows_after"] == sum(sum(em[p]["capacities"]) for p in em)
+    assert plans["efficientmoe"]["expected_drop_rate"] == 0.0     # the trace repeats one batch
+    # mpipe: the layers are wrapped in PipelinedMoE with a chunk's capacities
+    cells = dict(net.cells_and_names())
+    for path in plans["mpipe"]["cells"]:
+        wrapped = cells[path]
+        chunks = plans["mpipe"]["cells"][path]["chunks"]
+        assert type(wrapped).__name__ == "PipelinedMoE" and wrapped.chunks == chunks == 2
+        assert list(wrapped.layer.capacities) == [-(-c // 2) for c in em[path]["capacities"]]
+    assert plans["mpipe"]["cells"]
+    assert set(plans["memopt"]["cells"]) <= set(BLOCKS) and plans["memopt"]["simulated"]["fits"]
+    assert len(plans["place"]["stages"]) >= 2
+    losses = _train_steps(net, inputs)
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def test_moe_passes_say_what_they_need():
+    net, inputs = llama_with_loss(moe=None, num_layers=2)
+    for name in ("efficientmoe", "mpipe"):
+        with pytest.raises(ValueError, match=f"{name}: found no MoEFeedForward"):
+            ms_efficient.optimize(net, _config(passes=[name]), sample_inputs=inputs)
+    moe, inputs = llama_with_loss(moe=MOE, num_layers=2)
+    with pytest.raises(ValueError, match="set efficientmoe.history"):
+        ms_efficient.optimize(moe, _config(passes=["efficientmoe"]), sample_inputs=inputs)
+    with pytest.raises(ValueError, match="one chunk is fastest .*nothing to wrap"):
+        ms_efficient.optimize(moe, _config(passes=["mpipe"]), sample_inputs=inputs)

@@ -36,6 +36,7 @@ __all__ = [
     "world_group",
     "group_size",
     "group_rank",
+    "recompile_on_next_call",
 ]
 
 ASCEND = "Ascend"
@@ -97,3 +98,17 @@ def group_size(group: Optional[str] = None) -> int:
 def group_rank(group: Optional[str] = None) -> int:
     """This process's rank inside `group` (default: the world group); 0 before ``init()``."""
     return get_rank(group or world_group())
+
+
+def recompile_on_next_call(cell) -> None:
+    """Make ``cell``'s next call in GRAPH_MODE compile a new graph from its current attributes.
+
+    MindSpore keys a Cell's compiled graph by its phase, its creation time, its id and its
+    argument shapes (``mindspore/graph/api.py``, ``_real_phase``), so a Python attribute changed
+    after the first call (an MoE layer's capacities) is otherwise never seen by the running
+    ``Model.train`` loop. There is no public call to drop the cache; the creation time is
+    renewed here, the one place that touches this private field.
+    """
+    import time
+
+    object.__setattr__(cell, "_create_time", time.time_ns())

@@ -13,7 +13,7 @@ __all__ = ["BUILTIN_PASSES", "PassFn", "register_pass", "registered", "known_pas
 PassFn = Callable[[Any, Any], Tuple[Any, Any]]
 
 # Passes that ship with the package (registered when ms_efficient.passes loads them).
-BUILTIN_PASSES = ("memopt", "shard", "place")
+BUILTIN_PASSES = ("memopt", "shard", "place", "efficientmoe", "mpipe")
 
 _REGISTRY: Dict[str, PassFn] = {}
 

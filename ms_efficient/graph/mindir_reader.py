@@ -214,6 +214,20 @@ class MindIRReader:
             return [p for i in node.input for p in self.param_sources(i, depth + 1)]
         return []
 
+    def input_source(self, value: str) -> List[str]:
+        """Where one tensor input comes from, for planners that need argument positions:
+        ``["param", name]``, ``["input", name]``, ``["op", compute node name]`` (one producer)
+        or ``["other", ""]`` (a tuple, several producers, a monad)."""
+        params = self.param_sources(value)
+        if len(params) == 1:
+            return ["param", self.short_name[params[0]]]
+        if value in self.inputs:
+            return ["input", self.short_name[value]]
+        sources = self.data_sources(value)
+        if len(sources) == 1:
+            return ["op", sources[0][0]]
+        return ["other", ""]
+
     def output_tensors(self, node: Any) -> List[Tensor]:
         attr = next((a for a in node.attribute if a.name == "shape"), None)
         return self._tensors(attr) if attr is not None else []
@@ -248,14 +262,21 @@ class MindIRReader:
             op_type = self.op_type(n)
             attrs = self._prim_attrs(n)
             attrs.update(self._constant_inputs(n, op_type))
-            input_shapes = [s for i in n.input if not self._is_const(i)
-                            for s, _ in self.value_tensors(i)]
+            input_shapes, sources = [], []
+            for i in n.input:
+                if self._is_const(i):
+                    continue
+                tensors = self.value_tensors(i)
+                input_shapes += [shape for shape, _ in tensors]
+                one = self.input_source(i) if len(tensors) == 1 else ["other", ""]
+                sources += [one] * len(tensors)
             outputs = self.output_tensors(n)
             params = sorted({p for i in n.input for p in self.param_sources(i)})
             for p in params:
                 owner.setdefault(p, self.compute_name[n.name])
             if params:
                 attrs["params"] = [self.short_name[p] for p in params]
+            attrs["input_sources"] = sources      # one per entry of input_shapes
             attrs["mindir_name"] = n.name
             if op_type == "Call":
                 attrs["callee"] = _strip_prefix(n.op_type[5:] if n.op_type.startswith("REF::")

@@ -33,7 +33,7 @@ __all__ = ["MoEFeedForward", "TopKArrival", "TanhGELU", "routing_statistics", "s
            "group_tables"]
 
 # name of the per-layer buffer holding the last forward's counts [R, E] (int32): read by
-# ms_efficient.efficientmoe.callback.RoutingTraceCallback, never checkpointed (not model state)
+# ms_efficient.efficientmoe.apply.RoutingTraceCallback, never checkpointed (not model state)
 ROUTING_COUNTS = "routing_counts"
 
 

@@ -1,0 +1,228 @@
+"""EfficientMoE in a user's training: the load sampler and the online planner as MindSpore
+callbacks, and the ``efficientmoe`` pass.
+
+Any training loop that runs MindSpore callbacks (``mindspore.train.Model.train``, MindFormers'
+trainer) can record the routing trace with it:
+
+    cb = RoutingTraceCallback(network, "trace.npz")
+    Model(network, optimizer=opt).train(epochs, dataset, callbacks=[cb])
+
+Every MoE layer of the package (``MoEFeedForward``, ``ExpertParallelMoE``) assigns the counts
+of its last forward to its ``routing_counts`` buffer (int32 [R, E], R = its ``trace_ranks``);
+at the end of each training step the callback copies those buffers to the host, stacks them
+as one trace row [layer, src_rank, expert] and keeps it in a :class:`RoutingSampler`. The file,
+in the trace format of :mod:`ms_efficient.moe.trace`, is written atomically at the end of
+training and every ``save_every`` steps. ``overhead_s`` is the host time the callback took
+(the cost of leaving it on); the trainer of this package records the same counts from its
+step outputs instead.
+
+Two things the callback cannot change: with ``dataset_sink_mode=True`` MindSpore runs step
+callbacks once per sink, so only every ``sink_size``-th step is recorded (use sink_size=1, or
+no sink, for every step); and in an expert-parallel run each rank's layers count that rank's
+tokens only, so give every rank its own ``path`` (e.g. with the rank id in it). Reused across
+several ``Model.train`` calls, the callback keeps numbering steps upwards.
+
+:class:`EfficientMoECallback` is the whole online EfficientMoE for a user's ``Model.train``
+loop: it samples like the trace callback, and every ``replan_every`` steps after
+``warmup_steps`` it asks the same :class:`~ms_efficient.efficientmoe.planner.CapacityPlanner`
+the package's trainer uses for new per-expert capacities; when the planner says a plan pays
+(``worth_applying``) it sets them on every ``MoEFeedForward`` and makes the running train
+network compile a new graph on its next step (``backend.recompile_on_next_call``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import List, Optional
+
+import numpy as np
+from mindspore import nn
+from mindspore.train import Callback
+
+from ms_efficient.core import backend
+from ms_efficient.core.config import EfficientMoEConfig, RunConfig, history_trace_path
+from ms_efficient.core.registry import register_pass
+from ms_efficient.efficientmoe.planner import CapacityPlanner, RoutingSampler
+from ms_efficient.moe.layer import ROUTING_COUNTS
+from ms_efficient.moe.trace import RoutingTrace, load_trace, save_trace
+
+__all__ = ["RoutingTraceCallback", "EfficientMoECallback", "efficientmoe_pass"]
+
+logger = logging.getLogger(__name__)
+
+
+class RoutingTraceCallback(Callback):
+    """Record per-step routing counts of every MoE layer of ``network`` into a trace.
+
+    Args:
+        network: the Cell being trained (or any Cell containing its MoE layers).
+        path: ``.npz`` file the trace is written to (None: keep it in memory, see ``trace()``).
+        save_every: also write the file every this many steps (0: at the end only).
+
+    Raises ValueError when ``network`` has no MoE layer with a ``routing_counts`` buffer.
+    """
+
+    def __init__(self, network: nn.Cell, path: Optional[str] = None, save_every: int = 0):
+        super().__init__()
+        if isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 0:
+            raise ValueError(f"'save_every' must be an integer >= 0, but got {save_every!r}.")
+        self.layers: List[nn.Cell] = [c for _, c in network.cells_and_names()
+                                      if hasattr(c, ROUTING_COUNTS)]
+        if not self.layers:
+            raise ValueError(f"'network' ({type(network).__name__}) has no MoE layer with a "
+                             f"'{ROUTING_COUNTS}' buffer (MoEFeedForward, ExpertParallelMoE).")
+        self.path = path
+        self.save_every = save_every
+        self.sampler = RoutingSampler()
+        self.steps: List[int] = []
+        self.overhead_s = 0.0
+        self._offset = 0          # added to MindSpore's step numbers (see on_train_begin)
+        self._run_start = 0       # len(steps) when the current Model.train call began
+
+    def on_train_begin(self, run_context) -> None:
+        # Model.train numbers steps from 1 in every call; the trace keeps counting up
+        self._run_start = len(self.steps)
+        self._offset = 0
+
+    def on_train_step_end(self, run_context) -> None:
+        start = time.perf_counter()
+        counts = np.stack([getattr(layer, ROUTING_COUNTS).asnumpy() for layer in self.layers])
+        self.sampler.record(counts)
+        step = int(run_context.original_args().cur_step_num)
+        if len(self.steps) == self._run_start and self.steps and step <= self.steps[-1]:
+            self._offset = self.steps[-1]      # a new Model.train call counts from 1 again
+        self.steps.append(step + self._offset)
+        if self.path and self.save_every and len(self.steps) % self.save_every == 0:
+            save_trace(self.trace(), self.path)
+        self.overhead_s += time.perf_counter() - start
+
+    def on_train_end(self, run_context) -> None:
+        if self.path and len(self.sampler):
+            save_trace(self.trace(), self.path)
+            logger.info("routing trace of %d steps written to %s (sampler host time %.3f ms "
+                        "per step)", len(self.steps), self.path,
+                        1e3 * self.overhead_s / len(self.steps))
+
+    def trace(self) -> RoutingTrace:
+        """The recorded steps as a RoutingTrace (top_k, hidden and tokens per source rank
+        from the first layer and the first step)."""
+        if not len(self.sampler):
+            raise ValueError("no training step has been recorded yet.")
+        counts = self.sampler.counts()
+        first = self.layers[0]
+        top_k = int(first.top_k)
+        return RoutingTrace(counts=counts, top_k=top_k, hidden=int(first.hidden_size),
+                            tokens_per_rank=int(counts[0, 0, 0].sum()) // top_k,
+                            steps=np.array(self.steps, np.int64))
+
+
+class EfficientMoECallback(RoutingTraceCallback):
+    """Sample, predict and re-plan per-expert capacities inside ``Model.train``.
+
+    Args:
+        network: the Cell being trained; its ``MoEFeedForward`` layers are re-planned.
+        config: a RunConfig (its ``efficientmoe`` section and ``cluster``, whose FLOP/s price a
+            slot row) or an EfficientMoEConfig (priced on the ``cpu-local`` preset).
+        path, save_every: as for :class:`RoutingTraceCallback` (the trace is kept too).
+
+    ``plans`` lists every adopted plan: ``{"step", "capacities" [layer][expert],
+    "rows_before", "rows_after", "expected_drop_rate"}``. Raises ValueError when the network
+    has no layer whose capacities can be set.
+    """
+
+    def __init__(self, network: nn.Cell, config, path: Optional[str] = None,
+                 save_every: int = 0):
+        super().__init__(network, path, save_every)
+        if isinstance(config, RunConfig):
+            em, cluster = config.efficientmoe, config.cluster_spec()
+        elif isinstance(config, EfficientMoEConfig):
+            from ms_efficient.core.cluster import get_cluster
+
+            em, cluster = config, get_cluster("cpu-local")
+        else:
+            raise TypeError(f"'config' must be a RunConfig or an EfficientMoEConfig, but got "
+                            f"{type(config).__name__}.")
+        self.layers = [c for c in self.layers if hasattr(c, "set_capacities")]
+        if not self.layers:
+            raise ValueError("'network' has no MoE layer with per-expert capacities "
+                             "(MoEFeedForward) to re-plan.")
+        self.cfg = em
+        first = self.layers[0]
+        hidden, ffn = int(first.hidden_size), int(first.w1.shape[2])
+        # forward + backward of one slot row: 3 x the two expert matmuls of 2*H*F FLOPs
+        self.row_time_s = cluster.compute_time_s(3 * 2 * 2 * hidden * ffn, "fp32")
+        self.planner: Optional[CapacityPlanner] = None
+        self.plans: List[dict] = []
+
+    def capacities(self) -> np.ndarray:
+        """int64 [layer, expert] capacities the layers are set to."""
+        return np.array([layer.capacities for layer in self.layers], np.int64)
+
+    def on_train_step_end(self, run_context) -> None:
+        super().on_train_step_end(run_context)
+        seen = len(self.steps)
+        em = self.cfg
+        if seen < max(em.warmup_steps, 3) or (seen - max(em.warmup_steps, 3)) % em.replan_every:
+            return
+        load = self.sampler.expert_load()                    # [t, layer, expert]
+        if self.planner is None:
+            tokens = int(load[0, 0].sum()) // int(self.layers[0].top_k)
+            self.planner = CapacityPlanner(em, tokens)
+        plan = self.planner.plan(load)
+        current = self.capacities()
+        if not self.planner.worth_applying(current, plan, load, self.row_time_s,
+                                           em.recompile_cost_s):
+            logger.info("step %d: EfficientMoE keeps capacities (%d rows)", self.steps[-1],
+                        int(current.sum()))
+            return
+        for layer, caps in zip(self.layers, plan.capacity_LE):
+            layer.set_capacities([int(c) for c in caps])
+        backend.recompile_on_next_call(run_context.original_args().train_network)
+        self.plans.append({"step": self.steps[-1], "capacities": plan.capacity_LE.tolist(),
+                           "rows_before": int(current.sum()), "rows_after": plan.rows(),
+                           "expected_drop_rate": float(plan.expected_drop_rate.mean())})
+        logger.info("step %d: EfficientMoE re-planned capacities %d -> %d slot rows; the "
+                    "next step recompiles", self.steps[-1], int(current.sum()), plan.rows())
+
+
+@register_pass("efficientmoe")
+def efficientmoe_pass(network: nn.Cell, context) -> tuple:
+    """The ``efficientmoe`` pass: per-expert capacities of every ``MoEFeedForward`` of the
+    network (under any attribute names), planned before compilation from the routing trace
+    ``efficientmoe.history`` by the planner the trainer and :class:`EfficientMoECallback` use.
+    Raises ValueError without MoE layers, without a history, for a trace of other shapes, or
+    when the layers already have the planned capacities."""
+    from ms_efficient.efficientmoe.planner import CapacityPlanner
+    from ms_efficient.moe.layer import MoEFeedForward
+
+    layers = [(p, c) for p, c in network.cells_and_names() if isinstance(c, MoEFeedForward)]
+    if not layers:
+        raise ValueError("efficientmoe: found no MoEFeedForward layer in the network; the pass "
+                         "plans the capacities of the package's MoE layer.")
+    em = context.config.efficientmoe
+    if not em.history:
+        raise ValueError("efficientmoe: the pass plans capacities before compilation from a "
+                         "routing trace: set efficientmoe.history (a trace.npz written by "
+                         "RoutingTraceCallback); to plan while training, pass "
+                         "EfficientMoECallback(network, config) to Model.train instead.")
+    path = history_trace_path(em.history)
+    load = load_trace(path).counts.sum(axis=2)                     # [t, layer, expert]
+    want = (len(layers), layers[0][1].num_experts)
+    if load.shape[1:] != want or len(load) < 3:
+        raise ValueError(f"efficientmoe: trace {path} has {len(load)} rows of [layer, expert] "
+                         f"= {list(load.shape[1:])}; the network needs >= 3 rows of "
+                         f"{list(want)}.")
+    tokens = int(load[-1, 0].sum()) // int(layers[0][1].top_k)
+    plan = CapacityPlanner(em, tokens).plan(load)
+    current = np.array([c.capacities for _, c in layers], np.int64)
+    if np.array_equal(current, plan.capacity_LE):
+        raise ValueError("efficientmoe: the MoE layers already have the planned capacities; "
+                         "nothing to change.")
+    for (_, layer), caps in zip(layers, plan.capacity_LE):
+        layer.set_capacities([int(c) for c in caps])
+    return network, {"kind": "efficientmoe", "history": path,
+                     "rows_before": int(current.sum()), "rows_after": plan.rows(),
+                     "expected_drop_rate": float(plan.expected_drop_rate.mean()),
+                     "expected_padding_fraction": float(plan.expected_padding_fraction.mean()),
+                     "cells": {p: {"capacities": [int(c) for c in caps]}
+                               for (p, _), caps in zip(layers, plan.capacity_LE)}}

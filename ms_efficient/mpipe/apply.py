@@ -1,0 +1,93 @@
+"""The ``mpipe`` pass: every MoE layer of the package in a user's network, under any attribute
+name, wrapped in :class:`~ms_efficient.mpipe.layer.PipelinedMoE` with the chunk count the
+planner chooses for it on the config's cluster.
+
+Per ``MoEFeedForward`` the planner sees one rank of an expert-parallel group over all the
+cluster's devices (``moe.num_experts / devices`` local experts, as ``ms-efficient plan mpipe``
+models a config): rows = the layer's slot rows per step (the sum of its capacities), H and F
+from its weights. Only chunk counts that divide the layer's batch are tried (a chunk is a
+slice of the batch), and the wrapped layer gets a chunk's capacities, ceil(capacity / chunks).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Dict, Tuple
+
+from ms_efficient.core.registry import register_pass
+
+__all__ = ["mpipe_pass"]
+
+logger = logging.getLogger(__name__)
+
+
+def _batch_of(graph, path: str, fallback: int) -> int:
+    """Leading dimension of the first 3-D input of an op of the Cell at ``path``."""
+    from ms_efficient.graph.cells import node_cell_path
+
+    for name in graph.topological_order():
+        node = graph[name]
+        p = node_cell_path(graph, node.scope)
+        if node.phase == "forward" and (p == path or p.startswith(path + ".")):
+            for shape in node.input_shapes:
+                if len(shape) == 3:
+                    return int(shape[0])
+    return fallback
+
+
+def _replace_child(network: Any, path: str, new: Any, names: Dict[int, str]) -> None:
+    """Put ``new`` where the Cell at ``path`` was; its parameters keep their names (MindSpore
+    would rename them by the new attribute path, clashing between layers and breaking
+    checkpoints written before the pass): ``names`` maps id(parameter) to its old name."""
+    parent_path, _, attr = path.rpartition(".")
+    parent = network if not parent_path else dict(network.cells_and_names())[parent_path]
+    if attr.isdigit() and hasattr(parent, "__setitem__"):        # CellList / SequentialCell
+        parent[int(attr)] = new
+    else:
+        setattr(parent, attr, new)
+    for p in new.get_parameters():
+        p.name = names[id(p)]
+
+
+@register_pass("mpipe")
+def mpipe_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
+    """Wrap each MoE layer in ``PipelinedMoE`` where more than one chunk is fastest
+    (simulated on the config's cluster). Raises ValueError without MoE layers or when one
+    chunk is fastest for all of them (nothing to wrap)."""
+    from ms_efficient.moe.layer import MoEFeedForward
+    from ms_efficient.mpipe.layer import PipelinedMoE
+    from ms_efficient.mpipe.planner import CHUNK_CANDIDATES, MoELayerShape, choose_chunks
+
+    found = [(p, c) for p, c in network.cells_and_names() if isinstance(c, MoEFeedForward)]
+    if not found:
+        raise ValueError("mpipe: found no MoEFeedForward layer in the network; the pass "
+                         "chunks the package's MoE layer.")
+    cluster = context.config.cluster_spec()
+    graph = context.graph("the mpipe pass")
+    first = context.sample_inputs[0]
+    fallback = int(first.shape[0]) if getattr(first, "shape", None) else 1
+    cells: Dict[str, Dict[str, Any]] = {}
+    times: Dict[str, Dict[int, float]] = {}
+    for path, layer in found:
+        batch = _batch_of(graph, path, fallback)
+        shape = MoELayerShape(rows=int(sum(layer.capacities)), hidden=int(layer.hidden_size),
+                              ffn_hidden=int(layer.w1.shape[2]),
+                              local_experts=max(1, layer.num_experts // cluster.num_devices),
+                              ranks=cluster.num_devices)
+        options = [n for n in CHUNK_CANDIDATES if batch % n == 0]
+        best, table = choose_chunks(shape, cluster, options)
+        times[path] = {n: t.time_s for n, t in table.items()}
+        if best.chunks == 1:
+            continue
+        layer.set_capacities([math.ceil(c / best.chunks) for c in layer.capacities])
+        names = {id(p): p.name for p in layer.get_parameters()}
+        _replace_child(network, path, PipelinedMoE(layer, best.chunks), names)
+        cells[path] = {"wrapped_in": "PipelinedMoE", "chunks": best.chunks,
+                       "layer_time_s": best.time_s, "unchunked_time_s": table[1].time_s}
+    if not cells:
+        raise ValueError(f"mpipe: one chunk is fastest for every MoE layer on "
+                         f"{cluster.name!r} (simulated seconds per chunk count: "
+                         f"{next(iter(times.values()))}); nothing to wrap.")
+    logger.info("mpipe: wrapped %d MoE layers", len(cells))
+    return network, {"kind": "mpipe", "cluster": cluster.name, "evidence": "simulated",
+                     "cells": cells}
