@@ -56,8 +56,9 @@ def test_bench_rows_carry_the_required_fields():
         assert r["evidence"] == "model" and r["devices"] == 8
         assert r["memory_per_device_bytes"] > 0 and r["comm_time_s"] >= 0
     ilp = rows[methods.index("ilp")]
+    # within the ILP's optimality gap (ShardOptions.mip_gap = 1e-4) of every baseline in budget
     assert ilp["memory_per_device_bytes"] <= min(r["memory_per_device_bytes"] for r in rows
-                                                 if r["comm_vs_megatron_tp"] <= 1.2) * (1 + 1e-6)
+                                                 if r["comm_vs_megatron_tp"] <= 1.2) * (1 + 1e-4)
 
 
 def test_plan_is_set_on_the_mindspore_network_primitives(tmp_path):

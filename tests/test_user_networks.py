@@ -92,8 +92,60 @@ def test_passes_that_find_nothing_to_change_say_what_they_looked_for():
                                                "devices_per_node": 1}})
     with pytest.raises(ValueError, match="pipeline stages need >= 2"):
         ms_efficient.optimize(net, one_device, sample_inputs=inputs)
-    with pytest.raises(ValueError, match="found none of the reference layout"):
-        ms_efficient.optimize(net, _config(passes=["shard"]), sample_inputs=inputs)
+    functional = nn.WithLossCell(_FunctionalNet(), nn.MSELoss())
+    with pytest.raises(ValueError, match="shard: no primitive of WithLossCell takes a strategy"):
+        ms_efficient.optimize(functional, _config(passes=["shard"]), sample_inputs=(x, y))
+
+
+class _FunctionalNet(nn.Cell):
+    """A weight used through a functional matmul: no primitive attribute to shard()."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = ms.Parameter(ms.Tensor(np.ones((4, 2), np.float32)), name="w")
+
+    def construct(self, x):
+        return ms.ops.matmul(x, self.w)
+
+
+@pytest.mark.parametrize("moe", [None, MOE], ids=["dense", "moe"])
+def test_shard_plans_the_llama_graphs_own_operators_and_sets_its_primitives(moe, tmp_path):
+    from ms_efficient.core.cluster import get_cluster
+    from ms_efficient.graph import from_network
+    from ms_efficient.shard.planner import plan_graph
+    from ms_efficient.shard.strategies import Mesh
+
+    net, inputs = llama_with_loss(moe=moe, num_layers=2, batch=8)
+    graph = from_network(net, *inputs, mode="train")
+    out = str(tmp_path / "strategy.json")
+    net, plans = ms_efficient.optimize(net, _config(passes=["shard"], shard_mesh="2x4",
+                                                    shard_strategy_file=out),
+                                       sample_inputs=inputs)
+    plan = plans["shard"]
+    cells = dict(net.cells_and_names())
+    projections = [f"_backbone.model.layers.{i}.self_attn.{p}_proj" for i in range(2)
+                   for p in "qkvo"]
+    assert set(projections) <= set(plan["cells"]) <= set(cells)
+    for path, entry in plan["cells"].items():          # the strategies are on the primitives
+        for attr, strategy in entry["shard"].items():
+            got = getattr(cells[path], attr).attrs["in_strategy"]
+            assert [list(t) for t in got] == strategy
+    # memory per device: no more than the best baseline within the budget ...
+    summary, base = plan["summary"], plan["baselines"]
+    fits = [b["memory_per_device_bytes"] for b in base.values()
+            if "error" not in b and b["comm_time_s"] <= plan["comm_budget_s"] * (1 + 1e-9)]
+    assert base["megatron-tp"]["comm_time_s"] * 1.2 == pytest.approx(plan["comm_budget_s"])
+    assert summary["memory_per_device_bytes"] <= min(fits) * (1 + 1e-4)
+    # ... and, unconstrained, than the best of DP / ZeRO-3 / Megatron-TP on the same graph
+    free = plan_graph(graph, Mesh(2, 4, dp_model_split=False), get_cluster("ascend910b-1x8"),
+                      budget_ratio=None)
+    best = min(free["baselines"][m].memory for m in ("dp", "zero3", "megatron-tp"))
+    assert free["solution"].cost.memory <= best * (1 + 1e-4)
+    with open(out, encoding="utf-8") as fh:
+        layouts = json.load(fh)["parallel_layout_item"]
+    assert "model.layers.0.self_attn.q_proj.weight" in layouts
+    losses = _train_steps(net, inputs)
+    assert all(np.isfinite(losses))
 
 
 def test_a_bad_memory_budget_names_the_field():
@@ -198,7 +250,7 @@ def test_all_passes_together_plan_a_llama_moe_then_it_still_trains(tmp_path):
     experts = [f"{b}.mlp.experts" for b in BLOCKS]
     # a cluster whose links are slow enough that overlapping the All-to-All pays
     cfg = config_from_dict({
-        "optimize": {"passes": ["efficientmoe", "mpipe", "memopt", "place"],
+        "optimize": {"passes": ["efficientmoe", "mpipe", "shard", "memopt", "place"],
                      "memory_budget": "95%"},
         "efficientmoe": {"history": str(tmp_path / "trace.npz"), "capacity_multiple": 1},
         "cluster": {"preset": "ascend910b-1x8",
@@ -221,6 +273,7 @@ def test_all_passes_together_plan_a_llama_moe_then_it_still_trains(tmp_path):
         assert type(wrapped).__name__ == "PipelinedMoE" and wrapped.chunks == chunks == 2
         assert list(wrapped.layer.capacities) == [-(-c // 2) for c in em[path]["capacities"]]
     assert plans["mpipe"]["cells"]
+    assert "_backbone.model.layers.0.self_attn.q_proj" in plans["shard"]["cells"]
     assert set(plans["memopt"]["cells"]) <= set(BLOCKS) and plans["memopt"]["simulated"]["fits"]
     assert len(plans["place"]["stages"]) >= 2
     losses = _train_steps(net, inputs)

@@ -124,12 +124,12 @@ class LlamaForCausalLM(nn.Cell):
         return ops.reshape(logits, (-1, self.vocab_size))
 
 
-def llama_with_loss(moe=None, num_layers=2, seed=0):
+def llama_with_loss(moe=None, num_layers=2, seed=0, batch=2):
     """(``nn.WithLossCell(LlamaForCausalLM, CrossEntropy)``, sample inputs (ids, labels))."""
     ms.set_seed(seed)
     net = LlamaForCausalLM(num_layers=num_layers, moe=moe)
     loss = nn.CrossEntropyLoss()
     rng = np.random.default_rng(seed)
-    ids = ms.Tensor(rng.integers(0, 64, (2, 16)).astype(np.int32))
-    labels = ms.Tensor(rng.integers(0, 64, (2 * 16,)).astype(np.int32))
+    ids = ms.Tensor(rng.integers(0, 64, (batch, 16)).astype(np.int32))
+    labels = ms.Tensor(rng.integers(0, 64, (batch * 16,)).astype(np.int32))
     return nn.WithLossCell(net, loss), (ids, labels)

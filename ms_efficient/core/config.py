@@ -258,6 +258,15 @@ class OptimizeConfig:
     # GPipe micro-batches per step the place pass plans pipeline stages for (MindSpore's
     # micro_batch_num); with 1, splitting a chain only adds transfers, so it rarely pays.
     micro_batches: int = 1
+    # Device mesh of the shard pass, "DPxMP" (dp strided over nodes, mp inside a node);
+    # "" = 1 x the cluster's devices.
+    shard_mesh: str = ""
+    # Communication budget of the shard pass: this many times Megatron-TP's communication on
+    # the same graph and mesh; 0 = unconstrained (the least memory whatever it costs).
+    shard_comm_ratio: float = 1.2
+    # Where the shard pass writes MindSpore's strategy JSON (keyed by your Cells' primitives
+    # and parameter names); "" = only in the returned plan.
+    shard_strategy_file: str = ""
 
     def validate(self, path: str) -> None:
         known = known_pass_names()
@@ -280,6 +289,14 @@ class OptimizeConfig:
         for i, pattern in enumerate(self.memopt_cells):
             if not pattern.strip():
                 _fail(f"{path}.memopt_cells[{i}]", pattern, "a non-empty glob pattern")
+        if self.shard_mesh:
+            parts = str(self.shard_mesh).lower().split("x")
+            if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+                _fail(f"{path}.shard_mesh", self.shard_mesh,
+                      "DPxMP with positive integers, e.g. 2x4")
+        if isinstance(self.shard_comm_ratio, bool) or not self.shard_comm_ratio >= 0:
+            _fail(f"{path}.shard_comm_ratio", self.shard_comm_ratio,
+                  "a number >= 0 (0 = unconstrained)")
 
 
 @dataclass

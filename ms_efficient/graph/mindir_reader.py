@@ -262,12 +262,13 @@ class MindIRReader:
             op_type = self.op_type(n)
             attrs = self._prim_attrs(n)
             attrs.update(self._constant_inputs(n, op_type))
-            input_shapes, sources = [], []
+            input_shapes, sources, dtypes = [], [], []
             for i in n.input:
                 if self._is_const(i):
                     continue
                 tensors = self.value_tensors(i)
                 input_shapes += [shape for shape, _ in tensors]
+                dtypes += [dtype for _, dtype in tensors]
                 one = self.input_source(i) if len(tensors) == 1 else ["other", ""]
                 sources += [one] * len(tensors)
             outputs = self.output_tensors(n)
@@ -277,6 +278,7 @@ class MindIRReader:
             if params:
                 attrs["params"] = [self.short_name[p] for p in params]
             attrs["input_sources"] = sources      # one per entry of input_shapes
+            attrs["input_dtypes"] = dtypes
             attrs["mindir_name"] = n.name
             if op_type == "Call":
                 attrs["callee"] = _strip_prefix(n.op_type[5:] if n.op_type.startswith("REF::")

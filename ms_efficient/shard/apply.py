@@ -157,28 +157,93 @@ def write_strategy_json(path: str, network: Any, applied: Dict[str, Tuple],
     atomic_write_text(path, json.dumps(doc, indent=1) + "\n")
 
 
+def apply_graph_plan(network: Any, doc: Dict[str, Any]
+                     ) -> Tuple[Dict[str, Tuple], Dict[str, List[Tuple[str, int]]]]:
+    """Set ``shard()`` on the user's primitives from a graph plan (``graph_plan_to_dict``).
+
+    An operator is matched to a primitive through the parameters it reads: the Cell that owns
+    the parameter (by ``parameters_and_names(expand=False)``) and, in it, the one primitive
+    attribute of the operator's type (``nn.Dense.matmul``, ``nn.Embedding.gather``). Operators
+    without parameters, or whose Cell holds several primitives of that type, are left to
+    MindSpore's sharding propagation (their strategies are in the plan). Returns
+    ``({"<cell path>.<attribute>": in_strategy}, {same key: [(parameter name, input index)]})``.
+    """
+    owner: Dict[str, Tuple[str, Any]] = {}
+    for path, cell in network.cells_and_names():
+        for _, p in cell.parameters_and_names(expand=False):
+            owner.setdefault(p.name, (path, cell))
+    applied: Dict[str, Tuple] = {}
+    params: Dict[str, List[Tuple[str, int]]] = {}
+    for entry in doc["operators"].values():
+        if not entry["params"]:
+            continue
+        index, name = entry["params"][0]
+        if name not in owner:
+            continue
+        path, cell = owner[name]
+        prims = [(attr, prim) for attr, prim in getattr(cell, "_primitives", {}).items()
+                 if prim is not None and getattr(prim, "name", None) == entry["prim"]]
+        if len(prims) != 1:
+            continue
+        attr, prim = prims[0]
+        strategy = tuple(tuple(int(f) for f in t) for t in entry["in_strategy"])
+        key = f"{path}.{attr}" if path else attr
+        if key in applied and applied[key] != strategy:
+            logger.warning("shard: %s is called with two strategies; keeping the first", key)
+            continue
+        prim.shard(strategy)
+        applied[key] = strategy
+        params[key] = [(p, int(i)) for i, p in entry["params"]]
+    return applied, params
+
+
 @register_pass("shard")
 def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
-    """Pass: plan the config's GPT template (``model`` / ``moe`` sections) on a 1 x (cluster
-    devices) mesh and set the strategies on a network laid out as the reference GPT-MoE
-    (``blocks.<i>.attn/ffn/ln1/ln2``). Raises ValueError for any other layout (no primitive
-    it could set); planning a user's own operators is not built yet."""
-    from ms_efficient.shard.planner import _dims_from_run_config, _request, plan, plan_to_dict
+    """Pass: the minimal-redundancy ILP over the forward operators of the network's own
+    train-step graph (``shard.graph_ops``), on ``optimize.shard_mesh`` (default 1 x the
+    cluster's devices) within ``optimize.shard_comm_ratio`` x Megatron-TP's communication;
+    sets ``shard()`` on the primitives it can name and writes the strategy JSON to
+    ``optimize.shard_strategy_file`` when set. Raises ValueError when no primitive of the
+    network takes a strategy (nothing to set)."""
+    from ms_efficient.graph.cells import assign_units, cell_tree_from_graph, repeated_blocks
+    from ms_efficient.shard.ilp import ShardOptions
+    from ms_efficient.shard.planner import graph_plan_to_dict, plan_graph
+    from ms_efficient.shard.strategies import parse_mesh
 
     config = context.config
-    if getattr(network, "blocks", None) is None:
-        raise ValueError(f"shard: found none of the reference layout's primitives "
-                         f"(blocks.<i>.attn.qkv, ...) in {type(network).__name__}: the pass "
-                         "sets strategies on the package's GPT-MoE layout only; nothing to set.")
-    mesh = f"1x{config.cluster_spec().num_devices}"
-    req = _request({"mesh": mesh}, _dims_from_run_config(config.to_dict()))
-    req.cluster = config.cluster_spec()
-    doc = plan_to_dict(req, plan(req))
-    applied = apply_shard_plan(network, doc["templates"], doc.get("overrides"))
+    cluster = config.cluster_spec()
+    opt = config.optimize
+    mesh = parse_mesh(opt.shard_mesh or f"1x{cluster.num_devices}", dp_model_split=False)
+    if mesh.devices > cluster.num_devices:
+        raise ValueError(f"'optimize.shard_mesh' {opt.shard_mesh!r} needs {mesh.devices} "
+                         f"devices; cluster {cluster.name!r} has {cluster.num_devices}.")
+    graph = context.graph("the shard pass")
+    tie_units = None
+    blocks = repeated_blocks(cell_tree_from_graph(graph))
+    if blocks:
+        try:
+            units = assign_units(graph, blocks)
+            names = [n.name for n in graph]
+            tie_units = [[names[i] for i in units.members(u)] for u in range(len(units.units))]
+        except ValueError:
+            tie_units = None
+    result = plan_graph(graph, mesh, cluster, ShardOptions(tie="layer", time_limit_s=60.0),
+                        budget_ratio=float(opt.shard_comm_ratio) or None, tie_units=tie_units)
+    doc = graph_plan_to_dict(graph, result)
+    applied, params = apply_graph_plan(network, doc)
     if not applied:
-        raise ValueError(f"shard: found none of the reference layout's primitives "
-                         f"(blocks.<i>.attn.qkv, ...) in {type(network).__name__}; nothing "
-                         "to set.")
-    doc["applied"] = {k: [list(t) for t in v] for k, v in applied.items()}
-    doc["cells"] = {k: {"shard": [list(t) for t in v]} for k, v in applied.items()}
+        raise ValueError(f"shard: no primitive of {type(network).__name__} takes a strategy "
+                         f"from the plan (looked for operators with parameters whose Cell "
+                         f"holds one primitive of their type, e.g. nn.Dense.matmul); "
+                         f"nothing to set.")
+    strategy = strategy_json(applied, doc, params)
+    if opt.shard_strategy_file:
+        atomic_write_text(opt.shard_strategy_file, json.dumps(strategy, indent=1) + "\n")
+    cells: Dict[str, Dict[str, Any]] = {}
+    for key, st in applied.items():
+        path, _, attr = key.rpartition(".")
+        cells.setdefault(path, {}).setdefault("shard", {})[attr] = [list(t) for t in st]
+    doc["cells"] = cells
+    doc["strategy_json"] = strategy
+    logger.info("shard: set %d primitives on mesh %s", len(applied), mesh)
     return network, doc

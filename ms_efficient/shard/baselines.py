@@ -27,7 +27,8 @@ from ms_efficient.shard.cost import Cost, CostModel, evaluate
 from ms_efficient.shard.strategies import Layout, OpSpec, Strategy
 
 __all__ = ["METHODS", "baseline_strategies", "baseline_cost", "zero_model_state_bytes",
-           "megatron_activation_bytes"]
+           "megatron_activation_bytes", "GRAPH_METHODS", "graph_baseline_strategies",
+           "graph_baseline_cost"]
 
 METHODS = ("megatron-tp", "megatron-tp-sp", "megatron-tp-distopt", "megatron-tp-sp-distopt",
            "dp", "zero1", "zero2", "zero3")
@@ -127,3 +128,79 @@ def megatron_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1,
     if mode == "sp":
         return sbh * (34 / t + 5 * a * s / (h * t))
     raise ValueError(f"'mode' must be None, 'tp' or 'sp', but got {mode!r}.")
+
+
+# ---- the same baselines on a user's graph (specs from shard.graph_ops) -------------------------
+GRAPH_METHODS = ("dp", "zero1", "zero2", "zero3", "megatron-tp")
+_GRAPH_MATMULS = ("MatMul", "MatMulExt", "BatchMatMul", "BatchMatMulExt", "Dense")
+
+
+def _first_legal(spec: OpSpec, mesh, wanted: Sequence[Layout]) -> Layout:
+    from ms_efficient.shard.strategies import candidate_layouts
+
+    legal = candidate_layouts(spec, mesh)
+    for layout in wanted:       # a mesh axis of size 1 splits nothing (candidate_layouts)
+        layout = Layout(layout.dp if mesh.dp > 1 else None, layout.mp if mesh.mp > 1 else None,
+                        layout.scatter)
+        if layout in legal:
+            return layout
+    return legal[0]
+
+
+def graph_baseline_strategies(specs: Sequence[OpSpec], model: CostModel, method: str
+                              ) -> Dict[str, Strategy]:
+    """``{op name: Strategy}`` of a baseline on graph-derived specs (no templates to name
+    layers by, so the rules read the operators):
+
+    dp, zero1..3: every op splits its first batch dim (``OpSpec.dp_dims``) over all devices
+        (``Layout(b, b)``), ZeRO level 0..3 on its parameters; ops without a batch dim run
+        replicated. Raises ValueError when the batch does not divide the devices.
+    megatron-tp: Megatron's rules propagated in topological order (Shoeybi et al. 2019): a
+        MatMul with a weight is row-parallel (mp on its contracted dim, output all-reduced)
+        when its input arrives split on that dim, else column-parallel (mp on its last output
+        dim); an embedding Gather is vocab-parallel; every other op keeps the mp split its
+        input arrives with where legal; dp splits the batch dim.
+    """
+    if method not in GRAPH_METHODS:
+        raise ValueError(f"'method' must be one of {list(GRAPH_METHODS)}, but got {method!r}.")
+    mesh = model.mesh
+    out: Dict[str, Strategy] = {}
+    if method != "megatron-tp":
+        zero = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[method]
+        for spec in specs:
+            b = spec.dp_dims[0] if spec.dp_dims else None
+            if b is not None and spec.size[b] % mesh.devices:
+                raise ValueError(f"method {method!r} cannot split op {spec.name!r} batch dim "
+                                 f"of size {spec.size[b]} over {mesh.devices} devices.")
+            layout = _first_legal(spec, mesh, [Layout(b, b) if b else Layout()])
+            out[spec.name] = Strategy(layout, zero if spec.param_elems() else 0)
+        return out
+    mp_out: Dict[str, Optional[str]] = {}
+    for spec in specs:
+        inherited = None
+        for t in spec.inputs:
+            p = mp_out.get(t.source) if t.kind == "act" else None
+            if p is not None:
+                inherited = next((c for c, q in t.rename if q == p), None)
+                if inherited is not None:
+                    break
+        has_param = any(t.kind == "param" for t in spec.inputs)
+        mp = inherited
+        if spec.prim in _GRAPH_MATMULS and has_param and spec.contract:
+            mp = spec.contract[0] if inherited == spec.contract[0] else spec.out[-1]
+        elif spec.prim == "Gather" and has_param:
+            mp = spec.contract[0]
+        b = spec.dp_dims[0] if spec.dp_dims else None
+        layout = _first_legal(spec, mesh, [Layout(b, mp), Layout(b, None), Layout(None, mp),
+                                           Layout(None, None)])
+        out[spec.name] = Strategy(layout, 0)
+        split = layout.mp
+        mp_out[spec.name] = split if split in spec.out and split not in spec.contract else None
+    return out
+
+
+def graph_baseline_cost(specs: Sequence[OpSpec], model: CostModel, method: str) -> Cost:
+    """Per-device cost of :func:`graph_baseline_strategies` (inputs kept in the consumer's
+    layout, as these methods do)."""
+    return evaluate(specs, graph_baseline_strategies(specs, model, method), model,
+                    saved="consumer")

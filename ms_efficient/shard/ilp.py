@@ -198,8 +198,15 @@ def _edge_groups(specs: Sequence[OpSpec], key_of: Dict[str, str]) -> "OrderedDic
 
 
 def solve_sharding(specs: Sequence[OpSpec], model: CostModel,
-                   options: ShardOptions = ShardOptions()) -> ShardSolution:
+                   options: ShardOptions = ShardOptions(),
+                   start: Optional[Dict[str, Strategy]] = None) -> ShardSolution:
     """Pick one strategy per operator minimising per-device memory (see module docstring).
+
+    start: an optional known assignment ``{op name: Strategy}`` (e.g. the budget's reference
+        baseline) given to CBC as its first incumbent: on graphs where CBC finds no feasible
+        point within the time limit by itself, the solve then ends with a plan at least as
+        good as the start (an op group takes its first member's strategy; a strategy pruned
+        as dominated is replaced by the kept candidate of its layout with the least memory).
 
     specs: operators in topological order; every "act" input's source must be in ``specs``.
     Returns a :class:`ShardSolution`; an infeasible budget raises ValueError with the minimum.
@@ -236,6 +243,8 @@ def solve_sharding(specs: Sequence[OpSpec], model: CostModel,
         else:
             edge_costs[(gu, gv, i)] = table
     build = _Build(groups, edge_costs, self_costs, options)
+    if start is not None:
+        build.warm_start(start)
     status = build.solve(options, minimise_comm=False)
     if status == "Infeasible":
         floor = _Build(groups, edge_costs, self_costs, options)
@@ -282,6 +291,10 @@ class _Build:
             self.cost_terms.append((var, self.edge_costs[k][(a, b, o)]))
         self.mem = pulp.lpSum(v * ((c.memory + options.redundancy_weight * c.redundant) / _GIB)
                               for v, c in self.cost_terms)
+        # the problem's own memory scale (every op at its largest candidate): the phase-2 row
+        # is written in it, so CBC's absolute tolerances stay relative on a model of any size
+        self.scale = _GIB / max(1.0, sum(max(c.memory for c in grp.node) * len(grp.members)
+                                         for grp in groups.values()))
         self.comm = pulp.lpSum(v * c.comm_s for v, c in self.cost_terms if c.comm_s)
         # [Constraint] every op group picks exactly one strategy
         for g, grp in groups.items():
@@ -312,12 +325,35 @@ class _Build:
         # Phase 2 (lexicographic tie-break): the least communication among min-memory plans.
         best = float(pulp.value(self.mem))
         # [Constraint] memory stays at its optimum (phase 2 only)
-        self.prob += self.mem <= best * (1 + _TIE_BREAK) + _TIE_BREAK, "memory_optimum"
+        self.prob += (self.mem * self.scale <= best * self.scale * (1 + _TIE_BREAK) + 1e-9,
+                      "memory_optimum")
         self.prob.setObjective(self.comm)
         return self._run(options)
 
+    def warm_start(self, start: Dict[str, Strategy]) -> None:
+        """Initial values of every variable from ``start`` (see ``solve_sharding``)."""
+        layout_of: Dict[str, int] = {}
+        for g, grp in self.groups.items():
+            want = start.get(grp.members[0].name)
+            if want is None:
+                return
+            if want in grp.cands:
+                c = grp.cands.index(want)
+            else:
+                same = [i for i, cand in enumerate(grp.cands) if cand.layout == want.layout]
+                if not same:
+                    return
+                c = min(same, key=lambda i: grp.node[i].memory)
+            for i in range(len(grp.cands)):
+                self.s[(g, i)].setInitialValue(1 if i == c else 0)
+            layout_of[g] = grp.layouts.index(grp.cands[c].layout)
+        for (k, a, b, o), var in self.e.items():
+            var.setInitialValue(1 if (a, b, o) == (layout_of[k[0]], layout_of[k[1]], 0) else 0)
+        self.warm = True
+
     def _run(self, options: ShardOptions) -> str:
         solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=options.time_limit_s, threads=1,
+                                   warmStart=getattr(self, "warm", False),
                                    gapRel=options.mip_gap)
         self.prob.solve(solver)
         return pulp.LpStatus[self.prob.status]

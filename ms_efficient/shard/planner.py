@@ -36,7 +36,7 @@ from ms_efficient.shard.strategies import Mesh, OpSpec, Strategy, parse_mesh, sh
 from ms_efficient.shard.workloads import TransformerDims, get_workload, transformer_ops
 
 __all__ = ["ShardRequest", "load_request", "default_cluster", "plan", "plan_to_dict",
-           "save_plan", "load_plan_strategies"]
+           "save_plan", "load_plan_strategies", "plan_graph", "graph_plan_to_dict"]
 
 _REQUEST_KEYS = ("workload", "model", "batch", "mesh", "cluster", "objective", "comm_budget",
                  "comm_budget_s", "comm_weight_gib_per_s", "redundancy_weight", "tie",
@@ -219,3 +219,79 @@ def load_plan_strategies(path_or_doc: Any) -> Dict[str, Dict[str, Any]]:
     if not isinstance(doc, dict) or doc.get("kind") != "shard":
         raise ValueError("not a shard plan: expected a mapping with kind: shard.")
     return {**doc.get("templates", {}), **doc.get("overrides", {})}
+
+
+# ---- a user's graph ---------------------------------------------------------------------------
+def plan_graph(graph, mesh: Mesh, cluster: ClusterSpec, options: ShardOptions = ShardOptions(),
+               budget_ratio: Optional[float] = 1.2, budget_method: str = "megatron-tp",
+               tie_units: Optional[Sequence[Sequence[str]]] = None) -> Dict[str, Any]:
+    """Solve the ILP over the forward operators of ``graph`` (an ``OpGraph``).
+
+    budget_ratio: the communication budget as a multiple of ``budget_method``'s on the same
+        graph and mesh (None or 0: unconstrained, or ``options.comm_budget_s`` as given).
+    tie_units: node-name groups of the repeated blocks (see ``specs_from_graph``).
+    Returns ``{"ops", "specs", "solution", "reference", "baselines", "model", "options"}``;
+    ``baselines`` maps each of ``GRAPH_METHODS`` to its Cost, or to the reason it cannot run.
+    """
+    from ms_efficient.shard.baselines import GRAPH_METHODS, graph_baseline_cost
+    from ms_efficient.shard.graph_ops import specs_from_graph
+
+    ops = specs_from_graph(graph, tie_units)
+    model = CostModel(mesh, cluster)
+    baselines: Dict[str, Any] = {}
+    for method in GRAPH_METHODS:
+        try:
+            baselines[method] = graph_baseline_cost(ops.specs, model, method)
+        except ValueError as err:
+            baselines[method] = str(err)
+    reference = baselines[budget_method]
+    if budget_ratio and options.objective == "budget":
+        if not isinstance(reference, Cost):
+            raise ValueError(f"the communication budget is relative to {budget_method!r}, "
+                             f"which cannot run here: {reference}")
+        options = ShardOptions(**{**options.__dict__,
+                                  "comm_budget_s": budget_ratio * reference.comm_s})
+    from ms_efficient.shard.baselines import graph_baseline_strategies
+
+    # CBC's first incumbent: the least-memory baseline within the budget (on graphs of a few
+    # hundred ops CBC may otherwise stop at a worse point within its time limit)
+    fits = [(c.memory, m) for m, c in baselines.items() if isinstance(c, Cost) and (
+        options.comm_budget_s is None or c.comm_s <= options.comm_budget_s)]
+    start = graph_baseline_strategies(ops.specs, model, min(fits)[1]) if fits else None
+    solution = solve_sharding(ops.specs, model, options, start=start)
+    return {"ops": ops, "specs": ops.specs, "solution": solution, "reference": reference,
+            "baselines": baselines, "model": model, "options": options}
+
+
+def graph_plan_to_dict(graph, result: Dict[str, Any]) -> Dict[str, Any]:
+    """The graph plan as YAML-ready data: one entry per operator MindSpore takes a strategy
+    for (its layout, ZeRO level, ``in_strategy`` and the parameters it reads), the costs
+    next to every baseline, the op types kept whole."""
+    model: CostModel = result["model"]
+    sol: ShardSolution = result["solution"]
+    ops = result["ops"]
+    by_name = ops.by_name()
+    operators: Dict[str, Dict[str, Any]] = {}
+    for name in ops.shardable:
+        entry = _strategy_dict(by_name[name], sol.strategies[name], model.mesh)
+        entry["params"] = [[int(i), p] for i, p in ops.params.get(name, [])]
+        operators[name] = entry
+    baselines = {m: (_cost_dict(c) if isinstance(c, Cost) else {"error": c})
+                 for m, c in result["baselines"].items()}
+    mesh = model.mesh
+    return {
+        "kind": "shard", "source": "graph", "graph": graph.name,
+        "mesh": {"dp": mesh.dp, "mp": mesh.mp, "optimizer_shard": mesh.optimizer_shard,
+                 "dp_model_split": mesh.dp_model_split},
+        "cluster": model.cluster.name, "evidence": "model",
+        "objective": result["options"].objective,
+        "comm_budget_s": result["options"].comm_budget_s,
+        "summary": {**_cost_dict(sol.cost), "solve_time_s": sol.solve_time_s,
+                    "ilp_groups": sol.groups, "ilp_variables": sol.variables,
+                    "operators": len(ops.specs)},
+        "baselines": baselines,
+        "kept_whole": dict(ops.kept_whole),
+        "operators": operators,
+        "parallel_config": {"data_parallel": mesh.dp, "model_parallel": mesh.mp,
+                            "optimizer_shard": any(e["zero"] for e in operators.values())},
+    }
