@@ -182,6 +182,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ValueError as err:
         print(f"ms-efficient: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:           # unreadable input or unwritable output: name the file
+        where = f"'{err.filename}': " if err.filename else ""
+        print(f"ms-efficient: error: {where}{err.strerror or err}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("ms-efficient: interrupted", file=sys.stderr)
         return 130

@@ -180,7 +180,7 @@ def test_load_graph_dispatches_on_extension_and_content(tmp_path):
     assert load_graph(str(tmp_path / "g.json")) == graph
     assert load_graph(str(tmp_path / "g_no_ext")) == graph
     assert load_graph(FIXTURE) == graph
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ValueError, match="missing.json' does not exist"):
         load_graph(str(tmp_path / "missing.json"))
 
 

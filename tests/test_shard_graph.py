@@ -111,3 +111,55 @@ def test_a_graph_without_input_sources_is_refused_by_name():
     g.add_node(OpNode(name="a", op_type="MatMul", phase="forward"))
     with pytest.raises(ValueError, match="'a' has no 'input_sources'; export the graph again"):
         specs_from_graph(g)
+
+
+def test_plan_shard_on_a_graph_file_and_files_it_cannot_read(tmp_path, capsys):
+    import yaml
+
+    from ms_efficient.cli import main
+
+    path = str(tmp_path / "mlp.json")
+    _mlp_graph(batch=16, hidden=64, ffn=256).save_json(path)
+    out = str(tmp_path / "plan.yaml")
+    assert main(["plan", "shard", path, "--mesh", "2x4", "--out", out]) == 0
+    with open(out, encoding="utf-8") as fh:
+        doc = yaml.safe_load(fh)
+    assert doc["source"] == "graph" and set(doc["operators"]) == {"fc1", "act", "fc2", "loss"}
+    assert doc["summary"]["memory_per_device_bytes"] <= \
+        doc["baselines"]["megatron-tp"]["memory_per_device_bytes"]
+    capsys.readouterr()
+    binary = tmp_path / "model.json"
+    binary.write_bytes(b"\x08\x01\x12\xff\xfe MINDIR-ish protobuf bytes")
+    mindir = tmp_path / "model.mindir"
+    mindir.write_bytes(b"\xff\xfe\x00 not a protobuf")
+    for bad in (str(binary), str(mindir), str(tmp_path / "missing.json")):
+        assert main(["plan", "shard", bad, "--out", out]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and bad in err
+
+
+def test_truncated_traces_and_binary_configs_are_one_line_errors(tmp_path, capsys):
+    import numpy as np
+
+    from ms_efficient.cli import main
+
+    trace = tmp_path / "trace.npz"
+    np.savez(trace, counts=np.ones((4, 2, 1, 4), np.int64))
+    data = trace.read_bytes()
+    trace.write_bytes(data[: len(data) // 2])                  # truncated
+    out = str(tmp_path / "moe.yaml")
+    assert main(["plan", "moe", "--trace", str(trace), "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "trace.npz' cannot be read as .npz" in err
+    binary = tmp_path / "run.yaml"
+    binary.write_bytes(b"\xff\xfe\x00\x01 binary where a config belongs")
+    assert main(["train", str(binary)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "run.yaml' is binary, not YAML text" in err
+    zeros = tmp_path / "zeros.yaml"
+    zeros.write_bytes(b"\x00\x00 nul bytes")
+    assert main(["train", str(zeros)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "zeros.yaml' is not valid YAML" in err
+    import os
+    assert not os.path.exists(out)                                 # nothing half-written

@@ -175,8 +175,8 @@ net = nn.WithLossCell(mindcv.create_model("resnet18", pretrained=False, num_clas
                       nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
 x = ms.Tensor(np.random.default_rng(0).standard_normal((8, 3, 64, 64)).astype(np.float32))
 y = ms.Tensor(np.arange(8, dtype=np.int32) % 10)
-cfg = config_from_dict({"optimize": {"passes": ["memopt", "place"], "memory_budget": "99%",
-                                     "micro_batches": 8},
+cfg = config_from_dict({"optimize": {"passes": ["shard", "memopt", "place"],
+                                     "memory_budget": "99%", "micro_batches": 8},
                         "cluster": {"preset": "ascend910b-1x8"}})
 net, plans = ms_efficient.optimize(net, cfg, sample_inputs=(x, y))
 step = nn.TrainOneStepCell(net, nn.Momentum(net.trainable_params(), 0.01, 0.9))
@@ -185,7 +185,10 @@ names = [n for n, _ in net.cells_and_names()]
 print(json.dumps({"units": [l["name"] for l in plans["memopt"]["layers"]],
                   "memopt": plans["memopt"]["cells"], "fits": plans["memopt"]["simulated"]["fits"],
                   "stages": {k: v["pipeline_stage"] for k, v in plans["place"]["cells"].items()},
-                  "names": names, "losses": losses}))
+                  "names": names, "losses": losses, "shard": plans["shard"]["cells"],
+                  "shard_summary": plans["shard"]["summary"],
+                  "shard_budget": plans["shard"]["comm_budget_s"],
+                  "shard_baselines": plans["shard"]["baselines"]}))
 """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -199,6 +202,13 @@ print(json.dumps({"units": [l["name"] for l in plans["memopt"]["layers"]],
     assert stages == sorted(stages) and len(set(got["stages"].values())) >= 2
     assert set(got["stages"]) <= set(got["names"])
     assert all(np.isfinite(got["losses"]))
+    # shard: the convolutions and the classifier by their own paths, within budget no more
+    # memory than any baseline that fits it
+    assert "_backbone.classifier" in got["shard"] and "_backbone.conv1" in got["shard"]
+    assert set(got["shard"]) <= set(got["names"])
+    fits = [b["memory_per_device_bytes"] for b in got["shard_baselines"].values()
+            if "error" not in b and b["comm_time_s"] <= got["shard_budget"] * (1 + 1e-9)]
+    assert got["shard_summary"]["memory_per_device_bytes"] <= min(fits) * (1 + 1e-4)
 
 
 def test_plan_memory_on_a_saved_graph_names_cells_that_apply_plan_accepts(tmp_path):

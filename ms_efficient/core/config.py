@@ -407,7 +407,11 @@ def read_yaml(path: str) -> Dict[str, Any]:
         try:
             data = yaml.safe_load(fh) or {}
         except yaml.YAMLError as err:
-            raise ValueError(f"Config file '{path}' is not valid YAML: {err}") from None
+            reason = " ".join(str(err).split())            # one line
+            raise ValueError(f"Config file '{path}' is not valid YAML: {reason}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"Config file '{path}' is binary, not YAML text (a MINDIR, "
+                             f"checkpoint or trace given where a config belongs?).") from None
     if not isinstance(data, dict):
         raise ValueError(f"Config file '{path}' must hold a mapping of sections, but got "
                          f"{type(data).__name__}.")

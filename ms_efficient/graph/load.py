@@ -14,7 +14,7 @@ def load_graph(path: str) -> OpGraph:
     MindSpore); anything else is sniffed: JSON if it starts with ``{``, else PipeDream text.
     """
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"graph file not found: {path}")
+        raise ValueError(f"graph file '{path}' does not exist.")
     ext = os.path.splitext(path)[1].lower()
     if ext == ".json":
         return OpGraph.load_json(path)

@@ -380,4 +380,7 @@ class OpGraph:
                 data = json.load(fh)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}: not valid JSON ({exc}).") from None
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}: binary, not graph JSON text (a MINDIR file must "
+                                 f"end in .mindir).") from None
         return cls.from_dict(data, source=path)

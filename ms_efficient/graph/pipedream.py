@@ -108,4 +108,9 @@ def parse_pipedream(text: str, source: str = "<string>") -> OpGraph:
 def load_pipedream(path: str) -> OpGraph:
     """Read a PipeDream profile file into an OpGraph (times in seconds, sizes in bytes)."""
     with open(path, "r", encoding="utf-8") as fh:
-        return parse_pipedream(fh.read(), source=path)
+        try:
+            text = fh.read()
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: binary, not a PipeDream profile nor graph JSON (a "
+                             f"MINDIR file must end in .mindir).") from None
+    return parse_pipedream(text, source=path)

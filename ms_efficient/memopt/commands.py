@@ -60,10 +60,7 @@ def _profile_for(args):
     from ms_efficient.memopt.profile import profile_from_units
 
     cluster = get_cluster(args.cluster or "ascend910b-1x8")
-    try:
-        graph = load_graph(args.config)
-    except FileNotFoundError as err:
-        raise ValueError(str(err)) from None
+    graph = load_graph(args.config)
     if any(n.scope for n in graph):
         # a MindSpore graph: the layers are its Cells, named as apply_plan takes them
         tree = cell_tree_from_graph(graph)

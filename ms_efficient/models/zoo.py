@@ -3,6 +3,8 @@ machine (``from_network``) and cached as OpGraph JSON. MindSpore (and mindcv) ar
 only when a graph is built.
 
 - ``reference_model_graph``: the repository's GPT-MoE reference model for a config YAML.
+- ``dense_reference_graph``: the same network with dense FFNs only, as the shard templates
+  model it (fused GeLU, dropout), for comparing the graph-driven and the template ILP.
 - ``mindcv_graph``: a mindcv vision model (``pip install mindcv==0.3.0``, in
   requirements.txt; ``None`` when it is missing), e.g. resnet50 at 224 px, inception_v3 at
   299 px. Exports take 3-13 s on the 2-core machine, a cached graph loads in milliseconds.
@@ -15,7 +17,7 @@ from typing import Optional
 
 from ms_efficient.graph.opgraph import OpGraph
 
-__all__ = ["reference_model_graph", "mindcv_graph", "MINDCV_IMAGE_SIZE"]
+__all__ = ["reference_model_graph", "dense_reference_graph", "mindcv_graph", "MINDCV_IMAGE_SIZE"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,35 @@ def reference_model_graph(config_path: str, cache_dir: Optional[str] = None) -> 
     graph = from_network(net, tokens, tokens, mode="forward")
     graph.name = stem
     return _store(graph, cache)
+
+
+def dense_reference_graph(num_layers: int, hidden: int, heads: int, seq: int, batch: int,
+                          vocab: int, ffn: int) -> OpGraph:
+    """Forward OpGraph of the reference GPT with dense FFNs in every block, the Ascend GeLU
+    (``nn.GELU(approximate=True)``, one op, not the CPU composite) and dropout 0.1: the network
+    ``shard.workloads.transformer_ops`` describes by hand (imports MindSpore)."""
+    import numpy as np
+    import mindspore as ms
+    from mindspore import Tensor, nn
+
+    from ms_efficient.core.config import config_from_dict
+    from ms_efficient.graph import from_network
+    from ms_efficient.models.gpt_moe import build_model
+
+    cfg = config_from_dict({
+        "model": {"num_layers": num_layers, "hidden_size": hidden, "num_heads": heads,
+                  "seq_length": seq, "vocab_size": vocab, "ffn_hidden_size": ffn,
+                  "dropout": 0.1},
+        "moe": {"num_experts": 2, "top_k": 1, "moe_every": num_layers + 1},
+        "train": {"batch_size": batch}})
+    ms.set_context(mode=ms.GRAPH_MODE)
+    net = build_model(cfg.model, cfg.moe, batch)
+    for block in net.blocks:
+        block.ffn.gelu = nn.GELU(approximate=True)
+    tokens = Tensor(np.zeros((batch, seq), np.int32))
+    graph = from_network(net, tokens, tokens, mode="forward")
+    graph.name = f"gpt-dense-L{num_layers}-h{hidden}"
+    return graph
 
 
 def mindcv_graph(model_name: str, image_size: Optional[int] = None, batch: int = 1,

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import zipfile
+
 import numpy as np
 
 from ms_efficient.core.fileio import atomic_write_with
@@ -114,7 +116,7 @@ def load_trace(path: str) -> RoutingTrace:
             kwargs = {name: int(data[name]) for name in _META if name in data}
             steps = data["steps"] if "steps" in data else None
             return RoutingTrace(counts=data["counts"], steps=steps, **kwargs)
-    except (OSError, EOFError) as err:
+    except (OSError, EOFError, zipfile.BadZipFile) as err:     # missing, truncated, not a zip
         raise ValueError(f"trace file '{path}' cannot be read as .npz: {err}") from None
     except ValueError as err:
         if str(err).startswith("trace file"):

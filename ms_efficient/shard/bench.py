@@ -12,7 +12,7 @@ from ms_efficient.shard.planner import default_cluster
 from ms_efficient.shard.strategies import parse_mesh
 from ms_efficient.shard.workloads import get_workload, transformer_ops
 
-__all__ = ["FULL_CASES", "QUICK_CASES", "bench_rows"]
+__all__ = ["FULL_CASES", "QUICK_CASES", "bench_rows", "GRAPH_DIMS", "graph_vs_template_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,4 +58,43 @@ def bench_rows(cases, budget_ratio: float = 1.2, tie: str = "binary",
                 r["memory_vs_megatron_tp"] = r["memory_per_device_bytes"] / ref.memory
                 r["comm_vs_megatron_tp"] = r["comm_time_s"] / ref.comm_s
                 r["floor_bytes"] = ref.memory - ref.redundant
+    return rows
+
+
+# The reference GPT's MINDIR against the hand-written templates of the same dimensions.
+GRAPH_DIMS = dict(num_layers=4, hidden=256, heads=8, seq=128, batch=8, vocab=64, ffn=1024)
+GRAPH_MESHES = ("2x4", "1x8", "4x2", "8x1")
+
+
+def graph_vs_template_rows(dims: Dict[str, int] = GRAPH_DIMS, meshes=GRAPH_MESHES,
+                           ratios=(1.2, 2.0, None)) -> List[Dict[str, Any]]:
+    """The graph-driven ILP (``shard.graph_ops`` on the exported reference GPT, dense FFNs,
+    MindSpore needed) next to the template ILP (``workloads.transformer_ops``, same dims) on
+    each mesh (dp over batch dims only) and budget: ratio x each one's own Megatron-TP
+    communication, or unconstrained (None)."""
+    from ms_efficient.models.zoo import dense_reference_graph
+    from ms_efficient.shard.planner import plan_graph
+    from ms_efficient.shard.workloads import TransformerDims
+
+    graph = dense_reference_graph(**dims)
+    tmpl = transformer_ops(TransformerDims("ref", dims["num_layers"], dims["hidden"],
+                                           dims["heads"], dims["seq"], batch=dims["batch"],
+                                           vocab=dims["vocab"], ffn=dims["ffn"]))
+    rows = []
+    for mesh_text in meshes:
+        mesh = parse_mesh(mesh_text, dp_model_split=False)
+        cluster = default_cluster(mesh.devices)
+        model = CostModel(mesh, cluster)
+        ref = baseline_cost(tmpl, model, "megatron-tp")
+        for ratio in ratios:
+            t = solve_sharding(tmpl, model, ShardOptions(
+                comm_budget_s=ratio * ref.comm_s if ratio else None))
+            g = plan_graph(graph, mesh, cluster, budget_ratio=ratio)
+            rows.append({"evidence": "model", "workload": graph.name, "mesh": mesh_text,
+                         "budget_x_megatron": ratio,
+                         "template_bytes": t.cost.memory, "graph_bytes": g["solution"].cost.memory,
+                         "graph_vs_template": g["solution"].cost.memory / t.cost.memory,
+                         "template_comm_s": t.cost.comm_s,
+                         "graph_comm_s": g["solution"].cost.comm_s,
+                         "graph_ops": len(g["specs"]), "graph_solve_s": g["solution"].solve_time_s})
     return rows

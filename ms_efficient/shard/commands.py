@@ -1,10 +1,13 @@
 """Minimal-redundancy sharding (ILP) plans and benchmark against Megatron/ZeRO baselines.
 
     ms-efficient plan shard CONFIG [--mesh 4x8] [--out plan.yaml] [--strategy-json s.json]
+    ms-efficient plan shard GRAPH [--mesh 2x4] [--cluster PRESET] [--comm-ratio 1.2]
     ms-efficient bench shard [--quick] --json OUT
 
 CONFIG is a shard config (``configs/shard_*.yaml``, a ``shard:`` section) or a training
-config (``configs/gpt_moe_tiny.yaml``). No MindSpore import here unless a strategy JSON is
+config (``configs/gpt_moe_tiny.yaml``). GRAPH is an ``OpGraph`` JSON (``ms-efficient graph``)
+or a ``.mindir`` file of the user's network: the ILP then plans its own operators
+(``shard.graph_ops``), one entry per operator in the plan. No MindSpore import here unless a strategy JSON is
 asked for a training config (it builds the network and sets ``shard()`` on its primitives).
 """
 from __future__ import annotations
@@ -22,8 +25,15 @@ _GIB = float(2**30)
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="shard config (shard: section) or training config YAML")
-    parser.add_argument("--mesh", help="DPxMP device mesh, e.g. 4x8 (overrides the config)")
+    parser.add_argument("config", help="shard config (shard: section), training config YAML, "
+                                       "or a graph (.json OpGraph, .mindir)")
+    parser.add_argument("--mesh", help="DPxMP device mesh, e.g. 4x8 (overrides the config; "
+                                       "graphs: default 1x8)")
+    parser.add_argument("--cluster", help="graphs: cluster preset (default: the smallest "
+                                          "Ascend 910B preset with the mesh's devices)")
+    parser.add_argument("--comm-ratio", type=float, default=1.2,
+                        help="graphs: communication budget as a multiple of Megatron-TP's on "
+                             "the same graph (0 = unconstrained; default 1.2)")
     parser.add_argument("--out", default="shard_plan.yaml", help="plan YAML to write")
     parser.add_argument("--strategy-json", help="also write a MindSpore strategy JSON here")
 
@@ -66,10 +76,52 @@ def _strategy_json_for(args, req, doc) -> None:
     write_strategy_json(args.strategy_json, net, applied, doc)
 
 
+def _is_graph_file(path: str) -> bool:
+    return os.path.splitext(path)[1].lower() in (".json", ".mindir")
+
+
+def _run_graph_plan(args: argparse.Namespace) -> int:
+    from ms_efficient.core.benchio import markdown_table
+    from ms_efficient.core.cluster import get_cluster
+    from ms_efficient.graph.load import load_graph
+    from ms_efficient.shard.planner import (default_cluster, graph_plan_to_dict, plan_graph,
+                                            save_plan)
+    from ms_efficient.shard.strategies import parse_mesh
+
+    if args.strategy_json:
+        raise ValueError("'--strategy-json' needs the network (it names primitives); for a "
+                         "graph use optimize() with optimize.shard_strategy_file.")
+    if not args.comm_ratio >= 0:
+        raise ValueError(f"'--comm-ratio' must be >= 0, but got {args.comm_ratio}.")
+    mesh = parse_mesh(args.mesh or "1x8", dp_model_split=False)
+    cluster = get_cluster(args.cluster) if args.cluster else default_cluster(mesh.devices)
+    if cluster.num_devices < mesh.devices:
+        raise ValueError(f"'--mesh' {mesh} needs {mesh.devices} devices; cluster "
+                         f"'{cluster.name}' has {cluster.num_devices}.")
+    graph = load_graph(args.config)
+    doc = graph_plan_to_dict(graph, plan_graph(graph, mesh, cluster,
+                                               budget_ratio=args.comm_ratio or None))
+    save_plan(args.out, doc)
+    rows = [{"method": m, "memory_MiB": c["memory_per_device_bytes"] / 2**20,
+             "comm_time_s": c["comm_time_s"]} for m, c in doc["baselines"].items()
+            if "error" not in c]
+    rows.append({"method": "ilp", "memory_MiB": doc["summary"]["memory_per_device_bytes"] / 2**20,
+                 "comm_time_s": doc["summary"]["comm_time_s"]})
+    print(f"{args.config}: {doc['summary']['operators']} forward operators on mesh {mesh} "
+          f"({cluster.name}), comm budget {doc['comm_budget_s']} s (model evidence)")
+    print(markdown_table(rows))
+    if doc["kept_whole"]:
+        print(f"kept whole (replicated): {doc['kept_whole']}")
+    print(f"plan written to {args.out} (solved in {doc['summary']['solve_time_s']:.2f} s)")
+    return 0
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from ms_efficient.core.benchio import markdown_table
     from ms_efficient.shard.planner import load_request, plan, plan_to_dict, save_plan
 
+    if _is_graph_file(args.config):
+        return _run_graph_plan(args)
     req = load_request(args.config, args.mesh)
     doc = plan_to_dict(req, plan(req))
     save_plan(args.out, doc)
@@ -109,6 +161,15 @@ def run_bench(args: argparse.Namespace) -> int:
               "comm_x_tp": r["comm_vs_megatron_tp"], "redundant_GiB": r["redundant_bytes"] / _GIB,
               "solve_s": r["solve_time_s"]} for r in rows]
     print(markdown_table(shown))
+    from ms_efficient.shard.bench import graph_vs_template_rows
+
+    graph_rows = graph_vs_template_rows(meshes=("2x4", "1x8") if args.quick else
+                                        ("2x4", "1x8", "4x2", "8x1"))
+    print("\ngraph-driven ILP (the reference GPT's MINDIR) vs the template ILP, same dims:")
+    print(markdown_table([{k: r[k] for k in ("mesh", "budget_x_megatron", "template_bytes",
+                                             "graph_bytes", "graph_vs_template", "graph_ops")}
+                          for r in graph_rows]))
+    rows = rows + [{"method": "graph-vs-template", **r} for r in graph_rows]
     meta = {"budget_ratio": args.budget_ratio, "tie": args.tie, "quick": bool(args.quick),
             "dp_model_split": not args.dp_batch_only,
             "evidence": "analytic cost model (shard.cost) on ascend910b presets, not measured",
