@@ -37,12 +37,15 @@ def _graph_mode():
 
 
 @pytest.mark.parametrize("moe", [None, MOE], ids=["dense", "moe"])
-def test_memopt_and_place_plan_a_llama_decoder_by_its_own_cell_names(moe):
+def test_shard_memopt_and_place_plan_a_llama_decoder_by_its_own_cell_names(moe):
     net, inputs = llama_with_loss(moe=moe, num_layers=3)
     names = {n for n, _ in net.cells_and_names()}
-    net, plans = ms_efficient.optimize(net, _config(passes=["memopt", "place"],
+    net, plans = ms_efficient.optimize(net, _config(passes=["shard", "memopt", "place"],
                                                     memory_budget="92%"),
                                        sample_inputs=inputs)
+    sharded = set(plans["shard"]["cells"])       # the user's projections, by their paths
+    assert {f"{b}.self_attn.o_proj" for b in BLOCKS} <= sharded <= names
+    assert moe or {f"{b}.mlp.down_proj" for b in BLOCKS} <= sharded
     mem = plans["memopt"]
     # the units are the decoder layers, by the names the user gave them
     assert [layer["name"] for layer in mem["layers"]] == BLOCKS
