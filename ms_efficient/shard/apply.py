@@ -1,6 +1,9 @@
 """Apply a sharding plan to a MindSpore network: ``Primitive.shard`` strategies, strategy JSON.
 
-The planner's operator templates (``dense.qkv``, ``moe.expert_fc1``, ...; see
+Two plans apply here. A graph plan (the ``shard`` pass, ``plan shard GRAPH``) names the
+network's own operators: :func:`apply_graph_plan` finds each one's primitive through the Cell
+that owns its parameter. A template plan (``plan shard CONFIG``) names GPT templates:
+the planner's operator templates (``dense.qkv``, ``moe.expert_fc1``, ...; see
 :mod:`ms_efficient.shard.workloads`) are matched to the primitives of the reference
 network :class:`ms_efficient.models.gpt_moe.GPTMoE` by cell path, and the planner's
 per-dimension split factors are folded into each primitive's argument shapes (``nn.Dense``
