@@ -40,7 +40,7 @@ def test_the_installed_command_exits_2_on_a_bad_config(tmp_path):
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
-        "ms-efficient: error: 'moe.num_experts' must be a positive integer, but got 0.")
+        f"ms-efficient: error: {path}: 'moe.num_experts' must be a positive integer, but got 0.")
 
 
 def test_train_needs_a_config_or_resume(capsys):

@@ -427,7 +427,10 @@ def load_config(path: str, overrides: Optional[Dict[str, Any]] = None) -> RunCon
         for key in parents:
             node = node.setdefault(key, {})
         node[leaf] = value
-    return config_from_dict(data)
+    try:
+        return config_from_dict(data)
+    except ValueError as err:                 # say which file the bad field is in
+        raise ValueError(f"{path}: {err}") from None
 
 
 def save_config(cfg: RunConfig, path: str) -> None:

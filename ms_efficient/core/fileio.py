@@ -4,9 +4,10 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
-__all__ = ["atomic_path", "atomic_write_text", "atomic_write_bytes", "atomic_write_with"]
+__all__ = ["atomic_path", "atomic_write_text", "atomic_write_bytes", "atomic_write_with",
+           "read_yaml_document"]
 
 
 @contextlib.contextmanager
@@ -17,11 +18,18 @@ def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
     On any exception the temporary file is removed and ``path`` is left untouched.
     """
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=suffix)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=suffix)
+    except OSError as err:          # name the file the caller asked for, not the temp file
+        raise OSError(err.errno, f"cannot write there ({err.strerror})", path) from None
     os.close(fd)
     try:
         yield tmp
+        # mkstemp creates 0600; the file gets the mode open() would give it (umask)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -45,3 +53,20 @@ def atomic_write_with(path: str, writer: Callable[[str], None], suffix: str = ""
 
 
 
+
+
+def read_yaml_document(path: str, what: str) -> Any:
+    """The YAML document in ``path``; a missing, binary or malformed file raises ValueError
+    naming the file and ``what`` it should be (one line)."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ValueError(f"{what} '{path}' does not exist.")
+    try:
+        with open(path, "r", encoding="utf-8") as fh:
+            return yaml.safe_load(fh)
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} '{path}' is binary, not YAML text.") from None
+    except yaml.YAMLError as err:
+        reason = " ".join(str(err).split())
+        raise ValueError(f"{what} '{path}' is not valid YAML: {reason}") from None

@@ -362,6 +362,11 @@ class OpGraph:
             if not isinstance(edge, (list, tuple)) or len(edge) not in (2, 3):
                 raise ValueError(f"{source}: edge {i} must be [src, dst] or [src, dst, bytes], "
                                  f"but got {edge!r}.")
+            if not all(isinstance(x, str) for x in edge[:2]) or (
+                    len(edge) == 3 and edge[2] is not None and not isinstance(edge[2], int)):
+                raise ValueError(f"{source}: edge {i} must be [src name, dst name] or [src, "
+                                 f"dst, bytes] with string names and integer bytes, but got "
+                                 f"{edge!r}.")
             try:
                 graph.add_edge(*edge)
             except ValueError as exc:

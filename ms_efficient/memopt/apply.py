@@ -75,6 +75,8 @@ def plan_from_dict(doc: Dict[str, Any], source: str = "plan") -> Tuple[List[str]
     if not isinstance(doc, dict) or doc.get("kind") != "memopt" or "layers" not in doc:
         raise ValueError(f"{source}: not a MemOpt plan (needs kind: memopt and layers).")
     names, actions, delays, leads = [], [], [], []
+    if not isinstance(doc["layers"], list):
+        raise ValueError(f"{source}: 'layers' must be a list, but got {doc['layers']!r}.")
     for i, layer in enumerate(doc["layers"]):
         action = layer.get("action") if isinstance(layer, dict) else None
         if action not in ACTION_NAMES:
@@ -93,8 +95,14 @@ def save_plan(path: str, doc: Dict[str, Any]) -> None:
 
 
 def load_plan(path: str) -> Tuple[List[str], MemoryPlan]:
-    with open(path, "r", encoding="utf-8") as fh:
-        return plan_from_dict(yaml.safe_load(fh), source=path)
+    """Read a plan written by ``plan memory``; ValueError names the file and the problem."""
+    from ms_efficient.core.fileio import read_yaml_document
+
+    doc = read_yaml_document(path, "MemOpt plan")
+    try:
+        return plan_from_dict(doc, source=path)
+    except (TypeError, AttributeError) as err:
+        raise ValueError(f"{path}: malformed MemOpt plan ({err}).") from None
 
 
 def apply_plan(network, names: List[str], plan: MemoryPlan,

@@ -235,13 +235,20 @@ def save_plans(path: str, plans: Sequence[ExpertPlan], num_experts: int,
 
 def load_plans(path: str) -> Tuple[List[ExpertPlan], int]:
     """Read a file written by :func:`save_plans`: (plans per layer, num_experts)."""
-    with open(path, "r", encoding="utf-8") as fh:
-        doc = yaml.safe_load(fh)
-    if not isinstance(doc, Mapping) or "expert_plan" not in doc:
+    from ms_efficient.core.fileio import read_yaml_document
+
+    doc = read_yaml_document(path, "expert plan file")
+    if not isinstance(doc, Mapping) or not isinstance(doc.get("expert_plan"), Mapping):
         raise ValueError(f"plan file '{path}' has no 'expert_plan' section.")
     section = doc["expert_plan"]
-    num_experts = int(section["num_experts"])
-    plans = [ExpertPlan.from_dict(d) for d in section["layers"]]
-    for plan in plans:
-        plan.validate(num_experts, int(plan.slot_device.max()) + 1)
+    missing = [k for k in ("num_experts", "layers") if k not in section]
+    if missing:
+        raise ValueError(f"plan file '{path}': 'expert_plan' is missing {missing}.")
+    try:
+        num_experts = int(section["num_experts"])
+        plans = [ExpertPlan.from_dict(d) for d in section["layers"]]
+        for plan in plans:
+            plan.validate(num_experts, int(plan.slot_device.max()) + 1)
+    except (TypeError, ValueError, AttributeError) as err:
+        raise ValueError(f"plan file '{path}': {err}") from None
     return plans, num_experts

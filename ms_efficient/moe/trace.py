@@ -109,11 +109,23 @@ def save_trace(trace: RoutingTrace, path: str) -> None:
 def load_trace(path: str) -> RoutingTrace:
     """Read and validate a trace file; errors name the file and the problem."""
     try:
-        with np.load(path, allow_pickle=False) as data:
+        loaded = np.load(path, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):
+            raise ValueError(f"trace file '{path}' is a single .npy array, not a trace .npz "
+                             f"(arrays 'counts' [T, L, R, E] and its metadata).")
+        with loaded as data:
             if "counts" not in data:
                 raise ValueError(f"trace file '{path}' has no 'counts' array (has "
                                  f"{sorted(data.files)}).")
-            kwargs = {name: int(data[name]) for name in _META if name in data}
+            kwargs = {}
+            for name in _META:
+                if name in data:
+                    value = data[name]
+                    if value.size != 1 or value.dtype.kind not in "iub":
+                        raise ValueError(f"trace file '{path}': '{name}' must be one integer, "
+                                         f"but has shape {list(value.shape)} and dtype "
+                                         f"{value.dtype}.")
+                    kwargs[name] = int(value.reshape(()))
             steps = data["steps"] if "steps" in data else None
             return RoutingTrace(counts=data["counts"], steps=steps, **kwargs)
     except (OSError, EOFError, zipfile.BadZipFile) as err:     # missing, truncated, not a zip

@@ -146,14 +146,25 @@ def save_plan(plan: PlacementPlan, path: str) -> None:
 
 def load_plan(path: str) -> PlacementPlan:
     """Read a plan written by ``save_plan``; ValueError names what is wrong."""
-    import yaml
+    from ms_efficient.core.fileio import read_yaml_document
 
-    with open(path, "r", encoding="utf-8") as fh:
-        data = yaml.safe_load(fh)
+    data = read_yaml_document(path, "placement plan")
     if not isinstance(data, dict) or data.get("kind") != "place":
         raise ValueError(f"{path}: not a placement plan (expected 'kind: place').")
     if data.get("version") != PLAN_VERSION:
         raise ValueError(f"{path}: unsupported plan version {data.get('version')!r}.")
+    missing = [k for k in ("method", "graph", "cluster", "devices", "micro_batches",
+                           "step_time_s", "peak_memory_bytes", "assignment") if k not in data]
+    if missing:
+        raise ValueError(f"{path}: placement plan is missing {missing}.")
+    try:
+        return _plan_from_data(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise ValueError(f"{path}: malformed placement plan ({type(err).__name__}: {err}).") \
+            from None
+
+
+def _plan_from_data(data: Dict[str, Any]) -> PlacementPlan:
     stage_of_device = {int(s["device"]): int(s["stage"]) for s in data.get("stages", [])}
     return PlacementPlan(method=data["method"], graph=data["graph"], cluster=data["cluster"],
                          devices=int(data["devices"]), micro_batches=int(data["micro_batches"]),

@@ -214,8 +214,9 @@ def load_plan_strategies(path_or_doc: Any) -> Dict[str, Dict[str, Any]]:
     """``{tie key or op name: strategy entry}`` of a plan file (templates, then overrides)."""
     doc = path_or_doc
     if isinstance(path_or_doc, str):
-        with open(path_or_doc, "r", encoding="utf-8") as fh:
-            doc = yaml.safe_load(fh)
+        from ms_efficient.core.fileio import read_yaml_document
+
+        doc = read_yaml_document(path_or_doc, "shard plan")
     if not isinstance(doc, dict) or doc.get("kind") != "shard":
         raise ValueError("not a shard plan: expected a mapping with kind: shard.")
     return {**doc.get("templates", {}), **doc.get("overrides", {})}
