@@ -92,5 +92,9 @@ def test_evaluator_scores_each_distinct_placement_once_within_its_budget():
 
 def test_evaluator_stops_scoring_when_time_is_up():
     ev = Evaluator(dag_problem(), max_evaluations=100, time_budget_s=1e-9)
-    assert ev.left() == 0
-    assert np.isinf(ev.evaluate(np.zeros((3, ev.problem.num_units), dtype=np.int64))).all()
+    assert ev.left() == 100                     # the first call always scores
+    pop = np.zeros((3, ev.problem.num_units), dtype=np.int64)
+    pop[1, 0] = pop[2, 1] = 1
+    assert np.isfinite(ev.evaluate(pop)).all()
+    assert ev.left() == 0                       # then the time is up
+    assert np.isinf(ev.evaluate(pop + 1)).all()

@@ -134,7 +134,9 @@ def test_every_planner_returns_a_feasible_placement_no_worse_than_round_robin_fo
     for name, x in plans.items():
         assert (memory_by_device(problem, x) <= problem.capacity_bytes).all(), name
         steps[name] = float(evaluate_population(problem, x[None])[0][0])
-    assert steps["tga"] <= min(steps["contiguous"], steps["round-robin"])
+    # TGA's first population holds contiguous splits, so beating those proves nothing; the
+    # list schedulers and round-robin are not in it
+    assert steps["tga"] <= min(steps[m] for m in ("m-topo", "m-etf", "m-sct", "round-robin"))
 
 
 def test_build_problem_rejects_cycles_and_oversized_ops():
@@ -186,12 +188,18 @@ def test_parallel_branches_share_a_pipeline_stage_and_beat_every_split_of_one_or
     assert result.cost_s == pytest.approx(optimum, rel=1e-12)
 
 
-def test_tga_stops_within_its_time_budget():
+def test_tga_stops_at_its_time_budget_before_the_next_step():
+    # a budget no generation fits: only the initial populations are scored (a wall-clock
+    # bound would be flaky on a busy machine; how far a real budget gets is a benchmark
+    # figure), and the best of them comes back feasible with its cost
     problem = build_problem(random_dag(150, seed=4), toy_cluster(devices=8),
                             PlacementOptions(micro_batches=4))
-    result = tga(problem, TGAConfig(seed=0, max_evaluations=10**6, time_budget_s=0.8))
-    assert 0 < result.search_time_s <= 0.8
-    assert result.evaluations > 48
+    cfg = TGAConfig(seed=0, max_evaluations=10**6, time_budget_s=1e-9)
+    result = tga(problem, cfg)
+    assert 0 < result.evaluations <= cfg.pop_exploit + cfg.pop_explore   # one scoring call
+    assert (memory_by_device(problem, result.assign) <= problem.capacity_bytes).all()
+    step = float(evaluate_population(problem, result.assign[None])[0][0])
+    assert result.cost_s == pytest.approx(step)
 
 
 def test_search_baselines_get_exactly_the_evaluations_tga_used():

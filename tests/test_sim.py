@@ -1,6 +1,5 @@
 """Tests for the shared event-driven simulator: hand-solved schedules, memory accounting,
 error messages, and an equivalence test against a naive time-stepping scheduler."""
-import time
 
 import numpy as np
 import pytest
@@ -337,13 +336,12 @@ def test_same_inputs_give_identical_results():
     assert a.critical_path() == b.critical_path()
 
 
-def test_twenty_thousand_tasks_run_well_under_two_seconds():
-    t0 = time.perf_counter()  # building counts too: planners rebuild for every candidate
+def test_twenty_thousand_tasks_give_the_hand_computed_bottleneck():
+    # (its speed is a benchmark figure, scripts/bench_sim.py, not a test: a busy machine
+    # would fail a wall-clock assertion)
     sim = _layered_pipeline(num_devices=4, num_layers=2500)
     res = sim.run()
-    elapsed = time.perf_counter() - t0
     assert len(sim) == 20_000
-    assert elapsed < 2.0, f"building and simulating 20k tasks took {elapsed:.2f} s"
     # A swap (4e6 / 25e9 + 10 us = 0.17 ms) is slower than a 0.1 ms layer, so the d2h stream
     # is the bottleneck: 2500 swaps back to back after the first layer; activations pile up.
     swap = transfer_time_s(4e6, ALPHA, 25e9)

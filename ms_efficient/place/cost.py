@@ -341,8 +341,11 @@ class Evaluator:
         return self.elapsed_s + reserve_s >= self.time_budget_s
 
     def left(self) -> int:
-        """Evaluations still allowed (0 once the time is up)."""
-        return 0 if self.time_up() else self.max_evaluations - self.used
+        """Evaluations still allowed (0 once the time is up, but never before the first
+        call: a search always scores its initial population, so its result has a cost)."""
+        if self.used and self.time_up():
+            return 0
+        return self.max_evaluations - self.used
 
     def key(self, x: np.ndarray) -> bytes:
         return np.asarray(x).astype(self._key_dtype).tobytes()
