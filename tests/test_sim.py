@@ -313,19 +313,11 @@ def test_random_dags_match_the_naive_scheduler(seed):
 
 
 def _layered_pipeline(num_devices, num_layers):
-    """Per device: a chain of forward layers on compute; each activation swapped out on d2h."""
-    sim = Simulator()
-    for d in range(num_devices):
-        sim.set_initial_memory(f"dev{d}", 1e9)
-        sim.set_memory_capacity(f"dev{d}", 2e9)
-        prev = []
-        for layer in range(num_layers):
-            fwd = sim.add_task(f"d{d}.fwd{layer}", f"dev{d}.compute", 1e-4, deps=prev,
-                               alloc=[(f"dev{d}", 4e6)])
-            sim.add_transfer(f"d{d}.swap{layer}", f"dev{d}.d2h", 4e6, ALPHA, 25e9, deps=[fwd],
-                             free=[(f"dev{d}", 4e6)])
-            prev = [fwd]
-    return sim
+    """Per device: a chain of forward layers on compute; each activation swapped out on d2h
+    (the same builder scripts/bench_sim.py times)."""
+    from scripts.bench_sim import build
+
+    return build(num_devices, num_layers)
 
 
 def test_same_inputs_give_identical_results():
