@@ -129,9 +129,14 @@ def test_bench_policies_never_beat_the_oracle_and_online_tracks_warmup():
     oracle = rows["oracle"]["layer_time_s"]
     assert all(r["layer_time_s"] >= oracle * (1 - 1e-12) for r in rows.values())
     assert rows["no-pipeline"]["speedup_vs_no_pipeline"] == pytest.approx(1.0)
-    # tokens grow 8x during warm-up: a count fixed on the first step falls behind
-    assert rows["mpipe-online"]["layer_time_s"] < rows["tutel-adaptive"]["layer_time_s"]
-    assert rows["mpipe-online"]["chunk_changes"] >= 1
+    # tokens grow 8x during warm-up: a count fixed before training falls behind, while both
+    # run-time choosers (ours and Tutel's per-capacity table) re-choose and stay near the
+    # oracle
+    fixed = min(rows[f"fixed-{n}"]["layer_time_s"] for n in (2, 4, 8))
+    for method in ("mpipe-online", "tutel-adaptive"):
+        assert rows[method]["chunk_changes"] >= 1
+        assert rows[method]["layer_time_s"] < fixed
+        assert rows[method]["layer_time_s"] <= oracle * 1.01
 
 
 def test_plan_mpipe_writes_a_plan_and_rejects_an_expert_count_the_devices_do_not_divide(

@@ -24,7 +24,7 @@ fastermoe_plan   FasterMoE (He et al., "FasterMoE: Modeling and Optimizing Train
                  own tokens for them locally, and their gradients are reduced back (charged as
                  an all-reduce among the copies, a slight overestimate of a reduce to the
                  owner). Experts are added most popular first while the modelled step time
-                 falls; shadows need a free slot on every device. FasterMoE runs
+                 falls (no cap on their number in the replay, as in the paper). FasterMoE runs
                  with dynamic shapes, so its slots are sized to the step's actual loads (no
                  padding, no drops) and its All-to-All carries the routed tokens after a count
                  exchange (``dispatch="alltoallv"``): the baseline's best case.
@@ -118,15 +118,16 @@ def dropless_static_plan(counts_TRE: np.ndarray, devices: Sequence[int],
                       method="dropless-static", dispatch="static")
 
 
-def fastermoe_plan(counts_RE: np.ndarray, model: CostModel, slots_per_device: int,
+def fastermoe_plan(counts_RE: np.ndarray, model: CostModel, slots_per_device: Optional[int],
                    rank_device: np.ndarray) -> Tuple[ExpertPlan, float]:
     """FasterMoE shadowing for one step with the step's actual counts (int [R, E]).
 
     Returns (plan, broadcast_time_s): the plan's shadow slots are the extra copies; the
     broadcast of the shadowed experts' weights to all devices (seconds per step) is not part
-    of :func:`layer_cost` and must be added by the caller. At most
-    ``slots_per_device - ceil(E / H)`` experts are shadowed (memory for their copies). Experts
-    and shadows live on the ranks' devices (H of them).
+    of :func:`layer_cost` and must be added by the caller. With ``slots_per_device`` at most
+    ``slots_per_device - ceil(E / H)`` experts are shadowed (memory for their copies); None =
+    as many as the model wants (the paper sets no limit). Experts and shadows live on the
+    ranks' devices (H of them).
     """
     cluster = model.cluster
     counts = np.asarray(counts_RE, dtype=np.int64)
@@ -134,7 +135,8 @@ def fastermoe_plan(counts_RE: np.ndarray, model: CostModel, slots_per_device: in
     rank_device = check_rank_device(rank_device, counts.shape[0], cluster)
     hosts = np.sort(rank_device)
     base_expert, base_device = uniform_placement(num_experts, hosts)
-    max_shadow = max(0, slots_per_device - int(np.bincount(base_device).max()))
+    max_shadow = num_experts if slots_per_device is None else \
+        max(0, slots_per_device - int(np.bincount(base_device).max()))
     everyone = hosts.tolist()
     bcast_one = cluster.collective_time_s("broadcast", model.grad_bytes, everyone)
     popular = np.lexsort((np.arange(num_experts), -counts.sum(axis=0)))

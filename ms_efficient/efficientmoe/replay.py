@@ -20,9 +20,17 @@ full or empty (``dispatch="static"``, see :mod:`ms_efficient.moe.plan`; ``static
                      per-rank capacity in every expert, never re-planned (see :mod:`baselines`).
     eplb-ema, mindspeed-greedy   their placement policies fed by an EMA predictor, one
                      capacity for all slots, re-planned by the same rule as ours.
-    fastermoe        per-step shadowing from the step's actual counts (its design), plus the
-                     per-step weight broadcast; dynamic shapes: count exchange, then only the
-                     routed tokens; no padding, no drops, no compile cost.
+    eplb-ar          EPLB fed by our predictor (ar-ridge), otherwise as eplb-ema: its
+                     placement policy at its best forecast.
+    dropless-window  a realistic dropless static graph: every expert's per-rank capacity is
+                     the largest count that rank sent it over the last ``residual_window``
+                     rows, re-planned by the same checks and rule as ours (dropless-static
+                     sizes once, from the whole trace).
+    fastermoe        per-step shadowing from the step's actual counts (its design), as many
+                     experts as its performance model wants (no slot limit, as in the
+                     paper), plus the per-step weight broadcast; dynamic shapes: count
+                     exchange, then only the routed tokens; no padding, no drops, no compile
+                     cost.
     oracle           our scheduler with the true counts of each step, exact capacities, and
                      free re-planning every step (a reference, not a reachable system).
     oracle-static    ours with perfect foresight and nothing else changed: a static graph,
@@ -73,8 +81,10 @@ __all__ = ["METHODS", "ReplayConfig", "ReplayResult", "cluster_for_ranks", "chec
 logger = logging.getLogger(__name__)
 
 METHODS = ("efficientmoe", "switch-cf1.0", "switch-cf1.25", "switch-cf2.0", "dropless-static",
-           "fastermoe", "eplb-ema", "mindspeed-greedy", "oracle", "oracle-static")
-_ADAPTIVE = {"efficientmoe", "eplb-ema", "mindspeed-greedy", "oracle-static"}
+           "dropless-window", "fastermoe", "eplb-ema", "eplb-ar", "mindspeed-greedy", "oracle",
+           "oracle-static")
+_ADAPTIVE = {"efficientmoe", "eplb-ema", "eplb-ar", "mindspeed-greedy", "oracle-static",
+             "dropless-window"}
 _OURS = {"efficientmoe", "oracle-static"}     # our placement + capacity planner
 HORIZON_MULTIPLES = (1, 2, 4, 8)  # plan lifetimes our scheduler considers, in check intervals
 
@@ -263,8 +273,12 @@ class _Context:
                 plans.append(plan_layer(pred[layer], self.model, self.placement,
                                         self.rank_device, rel[:, layer], **sizes,
                                         dropless=bool(unpredictable[layer])))
-            elif method == "eplb-ema":
+            elif method in ("eplb-ema", "eplb-ar"):
                 plans.append(baselines.eplb_plan(*args, **sizes))
+            elif method == "dropless-window":
+                window = self.trace.counts[max(0, t - self.config.residual_window):t, layer]
+                plans.append(baselines.dropless_static_plan(window, self.rank_device,
+                                                            self.top_k))
             else:
                 plans.append(baselines.greedy_plan(*args, **sizes))
         return plans, pred, rel
@@ -286,7 +300,8 @@ class _Context:
         return np.sqrt(np.mean(rel ** 2, axis=(0, 2))) > self.config.max_forecast_error
 
     def _predictor(self, method: str):
-        return get_predictor(self.config.predictor) if method in _OURS else EMA()
+        ours = method in _OURS or method == "eplb-ar"       # EPLB given our predictor
+        return get_predictor(self.config.predictor) if ours else EMA()
 
     def propose(self, method: str, t: int, current: Optional[List[ExpertPlan]]):
         """Candidate plans at row t: (plans, predicted counts [L, R, E], horizon_steps).
@@ -385,8 +400,8 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
                                            ctx.rank_device, ctx.top_k, ctx.tokens_per_step)
                      for layer in range(trace.num_layers)]
         elif method == "fastermoe":
-            made = [baselines.fastermoe_plan(counts[t, layer], ctx.model,
-                                             ctx.placement.slots_per_device, ctx.rank_device)
+            made = [baselines.fastermoe_plan(counts[t, layer], ctx.model, None,
+                                             ctx.rank_device)
                     for layer in range(trace.num_layers)]
             plans = [p for p, _ in made]
             extra_s = sum(b for _, b in made)

@@ -10,9 +10,12 @@ recompile each time its chunk count changes (a static graph compiles its chunks)
     no-pipeline   n = 1 (dispatch, experts, combine in sequence: GShard / DeepSpeed-MoE)
     fixed-2/4/8   a fixed chunk count set before training (FasterMoE's pipeline splits the
                   exchange into a fixed number of groups)
-    tutel-adaptive  the best n for the first row, kept (Tutel picks its pipelining degree
-                  at run time by trying the candidates on the first iterations; in a static
-                  graph it then stays)
+    tutel-adaptive  Tutel re-chooses its pipelining degree at run time, per capacity: a
+                  table keyed by the row count rounded up to a power of two; a new key gets
+                  the best n for its first row (given free here, from the same simulator as
+                  ours, where Tutel tries the candidates on live iterations), and a change
+                  of n pays the same recompile as ours (Hwang et al. 2023, "Tutel: Adaptive
+                  Mixture-of-Experts at Scale", adaptive pipelining)
     mpipe-online  ours: ``ChunkSelector``, re-chosen when the rows move by more than 25%
     oracle        the best n for every row, switches for free (a reference)
 
@@ -108,8 +111,14 @@ def policy_rows(w: MPipeWorkload, steps: int = 64, seed: int = 0,
     choices: Dict[str, List[int]] = {"no-pipeline": [1] * len(rows)}
     for n in (2, 4, 8):
         choices[f"fixed-{n}"] = [n] * len(rows)
-    first = best(int(rows[0]))
-    choices["tutel-adaptive"] = [first] * len(rows)
+    table: Dict[int, int] = {}
+    tutel = []
+    for r in rows:
+        key = 1 << int(np.ceil(np.log2(max(1, int(r)))))
+        if key not in table:
+            table[key] = best(int(r))
+        tutel.append(table[key])
+    choices["tutel-adaptive"] = tutel
     selector = ChunkSelector(_layer(w, cluster, int(rows[0])), cluster, candidates)
     choices["mpipe-online"] = [selector.choose(int(r)) for r in rows]
     choices["oracle"] = [best(int(r)) for r in rows]

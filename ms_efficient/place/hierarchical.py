@@ -12,6 +12,10 @@ TGA's children and are scored by the same cost model through the same
 ``place.cost.Evaluator``: the budget counts distinct placements scored (a plan sampled
 again is answered from the cache, as for TGA), so it gets exactly as many as TGA. A
 policy that keeps sampling known plans stops after ``10 x max_evaluations`` samples.
+For a fair comparison it starts where TGA starts (TGA's structural seeds are scored first
+and are the plan to beat) and ends as TGA ends: a local search on the best plan (up to
+TGA's ``local_search_budget``; what it leaves goes back to the policy) and the list-order
+runs (``place.planner.order_finals``) from the same reserve.
 """
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ import numpy as np
 
 from ms_efficient.place.cost import Evaluator, SearchResult, TracePoint
 from ms_efficient.place.operators import repair
+from ms_efficient.place.local import local_search
+from ms_efficient.place.operators import is_monotone
+from ms_efficient.place.planner import TGAConfig, order_finals, seeded_start
 from ms_efficient.place.problem import PlacementProblem
 
 __all__ = ["HierarchicalConfig", "hierarchical"]
@@ -47,6 +54,13 @@ class HierarchicalConfig:
     lr: float = 0.05
     baseline_decay: float = 0.9
     entropy: float = 0.01
+
+
+def _best_distinct(x: np.ndarray, c: np.ndarray, k: int):
+    """The ``k`` cheapest distinct rows of ``x`` (at least one) and their costs."""
+    _, first = np.unique(x, axis=0, return_index=True)
+    top = first[np.argsort(c[first], kind="stable")][:max(k, 1)]
+    return x[top], c[top]
 
 
 def _features(problem: PlacementProblem, op_types) -> np.ndarray:
@@ -96,7 +110,11 @@ def hierarchical(problem: PlacementProblem, config: Optional[HierarchicalConfig]
     """
     cfg = config or HierarchicalConfig()
     rng = np.random.default_rng(cfg.seed)
-    ev = Evaluator(problem, cfg.max_evaluations, cfg.time_budget_s)
+    tga_cfg = TGAConfig(seed=cfg.seed)
+    # the budget TGA keeps for its finish: list orders, and a champion local search
+    reserve = min(tga_cfg.order_candidates, cfg.max_evaluations // 2)
+    finish = min(tga_cfg.local_search_budget, (cfg.max_evaluations - reserve) // 4)
+    ev = Evaluator(problem, cfg.max_evaluations - reserve, cfg.time_budget_s)
     u_count, d_count = problem.num_units, problem.num_devices
     g_count = cfg.groups or min(u_count, max(4 * d_count, 16))
     feats = _features(problem, op_types or problem.unit_names)
@@ -106,9 +124,28 @@ def hierarchical(problem: PlacementProblem, config: Optional[HierarchicalConfig]
     opt_g, opt_p = _Adam(w_group.shape, cfg.lr), _Adam(w_place.shape, cfg.lr)
     baseline: Optional[float] = None
     best_x, best_c, sampled, trace = None, np.inf, 0, []
+    # Step 0: TGA's seeds, scored first (the policy then has to beat them)
+    seeds = seeded_start(problem, min(tga_cfg.pop_exploit, max(1, ev.left() // 4)), rng)
+    c_seeds = ev.evaluate(seeds)
+    k = int(np.argmin(c_seeds))
+    best_x, best_c = seeds[k].copy(), float(c_seeds[k])
+    pool_x, pool_c = _best_distinct(seeds, c_seeds, reserve)   # candidates for the list orders
     eye_g = np.eye(g_count)
-    while ev.left() > 0 and sampled < 10 * cfg.max_evaluations:
-        b = cfg.batch
+    keep = finish          # evaluations kept for the local search, then 0
+    while True:
+        if ev.left() <= keep or sampled >= 10 * cfg.max_evaluations:
+            if keep == 0 or not np.isfinite(best_c):
+                break
+            # TGA's finish, part 1: local search on the best plan; the policy then goes on
+            # with whatever the search did not need
+            best_x, best_c, _ = local_search(problem, best_x, best_c, ev, ev.left(), rng,
+                                             monotone=is_monotone(problem, best_x),
+                                             batch=tga_cfg.local_search_batch)
+            pool_x, pool_c = _best_distinct(np.concatenate([pool_x, best_x[None]]),
+                                            np.concatenate([pool_c, [best_c]]), reserve)
+            keep = 0
+            continue
+        b = min(cfg.batch, ev.left() - keep)
         # Step 1: sample groups for every unit, then a device for every group.
         p_group = _softmax(feats @ w_group)                           # [U, G]
         groups = _sample(np.broadcast_to(p_group, (b, u_count, g_count)), rng)  # [B, U]
@@ -121,6 +158,8 @@ def hierarchical(problem: PlacementProblem, config: Optional[HierarchicalConfig]
         plans = np.stack([repair(problem, devices[i][groups[i]]) for i in range(b)])
         costs = ev.evaluate(plans)
         sampled += b
+        pool_x, pool_c = _best_distinct(np.concatenate([pool_x, plans]),
+                                        np.concatenate([pool_c, costs]), reserve)
         scored = np.isfinite(costs)  # plans past the budget get no reward
         if not scored.any():
             break
@@ -146,6 +185,9 @@ def hierarchical(problem: PlacementProblem, config: Optional[HierarchicalConfig]
         p_grad = np.einsum("bgf,bgd->fd", h, resid) / b
         opt_g.step(w_group, g_grad)
         opt_p.step(w_place, p_grad)
+    # Step 3: TGA's finish, part 2: the best plan also runs in its own list order
+    assign, cost, order, extra = order_finals(problem, pool_x, pool_c, reserve, ev)
     logger.info("hierarchical %s: %d evaluations (%d samples), %.2f s, best %.6g s",
-                problem.name, ev.used, sampled, ev.elapsed_s, best_c)
-    return SearchResult("hierarchical", best_x, best_c, ev.used, ev.elapsed_s, trace)
+                problem.name, ev.used + extra, sampled, ev.elapsed_s, cost)
+    return SearchResult("hierarchical", assign, cost, ev.used + extra, ev.elapsed_s, trace,
+                        order=order)

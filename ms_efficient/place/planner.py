@@ -34,9 +34,10 @@ by the simulator, counted as evaluations and kept from the GA's budget), and the
 best placement with its order, as m-ETF's plan carries its list order. Same seed, same
 inputs -> same result, as long as the time budget does not bind.
 
-``ga_single`` is the single-population baseline with the same budget, seeds and repair:
-one population of ``pop_exploit + pop_explore``, binary tournaments, two-point crossover,
-per-gene mutation 1/U, generational replacement with one elite, no local search.
+``ga_single`` is the single-population baseline with the same budget, seeds, repair, champion
+local search and final list orders: one population of ``pop_exploit + pop_explore``, binary
+tournaments, two-point crossover, per-gene mutation 1/U, generational replacement with one
+elite. ``place.hierarchical`` starts from the same seeds and ends the same way.
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ from ms_efficient.place.operators import (balanced_contiguous, crossover_stages,
                                           mutate_spread, random_contiguous, repair, spread_all)
 from ms_efficient.place.problem import PlacementProblem
 
-__all__ = ["TGAConfig", "SearchResult", "TracePoint", "tga", "ga_single"]
+__all__ = ["TGAConfig", "SearchResult", "TracePoint", "tga", "ga_single", "seeded_start",
+           "order_finals"]
 
 logger = logging.getLogger(__name__)
 
@@ -220,15 +222,8 @@ def tga(problem: PlacementProblem, config: Optional[TGAConfig] = None) -> Search
         explore = np.concatenate([explore[elite:elite + 1], np.stack(kids_e)])
         c_explore = np.concatenate([c_explore[elite:elite + 1], c_ke])
         # Step 5: local search on exploit's champion, until it is a local optimum.
-        best = int(np.argmin(c_exploit))
-        if gen % cfg.local_search_every == 0 and ev.key(exploit[best]) not in local_optima:
-            x, c, converged = local_search(problem, exploit[best], float(c_exploit[best]), ev,
-                                           cfg.local_search_budget, rng,
-                                           monotone=is_monotone(problem, exploit[best]),
-                                           batch=cfg.local_search_batch)
-            if converged:
-                local_optima.add(ev.key(x))
-            exploit[best], c_exploit[best] = x, c
+        if gen % cfg.local_search_every == 0:
+            _champion_search(problem, exploit, c_exploit, ev, rng, cfg, local_optima)
         # Step 6: migration of the best distinct individuals.
         if gen % cfg.migrate_every == 0:
             held = {ev.key(x) for x in exploit}
@@ -251,6 +246,23 @@ def tga(problem: PlacementProblem, config: Optional[TGAConfig] = None) -> Search
                 ev.cache_hits, ev.elapsed_s, cost, "list" if order is not None else "unit",
                 rate)
     return SearchResult("tga", assign, cost, ev.used + extra, ev.elapsed_s, trace, order=order)
+
+
+def _champion_search(problem: PlacementProblem, pop: np.ndarray, costs: np.ndarray,
+                     ev: Evaluator, rng: np.random.Generator, cfg: TGAConfig,
+                     local_optima: set) -> None:
+    """Local search on the population's best member until it is a local optimum (in place;
+    ``local_optima`` holds the keys of champions the search could not improve)."""
+    best = int(np.argmin(costs))
+    if ev.key(pop[best]) in local_optima:
+        return
+    x, c, converged = local_search(problem, pop[best], float(costs[best]), ev,
+                                   cfg.local_search_budget, rng,
+                                   monotone=is_monotone(problem, pop[best]),
+                                   batch=cfg.local_search_batch)
+    if converged:
+        local_optima.add(ev.key(x))
+    pop[best], costs[best] = x, c
 
 
 def _order_finals(problem: PlacementProblem, pool: np.ndarray, costs: np.ndarray, k: int,
@@ -281,10 +293,13 @@ def _order_finals(problem: PlacementProblem, pool: np.ndarray, costs: np.ndarray
 
 
 def ga_single(problem: PlacementProblem, config: Optional[TGAConfig] = None) -> SearchResult:
-    """Single-population GA baseline (see module docstring), same budget as ``tga``."""
+    """Single-population GA baseline (see module docstring): same budget, seeds, repair,
+    champion local search and final list orders as ``tga``; only the search differs."""
     cfg = config or TGAConfig()
     rng = np.random.default_rng(cfg.seed)
-    ev = Evaluator(problem, cfg.max_evaluations, cfg.time_budget_s)
+    reserve = min(cfg.order_candidates, cfg.max_evaluations // 2)
+    ev = Evaluator(problem, cfg.max_evaluations - reserve, cfg.time_budget_s)
+    local_optima = set()
     size = cfg.pop_exploit + cfg.pop_explore
     pop = np.concatenate([_initial(problem, size // 2, rng, "exploit"),
                           _initial(problem, size - size // 2, rng, "explore")])
@@ -292,8 +307,9 @@ def ga_single(problem: PlacementProblem, config: Optional[TGAConfig] = None) -> 
     trace = [TracePoint(ev.used, ev.elapsed_s, float(costs.min()), float(costs.min()),
                         float(costs.min()))]
     rate = 1.0 / problem.num_units
-    gen_s, stale = 0.0, 0
+    gen_s, stale, gen = 0.0, 0, 0
     while ev.left() > 0 and not ev.time_up(gen_s) and stale < cfg.patience:
+        gen += 1
         t_gen, used = time.perf_counter(), ev.used
         kids = []
         for _ in range(size - 1):
@@ -305,10 +321,25 @@ def ga_single(problem: PlacementProblem, config: Optional[TGAConfig] = None) -> 
         elite = int(np.argmin(costs))
         pop = np.concatenate([pop[elite:elite + 1], np.stack(kids)])
         costs = np.concatenate([costs[elite:elite + 1], c_kids])
+        # the same champion local search as TGA's exploit population
+        if gen % cfg.local_search_every == 0:
+            _champion_search(problem, pop, costs, ev, rng, cfg, local_optima)
         best = float(costs.min())
         trace.append(TracePoint(ev.used, ev.elapsed_s, best, best, best))
         gen_s = time.perf_counter() - t_gen
         stale = stale + 1 if ev.used == used else 0
-    best = int(np.argmin(costs))
-    return SearchResult("ga-single", pop[best].copy(), float(costs[best]), ev.used,
-                        ev.elapsed_s, trace)
+    assign, cost, order, extra = _order_finals(problem, pop, costs, reserve, ev)
+    return SearchResult("ga-single", assign, cost, ev.used + extra, ev.elapsed_s, trace,
+                        order=order)
+
+
+def seeded_start(problem: PlacementProblem, size: int, rng: np.random.Generator) -> np.ndarray:
+    """TGA's structural starting placements (contiguous splits and their spreads), for the
+    baselines that should start where TGA does."""
+    return _initial(problem, size, rng, "exploit")
+
+
+def order_finals(problem: PlacementProblem, pool: np.ndarray, costs: np.ndarray, k: int,
+                 ev: Evaluator):
+    """TGA's last step for any search (see ``_order_finals``)."""
+    return _order_finals(problem, pool, costs, k, ev)
