@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = "configs/gpt_moe_tiny.yaml"
 MEASURED_COLUMNS = ("workload", "method", "step_time_s", "step_time_vs_dropless",
-                    "padding_fraction", "drop_rate", "final_val_loss", "steps", "replans")
+                    "total_wall_s", "wall_vs_dropless", "compile_s", "padding_fraction",
+                    "drop_rate", "final_val_loss", "steps", "replans")
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
