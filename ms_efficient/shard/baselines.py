@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Sequence
 
 from ms_efficient.shard.cost import Cost, CostModel, evaluate
+from ms_efficient.shard.graph_ops import MATMULS
 from ms_efficient.shard.strategies import Layout, OpSpec, Strategy
 
 __all__ = ["METHODS", "baseline_strategies", "baseline_cost", "zero_model_state_bytes",
@@ -132,7 +133,6 @@ def megatron_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1,
 
 # ---- the same baselines on a user's graph (specs from shard.graph_ops) -------------------------
 GRAPH_METHODS = ("dp", "zero1", "zero2", "zero3", "megatron-tp")
-_GRAPH_MATMULS = ("MatMul", "MatMulExt", "BatchMatMul", "BatchMatMulExt", "Dense")
 
 
 def _first_legal(spec: OpSpec, mesh, wanted: Sequence[Layout]) -> Layout:
@@ -186,7 +186,7 @@ def graph_baseline_strategies(specs: Sequence[OpSpec], model: CostModel, method:
                     break
         has_param = any(t.kind == "param" for t in spec.inputs)
         mp = inherited
-        if spec.prim in _GRAPH_MATMULS and has_param and spec.contract:
+        if spec.prim in MATMULS and has_param and spec.contract:
             mp = spec.contract[0] if inherited == spec.contract[0] else spec.out[-1]
         elif spec.prim == "Gather" and has_param:
             mp = spec.contract[0]

@@ -49,7 +49,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ms_efficient.shard.strategies import OpSpec, TensorRef
 
-__all__ = ["GraphOps", "specs_from_graph", "refine_shapes", "prefix_rename"]
+__all__ = ["GraphOps", "specs_from_graph", "refine_shapes", "prefix_rename", "planned_bytes",
+           "MATMULS"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ _ELEMENTWISE_SAVES: Dict[str, Tuple[str, ...]] = {
                                "Inv")},
     "MaskedFill": ("in1",), "Dropout": ("mask",), "DropoutExt": ("mask",),
 }
-_MATMULS = ("MatMul", "MatMulExt", "BatchMatMul", "BatchMatMulExt", "Dense", "BatchMatMulV2")
+MATMULS = ("MatMul", "MatMulExt", "BatchMatMul", "BatchMatMulExt", "Dense", "BatchMatMulV2")
 _REDUCES = ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "SumExt", "MeanExt",
             "ReduceProd", "ReduceAll", "ReduceAny")
 _RESHAPES = ("Reshape", "ExpandDims", "Squeeze", "Flatten", "View")
@@ -94,8 +95,9 @@ class GraphOps:
         return {s.name: s for s in self.specs}
 
 
-def dtype_bytes(dtype: str) -> int:
-    """Planned bytes per element (mixed precision, see the module docstring)."""
+def planned_bytes(dtype: str) -> int:
+    """Planned bytes per element (mixed precision, see the module docstring); not the
+    export's own size, which is ``graph.flops.dtype_bytes``."""
     d = str(dtype).lower()
     if d.startswith(("float", "bfloat", "complex")):
         return 2
@@ -442,7 +444,7 @@ def _channels(node, dims: _Dims) -> Optional[_Rule]:
 
 
 def _rule_for(op_type: str) -> Optional[Callable[[Any, _Dims], Optional[_Rule]]]:
-    if op_type in _MATMULS:
+    if op_type in MATMULS:
         return _matmul
     if op_type in _ELEMENTWISE_SAVES:
         return _elementwise
@@ -519,7 +521,7 @@ def specs_from_graph(graph, tie_units: Optional[Sequence[Sequence[str]]] = None)
         size = dict(dims.sizes)
         refs, owned, batch = [], [], set()
         for i, (names, (kind, source)) in enumerate(zip(rule.ins, sources)):
-            nbytes = dtype_bytes(dtypes[i] if i < len(dtypes) else
+            nbytes = planned_bytes(dtypes[i] if i < len(dtypes) else
                                  input_dtypes.get(source, "float32"))
             if kind == "op" and source in specs:
                 prod = specs[source]
@@ -535,7 +537,7 @@ def specs_from_graph(graph, tie_units: Optional[Sequence[Sequence[str]]] = None)
                 refs.append(TensorRef(names, "input", dtype_bytes=nbytes))
                 if kind == "input" and names and size[names[0]] > 1:
                     batch.add(names[0])
-        out_bytes = dtype_bytes(node.output_dtypes[0]) if node.output_dtypes else 2
+        out_bytes = planned_bytes(node.output_dtypes[0]) if node.output_dtypes else 2
         saves = tuple(s for s in rule.saves if not (
             s.startswith("in") and refs[int(s[2:])].kind == "param"))
         dp_dims = tuple(d for d, _ in dims.sizes if d in batch)
