@@ -106,3 +106,12 @@ def test_planner_commands_reject_bad_input_in_one_line(argv, message, tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
     assert not out.exists()
+
+
+def test_bench_moe_rejects_a_skew_out_of_range_before_any_work(tmp_path, capsys):
+    out = tmp_path / "moe.json"
+    assert main(["bench", "moe", "--no-measured", "--skew", "1.45", "9", "--json",
+                 str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'--skew' values must be in [0, 4], but got 9.0" in err[0]
+    assert not out.exists()

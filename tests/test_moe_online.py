@@ -1,9 +1,11 @@
-"""EfficientMoE online capacity planning (numpy side)."""
+"""EfficientMoE's one planner on a one-device network (the trainer, callback and pass case)."""
 import numpy as np
 import pytest
 
-from ms_efficient.core.config import EfficientMoEConfig
-from ms_efficient.efficientmoe.planner import CapacityPlanner, RoutingSampler, quantize_levels
+from ms_efficient.core.config import EfficientMoEConfig, RunConfig
+from ms_efficient.efficientmoe.planner import (ReplanLoop, RoutingSampler, capacities_LE,
+                                               one_device_counts, one_device_planner,
+                                               quantize_levels, single_device_plans)
 
 
 @pytest.mark.parametrize("caps, levels, expected", [
@@ -51,36 +53,68 @@ def test_sampler_keeps_the_trace_format():
     assert len(s) == 1
 
 
+def _planner(**em):
+    cfg = EfficientMoEConfig(enabled=True, **{"window": 8, "capacity_multiple": 16, **em})
+    return one_device_planner(cfg, RunConfig().cluster_spec(), hidden=64, ffn_hidden=128,
+                              num_experts=4, top_k=1, tokens_per_step=256)
+
+
 def test_a_steady_load_gets_tight_capacities_and_no_padding_beyond_rounding():
     """Constant loads: the forecast is exact, so capacities are the loads rounded up to 16."""
-    cfg = EfficientMoEConfig(enabled=True, window=8, replan_every=4, capacity_multiple=16,
-                             capacity_levels=4)
+    planner = _planner(replan_every=4, capacity_levels=4)
     load = np.tile(np.array([[300, 100, 60, 52]]), (12, 1, 1))       # [t, layer=1, E=4]
-    plan = CapacityPlanner(cfg, tokens_per_step=256).plan(load)
+    prop = planner.propose(one_device_counts(load))
     # 300 is capped at T=256 tokens; others rounded up to multiples of 16
-    assert plan.capacity_LE.tolist() == [[256, 112, 64, 64]]
-    assert plan.expected_drop_rate[0] == pytest.approx(0.0)
+    assert capacities_LE(prop.plans, 4).tolist() == [[256, 112, 64, 64]]
+    assert not prop.dropless_L.any()
+    assert planner.expected_drop_rate(prop.plans, prop.predicted_LRE,
+                                      prop.rel_KLRE) == pytest.approx(0.0)
 
 
 def test_replan_is_forced_when_the_current_capacities_drop_tokens():
-    cfg = EfficientMoEConfig(enabled=True, window=8, replan_every=4, capacity_multiple=16)
+    planner = _planner(replan_every=4, recompile_cost_s=1e9)
     load = np.tile(np.array([[200, 20, 20, 16]]), (10, 1, 1))
-    planner = CapacityPlanner(cfg, tokens_per_step=256)
-    plan = planner.plan(load)
-    current = np.array([[64, 64, 64, 64]])                              # drops 136 of 256
-    assert planner.worth_applying(current, plan, load, row_time_s=0.0, recompile_s=1e9)
+    current = single_device_plans(np.array([[64, 64, 64, 64]]), 1, 256)   # drops 136 of 256
+    decision, cand = planner.check(one_device_counts(load), current)
+    assert decision.replan and decision.forced
+    # the loads rounded up to 16 are [208, 32, 32, 16]; the error prior (no residual sample
+    # says the forecast is exact yet) may add at most one multiple
+    caps = capacities_LE(cand.plans, 4)[0]
+    assert np.all(caps >= [208, 32, 32, 16]) and np.all(caps <= [224, 48, 48, 32])
     # an identical plan is never re-applied
-    assert not planner.worth_applying(plan.capacity_LE, plan, load, 1.0, 0.0)
+    decision, _ = planner.check(one_device_counts(load), cand.plans)
+    assert not decision.replan and decision.reason == "candidate equals the current plan"
 
 
-def test_replan_pays_only_when_saved_compute_beats_a_recompile():
-    cfg = EfficientMoEConfig(enabled=True, window=8, replan_every=10, capacity_multiple=16,
-                             capacity_levels=4)
-    load = np.tile(np.array([[96, 64, 48, 48]]), (10, 1, 1))
-    planner = CapacityPlanner(cfg, tokens_per_step=256)
-    plan = planner.plan(load)
-    assert plan.capacity_LE.tolist() == [[96, 64, 48, 48]]
-    current = np.full((1, 4), 256)                 # dropless: 1024 rows, plan: 256 rows
-    # saves 768 rows x 10 steps x 1 ms = 7.68 s
-    assert planner.worth_applying(current, plan, load, row_time_s=1e-3, recompile_s=7.0)
-    assert not planner.worth_applying(current, plan, load, row_time_s=1e-3, recompile_s=8.0)
+@pytest.mark.parametrize("scale, adopted", [(0.9, True), (1.1, False)])
+def test_replan_pays_only_when_saved_compute_beats_a_recompile(scale, adopted):
+    """Current = dropless (1024 rows a step), candidate 256 rows: adopted iff the modelled
+    saving over its 10-step lifetime exceeds the recompile."""
+    probe = _planner(replan_every=10, capacity_levels=4)
+    counts = one_device_counts(np.tile(np.array([[96, 64, 48, 48]]), (10, 1, 1)))
+    current = single_device_plans(np.full((1, 4), 256), 1, 256)
+    cand = probe.propose(counts, current, max_horizon_steps=10)
+    assert capacities_LE(cand.plans, 4).tolist() == [[96, 64, 48, 48]]
+    assert cand.horizon_steps == 10
+    saving = 10 * (probe.step_time_s(current, cand.predicted_LRE)
+                   - probe.step_time_s(cand.plans, cand.predicted_LRE))
+    assert saving > 0
+    planner = _planner(replan_every=10, capacity_levels=4, recompile_cost_s=scale * saving)
+    decision, _ = planner.check(counts, current, max_horizon_steps=10)
+    assert decision.replan is adopted and not decision.forced
+
+
+def test_replan_loop_checks_on_schedule_and_when_drops_are_observed():
+    planner = _planner(replan_every=4)
+    loop = ReplanLoop(planner, monitor_rows=2)
+    counts = one_device_counts(np.tile(np.array([[100, 60, 60, 36]]), (6, 1, 1)))
+    decision, first = loop.poll(0, counts, None, compiled=False)
+    assert decision is None                               # the first plan is free
+    plans = first.plans
+    assert [loop.poll(r, counts, plans) is None for r in (1, 2, 3)] == [True] * 3
+    assert loop.poll(4, counts, plans) is not None        # every replan_every rows
+    for _ in range(2):                                    # 10% drops for 2 rows: fires
+        loop.observe(dropped=26, routed=256)
+    out = loop.poll(5, counts, plans)          # off schedule: the monitor asked
+    assert out is not None and not out[0].replan     # nothing better than the current plan
+    assert loop.poll(6, counts, plans) is None            # monitor was reset

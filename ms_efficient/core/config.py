@@ -164,6 +164,13 @@ class EfficientMoEConfig:
     # value rather than a live measurement so that the same seed gives the same plans; the
     # trainer logs the measured first-step compile time (`compile_s`) to set it from.
     recompile_cost_s: float = 2.0
+    # A layer whose recent one-step load forecasts erred by more than this (rms, relative) is
+    # planned dropless until its loads settle (chosen on held-out traces:
+    # scripts/tune_efficientmoe.py).
+    max_forecast_error: float = 0.75
+    # A check also happens as soon as the current capacities dropped more than 1% of the
+    # tokens over at least this many steps.
+    monitor_steps: int = 5
     # Routing history to plan from before the first step: a trace .npz (`bench moe --trace`
     # format) or a run folder holding trace.npz, e.g. the run these weights continue. With
     # >= 3 rows the first plan is made before the first compilation (no warm-up steps at the
@@ -178,7 +185,7 @@ class EfficientMoEConfig:
                   "a routing trace .npz or a run folder holding trace.npz")
 
         for name in ("warmup_steps", "replan_every", "window", "capacity_multiple",
-                     "capacity_levels"):
+                     "capacity_levels", "monitor_steps"):
             if getattr(self, name) < 1:
                 _fail(f"{path}.{name}", getattr(self, name), "a positive integer")
         if self.window < 3:
@@ -189,6 +196,8 @@ class EfficientMoEConfig:
             _fail(f"{path}.drop_target", self.drop_target, "in [0, 1)")
         if self.recompile_cost_s < 0:
             _fail(f"{path}.recompile_cost_s", self.recompile_cost_s, ">= 0")
+        if not self.max_forecast_error > 0:
+            _fail(f"{path}.max_forecast_error", self.max_forecast_error, "> 0")
 
 
 @dataclass

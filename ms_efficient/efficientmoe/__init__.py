@@ -4,9 +4,10 @@ placement, and static per-replica capacities planned before compilation.
 Read in this order: ``predictor`` (forecast next window's tokens per expert) -> ``capacity``
 (static rows per slot from a forecast) -> ``cost`` (one MoE layer's step time under a plan)
 -> ``placement`` (replicate and place experts) -> ``schedule`` (adopt a new plan only when it
-pays) -> ``planner`` (the online loop: sample, predict, re-plan) -> ``apply`` (the sampler and
-the online planner as MindSpore callbacks, and the ``efficientmoe`` pass). ``baselines`` (Switch, dropless, FasterMoE, EPLB, MindSpeed, oracles)
-and ``replay`` (a trace replayed on a simulated cluster) feed ``bench``; ``commands`` holds
-``plan moe`` / ``bench moe``. Everything but ``apply`` (and the measured rows of ``bench``)
-is numpy.
+pays) -> ``planner`` (the one planner: sample, predict, re-plan; the trainer, the callback,
+the ``efficientmoe`` pass and the replay all call it) -> ``apply`` (the sampler and the
+planner as MindSpore callbacks, and the pass). ``baselines`` (Switch, dropless, FasterMoE,
+EPLB, MindSpeed, oracles) and ``replay`` (a trace replayed on a simulated cluster) feed
+``bench``; ``commands`` holds ``plan moe`` / ``bench moe``. Everything but ``apply`` (and the
+measured rows of ``bench``) is numpy.
 """

@@ -23,11 +23,13 @@ tokens only, so give every rank its own ``path`` (e.g. with the rank id in it). 
 several ``Model.train`` calls, the callback keeps numbering steps upwards.
 
 :class:`EfficientMoECallback` is the whole online EfficientMoE for a user's ``Model.train``
-loop: it samples like the trace callback, and every ``replan_every`` steps after
-``warmup_steps`` it asks the same :class:`~ms_efficient.efficientmoe.planner.CapacityPlanner`
-the package's trainer uses for new per-expert capacities; when the planner says a plan pays
-(``worth_applying``) it sets them on every ``MoEFeedForward`` and makes the running train
-network compile a new graph on its next step (``backend.recompile_on_next_call``).
+loop: it samples like the trace callback and, from ``warmup_steps`` on, polls the
+:class:`~ms_efficient.efficientmoe.planner.ReplanLoop` and ``EfficientMoEPlanner`` the
+package's trainer and the trace replay use (a check every ``replan_every`` steps, and as soon
+as the drop monitor fires: each step's drops are each expert's count beyond its capacity,
+exactly the layer's rule). When the planner adopts new per-expert capacities it sets them on
+every ``MoEFeedForward`` and makes the running train network compile a new graph on its next
+step (``backend.recompile_on_next_call``).
 """
 from __future__ import annotations
 
@@ -42,7 +44,9 @@ from mindspore.train import Callback
 from ms_efficient.core import backend
 from ms_efficient.core.config import EfficientMoEConfig, RunConfig, history_trace_path
 from ms_efficient.core.registry import register_pass
-from ms_efficient.efficientmoe.planner import CapacityPlanner, RoutingSampler
+from ms_efficient.efficientmoe.planner import (EfficientMoEPlanner, ReplanLoop, RoutingSampler,
+                                               capacities_LE, one_device_counts,
+                                               one_device_planner, single_device_plans)
 from ms_efficient.moe.layer import ROUTING_COUNTS
 from ms_efficient.moe.trace import RoutingTrace, load_trace, save_trace
 
@@ -146,43 +150,56 @@ class EfficientMoECallback(RoutingTraceCallback):
         if not self.layers:
             raise ValueError("'network' has no MoE layer with per-expert capacities "
                              "(MoEFeedForward) to re-plan.")
-        self.cfg = em
-        first = self.layers[0]
-        hidden, ffn = int(first.hidden_size), int(first.w1.shape[2])
-        # forward + backward of one slot row: 3 x the two expert matmuls of 2*H*F FLOPs
-        self.row_time_s = cluster.compute_time_s(3 * 2 * 2 * hidden * ffn, "fp32")
-        self.planner: Optional[CapacityPlanner] = None
+        self.cfg, self.cluster = em, cluster
+        self.planner: Optional[EfficientMoEPlanner] = None
+        self.loop: Optional[ReplanLoop] = None
         self.plans: List[dict] = []
 
     def capacities(self) -> np.ndarray:
         """int64 [layer, expert] capacities the layers are set to."""
         return np.array([layer.capacities for layer in self.layers], np.int64)
 
+    def _planner(self, tokens: int) -> EfficientMoEPlanner:
+        first = self.layers[0]
+        return one_device_planner(self.cfg, self.cluster, int(first.hidden_size),
+                                  int(first.w1.shape[2]), int(first.num_experts),
+                                  int(first.top_k), tokens)
+
     def on_train_step_end(self, run_context) -> None:
         super().on_train_step_end(run_context)
         seen = len(self.steps)
         em = self.cfg
-        if seen < max(em.warmup_steps, 3) or (seen - max(em.warmup_steps, 3)) % em.replan_every:
+        if seen < max(em.warmup_steps, 3):
             return
         load = self.sampler.expert_load()                    # [t, layer, expert]
-        if self.planner is None:
-            tokens = int(load[0, 0].sum()) // int(self.layers[0].top_k)
-            self.planner = CapacityPlanner(em, tokens)
-        plan = self.planner.plan(load)
         current = self.capacities()
-        if not self.planner.worth_applying(current, plan, load, self.row_time_s,
-                                           em.recompile_cost_s):
-            logger.info("step %d: EfficientMoE keeps capacities (%d rows)", self.steps[-1],
-                        int(current.sum()))
+        top_k = int(self.layers[0].top_k)
+        tokens = int(load[0, 0].sum()) // top_k
+        if self.planner is None:
+            self.planner = self._planner(tokens)
+            self.loop = ReplanLoop(self.planner, em.monitor_steps)
+        # the step that just ran: each expert drops its count beyond its capacity
+        self.loop.observe(int(np.maximum(load[-1] - current, 0).sum()), int(load[-1].sum()))
+        polled = self.loop.poll(seen, one_device_counts(load),
+                                single_device_plans(current, top_k, tokens))
+        if polled is None:
             return
-        for layer, caps in zip(self.layers, plan.capacity_LE):
-            layer.set_capacities([int(c) for c in caps])
+        decision, cand = polled
+        caps = capacities_LE(cand.plans, current.shape[1])
+        if (decision is not None and not decision.replan) or np.array_equal(caps, current):
+            logger.info("step %d: EfficientMoE keeps capacities (%d rows): %s", self.steps[-1],
+                        int(current.sum()), decision.reason if decision else "same plan")
+            return
+        for layer, row in zip(self.layers, caps):
+            layer.set_capacities([int(c) for c in row])
         backend.recompile_on_next_call(run_context.original_args().train_network)
-        self.plans.append({"step": self.steps[-1], "capacities": plan.capacity_LE.tolist(),
-                           "rows_before": int(current.sum()), "rows_after": plan.rows(),
-                           "expected_drop_rate": float(plan.expected_drop_rate.mean())})
+        drop = self.planner.expected_drop_rate(cand.plans, cand.predicted_LRE, cand.rel_KLRE)
+        self.plans.append({"step": self.steps[-1], "capacities": caps.tolist(),
+                           "rows_before": int(current.sum()), "rows_after": int(caps.sum()),
+                           "expected_drop_rate": float(drop),
+                           "reason": decision.reason if decision else "first plan"})
         logger.info("step %d: EfficientMoE re-planned capacities %d -> %d slot rows; the "
-                    "next step recompiles", self.steps[-1], int(current.sum()), plan.rows())
+                    "next step recompiles", self.steps[-1], int(current.sum()), int(caps.sum()))
 
 
 @register_pass("efficientmoe")
@@ -192,7 +209,6 @@ def efficientmoe_pass(network: nn.Cell, context) -> tuple:
     ``efficientmoe.history`` by the planner the trainer and :class:`EfficientMoECallback` use.
     Raises ValueError without MoE layers, without a history, for a trace of other shapes, or
     when the layers already have the planned capacities."""
-    from ms_efficient.efficientmoe.planner import CapacityPlanner
     from ms_efficient.moe.layer import MoEFeedForward
 
     layers = [(p, c) for p, c in network.cells_and_names() if isinstance(c, MoEFeedForward)]
@@ -212,17 +228,25 @@ def efficientmoe_pass(network: nn.Cell, context) -> tuple:
         raise ValueError(f"efficientmoe: trace {path} has {len(load)} rows of [layer, expert] "
                          f"= {list(load.shape[1:])}; the network needs >= 3 rows of "
                          f"{list(want)}.")
-    tokens = int(load[-1, 0].sum()) // int(layers[0][1].top_k)
-    plan = CapacityPlanner(em, tokens).plan(load)
+    first = layers[0][1]
+    tokens = int(load[-1, 0].sum()) // int(first.top_k)
+    cluster = context.config.cluster_spec()
+    planner = one_device_planner(em, cluster, int(first.hidden_size), int(first.w1.shape[2]),
+                                 int(first.num_experts), int(first.top_k), tokens)
+    cand = planner.propose(one_device_counts(load))
+    caps_LE = capacities_LE(cand.plans, want[1])
     current = np.array([c.capacities for _, c in layers], np.int64)
-    if np.array_equal(current, plan.capacity_LE):
+    if np.array_equal(current, caps_LE):
         raise ValueError("efficientmoe: the MoE layers already have the planned capacities; "
                          "nothing to change.")
-    for (_, layer), caps in zip(layers, plan.capacity_LE):
+    for (_, layer), caps in zip(layers, caps_LE):
         layer.set_capacities([int(c) for c in caps])
+    drop = planner.expected_drop_rate(cand.plans, cand.predicted_LRE, cand.rel_KLRE)
+    pad = planner.expected_padding_fraction(cand.plans, cand.predicted_LRE)
     return network, {"kind": "efficientmoe", "history": path,
-                     "rows_before": int(current.sum()), "rows_after": plan.rows(),
-                     "expected_drop_rate": float(plan.expected_drop_rate.mean()),
-                     "expected_padding_fraction": float(plan.expected_padding_fraction.mean()),
+                     "rows_before": int(current.sum()), "rows_after": int(caps_LE.sum()),
+                     "expected_drop_rate": float(drop),
+                     "expected_padding_fraction": float(pad.mean()),
+                     "dropless_layers": int(cand.dropless_L.sum()),
                      "cells": {p: {"capacities": [int(c) for c in caps]}
-                               for (p, _), caps in zip(layers, plan.capacity_LE)}}
+                               for (p, _), caps in zip(layers, caps_LE)}}

@@ -69,6 +69,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="simulated All-to-All of static-graph methods: per-peer counts "
                              "fixed at compile time (AlltoAllV, what ExpertParallelMoE sends), "
                              "or every block padded to the largest (equal-split AlltoAll)")
+    parser.add_argument("--skew", nargs="*", type=float, default=[1.45], metavar="S",
+                        help="Zipf exponents of the skewed 16-rank top-1 traces to replay "
+                             "(moe.trace.skewed_trace; 1.45: max/mean load ~13, top-2 "
+                             "experts ~56%% of a layer's tokens); none: skip them")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -76,11 +80,14 @@ def run_bench(args: argparse.Namespace) -> int:
     from ms_efficient.core.benchio import write_bench_json
     from ms_efficient.core.config import load_config
     from ms_efficient.efficientmoe.bench import markdown_table, run_simulated
-    from ms_efficient.moe.trace import synthetic_trace
+    from ms_efficient.moe.trace import skewed_trace, synthetic_trace
     from ms_efficient.moe.trace import load_trace
 
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"'--steps' must be a positive integer, but got {args.steps}.")
+    bad_skew = [s for s in args.skew if not 0 <= s <= 4]
+    if bad_skew:
+        raise ValueError(f"'--skew' values must be in [0, 4], but got {bad_skew[0]}.")
     traces = [(os.path.basename(p), load_trace(p)) for p in args.trace]   # validate first
     if args.cluster:
         from ms_efficient.core.cluster import get_cluster
@@ -103,6 +110,9 @@ def run_bench(args: argparse.Namespace) -> int:
                 traces.insert(0, ("measured-efficientmoe-trace", load_trace(trace_path)))
     synthetic = synthetic_trace(steps=40 if args.quick else 128)   # --quick: under a minute
     traces.append(("synthetic-32r", synthetic))
+    for skew in args.skew:
+        traces.append((f"skewed-16r-s{skew:g}", skewed_trace(steps=40 if args.quick else 100,
+                                                             skew=skew)))
     measured = [r for r in rows if r["evidence"] == "measured"]
     from ms_efficient.efficientmoe.replay import ReplayConfig
 

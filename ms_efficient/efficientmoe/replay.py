@@ -18,10 +18,14 @@ full or empty (``dispatch="static"``, see :mod:`ms_efficient.moe.plan`; ``static
                      layers whose loads cannot be forecast yet are planned dropless.
     switch-cf1.0/1.25/2.0, dropless-static   GShard / Switch: uniform placement, equal
                      per-rank capacity in every expert, never re-planned (see :mod:`baselines`).
-    eplb-ema, mindspeed-greedy   their placement policies fed by an EMA predictor, one
-                     capacity for all slots, re-planned by the same rule as ours.
+    eplb-ema         EPLB's placement policy fed by an EMA predictor, one capacity for all
+                     slots, re-balanced on its own schedule as published: every check
+                     interval, adopted whatever the gain (paying migration + recompilation
+                     whenever the plan changes).
     eplb-ar          EPLB fed by our predictor (ar-ridge), otherwise as eplb-ema: its
                      placement policy at its best forecast.
+    mindspeed-greedy its greedy placement fed by an EMA predictor, one capacity for all
+                     slots, re-planned by the same checks and rule as ours.
     dropless-window  a realistic dropless static graph: every expert's per-rank capacity is
                      the largest count that rank sent it over the last ``residual_window``
                      rows, re-planned by the same checks and rule as ours (dropless-static
@@ -43,10 +47,11 @@ full or empty (``dispatch="static"``, see :mod:`ms_efficient.moe.plan`; ``static
 
 Re-plan checks happen every ``check_every_steps`` training steps, and as soon as the current
 plan dropped more than 1 % of the tokens over ``monitor_steps`` (the drop monitor, what the
-trainer sees from the layer's drop counter). At a check our scheduler sizes candidate plans
-for lifetimes of 1, 2, 4 or 8 check intervals and keeps the one with the least amortised step
-time (:func:`ms_efficient.efficientmoe.schedule.choose_horizon`); the baselines
-plan for one interval. Every method starts from a plan made at row ``warmup`` (its first
+trainer sees from the layer's drop counter). Ours runs
+:class:`ms_efficient.efficientmoe.planner.ReplanLoop` and ``EfficientMoEPlanner``, the loop
+and planner of the trainer and the callback: at a check it sizes candidate plans for lifetimes
+of 1, 2, 4 or 8 check intervals and keeps the one with the least amortised step time; the
+baselines plan for one interval. Every method starts from a plan made at row ``warmup`` (its first
 compilation, not charged); an adopted re-plan costs migration + recompilation, amortised over
 the training steps the replay covers:
     iteration_time_s = mean step time + total re-plan seconds / (rows * stride).
@@ -63,16 +68,13 @@ import numpy as np
 
 from ms_efficient.core.cluster import PRESETS, ClusterSpec, get_cluster
 from ms_efficient.efficientmoe import baselines
-from ms_efficient.efficientmoe.capacity import expected_expert_drop_rate
 from ms_efficient.efficientmoe.cost import CostModel, layer_cost
-from ms_efficient.efficientmoe.placement import (PlacementConfig, default_slots_per_device,
-                                                 plan_layer)
-from ms_efficient.efficientmoe.predictor import (EMA, FLOOR_FRACTION, PerRank, error_floor,
-                                                 get_predictor, predict_counts, relative_residuals)
-from ms_efficient.efficientmoe.schedule import (DropMonitor, ReplanCosts, choose_horizon,
-                                                decide_replan, migration_time_s)
+from ms_efficient.efficientmoe.planner import (EfficientMoEPlanner, Forecaster, PlannerConfig,
+                                               ReplanLoop)
+from ms_efficient.efficientmoe.predictor import FLOOR_FRACTION, error_floor
+from ms_efficient.efficientmoe.schedule import (DropMonitor, ReplanDecision, decide_replan,
+                                                migration_time_s, plans_equal)
 from ms_efficient.moe.plan import ExpertPlan
-from ms_efficient.moe.split import source_rows
 from ms_efficient.moe.trace import RoutingTrace
 
 __all__ = ["METHODS", "ReplayConfig", "ReplayResult", "cluster_for_ranks", "check_trace_fits",
@@ -85,8 +87,8 @@ METHODS = ("efficientmoe", "switch-cf1.0", "switch-cf1.25", "switch-cf2.0", "dro
            "oracle-static")
 _ADAPTIVE = {"efficientmoe", "eplb-ema", "eplb-ar", "mindspeed-greedy", "oracle-static",
              "dropless-window"}
-_OURS = {"efficientmoe", "oracle-static"}     # our placement + capacity planner
-HORIZON_MULTIPLES = (1, 2, 4, 8)  # plan lifetimes our scheduler considers, in check intervals
+_OURS = {"efficientmoe", "oracle-static"}     # our planner (planner.EfficientMoEPlanner)
+_EPLB = {"eplb-ema", "eplb-ar"}               # re-balanced on their own periodic schedule
 
 
 @dataclass(frozen=True)
@@ -106,9 +108,8 @@ class ReplayConfig:
     recompile_s: seconds to recompile after a plan change (see ReplanCosts).
     max_forecast_error: our planner treats a layer as unpredictable, and plans it dropless
         (every slot sized for all tokens of a step), while the root mean square of its recent
-        one-step relative forecast errors is above this. 0.5 sits between the demo run's
-        first 50 steps (one-step MAPE 35-100 %: experts go from 0 to 2000 tokens within a
-        few steps) and its steady state or the synthetic traces (MAPE 6-10 %).
+        one-step relative forecast errors is above this (PlannerConfig: chosen on held-out
+        traces by scripts/tune_efficientmoe.py).
     static_blocks: how static-graph methods send the rows each rank owns (CostModel): "exact"
         (an AlltoAllV with compile-time per-peer counts, as ms_efficient.moe.ep_layer does)
         or "equal" (an equal-split AlltoAll padded to the largest block).
@@ -128,9 +129,18 @@ class ReplayConfig:
     dtype: str = "bf16"
     predictor: str = "ar-ridge"
     recompile_s: float = 1.2
-    max_forecast_error: float = 0.5
+    max_forecast_error: float = 0.75
     static_blocks: str = "exact"
     sync_replica_grads: bool = True
+
+    def planner_config(self) -> PlannerConfig:
+        """The settings of our planner (the same class the trainer builds from its config)."""
+        return PlannerConfig(slots_per_device=self.slots_per_device,
+                             capacity_multiple=self.capacity_multiple,
+                             drop_target=self.drop_target,
+                             residual_window=self.residual_window, predictor=self.predictor,
+                             max_forecast_error=self.max_forecast_error,
+                             recompile_s=self.recompile_s)
 
 
 @dataclass
@@ -203,8 +213,30 @@ def _deviations(rows: np.ndarray):
         (layers,) + (1,) * (mean.ndim - 1)))
 
 
+class Foresight(Forecaster):
+    """Perfect foresight in the form of a forecast (oracle-static), at row ``t`` of ``counts``.
+
+    forecast: (mean true counts [L, R, E] of rows [t, t + h), their relative deviations from
+    that mean [h, L, R, E]), relative to the same floored mean as
+    :func:`predictor.relative_residuals` (h is cut at the end of the trace).
+    one_step_errors: the same deviations of the expert totals over the coming check interval:
+    a layer whose loads swing that much within one plan's life is planned dropless by an
+    oracle too (a static plan sized for it would be re-planned by the drop monitor)."""
+
+    def __init__(self, counts_TLRE: np.ndarray, t: int, check_rows: int):
+        self.counts, self.t, self.check_rows = counts_TLRE, t, check_rows
+
+    def forecast(self, counts_TLRE: np.ndarray, horizon_rows: int):
+        return _deviations(self.counts[self.t:self.t + horizon_rows])
+
+    def one_step_errors(self, counts_TLRE: np.ndarray) -> np.ndarray:
+        return _deviations(self.counts[self.t:self.t + self.check_rows].sum(axis=2))[1]
+
+
 class _Context:
-    """Everything a method needs to plan one row: the trace, cost model and settings."""
+    """Everything a method needs to plan one row: the trace, cost model and settings. Ours
+    (and oracle-static) plan with :class:`planner.EfficientMoEPlanner`, the planner the
+    trainer and the callback use."""
 
     def __init__(self, trace: RoutingTrace, cluster: ClusterSpec, config: ReplayConfig):
         if config.warmup < 2 or config.warmup >= trace.num_steps:
@@ -216,14 +248,9 @@ class _Context:
                                sync_replica_grads=config.sync_replica_grads,
                                static_blocks=config.static_blocks)
         self.rank_device = np.arange(trace.num_ranks)
-        slots = config.slots_per_device or default_slots_per_device(trace.num_experts,
-                                                                    trace.num_ranks)
-        self.placement = PlacementConfig(slots, config.capacity_multiple, config.drop_target)
         self.stride = _stride(trace)
         self.check_rows = max(1, round(config.check_every_steps / self.stride))
         self.monitor_rows = max(1, round(config.monitor_steps / self.stride))
-        self.costs = ReplanCosts(recompile_s=config.recompile_s,
-                                 horizon_steps=self.check_rows * self.stride)
         self.load = trace.expert_load()                                      # [T, L, E]
         self.top_k = trace.top_k
         # assignments (tokens x top_k) each rank routes per step, and tokens per step over
@@ -236,44 +263,34 @@ class _Context:
             self.assignments_per_rank = int(round(per_rank.mean()))
             self.tokens_per_step = (int(per_rank.sum(axis=2).max()) // trace.top_k
                                     if trace.top_k else None)
+        self.planner = EfficientMoEPlanner(config.planner_config(), self.model,
+                                           trace.num_experts, self.rank_device, self.top_k,
+                                           self.tokens_per_step, self.check_rows, self.stride)
+        self.placement = self.planner.placement
+        self.costs = self.planner.costs
+
+    def forecaster(self, method: str, t: int) -> Forecaster:
+        if method == "oracle-static":
+            return Foresight(self.trace.counts, t, self.check_rows)
+        if method in _OURS or method == "eplb-ar":          # EPLB given our predictor
+            return self.planner.forecaster
+        return Forecaster("ema", self.config.residual_window)
 
     def predicted(self, t: int, method: str, horizon_rows: int):
         """(predicted counts [L, R, E] for row t, relative errors of those per-rank forecasts
         [K, L, R, E] over the next ``horizon_rows`` rows) from rows < t; for oracle-static
-        from the true rows [t, t + horizon_rows) instead (:meth:`foresight`)."""
-        if method == "oracle-static":
-            return self.foresight(t, horizon_rows)
-        predictor = self._predictor(method)
-        counts = self.trace.counts[:t]
-        pred = predict_counts(counts, predictor)
-        steps, layers, ranks, experts = counts.shape
-        rel = relative_residuals(counts.reshape(steps, layers, ranks * experts),
-                                 PerRank(predictor, ranks), self.config.residual_window,
-                                 horizon_rows)
-        return pred, rel.reshape(-1, layers, ranks, experts)
+        from the true rows [t, t + horizon_rows) instead (:class:`Foresight`)."""
+        return self.forecaster(method, t).forecast(self.trace.counts[:t], horizon_rows)
 
-    def foresight(self, t: int, horizon_rows: int):
-        """Perfect foresight in the form of a forecast: (mean true counts [L, R, E] of rows
-        [t, t + h), their relative deviations from that mean [h, L, R, E]), relative to the
-        same floored mean as :func:`predictor.relative_residuals` (h is cut
-        at the end of the trace)."""
-        return _deviations(self.trace.counts[t:t + horizon_rows])
-
-    def adaptive_plans(self, method: str, t: int, horizon_rows: Optional[int] = None):
-        """(plans per layer, predicted counts [L, R, E], residuals [K, L, R, E]) at row t, with
-        capacities sized for ``horizon_rows`` rows (default: until the next check)."""
-        pred, rel = self.predicted(t, method, horizon_rows or self.check_rows)
-        unpredictable = (self.unpredictable_layers(t, method) if method in _OURS else
-                         np.zeros(self.trace.num_layers, dtype=bool))
+    def baseline_plans(self, method: str, t: int):
+        """(plans per layer, predicted counts [L, R, E], residuals [K, L, R, E]) of a
+        re-planned baseline at row t, sized for one check interval."""
+        pred, rel = self.predicted(t, method, self.check_rows)
         plans = []
         for layer in range(self.trace.num_layers):
             args = (pred[layer], rel[:, layer], self.model, self.placement, self.rank_device)
             sizes = {"top_k": self.top_k, "tokens_per_step": self.tokens_per_step}
-            if method in _OURS:
-                plans.append(plan_layer(pred[layer], self.model, self.placement,
-                                        self.rank_device, rel[:, layer], **sizes,
-                                        dropless=bool(unpredictable[layer])))
-            elif method in ("eplb-ema", "eplb-ar"):
+            if method in ("eplb-ema", "eplb-ar"):
                 plans.append(baselines.eplb_plan(*args, **sizes))
             elif method == "dropless-window":
                 window = self.trace.counts[max(0, t - self.config.residual_window):t, layer]
@@ -283,80 +300,30 @@ class _Context:
                 plans.append(baselines.greedy_plan(*args, **sizes))
         return plans, pred, rel
 
-    def unpredictable_layers(self, t: int, method: str = "efficientmoe") -> np.ndarray:
-        """bool [L]: layers whose recent one-step forecast errors (rms, relative) exceed
-        ``max_forecast_error`` at row t; never when there is no forecast error yet or the
-        token count per step is unknown (no dropless size). For oracle-static the same test
-        on the true expert loads of the coming check interval, relative to their mean: a
-        layer whose loads swing that much within one plan's life is planned dropless by an
-        oracle too (a static plan sized for it would be re-planned by the drop monitor)."""
-        if method == "oracle-static":
-            _, rel = _deviations(self.load[t:t + self.check_rows])             # [h, L, E]
-        else:
-            rel = relative_residuals(self.load[:t], get_predictor(self.config.predictor),
-                                     self.config.residual_window, 1)
-        if rel.shape[0] == 0 or not self.tokens_per_step:
-            return np.zeros(self.trace.num_layers, dtype=bool)
-        return np.sqrt(np.mean(rel ** 2, axis=(0, 2))) > self.config.max_forecast_error
-
-    def _predictor(self, method: str):
-        ours = method in _OURS or method == "eplb-ar"       # EPLB given our predictor
-        return get_predictor(self.config.predictor) if ours else EMA()
-
     def propose(self, method: str, t: int, current: Optional[List[ExpertPlan]]):
-        """Candidate plans at row t: (plans, predicted counts [L, R, E], horizon_steps).
-
-        Ours considers plan lifetimes of HORIZON_MULTIPLES check intervals and keeps the one
-        with the least amortised step time
-        (:func:`schedule.choose_horizon`); baselines plan for one interval.
-        """
-        if method not in _OURS:
-            plans, pred, _ = self.adaptive_plans(method, t)
-            return plans, pred, self.costs.horizon_steps
-        options = []
-        for mult in HORIZON_MULTIPLES:
-            rows = mult * self.check_rows
-            plans, pred, _ = self.adaptive_plans(method, t, rows)
-            step = sum(c.time_s for c in self.step_cost(plans, pred))
-            moved = 0.0 if current is None else migration_time_s(
-                current, plans, self.model, self.costs.bytes_per_param)
-            options.append((plans, pred, rows * self.stride, step, moved))
-        best = choose_horizon([o[3] for o in options], [o[4] for o in options],
-                              [o[2] for o in options], self.costs.recompile_s)
-        return options[best][:3]
+        """Candidate plans at row t: (plans, predicted counts [L, R, E], horizon_steps)."""
+        if method in _OURS:
+            cand = self.planner.propose(self.trace.counts[:t], current,
+                                        self.forecaster(method, t))
+            return cand.plans, cand.predicted_LRE, cand.horizon_steps
+        plans, pred, _ = self.baseline_plans(method, t)
+        return plans, pred, self.costs.horizon_steps
 
     def check(self, method: str, t: int, current: List[ExpertPlan],
               observed_drop_rate: Optional[float] = None):
         """Re-plan check at row t: (ReplanDecision, candidate plans). ``observed_drop_rate``:
         the current plan's drop rate since the last check, when the drop monitor fired."""
-        candidate, pred, horizon = self.propose(method, t, current)
-        _, rel_next = self.predicted(t, method, self.check_rows)
-        costs = ReplanCosts(self.costs.recompile_s, self.costs.bytes_per_param, horizon,
-                            self.costs.max_drop_rate)
-        decision = decide_replan(sum(c.time_s for c in self.step_cost(current, pred)),
-                                 sum(c.time_s for c in self.step_cost(candidate, pred)),
-                                 current, candidate, self.model, costs,
-                                 self.expected_drop_rate(current, pred, rel_next),
+        if method in _OURS:
+            decision, cand = self.planner.check(self.trace.counts[:t], current,
+                                                observed_drop_rate, self.forecaster(method, t))
+            return decision, cand.plans
+        candidate, pred, rel_next = self.baseline_plans(method, t)
+        decision = decide_replan(self.planner.step_time_s(current, pred),
+                                 self.planner.step_time_s(candidate, pred),
+                                 current, candidate, self.model, self.costs,
+                                 self.planner.expected_drop_rate(current, pred, rel_next),
                                  observed_drop_rate)
         return decision, candidate
-
-    def expected_drop_rate(self, plans: Sequence[ExpertPlan], pred: np.ndarray,
-                           rel: np.ndarray) -> float:
-        """Expected drop rate of static ``plans`` over the coming rows, rank by rank (each rank
-        drops what exceeds the rows it owns of an expert; mean over layers).
-        pred: [L, R, E] forecast; rel: [K, L, R, E] relative errors."""
-        num_ranks, num_experts = self.trace.num_ranks, self.trace.num_experts
-        per_rank = self.tokens_per_step / num_ranks if self.tokens_per_step else None
-        rates = []
-        for layer, plan in enumerate(plans):
-            rows_RS = source_rows(plan, num_experts, self.rank_device,
-                                  self.cluster.devices_per_node, plan.rank_share)
-            owned_RE = np.zeros((num_ranks, num_experts))
-            np.add.at(owned_RE, (slice(None), plan.slot_expert), rows_RS)
-            rates.append(expected_expert_drop_rate(
-                owned_RE.ravel(), pred[layer].ravel(),
-                rel[:, layer].reshape(rel.shape[0], -1), per_rank))
-        return float(np.mean(rates))
 
     def static_plans(self, method: str) -> List[ExpertPlan]:
         num_experts, num_ranks = self.trace.num_experts, self.trace.num_ranks
@@ -390,11 +357,13 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
     rows = computed = assigned = dropped = 0
     replans, forced, overhead = 0, 0, 0.0
     monitor = DropMonitor(ctx.monitor_rows, ctx.costs.max_drop_rate)
+    loop = ReplanLoop(ctx.planner, ctx.monitor_rows) if method in _OURS else None
 
     def due(t: int) -> bool:                         # periodic re-plan check
         return (t - config.warmup) % ctx.check_rows == 0
     for t in range(config.warmup, trace.num_steps):
         extra_s = 0.0
+        decision = None
         if method == "oracle":
             plans = [baselines.oracle_plan(counts[t, layer], ctx.model, ctx.placement,
                                            ctx.rank_device, ctx.top_k, ctx.tokens_per_step)
@@ -405,17 +374,35 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
                     for layer in range(trace.num_layers)]
             plans = [p for p, _ in made]
             extra_s = sum(b for _, b in made)
+        elif loop is not None:                        # ours: the trainer's loop and planner
+            polled = loop.poll(t, counts[:t], plans or None,
+                               forecaster=ctx.forecaster(method, t))
+            if polled is not None:
+                decision, cand = polled
+                if decision is None or decision.replan:
+                    plans = cand.plans
         elif method in _ADAPTIVE and t == config.warmup:
             plans = ctx.propose(method, t, None)[0]               # first compile: not charged
-        elif method in _ADAPTIVE and (due(t) or monitor.fired()):
+        elif method in _EPLB and due(t):
+            # EPLB's own rule: re-balance on its schedule, whatever the gain
+            candidate = ctx.propose(method, t, plans)[0]
+            if not plans_equal(plans, candidate):
+                moved = migration_time_s(plans, candidate, ctx.model,
+                                         ctx.costs.bytes_per_param)
+                decision = ReplanDecision(True, "EPLB periodic re-balance", 0.0,
+                                          ctx.costs.horizon_steps, 0.0, 0.0, moved,
+                                          ctx.costs.recompile_s)
+                plans = candidate
+        elif method in _ADAPTIVE and method not in _EPLB and (due(t) or monitor.fired()):
             decision, candidate = ctx.check(method, t, plans,
                                             monitor.rate() if monitor.fired() else None)
             monitor.reset()
             if decision.replan:
                 plans = candidate
-                replans += 1
-                forced += int(decision.forced)
-                overhead += decision.cost_s
+        if decision is not None and decision.replan:
+            replans += 1
+            forced += int(decision.forced)
+            overhead += decision.cost_s
         costs = ctx.step_cost(plans, counts[t])
         step_times.append(sum(c.time_s for c in costs) + extra_s)
         a2a_times.append(sum(c.a2a_time_s + c.exchange_time_s for c in costs))
@@ -425,6 +412,8 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
         assigned += sum(c.assigned for c in costs)
         dropped += sum(c.dropped for c in costs)
         monitor.record(sum(c.dropped for c in costs), int(counts[t].sum()))
+        if loop is not None:
+            loop.observe(sum(c.dropped for c in costs), int(counts[t].sum()))
         rows += 1
     routed = int(counts[config.warmup:].sum())
     return ReplayResult(
@@ -448,4 +437,4 @@ def plan_trace(trace: RoutingTrace, cluster: Optional[ClusterSpec] = None,
         raise ValueError(f"planning needs a trace of >= 2 steps, but got {trace.num_steps}.")
     ctx = _Context(trace, cluster, dataclasses.replace(
         config, warmup=min(max(2, config.warmup), trace.num_steps - 1)))
-    return ctx.propose("efficientmoe", trace.num_steps, None)[0]
+    return ctx.planner.propose(trace.counts, None).plans

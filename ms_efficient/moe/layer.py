@@ -13,6 +13,14 @@ K top-k, C slots per expert, R trace source ranks.
 Assignments beyond an expert's capacity are dropped (their weight is zero; the residual
 connection of the block carries the token on), and counted.
 
+``dispatch="grouped"`` has no capacities and no padding: the T*K assignments are permuted by
+expert with the padding-free kernels of :mod:`ms_efficient.moe.kernels` (rows grouped by
+expert, N = T*K), each expert's FFN runs on its own rows, found at run time (a dynamic-shape
+``nonzero`` + gather: group sizes are data, not compiled shapes; MindSpore 2.10 compiles
+these on CPU in GRAPH_MODE, with gradients), and the rows are combined back by the kernels.
+Nothing is dropped. On Ascend A2/A3 the same contract is ``ops.grouped_matmul`` with a
+group list (behind ``core.backend``; not built here: no Ascend hardware).
+
 Capacities may differ per expert (``capacity`` given as a sequence of E ints): the slots of all
 experts then form one buffer of sum(C_e) rows, expert e owning rows [off_e, off_e + C_e), and
 each expert's FFN runs on its own rows only, so no compute is spent on padding beyond what
@@ -28,13 +36,14 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
-__all__ = ["MoEFeedForward", "TopKArrival", "TanhGELU", "routing_statistics", "sum_choices",
+__all__ = ["MoEFeedForward", "DISPATCH_MODES", "TopKArrival", "TanhGELU", "routing_statistics", "sum_choices",
            "expert_capacity", "ROUTING_COUNTS", "routing_counts_buffer", "make_gelu",
            "group_tables"]
 
 # name of the per-layer buffer holding the last forward's counts [R, E] (int32): read by
 # ms_efficient.efficientmoe.apply.RoutingTraceCallback, never checkpointed (not model state)
 ROUTING_COUNTS = "routing_counts"
+DISPATCH_MODES = ("static", "grouped")  # per-expert capacities / padding-free grouped rows
 
 
 def expert_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float,
@@ -180,6 +189,8 @@ class MoEFeedForward(nn.Cell):
             per-expert capacities C_e >= 1.
         trace_ranks: R; the T tokens are split into R equal groups (R virtual source ranks,
             as data-parallel ranks would see them) and per-group expert counts are returned.
+        dispatch: "static" (per-expert capacities, padded and dropping) or "grouped" (no
+            capacity, no padding, no drops; ``capacity`` is then ignored, see module doc).
 
     Outputs:
         y_BSH: float [B, S, H].
@@ -193,12 +204,24 @@ class MoEFeedForward(nn.Cell):
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
                  capacity: Union[int, Sequence[int]], trace_ranks: int = 1,
-                 init_std: float = 0.02):
+                 init_std: float = 0.02, dispatch: str = "static"):
         super().__init__()
+        if dispatch not in DISPATCH_MODES:
+            raise ValueError(f"'dispatch' must be one of {list(DISPATCH_MODES)}, but got "
+                             f"{dispatch!r}.")
+        self.dispatch = dispatch
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.top_k = top_k
-        self.set_capacities(capacity)
+        if dispatch == "grouped":
+            from ms_efficient.moe.kernels import MoeTokenPermute, MoeTokenUnpermute
+
+            self.permute = MoeTokenPermute()
+            self.unpermute = MoeTokenUnpermute()
+            self.capacities = ()
+            self.num_slots = 0
+        else:
+            self.set_capacities(capacity)
         self.trace_ranks = trace_ranks
         e, h, f = num_experts, hidden_size, ffn_hidden_size
         self.router = nn.Dense(h, e, has_bias=False, weight_init=Normal(init_std))
@@ -212,6 +235,8 @@ class MoEFeedForward(nn.Cell):
         self.routing_counts = routing_counts_buffer(trace_ranks, num_experts)
 
     def construct(self, x):
+        if self.dispatch == "grouped":
+            return self._grouped(x)
         b, s, h = x.shape
         t = b * s
         k, n = self.top_k, self.num_slots
@@ -247,14 +272,45 @@ class MoEFeedForward(nn.Cell):
         dropped = (k * t - keep_A.astype(ms.int32).sum()).astype(ms.int32)
         return y_TH.reshape(b, s, h), aux_loss, counts_RE, dropped
 
+    def _grouped(self, x):
+        """The padding-free path: permute by expert, one FFN per expert on its own rows (a
+        run-time group), combine. Same outputs as ``construct``'s static path."""
+        b, s, h = x.shape
+        t = b * s
+        k = self.top_k
+        x_TH = x.reshape(t, h)
+        probs_TE, weights_TK, expert_ids_A, onehot_AE, _ = self.arrival(self.router(x_TH))
+        # Step 1: rows sorted by expert (t-major assignments t*K + k, stable)
+        expert_ids_TK = expert_ids_A.reshape(k, t).transpose(1, 0)
+        x_NH, rows_N = self.permute(x_TH, expert_ids_TK)
+        expert_of_row = ops.tensor_scatter_update(
+            ops.zeros((t * k,), ms.int32), rows_N.reshape(-1, 1), expert_ids_TK.reshape(-1))
+        # Step 2: every expert on its own rows; the groups are contiguous and in expert order,
+        # so their concatenation is x_NH's row order
+        outs = ()
+        for e in range(self.num_experts):
+            idx = ops.nonzero(expert_of_row == e).reshape(-1)
+            rows = ops.gather(x_NH, idx, 0)
+            hid = self.gelu(ops.matmul(rows, self.w1[e]) + self.b1[e])
+            outs = outs + (ops.matmul(hid, self.w2[e]) + self.b2[e],)
+        y_NH = ops.concat(outs, 0).reshape(t * k, h)   # N = T*K rows: a static shape again
+        # Step 3: combine with the gate weights; statistics as the static path
+        y_TH = self.unpermute(y_NH, rows_N, weights_TK.astype(y_NH.dtype))
+        aux_loss, counts_RE = routing_statistics(probs_TE, onehot_AE, k, self.trace_ranks)
+        ops.assign(self.routing_counts, counts_RE)
+        return y_TH.reshape(b, s, h), aux_loss, counts_RE, ops.zeros((), ms.int32)
+
     def set_capacities(self, capacity: Union[int, Sequence[int]]) -> None:
         """Set the static capacity of every expert (an int, or E ints >= 1).
 
         Slot rows are laid out by capacity group (experts of equal capacity side by side), so
         every group runs as one batched matmul. Takes effect when the network is next
         compiled: a jitted step function built before the change keeps its old graph, so
-        rebuild it (the trainer does).
+        rebuild it (the trainer does). A ``dispatch="grouped"`` layer has no capacities.
         """
+        if self.dispatch == "grouped":
+            raise ValueError("a dispatch='grouped' MoE layer has no capacities to set; "
+                             "build it with dispatch='static' to plan capacities.")
         caps = _capacities(capacity, self.num_experts)
         self.capacities = caps
         # groups: (capacity, experts with that capacity), largest capacity first

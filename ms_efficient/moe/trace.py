@@ -22,7 +22,7 @@ import numpy as np
 
 from ms_efficient.core.fileio import atomic_write_with
 
-__all__ = ["RoutingTrace", "load_trace", "save_trace", "synthetic_trace"]
+__all__ = ["RoutingTrace", "load_trace", "save_trace", "synthetic_trace", "skewed_trace"]
 
 _META = ("top_k", "hidden", "tokens_per_rank")
 
@@ -184,3 +184,17 @@ def synthetic_trace(steps: int = 64, layers: int = 2, ranks: int = 32, experts: 
     return RoutingTrace(counts=counts, top_k=top_k, hidden=hidden,
                         tokens_per_rank=tokens_per_rank,
                         steps=np.arange(steps, dtype=np.int64) * step_stride)
+
+
+def skewed_trace(steps: int = 100, seed: int = 0, skew: float = 1.45, layers: int = 24,
+                 hidden: int = 2048) -> RoutingTrace:
+    """A heavily skewed top-1 routing trace shaped like a real public one (issue 16): 16 ranks
+    x ``layers`` layers x 32 experts, top-1, 16,384 tokens per rank, rows 5 training steps
+    apart, max/mean expert load ~12.8 and the top-2 experts of a layer carrying a median 57 %
+    of its tokens. :func:`synthetic_trace` with Zipf exponent ``skew``: 1.45 gives max/mean
+    13.2 and a median top-2 share of 56 % (seed 0; 1.2 gives 10.3 and 47 %, 1.5 13.9 and
+    59 %). Sweep ``skew`` for milder or harsher profiles.
+    Returns a RoutingTrace with counts int64 [steps, layers, 16, 32]."""
+    return synthetic_trace(steps=steps, layers=layers, ranks=16, experts=32, skew=skew,
+                           seed=seed, tokens_per_rank=16384, top_k=1, hidden=hidden,
+                           step_stride=5)

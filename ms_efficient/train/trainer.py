@@ -31,7 +31,9 @@ from mindspore import Tensor, nn, ops
 from ms_efficient.core import backend
 from ms_efficient.core.config import RunConfig, history_trace_path, load_config, save_config
 from ms_efficient.core.fileio import atomic_write_text, atomic_write_with
-from ms_efficient.efficientmoe.planner import CapacityPlanner, RoutingSampler
+from ms_efficient.efficientmoe.planner import (ReplanLoop, RoutingSampler, capacities_LE,
+                                               one_device_counts, one_device_planner,
+                                               single_device_plans)
 from ms_efficient.models.gpt_moe import build_model
 from ms_efficient.moe.layer import ROUTING_COUNTS, MoEFeedForward
 from ms_efficient.moe.trace import load_trace, save_trace
@@ -99,8 +101,13 @@ class Trainer:
         self.step_times: List[float] = []
         self.totals = {"assigned": 0, "kept": 0, "rows": 0}
         tokens = tr.batch_size * cfg.model.seq_length
-        self.planner = (CapacityPlanner(cfg.efficientmoe, tokens)
-                        if cfg.efficientmoe.enabled else None)
+        mc, em = cfg.model, cfg.efficientmoe
+        self.tokens_per_step = tokens
+        self.planner = (one_device_planner(em, cfg.cluster_spec(), mc.hidden_size,
+                                           mc.ffn_hidden_size, cfg.moe.num_experts,
+                                           cfg.moe.top_k, tokens)
+                        if em.enabled else None)
+        self.replan_loop = ReplanLoop(self.planner, em.monitor_steps) if self.planner else None
         self.history_LE = self._load_history(tokens) if self.planner else None
 
     # ------------------------------------------------------------------ capacities
@@ -113,13 +120,6 @@ class Trainer:
         for layer, caps in zip(self.moe_layers, np.asarray(capacity_LE)):
             layer.set_capacities([int(c) for c in caps])
         self._build_steps()
-
-    def _row_time_s(self) -> float:
-        """Modelled seconds per expert slot row, forward + backward: 3 x 2 matmuls of
-        2*H*F FLOPs at the cluster preset's fp32 peak (the gain side of a re-plan)."""
-        mc = self.cfg.model
-        flops = 3 * 2 * 2 * mc.hidden_size * mc.ffn_hidden_size
-        return self.cfg.cluster_spec().compute_time_s(flops, "fp32")
 
     def _load_history(self, tokens_per_step: int) -> np.ndarray:
         """int64 [t, moe layer, expert] loads of ``efficientmoe.history`` ([0, L, E] if none)."""
@@ -146,33 +146,45 @@ class Trainer:
         return 0 if len(self.history_LE) >= 3 else self.cfg.efficientmoe.warmup_steps
 
     def _maybe_replan(self) -> None:
-        em = self.cfg.efficientmoe
+        """Ask the EfficientMoE loop (the planner the callback and the replay use) before the
+        next step; apply and recompile when it adopts new capacities."""
         if self.planner is None or self.step < self._first_plan_step():
             return
-        since_first = self.step - self._first_plan_step()
-        if since_first % em.replan_every or self.step >= self.cfg.train.steps:
+        if self.step >= self.cfg.train.steps:
             return
         load = self.history_LE
         if len(self.sampler):
             load = np.concatenate([load, self.sampler.expert_load()])
-        plan = self.planner.plan(load)
         current = self.capacities()
-        # before the first step nothing is compiled yet: a new plan costs no recompilation
-        recompile_s = em.recompile_cost_s if self.step else 0.0
-        if not self.planner.worth_applying(current, plan, load, self._row_time_s(), recompile_s):
-            logger.info("step %d: EfficientMoE keeps capacities (%d rows)", self.step,
-                        int(current.sum()))
+        mc = self.cfg.moe
+        polled = self.replan_loop.poll(
+            self.step, one_device_counts(load),
+            single_device_plans(current, mc.top_k, self.tokens_per_step),
+            compiled=self.step > 0, max_horizon_steps=self.cfg.train.steps - self.step)
+        if polled is None:
             return
-        self.set_capacities(plan.capacity_LE)
+        decision, cand = polled
+        caps = capacities_LE(cand.plans, mc.num_experts)
+        if (decision is not None and not decision.replan) or np.array_equal(caps, current):
+            logger.info("step %d: EfficientMoE keeps capacities (%d rows): %s", self.step,
+                        int(current.sum()), decision.reason if decision else "same plan")
+            return
+        drop = self.planner.expected_drop_rate(cand.plans, cand.predicted_LRE, cand.rel_KLRE)
+        pad = float(self.planner.expected_padding_fraction(cand.plans,
+                                                           cand.predicted_LRE).mean())
+        self.set_capacities(caps)
         self.metrics.append({
-            "kind": "plan", "step": self.step, "capacities": plan.capacity_LE.tolist(),
-            "rows_before": int(current.sum()), "rows_after": plan.rows(),
-            "expected_drop_rate": round(float(plan.expected_drop_rate.mean()), 5),
-            "expected_padding_fraction": round(float(plan.expected_padding_fraction.mean()), 5)})
+            "kind": "plan", "step": self.step, "capacities": caps.tolist(),
+            "rows_before": int(current.sum()), "rows_after": int(caps.sum()),
+            "expected_drop_rate": round(float(drop), 5),
+            "expected_padding_fraction": round(pad, 5),
+            "dropless_layers": int(cand.dropless_L.sum()),
+            "horizon_steps": int(cand.horizon_steps),
+            "reason": decision.reason if decision else "first plan, before compiling"})
         logger.info("step %d: EfficientMoE re-planned capacities: %d -> %d slot rows "
-                    "(expected drop %.4f, padding %.3f); recompiling", self.step,
-                    int(current.sum()), plan.rows(), plan.expected_drop_rate.mean(),
-                    plan.expected_padding_fraction.mean())
+                    "(expected drop %.4f, padding %.3f; %s); recompiling", self.step,
+                    int(current.sum()), int(caps.sum()), drop, pad,
+                    decision.reason if decision else "first plan")
 
     # ------------------------------------------------------------------ compiled functions
     def _build_steps(self) -> None:
@@ -331,6 +343,8 @@ class Trainer:
             self.sampler.record(counts)
             sample_s += time.perf_counter() - t1
             step_dropped = int(dropped.asnumpy()[moe_index].sum())
+            if self.replan_loop is not None:
+                self.replan_loop.observe(step_dropped, int(counts.sum()))
             assigned += int(counts.sum())
             kept += int(counts.sum()) - step_dropped
             rows += int(self.capacities().sum())

@@ -1,0 +1,102 @@
+"""The padding-free grouped MoE path: equivalences with a dense FFN, with a per-assignment
+numpy loop and with the static-capacity layer when nothing drops (outputs and gradients)."""
+import numpy as np
+import pytest
+
+import mindspore as ms
+from mindspore import Tensor, nn
+
+from ms_efficient.moe.layer import MoEFeedForward
+
+ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+
+
+def gelu_tanh(a):
+    return 0.5 * a * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (a + 0.044715 * a ** 3)))
+
+
+def layer_pair(h=16, f=32, e=4, k=2, tokens=24, seed=0):
+    """A grouped layer and a static dropless one (capacity = tokens) with the same weights,
+    biases set non-zero so that they matter."""
+    rng = np.random.default_rng(seed)
+    grouped = MoEFeedForward(h, f, e, k, capacity=tokens, dispatch="grouped")
+    static = MoEFeedForward(h, f, e, k, capacity=tokens)
+    for name, shape in (("b1", (e, 1, f)), ("b2", (e, 1, h))):
+        getattr(grouped, name).set_data(Tensor(0.1 * rng.standard_normal(shape), ms.float32))
+    router = Tensor(rng.standard_normal((e, h)), ms.float32)      # a spread-out routing
+    grouped.router.weight.set_data(router)
+    for src, dst in zip(grouped.get_parameters(), static.get_parameters()):
+        dst.set_data(src.data.copy())
+    return grouped, static
+
+
+def reference(layer, x_TH):
+    """Per assignment, in numpy: out[t] = sum_k w[t, k] * FFN_{e[t, k]}(x[t])."""
+    w1, b1, w2, b2 = (getattr(layer, n).asnumpy() for n in ("w1", "b1", "w2", "b2"))
+    logits = x_TH @ layer.router.weight.asnumpy().T
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    top = np.argsort(-p, axis=-1, kind="stable")[:, :layer.top_k]
+    gate = np.take_along_axis(p, top, -1)
+    gate /= gate.sum(-1, keepdims=True)
+    out = np.zeros_like(x_TH)
+    for t in range(x_TH.shape[0]):
+        for j, e in enumerate(top[t]):
+            out[t] += gate[t, j] * (gelu_tanh(x_TH[t] @ w1[e] + b1[e, 0]) @ w2[e] + b2[e, 0])
+    return out
+
+
+class Loss(nn.Cell):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def construct(self, x):
+        y, aux, _, _ = self.layer(x)
+        return (y * y).sum() + aux
+
+
+def test_grouped_path_matches_a_per_assignment_loop_and_never_drops():
+    grouped, _ = layer_pair()
+    x = np.random.default_rng(1).standard_normal((2, 12, 16)).astype(np.float32)
+    y, aux, counts, dropped = grouped(Tensor(x))
+    ref = reference(grouped, x.reshape(-1, 16)).reshape(x.shape)
+    np.testing.assert_allclose(y.asnumpy(), ref, rtol=1e-4, atol=1e-5)
+    assert int(dropped.asnumpy()) == 0 and int(counts.asnumpy().sum()) == 24 * 2
+
+
+def test_one_expert_grouped_layer_is_the_dense_ffn():
+    grouped, _ = layer_pair(e=1, k=1)
+    x = np.random.default_rng(2).standard_normal((1, 24, 16)).astype(np.float32)
+    w1, b1, w2, b2 = (getattr(grouped, n).asnumpy()[0] for n in ("w1", "b1", "w2", "b2"))
+    dense = gelu_tanh(x[0] @ w1 + b1) @ w2 + b2
+    np.testing.assert_allclose(grouped(Tensor(x))[0].asnumpy()[0], dense, rtol=1e-4, atol=1e-5)
+
+
+def test_grouped_equals_the_static_layer_when_nothing_drops_outputs_and_gradients():
+    grouped, static = layer_pair(seed=3)
+    x = Tensor(np.random.default_rng(4).standard_normal((2, 12, 16)), ms.float32)
+    yg, auxg, cg, _ = grouped(x)
+    ys, auxs, cs, ds = static(x)
+    assert int(ds.asnumpy()) == 0
+    np.testing.assert_allclose(yg.asnumpy(), ys.asnumpy(), rtol=1e-5, atol=1e-6)
+    assert float(auxg.asnumpy()) == pytest.approx(float(auxs.asnumpy()), rel=1e-6)
+    assert np.array_equal(cg.asnumpy(), cs.asnumpy())
+    grads = []
+    for layer in (grouped, static):
+        net = Loss(layer)
+        fn = ms.value_and_grad(net, 0, net.trainable_params())
+        _, (gx, gw) = fn(x)
+        grads.append((gx.asnumpy(), [g.asnumpy() for g in gw]))
+    np.testing.assert_allclose(grads[0][0], grads[1][0], rtol=1e-4, atol=1e-6)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_grouped_layer_has_no_capacities_to_set_and_bad_modes_are_named():
+    grouped, _ = layer_pair()
+    with pytest.raises(ValueError, match="no capacities to set"):
+        grouped.set_capacities(8)
+    with pytest.raises(ValueError, match=r"'dispatch' must be one of \['static', 'grouped'\], "
+                                         r"but got 'padded'"):
+        MoEFeedForward(16, 32, 4, 2, capacity=8, dispatch="padded")
