@@ -73,15 +73,27 @@ def test_one_expert_grouped_layer_is_the_dense_ffn():
     np.testing.assert_allclose(grouped(Tensor(x))[0].asnumpy()[0], dense, rtol=1e-4, atol=1e-5)
 
 
-def test_grouped_equals_the_static_layer_when_nothing_drops_outputs_and_gradients():
+@pytest.mark.parametrize("empty_experts", [False, True])
+def test_grouped_equals_the_static_layer_when_nothing_drops_outputs_and_gradients(empty_experts):
+    """empty_experts: positive inputs and a router that sends every token to experts 0 and
+    1, so experts 2 and 3 get no row (an empty group must still train)."""
     grouped, static = layer_pair(seed=3)
-    x = Tensor(np.random.default_rng(4).standard_normal((2, 12, 16)), ms.float32)
+    x = np.random.default_rng(4).standard_normal((2, 12, 16))
+    if empty_experts:
+        x = np.abs(x)
+        router = np.stack([np.full(16, 1.0), np.full(16, 0.9), np.full(16, -1.0),
+                           np.full(16, -1.0)]).astype(np.float32)
+        for layer in (grouped, static):
+            layer.router.weight.set_data(Tensor(router))
+    x = Tensor(x, ms.float32)
     yg, auxg, cg, _ = grouped(x)
     ys, auxs, cs, ds = static(x)
     assert int(ds.asnumpy()) == 0
     np.testing.assert_allclose(yg.asnumpy(), ys.asnumpy(), rtol=1e-5, atol=1e-6)
     assert float(auxg.asnumpy()) == pytest.approx(float(auxs.asnumpy()), rel=1e-6)
     assert np.array_equal(cg.asnumpy(), cs.asnumpy())
+    if empty_experts:
+        assert cg.asnumpy()[0, 2:].tolist() == [0, 0]
     grads = []
     for layer in (grouped, static):
         net = Loss(layer)
@@ -100,3 +112,46 @@ def test_a_grouped_layer_has_no_capacities_to_set_and_bad_modes_are_named():
     with pytest.raises(ValueError, match=r"'dispatch' must be one of \['static', 'grouped'\], "
                                          r"but got 'padded'"):
         MoEFeedForward(16, 32, 4, 2, capacity=8, dispatch="padded")
+
+
+def test_a_grouped_model_trains_with_no_padding_and_no_drops(tmp_path, text_dir):
+    """moe.dispatch 'grouped' through the config, the model and the trainer: the logged
+    padding and drop rates are exactly 0 and the loss falls; the same seed with static
+    dropless capacities (capacity = 128 tokens per expert, 4 experts, top-2) pads 50 %."""
+    import json
+    import os
+
+    import yaml
+    from conftest import tiny_config_dict
+    from ms_efficient.core.config import load_config
+    from ms_efficient.train.trainer import Trainer
+
+    cfg = tiny_config_dict(text_dir, str(tmp_path / "run"))
+    cfg["train"].update(steps=8, save_every=8, eval_every=8, log_every=8)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    logged = {}
+    for dispatch in ("grouped", "static"):
+        run = load_config(str(path), {"moe.dispatch": dispatch, "moe.capacity_factor": 0})
+        out = str(tmp_path / dispatch)
+        Trainer(run, out).run()
+        with open(os.path.join(out, "metrics.jsonl")) as fh:
+            logged[dispatch] = [r for r in map(json.loads, fh) if r["kind"] == "train"][-1]
+    assert logged["grouped"]["padding_fraction"] == 0.0 and logged["grouped"]["drop_rate"] == 0.0
+    assert logged["static"]["padding_fraction"] == pytest.approx(0.5)
+    assert logged["grouped"]["loss"] == pytest.approx(logged["static"]["loss"], rel=1e-3)
+
+
+def test_config_names_a_bad_dispatch_and_the_efficientmoe_conflict(tmp_path, text_dir):
+    import yaml
+    from conftest import tiny_config_dict
+    from ms_efficient.core.config import load_config
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny_config_dict(text_dir, str(tmp_path / "run"))))
+    with pytest.raises(ValueError, match=r"'moe.dispatch' must be one of \['static', "
+                                         r"'grouped'\], but got 'padless'"):
+        load_config(str(path), {"moe.dispatch": "padless"})
+    with pytest.raises(ValueError, match="'efficientmoe.enabled' must be false with "
+                                         "moe.dispatch 'grouped'"):
+        load_config(str(path), {"moe.dispatch": "grouped", "efficientmoe.enabled": True})

@@ -121,8 +121,14 @@ class MoEConfig:
     # The batch's tokens are recorded as this many groups ("source ranks") in the routing
     # trace, as data-parallel ranks would each see batch_size / trace_ranks samples.
     trace_ranks: int = 1
+    # Expert compute: "static" (per-expert capacities: padded, may drop) or "grouped" (rows
+    # permuted by expert, every expert on its own rows: no capacity, no padding, no drops;
+    # moe.layer module doc).
+    dispatch: str = "static"
 
     def validate(self, path: str) -> None:
+        if self.dispatch not in ("static", "grouped"):
+            _fail(f"{path}.dispatch", self.dispatch, "one of ['static', 'grouped']")
         if self.num_experts < 1:
             _fail(f"{path}.num_experts", self.num_experts, "a positive integer")
         if not 1 <= self.top_k <= self.num_experts:
@@ -321,6 +327,10 @@ class RunConfig:
     optimize: OptimizeConfig = field(default_factory=OptimizeConfig)
 
     def validate(self, path: str = "") -> None:
+        if self.moe.dispatch == "grouped" and self.efficientmoe.enabled:
+            _fail("efficientmoe.enabled", self.efficientmoe.enabled,
+                  "false with moe.dispatch 'grouped' (EfficientMoE plans static capacities; "
+                  "a grouped layer has none)")
         if self.train.batch_size % self.moe.trace_ranks:
             _fail("train.batch_size", self.train.batch_size,
                   f"a multiple of moe.trace_ranks ({self.moe.trace_ranks})")

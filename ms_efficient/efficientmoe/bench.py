@@ -178,6 +178,8 @@ MEASURED_METHODS = {
     "dropless-static": (0.0, False),
     # warm-up at CF 1.25, then per-expert capacities planned online
     "efficientmoe": (1.25, True),
+    # no capacities: rows permuted by expert, each expert on its own rows (moe.dispatch)
+    "dropless-grouped": (0.0, False),
 }
 
 
@@ -227,6 +229,7 @@ def run_measured(base: RunConfig, methods: Optional[List[str]] = None, steps: Op
         cf, online = MEASURED_METHODS[method]
         cfg = copy.deepcopy(base)
         cfg.moe.capacity_factor = cf
+        cfg.moe.dispatch = "grouped" if method == "dropless-grouped" else "static"
         cfg.efficientmoe.enabled = online
         cfg.train.eval_every = cfg.train.steps = steps or cfg.train.steps
         cfg.train.save_every = cfg.train.steps

@@ -114,7 +114,7 @@ class GPTMoE(nn.Cell):
         for i in range(model.num_layers):
             if (i + 1) % moe.moe_every == 0:
                 ffn = MoEFeedForward(h, model.ffn_hidden_size, moe.num_experts, moe.top_k,
-                                     capacity, trace_ranks, std)
+                                     capacity, trace_ranks, std, dispatch=moe.dispatch)
                 moe_layers.append(i)
             else:
                 ffn = DenseFeedForward(h, model.ffn_hidden_size, moe.num_experts, trace_ranks,

@@ -214,10 +214,10 @@ class MoEFeedForward(nn.Cell):
         self.num_experts = num_experts
         self.top_k = top_k
         if dispatch == "grouped":
-            from ms_efficient.moe.kernels import MoeTokenPermute, MoeTokenUnpermute
+            from ms_efficient.moe.kernels import MoeTokenPermute, MoeUnpermuteCombine
 
             self.permute = MoeTokenPermute()
-            self.unpermute = MoeTokenUnpermute()
+            self.combine = MoeUnpermuteCombine()
             self.capacities = ()
             self.num_slots = 0
         else:
@@ -274,28 +274,42 @@ class MoEFeedForward(nn.Cell):
 
     def _grouped(self, x):
         """The padding-free path: permute by expert, one FFN per expert on its own rows (a
-        run-time group), combine. Same outputs as ``construct``'s static path."""
+        run-time group), combine. Same outputs as ``construct``'s static path.
+
+        Every group gets one extra zero row (the row after x_NH's last): MindSpore 2.10's
+        MatMul backward rejects an empty dynamic-shape input, and an expert may get no
+        token. The extra rows are computed (E rows a step) and combined with token -1, i.e.
+        ignored: the output rows are laid out as [group 0, its extra row, group 1, ...]."""
         b, s, h = x.shape
         t = b * s
-        k = self.top_k
+        k, e_total = self.top_k, self.num_experts
+        n = t * k
         x_TH = x.reshape(t, h)
         probs_TE, weights_TK, expert_ids_A, onehot_AE, _ = self.arrival(self.router(x_TH))
-        # Step 1: rows sorted by expert (t-major assignments t*K + k, stable)
+        # Step 1: rows sorted by expert (t-major assignments a = t*K + k, stable)
         expert_ids_TK = expert_ids_A.reshape(k, t).transpose(1, 0)
         x_NH, rows_N = self.permute(x_TH, expert_ids_TK)
-        expert_of_row = ops.tensor_scatter_update(
-            ops.zeros((t * k,), ms.int32), rows_N.reshape(-1, 1), expert_ids_TK.reshape(-1))
-        # Step 2: every expert on its own rows; the groups are contiguous and in expert order,
-        # so their concatenation is x_NH's row order
+        expert_N = expert_ids_TK.reshape(-1)
+        expert_of_row = ops.tensor_scatter_update(ops.zeros((n,), ms.int32),
+                                                  rows_N.reshape(-1, 1), expert_N)
+        x_pad = ops.concat((x_NH, ops.zeros((1, h), x_NH.dtype)), 0)
+        extra = Tensor([n], ms.int64)
+        # Step 2: every expert on its own rows plus the zero row, in expert order
         outs = ()
-        for e in range(self.num_experts):
-            idx = ops.nonzero(expert_of_row == e).reshape(-1)
-            rows = ops.gather(x_NH, idx, 0)
+        for e in range(e_total):
+            idx = ops.concat((ops.nonzero(expert_of_row == e).reshape(-1), extra), 0)
+            rows = ops.gather(x_pad, idx, 0)
             hid = self.gelu(ops.matmul(rows, self.w1[e]) + self.b1[e])
             outs = outs + (ops.matmul(hid, self.w2[e]) + self.b2[e],)
-        y_NH = ops.concat(outs, 0).reshape(t * k, h)   # N = T*K rows: a static shape again
-        # Step 3: combine with the gate weights; statistics as the static path
-        y_TH = self.unpermute(y_NH, rows_N, weights_TK.astype(y_NH.dtype))
+        y_PH = ops.concat(outs, 0).reshape(n + e_total, h)   # a static shape again
+        # Step 3: combine: assignment a sits at row rows_N[a] + its expert (one extra row per
+        # earlier group); the extra rows belong to no token
+        pos = (rows_N + expert_N).reshape(-1, 1)
+        row_token = ops.tensor_scatter_update(ops.fill(ms.int32, (n + e_total,), -1), pos,
+                                              ops.arange(n, dtype=ms.int32) // k)
+        row_weight = ops.tensor_scatter_update(ops.zeros((n + e_total,), y_PH.dtype), pos,
+                                               weights_TK.reshape(-1).astype(y_PH.dtype))
+        y_TH = self.combine(y_PH, row_token, row_weight, x_TH)
         aux_loss, counts_RE = routing_statistics(probs_TE, onehot_AE, k, self.trace_ranks)
         ops.assign(self.routing_counts, counts_RE)
         return y_TH.reshape(b, s, h), aux_loss, counts_RE, ops.zeros((), ms.int32)

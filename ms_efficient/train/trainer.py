@@ -112,8 +112,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ capacities
     def capacities(self) -> np.ndarray:
-        """int64 [moe layer, expert] static capacities the network is compiled with."""
-        return np.array([layer.capacities for layer in self.moe_layers], np.int64)
+        """int64 [moe layer, expert] static capacities the network is compiled with (shape
+        [L, 0] for grouped layers, which have none)."""
+        return np.array([layer.capacities for layer in self.moe_layers], np.int64).reshape(
+            len(self.moe_layers), -1)
+
+    def computed_rows(self, assigned: int) -> int:
+        """Expert rows one step computes: the static capacities, or for grouped layers the
+        ``assigned`` assignments themselves (no padding)."""
+        if self.moe_layers and getattr(self.moe_layers[0], "dispatch", "static") == "grouped":
+            return assigned
+        return int(self.capacities().sum())
 
     def set_capacities(self, capacity_LE: np.ndarray) -> None:
         """Apply per-expert capacities to every MoE layer and recompile the step functions."""
@@ -347,9 +356,10 @@ class Trainer:
                 self.replan_loop.observe(step_dropped, int(counts.sum()))
             assigned += int(counts.sum())
             kept += int(counts.sum()) - step_dropped
-            rows += int(self.capacities().sum())
+            step_rows = self.computed_rows(int(counts.sum()))
+            rows += step_rows
             for key, value in (("assigned", int(counts.sum())), ("kept", int(counts.sum()) -
-                               step_dropped), ("rows", int(self.capacities().sum()))):
+                               step_dropped), ("rows", step_rows)):
                 self.totals[key] += value
             self.step += 1
             window_steps += 1
