@@ -307,7 +307,7 @@ class EfficientMoEPlanner:
         not considered (the shortest always is)."""
         fc = forecaster or self.forecaster
         dropless = self.unpredictable_layers(counts_TLRE, fc)
-        seen_max = np.asarray(counts_TLRE).max(axis=0) if dropless.any() else None
+        seen_max = np.asarray(counts_TLRE).max(axis=0)        # [L, R, E], sizes dropless layers
         options = []
         multiples = sorted(set(int(m) for m in self.config.horizon_multiples))
         for mult in multiples:
@@ -337,7 +337,7 @@ class EfficientMoEPlanner:
             every = np.ones(layers, dtype=bool)
             kept = (self.plans_for(best[1], rel_next, every, None), every)
             kept_s = self.step_time_s(kept[0], best[1])
-            seen = self.plans_for(best[1], rel_next, every, np.asarray(counts_TLRE).max(axis=0))
+            seen = self.plans_for(best[1], rel_next, every, seen_max)
             for plans, flags in ((seen, every), (best[0], dropless)):
                 step_s = self.step_time_s(plans, best[1])
                 risk = (min(1.0, self.expected_drop_rate(plans, best[1], rel_next)
