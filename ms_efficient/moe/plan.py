@@ -32,6 +32,18 @@ tokens are dropped and what the All-to-All carries:
                  dynamic-shape systems run (FasterMoE's count exchange then token exchange); the
                  default, because ``split_tokens`` is also the rule that attributes static
                  rows to replicas.
+    "grouped"    padding-free expert compute over one static row buffer per device
+                 (MegaBlocks-style grouped matmul, group sizes are data): the buffer of
+                 device d holds ``device_rows()[d]`` = the sum of its slots' capacities, and
+                 a slot's capacity is only its planned share of that buffer. Each rank splits
+                 its tokens of an expert over the expert's replicas by fixed integer weights
+                 (:func:`~ms_efficient.moe.split.grouped_split_weights`, from the plan, so no
+                 communication decides the split); every device computes the rows it
+                 receives, in ascending source rank, up to its buffer, and drops the rest
+                 (:func:`~ms_efficient.moe.split.grouped_assignments`). The routing counts
+                 are exchanged (an AllGather of R x E integers) so that every receiver knows
+                 its group sizes; the token exchange carries exactly the kept rows, and the
+                 experts compute exactly those rows (no per-expert padding).
 
 ``ms_efficient.moe.split`` holds the dispatch rule both the planners and the MoE layer follow:
 it turns per-rank routing counts ``counts_RE`` into per-slot assignments ``assigned_RS``.
@@ -52,7 +64,7 @@ __all__ = ["ExpertPlan", "DISPATCH_MODES", "save_plans", "load_plans"]
 
 logger = logging.getLogger(__name__)
 
-DISPATCH_MODES = ("alltoallv", "static")   # see the module docstring
+DISPATCH_MODES = ("alltoallv", "static", "grouped")   # see the module docstring
 
 
 def _int_vector(name: str, values: Any) -> np.ndarray:
@@ -145,6 +157,13 @@ class ExpertPlan:
             raise ValueError(f"ExpertPlan gives experts {missing.tolist()} no slot; every expert "
                              f"needs at least one replica.")
         return self
+
+    def device_rows(self, num_devices: Optional[int] = None) -> np.ndarray:
+        """int64 [D]: rows of every device's slots summed (the row buffer of a ``"grouped"``
+        plan); D = ``num_devices`` or the largest device id + 1."""
+        size = int(self.slot_device.max()) + 1 if num_devices is None else int(num_devices)
+        return np.bincount(self.slot_device, weights=self.slot_capacity,
+                           minlength=size).astype(np.int64)
 
     def capacity_factor(self) -> Optional[float]:
         """Total capacity / (tokens_per_step * top_k): the Switch/MindFormers capacity factor

@@ -8,6 +8,8 @@ S slots).
   ``assigned_RS`` and the drop count, for either dispatch mode of a plan;
 - :func:`source_rows`: the rows of every slot each rank owns under ``"static"`` dispatch
   (fixed before compilation), and :func:`static_assignments`, a step's tokens in those rows;
+- :func:`grouped_split_weights` and :func:`grouped_assignments`: the same for ``"grouped"``
+  dispatch (a fixed split over replicas, one row buffer per device);
 - :func:`largest_remainder`, :func:`proportional_split`: the integer splits they use.
 No MindSpore import here.
 """
@@ -20,7 +22,13 @@ import numpy as np
 from ms_efficient.moe.plan import ExpertPlan
 
 __all__ = ["split_tokens", "source_rows", "static_assignments", "largest_remainder",
-           "proportional_split"]
+           "proportional_split", "SPLIT_UNITS", "grouped_split_weights", "grouped_assignments"]
+
+# ``"grouped"`` dispatch splits a rank's tokens of an expert over its replicas in integer
+# units of 1 / SPLIT_UNITS, so the layer (int32 arithmetic in the graph) and the planners
+# (numpy) cut at the same positions: count * SPLIT_UNITS stays below 2^31 for any count up
+# to 524,287 assignments of one rank.
+SPLIT_UNITS = 4096
 
 
 def proportional_split(total: int, room: np.ndarray) -> np.ndarray:
@@ -152,6 +160,59 @@ def static_assignments(plan: ExpertPlan, counts_RE: np.ndarray, rows_RS: np.ndar
     return assigned_RS, int(counts_RE.sum() - assigned_RS.sum())
 
 
+def grouped_split_weights(plan: ExpertPlan, num_experts: int, rank_device: Sequence[int],
+                          devices_per_node: Optional[int] = None) -> np.ndarray:
+    """How every rank splits its tokens of an expert over the expert's replicas under
+    ``"grouped"`` dispatch: int64 [R, S], in units of 1 / SPLIT_UNITS, summing to SPLIT_UNITS
+    over each expert's slots for every rank.
+
+    The weights are the rows each rank would own of each replica under ``"static"`` dispatch
+    (:func:`source_rows` with the plan's ``rank_share``: own device first, then same node,
+    then by room), rounded by largest remainder; a rank that would own none of an expert
+    splits it equally. An un-replicated expert's slot gets everything."""
+    rank_device = np.asarray(rank_device, dtype=np.int64)
+    rows_RS = source_rows(plan, num_experts, rank_device, devices_per_node, plan.rank_share)
+    weights = np.zeros(rows_RS.shape, dtype=np.int64)
+    replicas = plan.replica_counts(num_experts)
+    single = replicas[plan.slot_expert] == 1
+    weights[:, single] = SPLIT_UNITS
+    for e in np.flatnonzero(replicas > 1):
+        slots = plan.replicas_of(int(e))
+        for r in range(rank_device.size):
+            weights[r, slots] = largest_remainder(SPLIT_UNITS, rows_RS[r, slots])
+    return weights
+
+
+def grouped_assignments(plan: ExpertPlan, counts_RE: np.ndarray, rank_device: Sequence[int],
+                        devices_per_node: Optional[int] = None) -> Tuple[np.ndarray, int]:
+    """:func:`split_tokens` for ``"grouped"`` dispatch: (assigned_RS int64 [R, S], dropped).
+
+    Step 1, the split: rank r's c = counts_RE[r, e] tokens of expert e go to e's replicas in
+    ascending slot order, replica j taking the arrival positions
+    [c * W_{j-1} // SPLIT_UNITS, c * W_j // SPLIT_UNITS), W_j the cumulative
+    :func:`grouped_split_weights` of r over e's first j + 1 replicas.
+    Step 2, the buffers: device d computes the rows it receives in ascending source rank
+    (slots ascending within a rank) up to ``plan.device_rows()[d]``; the rest drop."""
+    counts_RE = np.asarray(counts_RE, dtype=np.int64)
+    rank_device = np.asarray(rank_device, dtype=np.int64)
+    num_experts = counts_RE.shape[1]
+    weights_RS = grouped_split_weights(plan, num_experts, rank_device, devices_per_node)
+    # Step 1: the fixed split over replicas
+    assigned_RS = np.zeros(weights_RS.shape, dtype=np.int64)
+    for e in range(num_experts):
+        slots = plan.replicas_of(e)
+        bounds = counts_RE[:, [e]] * np.cumsum(weights_RS[:, slots], axis=1) // SPLIT_UNITS
+        assigned_RS[:, slots] = np.diff(bounds, axis=1, prepend=0)
+    # Step 2: every device's buffer, filled rank-major
+    buffer_D = plan.device_rows()
+    for d in np.unique(plan.slot_device):
+        slots = np.flatnonzero(plan.slot_device == d)
+        rows = assigned_RS[:, slots].ravel()                      # rank-major, slot-minor
+        before = np.cumsum(rows) - rows
+        assigned_RS[:, slots] = np.clip(buffer_D[d] - before, 0, rows).reshape(-1, slots.size)
+    return assigned_RS, int(counts_RE.sum() - assigned_RS.sum())
+
+
 def split_tokens(plan: ExpertPlan, counts_RE: np.ndarray, rank_device: Sequence[int],
                  devices_per_node: Optional[int] = None) -> Tuple[np.ndarray, int]:
     """Assign every rank's tokens to the slots of their expert; count drops.
@@ -166,7 +227,8 @@ def split_tokens(plan: ExpertPlan, counts_RE: np.ndarray, rank_device: Sequence[
     the number of tokens no slot had room for.
 
     ``"static"`` plans: each rank fills the rows it owns (:func:`source_rows`) in spill
-    order and drops the rest. ``"alltoallv"`` plans, the rule per expert, in three tiers;
+    order and drops the rest. ``"grouped"`` plans: :func:`grouped_assignments`.
+    ``"alltoallv"`` plans, the rule per expert, in three tiers;
     each tier only uses room left by the previous one:
       1. own device: a rank's tokens go to the expert's replica(s) on its own device;
       2. same node: what is left goes to replicas on the rank's node;
@@ -195,6 +257,8 @@ def split_tokens(plan: ExpertPlan, counts_RE: np.ndarray, rank_device: Sequence[
     if plan.dispatch == "static":
         rows_RS = source_rows(plan, num_experts, rank_device, devices_per_node, plan.rank_share)
         return static_assignments(plan, counts_RE, rows_RS, rank_device, devices_per_node)
+    if plan.dispatch == "grouped":
+        return grouped_assignments(plan, counts_RE, rank_device, devices_per_node)
     caps = plan.slot_capacity
     assigned_RS = np.zeros((num_ranks, plan.num_slots), dtype=np.int64)
     replicas = plan.replica_counts(num_experts)
