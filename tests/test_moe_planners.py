@@ -411,7 +411,7 @@ def test_scheduler_is_deterministic_and_beats_uniform_placement_on_skewed_load()
 def test_oracle_is_never_worse_than_our_plan_on_the_true_load(small_trace):
     config = ReplayConfig(warmup=12)
     cluster = CLUSTER_2x8
-    ours = replay(small_trace, "efficientmoe", cluster, config)
+    ours = replay(small_trace, "efficientmoe-static", cluster, config)
     oracle = replay(small_trace, "oracle", cluster, config)
     assert oracle.iteration_time_s <= ours.iteration_time_s
     # also without our amortised re-plan cost, and while dropping nothing (ours drops a little)
@@ -436,9 +436,9 @@ def test_a_steady_demo_shaped_load_is_planned_exactly_with_no_padding():
     rank, on the 4 chips of the run; one step of the layer is 4 All-to-Alls of 2 x 128 rows
     to each of 3 peers plus 1024 rows of compute per chip."""
     trace = demo_shaped_trace(np.full((4, 8), 128))
-    ours = replay(trace, "efficientmoe", NODE_1x8, ReplayConfig(warmup=8))
+    ours = replay(trace, "efficientmoe-static", NODE_1x8, ReplayConfig(warmup=8))
     assert ours.padding_fraction == 0.0 and ours.drop_rate == 0.0 and ours.replans == 0
-    plan = plan_trace(trace, NODE_1x8, ReplayConfig(warmup=8))[0]
+    plan = plan_trace(trace, NODE_1x8, ReplayConfig(warmup=8, dispatch="static"))[0]
     assert plan.slot_capacity.tolist() == [512] * 8 and plan.dispatch == "static"
     assert sorted(plan.slot_device.tolist()) == [0, 0, 1, 1, 2, 2, 3, 3]   # not chips 4-7
     intra = NODE_1x8.intra_link
@@ -464,7 +464,7 @@ def test_a_noisy_steady_demo_shaped_load_pads_near_the_static_bound():
     # recompiles nearly free: a tiny layer (0.13 ms a step) pays back a 1.2 s recompile
     # only after ~10^4 steps, so at the default cost the planner keeps the dropless bound
     # (asserted at the end); here the capacity model itself is under test
-    ours = replay(trace, "efficientmoe", NODE_1x8, ReplayConfig(warmup=16, recompile_s=1e-3))
+    ours = replay(trace, "efficientmoe-static", NODE_1x8, ReplayConfig(warmup=16, recompile_s=1e-3))
     # hindsight bound: one exceedance quantile q over the 24 rows of every (rank, expert)
     x = trace.counts[16:, 0].reshape(24, 32)
     for q in np.linspace(0.5, 1.0, 501):
@@ -477,7 +477,7 @@ def test_a_noisy_steady_demo_shaped_load_pads_near_the_static_bound():
     # default recompile cost: tight capacities cannot pay for the re-plan their drops may
     # force, so every expert keeps the dropless bound, 2048 rows (all tokens of a step):
     # 4096 assignments in 8 x 2048 rows, 75 % padding
-    safe = replay(trace, "efficientmoe", NODE_1x8, ReplayConfig(warmup=16))
+    safe = replay(trace, "efficientmoe-static", NODE_1x8, ReplayConfig(warmup=16))
     assert safe.drop_rate == 0.0 and safe.replans == 0
     assert safe.padding_fraction == pytest.approx(0.75)
     oracle = replay(trace, "oracle", NODE_1x8, ReplayConfig(warmup=16))

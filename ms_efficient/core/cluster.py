@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Dict, Mapping, Sequence, Tuple
 
+import numpy as np
+
 from ms_efficient.core.collectives import (COLLECTIVE_KINDS, LOCAL_LINK, Link, allgather_time_s,
                                            allreduce_time_s, alltoall_time_s, broadcast_time_s,
                                            hierarchical_collective_time_s, p2p_time_s,
@@ -101,6 +103,12 @@ class ClusterSpec:
     compute_efficiency: fraction of peak FLOP/s a well-tuned kernel reaches (MFU-like),
         in (0, 1]; :meth:`compute_time_s` divides by ``peak * compute_efficiency``. 1.0 keeps
         the raw peak, which is enough when plans are compared by ratio.
+    matmul_tile_rows: rows of the matrix unit's tile, >= 1: a matmul over m rows computes
+        ceil(m / tile) * tile of them, which is how a grouped matmul's efficiency depends
+        on its group sizes (a group of 3 rows costs a whole tile). Ascend's Da Vinci cube
+        unit multiplies 16 x 16 fp16 fractals (Liao et al., "Ascend: a Scalable and Unified
+        Architecture for Ubiquitous Deep Neural Network Computing", HPCA 2021, sec. 3), so
+        16 by default; 1 models no tile loss.
     """
 
     name: str
@@ -112,6 +120,7 @@ class ClusterSpec:
     inter_link: Link
     host_link: Link
     compute_efficiency: float = 1.0
+    matmul_tile_rows: int = 16
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -132,6 +141,15 @@ class ClusterSpec:
         eff = self.compute_efficiency
         if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0 < eff <= 1:
             _fail("compute_efficiency", eff, "a number in (0, 1]")
+        tile = self.matmul_tile_rows
+        if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
+            _fail("matmul_tile_rows", tile, "a positive integer")
+
+    def tiled_rows(self, rows):
+        """Rows a matmul over ``rows`` (an int or an int array) computes:
+        ceil(rows / matmul_tile_rows) * matmul_tile_rows, 0 for 0."""
+        tile = self.matmul_tile_rows
+        return -(-np.asarray(rows, dtype=np.int64) // tile) * tile
 
     @staticmethod
     def _normalized_peak_flops(peak: Any) -> Tuple[Tuple[str, float], ...]:
@@ -237,7 +255,8 @@ class ClusterSpec:
         mappings (``peak_flops``, ``*_link``) update the preset's entries key by key, so
         ``{preset: ascend910b-1x8, inter_link: {bandwidth_Bps: 12.5e9}}`` keeps the latency.
         The preset's ``name`` is kept unless ``name`` is given.
-        Without ``preset`` every field except ``compute_efficiency`` is required.
+        Without ``preset`` every field except ``compute_efficiency`` and
+        ``matmul_tile_rows`` is required.
         """
         if not isinstance(d, Mapping):
             raise ValueError(f"cluster config must be a mapping, but got {d!r}.")
@@ -314,6 +333,8 @@ _CPU_LOCAL = ClusterSpec(
     inter_link=Link(latency_s=50e-6, bandwidth_Bps=2e9),
     # "Host" and "device" memory are the same DRAM: a memcpy, ~1 us + ~10 GB/s (rough).
     host_link=Link(latency_s=1e-6, bandwidth_Bps=10e9),
+    # no matrix unit: the CPU kernels' register blocks are a few rows, not modelled
+    matmul_tile_rows=1,
 )
 
 

@@ -17,6 +17,12 @@ dropless_static_plan  the same static layout with each expert's per-rank capacit
                  largest count any rank sent it over the whole trace, so no step drops: offline
                  knowledge, and one capacity per expert rather than GShard's single C, the
                  cheapest static graph that never drops (a bound in the baseline's favour).
+dropless_grouped_plan  MegaBlocks (Gale et al., "MegaBlocks: Efficient Sparse Training with
+                 Mixture-of-Experts", MLSys 2023): dropless expert compute as a grouped
+                 (block-sparse) matmul over the tokens each expert actually got, no capacity and
+                 no padding beyond the kernel's tile. Uniform placement, no replicas, no
+                 re-planning; each device's buffer is the most rows it could ever receive, so
+                 nothing drops (``dispatch="grouped"``).
 fastermoe_plan   FasterMoE (He et al., "FasterMoE: Modeling and Optimizing Training of Large-
                  Scale Dynamic Pre-Trained Models", PPoPP 2022), dynamic shadowing: after the
                  gate has routed the step, a performance model decides which popular experts to
@@ -57,7 +63,8 @@ from ms_efficient.efficientmoe.placement import PlacementConfig, plan_layer, rep
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import largest_remainder, split_tokens
 
-__all__ = ["uniform_placement", "switch_plan", "dropless_static_plan", "fastermoe_plan",
+__all__ = ["uniform_placement", "switch_plan", "dropless_static_plan", "dropless_grouped_plan",
+           "fastermoe_plan",
            "balanced_packing", "eplb_plan", "greedy_plan", "oracle_plan"]
 
 logger = logging.getLogger(__name__)
@@ -116,6 +123,24 @@ def dropless_static_plan(counts_TRE: np.ndarray, devices: Sequence[int],
     tokens = int(counts.sum(axis=(1, 2)).max()) // top_k if top_k else None
     return ExpertPlan(slot_expert, slot_device, caps, top_k=top_k, tokens_per_step=tokens,
                       method="dropless-static", dispatch="static")
+
+
+def dropless_grouped_plan(num_experts: int, devices: Sequence[int],
+                          tokens_per_step: Optional[int], top_k: Optional[int],
+                          assignments_per_step: int) -> ExpertPlan:
+    """MegaBlocks-style dropless grouped plan: uniform placement over ``devices``, every
+    slot's capacity an equal share (it only sets the split, there are no replicas), and each
+    device's buffer the most rows it can receive: min(assignments_per_step, tokens_per_step
+    x its experts) (all assignments when the token count is unknown)."""
+    slot_expert, slot_device = uniform_placement(num_experts, devices)
+    experts_D = np.bincount(slot_device, minlength=int(slot_device.max()) + 1)
+    most = np.full(experts_D.size, assignments_per_step, dtype=np.int64)
+    if tokens_per_step:
+        most = np.minimum(most, tokens_per_step * experts_D)
+    caps = np.full(slot_expert.size, max(1, assignments_per_step // num_experts))
+    return ExpertPlan(slot_expert, slot_device, caps, top_k=top_k,
+                      tokens_per_step=tokens_per_step, method="dropless-grouped",
+                      dispatch="grouped", device_buffer=most)
 
 
 def fastermoe_plan(counts_RE: np.ndarray, model: CostModel, slots_per_device: Optional[int],

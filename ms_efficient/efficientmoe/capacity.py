@@ -49,11 +49,13 @@ from typing import Optional, Tuple
 import numpy as np
 
 from ms_efficient.efficientmoe.predictor import FLOOR_FRACTION
+from ms_efficient.moe.plan import ExpertPlan
+from ms_efficient.moe.split import SPLIT_UNITS, grouped_split_weights
 
 __all__ = ["CapacityResult", "round_up", "switch_capacity", "error_scales", "load_samples",
            "expected_drop_and_padding", "slot_capacities", "uniform_capacity",
            "expected_expert_drop_rate", "hindsight_capacities",
-           "static_capacity_limit"]
+           "static_capacity_limit", "device_loads", "device_buffers"]
 
 logger = logging.getLogger(__name__)
 
@@ -384,3 +386,60 @@ def static_capacity_limit(loads_TLE: np.ndarray, drop_target: float,
             pad_rows += res.expected_padding_fraction * computed
             dropped += res.expected_drop_rate * float(block.sum())
     return pad_rows / max(rows, 1.0), dropped / max(float(loads.sum()), 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# "grouped" dispatch: one row buffer per device
+# ---------------------------------------------------------------------------------------------
+
+def device_loads(plan: ExpertPlan, load_RE: np.ndarray, rel_err_KRE: Optional[np.ndarray],
+                 rank_device: np.ndarray, devices_per_node: Optional[int] = None
+                 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The forecast load of every device hosting a slot of a ``"grouped"`` plan, and its
+    relative errors: (devices int64 [H], load float64 [H], rel float64 [K, H]).
+
+    Rank r's forecast ``load_RE[r, e]`` reaches slot s in the plan's fixed split
+    (:func:`~ms_efficient.moe.split.grouped_split_weights`), so device d's load is
+    P_d = sum over its slots and all ranks of load_RE[r, e(s)] * w_rs. Error sample k of a
+    device is exact for the sum: sum of load_RE[r, e(s)] w_rs rel[k, r, e(s)] / max(P_d, 1).
+    rel_err_KRE: float [K, R, E] relative per-rank forecast errors (None: K = 0)."""
+    load = np.asarray(load_RE, dtype=np.float64)
+    frac_RS = grouped_split_weights(plan, load.shape[1], rank_device,
+                                    devices_per_node) / SPLIT_UNITS
+    part_RS = load[:, plan.slot_expert] * frac_RS                          # [R, S]
+    devices = np.unique(plan.slot_device)
+    index = np.searchsorted(devices, plan.slot_device)
+    load_H = np.bincount(index, weights=part_RS.sum(axis=0), minlength=devices.size)
+    if rel_err_KRE is None:
+        return devices, load_H, np.zeros((0, devices.size))
+    rel = np.asarray(rel_err_KRE, dtype=np.float64)[:, :, plan.slot_expert]   # [K, R, S]
+    err_KS = (rel * part_RS[None]).sum(axis=1)
+    err_KH = np.stack([np.bincount(index, weights=row, minlength=devices.size)
+                       for row in err_KS]) if err_KS.shape[0] else np.zeros((0, devices.size))
+    return devices, load_H, err_KH / np.maximum(load_H, 1.0)[None, :]
+
+
+def device_buffers(plan: ExpertPlan, load_RE: np.ndarray, rel_err_KRE: Optional[np.ndarray],
+                   rank_device: np.ndarray, devices_per_node: Optional[int],
+                   drop_target: float, multiple: int,
+                   max_rows_D: Optional[np.ndarray] = None) -> np.ndarray:
+    """Row buffer of every device of a ``"grouped"`` plan, int64 [D] (D = largest device id
+    + 1): the capacity model (:func:`slot_capacities`) with each hosting device as one slot,
+    its forecast load and errors from :func:`device_loads`, so the buffers meet
+    ``drop_target`` together with the fewest rows. The exact load (``rel_err_KRE`` None)
+    gets its rounded-up value. ``max_rows_D``: float [D], the most rows a device can ever
+    receive (its experts' tokens), a cap."""
+    devices, load_H, rel_KH = device_loads(plan, load_RE, rel_err_KRE, rank_device,
+                                           devices_per_node)
+    if rel_err_KRE is None:
+        caps = np.maximum(round_up(load_H, multiple), multiple)
+    else:
+        caps = slot_capacities(load_H, np.arange(devices.size), rel_KH, drop_target,
+                               multiple).capacity_S
+    if max_rows_D is not None:
+        top = np.maximum(round_up(np.asarray(max_rows_D, np.float64)[devices], multiple),
+                         multiple)
+        caps = np.minimum(caps, top)
+    out = np.zeros(int(plan.slot_device.max()) + 1, dtype=np.int64)
+    out[devices] = caps
+    return out

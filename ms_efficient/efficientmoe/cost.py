@@ -5,8 +5,9 @@ For a layer with plan ``plan`` (:class:`ms_efficient.moe.plan.ExpertPlan`) and r
 ``counts_RE`` (tokens each source rank sends to each expert, top-k counted k times):
 
     time      = exchange + a2a_passes * A2A(dispatch bytes) + max_d compute_d + max_d sync_d
-    exchange  = AllGather of the [R, E] int32 counts ("alltoallv" plans only, once per step)
-    dispatch  = rows device r sends to device d: the kept tokens ("alltoallv"); for "static"
+    exchange  = AllGather of the [R, E] int32 counts ("alltoallv" and "grouped" plans, once per step)
+    dispatch  = rows device r sends to device d: the kept tokens ("alltoallv", "grouped"); for
+                "static"
                 plans every row rank r owns in d's slots, full or empty, sent
                   static_blocks="exact" (default): as exactly those rows (an AlltoAllV whose
                     per-peer counts are compile-time constants, ``mindspore.ops.AlltoAllV``
@@ -20,9 +21,13 @@ For a layer with plan ``plan`` (:class:`ms_efficient.moe.plan.ExpertPlan`) and r
     compute_d = compute_passes * rows_d * 4 H F / (peak FLOP/s * efficiency)
     sync_d    = all-reduce of an expert's gradients among its replicas' devices
 
-rows_d is the sum of the device's slot capacities: a static graph computes every compiled row,
-token or padding (a dynamic-shape system such as FasterMoE is modelled with capacities equal
-to the step's loads). Forward + backward: the backward pass does twice the forward FLOPs
+rows_d sums the device's slots' rows, each rounded up to the matrix unit's tile
+(``ClusterSpec.tiled_rows``: a matmul over m rows computes ceil(m / 16) * 16 of them on
+Ascend's cube): a static graph computes every compiled row of a slot, token or padding, so a
+slot's rows are its capacity (a dynamic-shape system such as FasterMoE is modelled with
+capacities equal to the step's loads); a "grouped" plan's grouped matmul computes each
+slot's kept tokens only (its group size is data), its buffer's unused rows cost memory, not
+time. Forward + backward: the backward pass does twice the forward FLOPs
 (compute_passes = 3) and runs two All-to-Alls of the forward's size (a2a_passes = 4:
 dispatch and combine, forward and backward). The backward pass reuses the forward's counts,
 so the exchange is paid once. Replica gradient sync is charged after the layer, not
@@ -40,7 +45,7 @@ from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import source_rows, split_tokens, static_assignments
 from ms_efficient.sim import Simulator
 
-__all__ = ["CostModel", "LayerCost", "uneven_alltoall_time_s", "device_matrix",
+__all__ = ["CostModel", "LayerCost", "uneven_alltoall_time_s", "device_matrix", "computed_rows_D",
            "check_rank_device", "count_exchange_time_s", "layer_cost", "event_step_time_s"]
 
 _DTYPE_BYTES = {"fp16": 2, "bf16": 2, "float16": 2, "bfloat16": 2, "fp32": 4, "float32": 4}
@@ -117,7 +122,8 @@ class LayerCost:
     exchange_time_s: the routing-count AllGather. a2a_time_s: all a2a_passes All-to-Alls.
     compute_time_s: max over devices. sync_time_s: max over devices of replica all-reduces.
     tokens_D: float64 [D] tokens computed per device (kept, no padding).
-    rows_D: float64 [D] rows computed per device (capacities, padding included).
+    rows_D: float64 [D] rows computed per device (tiled capacities, padding included; for
+        "grouped" plans the tiled kept tokens).
     assigned, dropped: tokens kept and dropped.
     """
 
@@ -224,6 +230,14 @@ def _dispatch(plan: ExpertPlan, counts_RE: np.ndarray, model: CostModel, rd: np.
     return assigned_RS, dropped, sent_DD, count_exchange_time_s(*counts_RE.shape, model, rd)
 
 
+def computed_rows_D(plan: ExpertPlan, assigned_RS: np.ndarray, model: CostModel) -> np.ndarray:
+    """Rows every device computes in one forward pass, float64 [D] (module docstring): the
+    tiled capacities of its slots, or for a "grouped" plan the tiled kept tokens of each."""
+    rows_S = assigned_RS.sum(axis=0) if plan.dispatch == "grouped" else plan.slot_capacity
+    return np.bincount(plan.slot_device, weights=model.cluster.tiled_rows(rows_S),
+                       minlength=model.cluster.num_devices).astype(np.float64)
+
+
 def layer_cost(plan: ExpertPlan, counts_RE: np.ndarray, model: CostModel,
                rank_device: Optional[Sequence[int]] = None) -> LayerCost:
     """Analytic cost of one training step of one MoE layer under ``plan`` (module docstring).
@@ -238,8 +252,8 @@ def layer_cost(plan: ExpertPlan, counts_RE: np.ndarray, model: CostModel,
     # Step 1: dispatch rows between devices [D, D], and the count exchange
     assigned_RS, dropped, sent_DD, exchange = _dispatch(plan, counts_RE, model, rd)
     a2a = model.a2a_passes * uneven_alltoall_time_s(sent_DD * model.bytes_per_token, cluster)
-    # Step 2: expert compute on padded capacities, and replica gradient sync
-    rows_D = np.bincount(plan.slot_device, weights=plan.slot_capacity, minlength=num_devices)
+    # Step 2: expert compute (padded capacities, or grouped kept rows), replica gradient sync
+    rows_D = computed_rows_D(plan, assigned_RS, model)
     compute = float(rows_D.max()) * model.row_time_s
     sync = float(_sync_time_D(plan, counts_RE.shape[1], model).max())
     tokens_D = np.bincount(plan.slot_device, weights=assigned_RS.sum(axis=0),
@@ -255,7 +269,7 @@ def event_step_time_s(plan: ExpertPlan, counts_RE: np.ndarray, model: CostModel,
     """One layer's training step on the shared event simulator, seconds.
 
     Phases, each waiting for the previous one to end on every device: count exchange
-    ("alltoallv" plans), forward dispatch All-to-All, forward expert compute, forward combine,
+    ("alltoallv" and "grouped" plans), forward dispatch All-to-All, forward expert compute, forward combine,
     backward combine-gradient All-to-All, backward compute (2x), backward dispatch-gradient
     All-to-All, replica gradient sync. Every message of an All-to-All is a transfer on the
     sender's transmit resource and one on the receiver's receive resource (per link kind,
@@ -266,10 +280,10 @@ def event_step_time_s(plan: ExpertPlan, counts_RE: np.ndarray, model: CostModel,
     cluster = model.cluster
     counts = np.rint(np.asarray(counts_RE, dtype=np.float64)).astype(np.int64)
     rd = check_rank_device(rank_device, counts.shape[0], cluster)
-    _, _, sent_DD, exchange = _dispatch(plan, counts, model, rd)
+    assigned_RS, _, sent_DD, exchange = _dispatch(plan, counts, model, rd)
     bytes_DD = sent_DD * model.bytes_per_token
     num_devices = cluster.num_devices
-    rows_D = np.bincount(plan.slot_device, weights=plan.slot_capacity, minlength=num_devices)
+    rows_D = computed_rows_D(plan, assigned_RS, model)
     sim = Simulator()
     prev: List[int] = []
 

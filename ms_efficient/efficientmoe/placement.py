@@ -26,13 +26,14 @@ ties go to the lower expert / device id and to fewer replicas.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from ms_efficient.efficientmoe.capacity import round_up, slot_capacities
+from ms_efficient.efficientmoe.capacity import device_buffers, round_up, slot_capacities
 from ms_efficient.efficientmoe.cost import CostModel, check_rank_device, layer_cost
 from ms_efficient.moe.plan import ExpertPlan
 
@@ -46,12 +47,20 @@ logger = logging.getLogger(__name__)
 class PlacementConfig:
     """slots_per_device: expert weight slots each host has memory for (>= ceil(E / hosts)).
     capacity_multiple: capacities are multiples of this (tokens). drop_target: expected drop
-    rate the capacity model aims at. levels: points of the coarse grid of replication levels."""
+    rate the capacity model aims at. levels: points of the coarse grid of replication levels.
+    dispatch: "static" (per-rank, per-slot capacities) or "grouped" (one row buffer per
+    device, see :mod:`ms_efficient.moe.plan`)."""
 
     slots_per_device: int
     capacity_multiple: int = 16
     drop_target: float = 0.005
     levels: int = 5
+    dispatch: str = "static"
+
+    def __post_init__(self) -> None:
+        if self.dispatch not in ("static", "grouped"):
+            raise ValueError(f"placement 'dispatch' must be 'static' or 'grouped', but got "
+                             f"{self.dispatch!r}.")
 
 
 def default_slots_per_device(num_experts: int, num_hosts: int, extra: int = 1) -> int:
@@ -203,6 +212,102 @@ def rank_capacities(load_RE: np.ndarray, rel_err_KRE: Optional[np.ndarray], drop
     return res.capacity_S.reshape(load.shape).astype(np.float64)
 
 
+def _best_level(candidate, max_extra: int, levels: int):
+    """The best of ``candidate(extra)`` (a tuple whose first entry is its cost) over extra
+    replicas in [0, max_extra]: a coarse grid of ``levels`` points from no replica to the full
+    slot budget, then halving steps around the best level (ties: fewer replicas)."""
+    grid = np.unique(np.round(np.linspace(0, max_extra, max(2, levels))).astype(int))
+    scored = {int(x): candidate(int(x)) for x in grid}
+    step = int(grid[1] - grid[0]) if grid.size > 1 else 1
+    while step > 1:
+        step //= 2
+        centre = min(scored, key=lambda x: (scored[x][0], x))
+        for x in (centre - step, centre + step):
+            if 0 <= x <= max_extra and x not in scored:
+                scored[x] = candidate(x)
+    return scored[min(scored, key=lambda x: (scored[x][0], x))]
+
+
+def _device_bound(slot_expert: np.ndarray, slot_device: np.ndarray, num_devices: int,
+                  tokens_per_step: Optional[int], top_k: Optional[int]) -> Optional[np.ndarray]:
+    """float64 [D]: the most rows a device can receive in a step, min(tokens x top_k, tokens x
+    its distinct experts) (an expert appears at most once in a token's top-k); None when the
+    tokens per step are unknown."""
+    if not tokens_per_step:
+        return None
+    experts_D = np.zeros(num_devices)
+    for d in np.unique(slot_device):
+        experts_D[d] = np.unique(slot_expert[slot_device == d]).size
+    return tokens_per_step * np.minimum(experts_D, top_k or experts_D.max())
+
+
+def _plan_grouped(load: np.ndarray, model: CostModel, config: PlacementConfig, rd: np.ndarray,
+                  rel_err_KRE: Optional[np.ndarray], sizes: dict, dropless: bool,
+                  seen_max_RE: Optional[np.ndarray]) -> ExpertPlan:
+    """:func:`plan_layer` for ``"grouped"`` dispatch. The grouped matmul computes the rows a
+    device receives, not its buffer, so placement balances the forecast loads themselves
+    (no capacity headroom in the search), a slot's capacity is its levelled share of the
+    forecast (it sets how each rank splits an expert over its replicas), and the headroom
+    goes into one buffer per device sized by the capacity model over the device's forecast
+    load and errors (:func:`~ms_efficient.efficientmoe.capacity.device_buffers`), then
+    raised to the largest of them on every host (one buffer size, as the issue's design
+    has it: balanced devices need the same room, and a re-placement that moves load between
+    devices then keeps the compiled buffers). Dropless
+    layers: no replicas, and every buffer sized for the largest per-rank counts seen (each
+    rank at its largest at once; the device bound without ``seen_max_RE``)."""
+    cluster = model.cluster
+    num_ranks, num_experts = load.shape
+    num_hosts = rd.size
+    dpn = cluster.devices_per_node
+    load_E = load.sum(axis=0)
+    tokens, top_k = sizes["tokens_per_step"], sizes["top_k"]
+
+    def build(replicas: np.ndarray, buffer: Optional[np.ndarray] = None):
+        slot_expert, slot_device = place_replicas(load, replicas, model,
+                                                  config.slots_per_device, rd)
+        rows = levelled_shares(slot_expert, slot_device, load_E, cluster.num_devices)
+        caps = np.maximum(np.ceil(rows - 1e-9), 1).astype(np.int64)
+        bound = _device_bound(slot_expert, slot_device, cluster.num_devices, tokens, top_k)
+        if buffer is None:          # scoring: room for any load (drops are the buffers' job)
+            buffer = bound if bound is not None else np.full(cluster.num_devices,
+                                                             load_E.sum())
+        plan = ExpertPlan(slot_expert, slot_device, caps, dispatch="grouped",
+                          rank_share=load, device_buffer=np.ceil(buffer).astype(np.int64))
+        return plan, bound
+
+    if dropless:
+        plan, bound = build(np.ones(num_experts, dtype=np.int64))
+        if seen_max_RE is not None:
+            seen = np.asarray(seen_max_RE, dtype=np.float64)
+            if seen.shape != load.shape:
+                raise ValueError(f"'seen_max_RE' must have the load's shape {load.shape}, "
+                                 f"but got {seen.shape}.")
+            buffers = device_buffers(plan, seen, None, rd, dpn, config.drop_target,
+                                     config.capacity_multiple, bound)
+            plan = dataclasses.replace(plan, device_buffer=buffers)
+        return dataclasses.replace(plan, **sizes)
+
+    def candidate(extra: int):
+        replicas = np.minimum(replica_counts_greedy(load_E, num_experts + extra), num_hosts)
+        plan, bound = build(replicas)
+        return layer_cost(plan, load, model, rd).time_s, plan, bound, None
+
+    max_extra = min(config.slots_per_device * num_hosts, num_experts * num_hosts) - num_experts
+    best_cost, plan, bound, _ = _best_level(candidate, max_extra, config.levels)
+    buffers = device_buffers(plan, load, rel_err_KRE, rd, dpn, config.drop_target,
+                             config.capacity_multiple, bound)
+    # one size for every host (their loads are levelled anyway): a later placement that moves
+    # load between devices then still fits, and keeps the compiled buffers
+    hosts = np.unique(plan.slot_device)
+    buffers[hosts] = buffers[hosts].max()
+    if bound is not None:
+        buffers[hosts] = np.minimum(buffers[hosts], np.maximum(
+            round_up(bound[hosts], config.capacity_multiple), config.capacity_multiple))
+    logger.debug("plan_layer (grouped): %d slots, buffers %s, predicted %.3g s",
+                 plan.num_slots, buffers.tolist(), best_cost)
+    return dataclasses.replace(plan, device_buffer=buffers, **sizes)
+
+
 def plan_layer(load_RE: np.ndarray, model: CostModel, config: PlacementConfig,
                rank_device: Optional[Sequence[int]] = None,
                rel_err_KRE: Optional[np.ndarray] = None, method: str = "efficientmoe",
@@ -233,7 +338,9 @@ def plan_layer(load_RE: np.ndarray, model: CostModel, config: PlacementConfig,
         whose forecasts err everywhere it made every layer several times slower than the
         dropless baseline, issue 16.)
     Returns a ``"static"`` ExpertPlan: per-slot capacities, and ``rank_share`` = the rows each
-    rank should own of each expert (the layer shares each expert's capacity in proportion).
+    rank should own of each expert (the layer shares each expert's capacity in proportion);
+    with ``config.dispatch == "grouped"`` a ``"grouped"`` plan with one buffer per device
+    (:func:`_plan_grouped`).
     """
     load = np.asarray(load_RE, dtype=np.float64)
     if load.ndim != 2 or (load < 0).any():
@@ -251,8 +358,11 @@ def plan_layer(load_RE: np.ndarray, model: CostModel, config: PlacementConfig,
     load_E = load.sum(axis=0)
     if tokens_per_step is None and top_k:
         tokens_per_step = int(round(load_E.sum() / top_k))
-    sizes = {"top_k": top_k, "tokens_per_step": tokens_per_step, "method": method,
-             "dispatch": "static"}
+    sizes = {"top_k": top_k, "tokens_per_step": tokens_per_step, "method": method}
+    if config.dispatch == "grouped":
+        return _plan_grouped(load, model, config, rd, rel_err_KRE, sizes, dropless,
+                             seen_max_RE)
+    sizes["dispatch"] = "static"
     multiple = config.capacity_multiple
     if dropless:
         if not tokens_per_step:
@@ -290,20 +400,9 @@ def plan_layer(load_RE: np.ndarray, model: CostModel, config: PlacementConfig,
                           rank_share=share_RE)
         return layer_cost(plan, load, model, rd).time_s, slot_expert, slot_device, rows
 
-    # Step 1: replication levels: a coarse grid from no replica to the full slot budget, then
-    # halving steps around the best level (ties: fewer replicas)
+    # Step 1: replication levels (:func:`_best_level`)
     max_extra = min(total_slots, num_experts * num_hosts) - num_experts
-    grid = np.unique(np.round(np.linspace(0, max_extra, max(2, config.levels))).astype(int))
-    scored = {int(x): candidate(int(x)) for x in grid}
-    step = int(grid[1] - grid[0]) if grid.size > 1 else 1
-    while step > 1:
-        step //= 2
-        centre = min(scored, key=lambda x: (scored[x][0], x))
-        for x in (centre - step, centre + step):
-            if 0 <= x <= max_extra and x not in scored:
-                scored[x] = candidate(x)
-    best_cost, slot_expert, slot_device, rows = scored[min(scored,
-                                                           key=lambda x: (scored[x][0], x))]
+    best_cost, slot_expert, slot_device, rows = _best_level(candidate, max_extra, config.levels)
     # Step 4: capacities: the levelled rows rounded up to the hardware multiple, at most the
     # dropless bound
     caps = np.maximum(round_up(rows, multiple), multiple)

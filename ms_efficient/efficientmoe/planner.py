@@ -30,13 +30,14 @@ No MindSpore here: the trainer and the callback turn a one-device plan into
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ms_efficient.efficientmoe.capacity import expected_expert_drop_rate
+from ms_efficient.efficientmoe.capacity import device_loads, expected_expert_drop_rate
 from ms_efficient.efficientmoe.cost import CostModel, check_rank_device, layer_cost
 from ms_efficient.efficientmoe.placement import (PlacementConfig, default_slots_per_device,
                                                  plan_layer)
@@ -44,7 +45,7 @@ from ms_efficient.efficientmoe.predictor import (PREDICTOR_NAMES, PerRank, get_p
                                                  predict_counts, relative_residuals)
 from ms_efficient.efficientmoe.schedule import (DropMonitor, ReplanCosts, ReplanDecision,
                                                 choose_horizon, decide_replan,
-                                                migration_time_s)
+                                                migration_time_s, recompiles)
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import source_rows
 from ms_efficient.moe.trace import RoutingTrace
@@ -156,6 +157,9 @@ class PlannerConfig:
     capacity_levels: at most this many distinct capacities per device (None: no limit);
         equal capacities run as one batched matmul in ``MoEFeedForward``.
     recompile_s, bytes_per_param, max_drop_rate: see :class:`schedule.ReplanCosts`.
+    dispatch: "static" (per-rank, per-slot capacities, padded) or "grouped" (padding-free
+        grouped expert compute over one row buffer per device; the capacity model sizes the
+        buffers, ``capacity_levels`` does not apply).
     """
 
     slots_per_device: Optional[int] = None
@@ -169,6 +173,7 @@ class PlannerConfig:
     recompile_s: float = 1.2
     bytes_per_param: float = 14.0
     max_drop_rate: Optional[float] = 0.01
+    dispatch: str = "static"
 
     def __post_init__(self) -> None:
         checks = [
@@ -182,6 +187,7 @@ class PlannerConfig:
             ("capacity_levels", self.capacity_levels is None or self.capacity_levels >= 1,
              "None or >= 1"),
             ("recompile_s", self.recompile_s >= 0, ">= 0"),
+            ("dispatch", self.dispatch in ("static", "grouped"), "'static' or 'grouped'"),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -254,7 +260,8 @@ class EfficientMoEPlanner:
         hosts = int(np.unique(self.rank_device).size)
         slots = config.slots_per_device or (
             num_experts if hosts == 1 else default_slots_per_device(num_experts, hosts))
-        self.placement = PlacementConfig(slots, config.capacity_multiple, config.drop_target)
+        self.placement = PlacementConfig(slots, config.capacity_multiple, config.drop_target,
+                                         dispatch=config.dispatch)
         self.check_rows, self.stride = check_rows, stride
         self.costs = ReplanCosts(config.recompile_s, config.bytes_per_param,
                                  check_rows * stride, config.max_drop_rate)
@@ -286,7 +293,7 @@ class EfficientMoEPlanner:
                               dropless=bool(dropless_L[layer]),
                               seen_max_RE=None if seen_max_LRE is None else seen_max_LRE[layer])
             levels = self.config.capacity_levels
-            if levels:
+            if levels and plan.dispatch == "static":
                 caps = plan.slot_capacity.copy()
                 for device in np.unique(plan.slot_device):
                     on = plan.slot_device == device
@@ -296,6 +303,27 @@ class EfficientMoEPlanner:
                                   plan.rank_share)
             plans.append(plan)
         return plans
+
+    def keep_buffers(self, plans: List[ExpertPlan], current: Optional[Sequence[ExpertPlan]],
+                     pred_LRE: np.ndarray, rel_KLRE: np.ndarray) -> List[ExpertPlan]:
+        """``plans`` with the current plan's row buffers wherever they still serve: a
+        "grouped" layer whose new placement is expected to drop at most ``drop_target``
+        within the current buffers keeps them (the re-plan then needs no recompilation,
+        :func:`schedule.recompiles`), so buffers change only when the forecast asks for
+        more room."""
+        if current is None or len(current) != len(plans):
+            return plans
+        out = []
+        for layer, (plan, now) in enumerate(zip(plans, current)):
+            if plan.dispatch == now.dispatch == "grouped":
+                size = max(int(plan.slot_device.max()), int(now.slot_device.max())) + 1
+                kept = dataclasses.replace(plan, device_buffer=now.device_rows(size))
+                rate = self.expected_drop_rate([kept], pred_LRE[layer:layer + 1],
+                                               rel_KLRE[:, layer:layer + 1])
+                if rate <= self.config.drop_target:
+                    plan = kept
+            out.append(plan)
+        return out
 
     # ------------------------------------------------------------------ the loop's calls
     def propose(self, counts_TLRE: np.ndarray, current: Optional[Sequence[ExpertPlan]] = None,
@@ -315,13 +343,16 @@ class EfficientMoEPlanner:
             if options and max_horizon_steps is not None and rows * self.stride > max_horizon_steps:
                 break
             pred, rel = fc.forecast(counts_TLRE, rows)
-            plans = self.plans_for(pred, rel, dropless, seen_max)
+            plans = self.keep_buffers(self.plans_for(pred, rel, dropless, seen_max), current,
+                                      pred, rel)
             step = self.step_time_s(plans, pred)
             moved = 0.0 if current is None else migration_time_s(
                 current, plans, self.model, self.costs.bytes_per_param)
+            if recompiles(current, plans):
+                moved += self.costs.recompile_s
             options.append((plans, pred, rows * self.stride, step, moved))
         best = options[choose_horizon([o[3] for o in options], [o[4] for o in options],
-                                      [o[2] for o in options], self.costs.recompile_s)]
+                                      [o[2] for o in options], 0.0)]
         _, rel_next = fc.forecast(counts_TLRE, self.check_rows)
         # Safer alternatives, safest first: every layer at the dropless bound (all tokens of
         # a step per slot: never drops, never needs a re-plan), then every layer at the
@@ -335,9 +366,11 @@ class EfficientMoEPlanner:
         if self.tokens_per_step:
             layers = np.asarray(counts_TLRE).shape[1]
             every = np.ones(layers, dtype=bool)
-            kept = (self.plans_for(best[1], rel_next, every, None), every)
+            kept = (self.keep_buffers(self.plans_for(best[1], rel_next, every, None), current,
+                                      best[1], rel_next), every)
             kept_s = self.step_time_s(kept[0], best[1])
-            seen = self.plans_for(best[1], rel_next, every, seen_max)
+            seen = self.keep_buffers(self.plans_for(best[1], rel_next, every, seen_max),
+                                     current, best[1], rel_next)
             for plans, flags in ((seen, every), (best[0], dropless)):
                 step_s = self.step_time_s(plans, best[1])
                 risk = (min(1.0, self.expected_drop_rate(plans, best[1], rel_next)
@@ -380,10 +413,18 @@ class EfficientMoEPlanner:
         [L] with ``per_layer``."""
         num_ranks = self.rank_device.size
         per_rank = self.tokens_per_step / num_ranks if self.tokens_per_step else None
+        dpn = self.model.cluster.devices_per_node
         rates = []
         for layer, plan in enumerate(plans):
-            rows_RS = source_rows(plan, self.num_experts, self.rank_device,
-                                  self.model.cluster.devices_per_node, plan.rank_share)
+            if plan.dispatch == "grouped":        # a device drops what exceeds its buffer
+                devices, load_H, rel_KH = device_loads(plan, pred_LRE[layer],
+                                                       rel_KLRE[:, layer], self.rank_device,
+                                                       dpn)
+                rates.append(expected_expert_drop_rate(plan.device_rows()[devices], load_H,
+                                                       rel_KH))
+                continue
+            rows_RS = source_rows(plan, self.num_experts, self.rank_device, dpn,
+                                  plan.rank_share)
             owned_RE = np.zeros((num_ranks, self.num_experts))
             np.add.at(owned_RE, (slice(None), plan.slot_expert), rows_RS)
             rates.append(expected_expert_drop_rate(

@@ -9,13 +9,24 @@ combine, forward and backward; expert compute on padded capacities; replica grad
 which :func:`ms_efficient.efficientmoe.cost.event_step_time_s` re-derives on the shared event
 simulator (tested equal).
 
-Methods (labels of issue 4), each run the way the system itself runs. Every method but
-FasterMoE is a static graph, i.e. the package's expert-parallel layer (``ep_layer``) with that
-method's plan: every rank owns fixed rows of every slot, drops its overflow, and sends its rows
-full or empty (``dispatch="static"``, see :mod:`ms_efficient.moe.plan`; ``static_blocks``):
-    efficientmoe     our predictor (ar-ridge) + scheduler + per-rank, per-slot capacities,
-                     re-planned through :func:`ms_efficient.efficientmoe.schedule.decide_replan`;
-                     layers whose loads cannot be forecast yet are planned dropless.
+Methods (labels of issue 4), each run the way the system itself runs, with its own dispatch
+(:mod:`ms_efficient.moe.plan`). Static-graph methods are the package's expert-parallel layer
+(``ep_layer``) with that method's plan: every rank owns fixed rows of every slot, drops its
+overflow, and sends its rows full or empty (``dispatch="static"``; ``static_blocks``).
+"Grouped" methods compute only the rows they receive (a grouped matmul whose group sizes are
+data, each group's rows rounded up to the cube tile, ``ClusterSpec.matmul_tile_rows``) into
+one static row buffer per device, after a routing-count exchange (``dispatch="grouped"``):
+    efficientmoe     our predictor (ar-ridge) + scheduler (replication, placement) + one row
+                     buffer per device from the capacity model, grouped dispatch, re-planned
+                     through :func:`ms_efficient.efficientmoe.schedule.decide_replan`; layers
+                     whose loads cannot be forecast yet get no replicas and buffers for the
+                     largest counts seen.
+    efficientmoe-static  the same planner with per-rank, per-slot static capacities (padded
+                     expert compute, no count exchange): the mode of earlier rounds.
+    dropless-grouped MegaBlocks-style dropless grouped compute (Gale et al., "MegaBlocks:
+                     Efficient Sparse Training with Mixture-of-Experts", MLSys 2023): uniform
+                     placement, no replicas, every buffer as large as its device could ever
+                     receive, never re-planned (what grouped dispatch gives without a planner).
     switch-cf1.0/1.25/2.0, dropless-static   GShard / Switch: uniform placement, equal
                      per-rank capacity in every expert, never re-planned (see :mod:`baselines`).
     eplb-ema         EPLB's placement policy fed by an EMA predictor, one capacity for all
@@ -42,8 +53,8 @@ full or empty (``dispatch="static"``, see :mod:`ms_efficient.moe.plan`; ``static
                      planner is given the true counts of the rows each candidate plan would
                      serve (their mean as the forecast, their deviations from it as the
                      error samples) instead of forecasts. The gap between it and
-                     efficientmoe is what forecasting costs; the gap between it and oracle
-                     is what static shapes cost.
+                     efficientmoe-static is what forecasting costs; the gap between it and
+                     oracle is what static shapes cost.
 
 Re-plan checks happen every ``check_every_steps`` training steps, and as soon as the current
 plan dropped more than 1 % of the tokens over ``monitor_steps`` (the drop monitor, what the
@@ -82,12 +93,13 @@ __all__ = ["METHODS", "ReplayConfig", "ReplayResult", "cluster_for_ranks", "chec
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("efficientmoe", "switch-cf1.0", "switch-cf1.25", "switch-cf2.0", "dropless-static",
-           "dropless-window", "fastermoe", "eplb-ema", "eplb-ar", "mindspeed-greedy", "oracle",
-           "oracle-static")
-_ADAPTIVE = {"efficientmoe", "eplb-ema", "eplb-ar", "mindspeed-greedy", "oracle-static",
-             "dropless-window"}
-_OURS = {"efficientmoe", "oracle-static"}     # our planner (planner.EfficientMoEPlanner)
+METHODS = ("efficientmoe", "efficientmoe-static", "switch-cf1.0", "switch-cf1.25",
+           "switch-cf2.0", "dropless-static", "dropless-window", "dropless-grouped", "fastermoe",
+           "eplb-ema", "eplb-ar", "mindspeed-greedy", "oracle", "oracle-static")
+_ADAPTIVE = {"efficientmoe", "efficientmoe-static", "eplb-ema", "eplb-ar", "mindspeed-greedy",
+             "oracle-static", "dropless-window"}
+# our planner (planner.EfficientMoEPlanner), and the dispatch it plans for
+_OURS = {"efficientmoe": "grouped", "efficientmoe-static": "static", "oracle-static": "static"}
 _EPLB = {"eplb-ema", "eplb-ar"}               # re-balanced on their own periodic schedule
 
 
@@ -115,6 +127,8 @@ class ReplayConfig:
         or "equal" (an equal-split AlltoAll padded to the largest block).
     sync_replica_grads: charge the all-reduce of replicated experts' gradients (False: assume
         it is hidden behind other layers' backward).
+    dispatch: what ``plan moe`` (:func:`plan_trace`) plans for, "grouped" or "static"; the
+        replay's methods each keep their own.
     """
 
     slots_per_device: Optional[int] = None
@@ -132,6 +146,7 @@ class ReplayConfig:
     max_forecast_error: float = 0.75
     static_blocks: str = "exact"
     sync_replica_grads: bool = True
+    dispatch: str = "grouped"
 
     def planner_config(self) -> PlannerConfig:
         """The settings of our planner (the same class the trainer builds from its config)."""
@@ -140,7 +155,7 @@ class ReplayConfig:
                              drop_target=self.drop_target,
                              residual_window=self.residual_window, predictor=self.predictor,
                              max_forecast_error=self.max_forecast_error,
-                             recompile_s=self.recompile_s)
+                             recompile_s=self.recompile_s, dispatch=self.dispatch)
 
 
 @dataclass
@@ -263,11 +278,21 @@ class _Context:
             self.assignments_per_rank = int(round(per_rank.mean()))
             self.tokens_per_step = (int(per_rank.sum(axis=2).max()) // trace.top_k
                                     if trace.top_k else None)
-        self.planner = EfficientMoEPlanner(config.planner_config(), self.model,
-                                           trace.num_experts, self.rank_device, self.top_k,
-                                           self.tokens_per_step, self.check_rows, self.stride)
+        self.planners = {
+            dispatch: EfficientMoEPlanner(
+                dataclasses.replace(config, dispatch=dispatch).planner_config(), self.model,
+                trace.num_experts, self.rank_device, self.top_k, self.tokens_per_step,
+                self.check_rows, self.stride)
+            for dispatch in ("static", "grouped")}
+        # the static one also evaluates the baselines (its evaluations follow each plan's
+        # own dispatch)
+        self.planner = self.planners["static"]
         self.placement = self.planner.placement
         self.costs = self.planner.costs
+
+    def ours(self, method: str) -> EfficientMoEPlanner:
+        """Our planner for ``method`` (one of ``_OURS``)."""
+        return self.planners[_OURS[method]]
 
     def forecaster(self, method: str, t: int) -> Forecaster:
         if method == "oracle-static":
@@ -303,8 +328,8 @@ class _Context:
     def propose(self, method: str, t: int, current: Optional[List[ExpertPlan]]):
         """Candidate plans at row t: (plans, predicted counts [L, R, E], horizon_steps)."""
         if method in _OURS:
-            cand = self.planner.propose(self.trace.counts[:t], current,
-                                        self.forecaster(method, t))
+            cand = self.ours(method).propose(self.trace.counts[:t], current,
+                                             self.forecaster(method, t))
             return cand.plans, cand.predicted_LRE, cand.horizon_steps
         plans, pred, _ = self.baseline_plans(method, t)
         return plans, pred, self.costs.horizon_steps
@@ -314,8 +339,9 @@ class _Context:
         """Re-plan check at row t: (ReplanDecision, candidate plans). ``observed_drop_rate``:
         the current plan's drop rate since the last check, when the drop monitor fired."""
         if method in _OURS:
-            decision, cand = self.planner.check(self.trace.counts[:t], current,
-                                                observed_drop_rate, self.forecaster(method, t))
+            decision, cand = self.ours(method).check(self.trace.counts[:t], current,
+                                                     observed_drop_rate,
+                                                     self.forecaster(method, t))
             return decision, cand.plans
         candidate, pred, rel_next = self.baseline_plans(method, t)
         decision = decide_replan(self.planner.step_time_s(current, pred),
@@ -331,6 +357,11 @@ class _Context:
             cf = float(method[len("switch-cf"):])
             plan = baselines.switch_plan(num_experts, self.rank_device, num_ranks,
                                          self.assignments_per_rank, cf, self.top_k)
+            return [plan] * self.trace.num_layers
+        if method == "dropless-grouped":
+            plan = baselines.dropless_grouped_plan(num_experts, self.rank_device,
+                                                   self.tokens_per_step, self.top_k,
+                                                   self.assignments_per_rank * num_ranks)
             return [plan] * self.trace.num_layers
         return [baselines.dropless_static_plan(self.trace.counts[:, layer], self.rank_device,
                                                self.top_k)
@@ -351,13 +382,13 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
     ctx = _Context(trace, cluster, config)
     counts = trace.counts
     plans: List[ExpertPlan] = []
-    if method.startswith("switch-cf") or method == "dropless-static":
+    if method.startswith("switch-cf") or method in ("dropless-static", "dropless-grouped"):
         plans = ctx.static_plans(method)
     step_times, a2a_times, imbalance = [], [], []
     rows = computed = assigned = dropped = 0
     replans, forced, overhead = 0, 0, 0.0
     monitor = DropMonitor(ctx.monitor_rows, ctx.costs.max_drop_rate)
-    loop = ReplanLoop(ctx.planner, ctx.monitor_rows) if method in _OURS else None
+    loop = ReplanLoop(ctx.ours(method), ctx.monitor_rows) if method in _OURS else None
 
     def due(t: int) -> bool:                         # periodic re-plan check
         return (t - config.warmup) % ctx.check_rows == 0
@@ -429,12 +460,12 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
 
 def plan_trace(trace: RoutingTrace, cluster: Optional[ClusterSpec] = None,
                config: ReplayConfig = ReplayConfig()) -> List[ExpertPlan]:
-    """EfficientMoE plans (one per layer) for the step after the trace's last row: what
-    ``ms-efficient plan moe`` writes. Needs a trace of >= 2 rows."""
+    """EfficientMoE plans (one per layer) for the step after the trace's last row, for
+    ``config.dispatch``: what ``ms-efficient plan moe`` writes. Needs a trace of >= 2 rows."""
     cluster = cluster or cluster_for_ranks(trace.num_ranks)
     check_trace_fits(trace, cluster)
     if trace.num_steps < 2:
         raise ValueError(f"planning needs a trace of >= 2 steps, but got {trace.num_steps}.")
     ctx = _Context(trace, cluster, dataclasses.replace(
         config, warmup=min(max(2, config.warmup), trace.num_steps - 1)))
-    return ctx.planner.propose(trace.counts, None).plans
+    return ctx.planners[config.dispatch].propose(trace.counts, None).plans

@@ -10,7 +10,11 @@ gain_per_step_s: predicted step time under the current plan minus under the cand
 horizon_steps: training steps the new plan is expected to serve (until the next check).
 migration_s: time to copy the weights and optimizer state of every expert copy that is new on
     its device, over the cluster's links (an uneven all-to-all of those bytes).
-recompile_s: graph compilation of the changed network, seconds.
+recompile_s: graph compilation of the changed network, seconds; only when a compiled shape
+    changes (:func:`recompiles`): a "grouped" plan's shapes are its devices' row buffers and
+    the slot budget, so moving or replicating experts within unchanged buffers costs the
+    migration alone (which expert a slot holds, and how ranks split an expert over its
+    replicas, are data: weights copied in and index tables).
 
 A candidate is also adopted, whatever the arithmetic says, when the current plan is predicted
 to drop, or was observed dropping, more than ``max_drop_rate`` of the tokens: capacities are
@@ -33,7 +37,7 @@ from ms_efficient.efficientmoe.cost import CostModel, uneven_alltoall_time_s
 from ms_efficient.moe.plan import ExpertPlan
 
 __all__ = ["ReplanCosts", "ReplanDecision", "migration_bytes_DD", "migration_time_s",
-           "plans_equal", "decide_replan", "DropMonitor", "choose_horizon"]
+           "plans_equal", "recompiles", "decide_replan", "DropMonitor", "choose_horizon"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,10 +123,26 @@ def migration_time_s(old: Sequence[ExpertPlan], new: Sequence[ExpertPlan], model
 
 
 def plans_equal(a: Sequence[ExpertPlan], b: Sequence[ExpertPlan]) -> bool:
-    """True when both plan lists have the same slots, devices and capacities, layer by layer."""
+    """True when both plan lists have the same dispatch, slots, devices, capacities and device
+    buffers, layer by layer (anything else would compile a different graph)."""
     return len(a) == len(b) and all(
-        all(np.array_equal(getattr(x, f), getattr(y, f))
-            for f in ("slot_expert", "slot_device", "slot_capacity")) for x, y in zip(a, b))
+        x.dispatch == y.dispatch
+        and all(np.array_equal(getattr(x, f), getattr(y, f))
+                for f in ("slot_expert", "slot_device", "slot_capacity"))
+        and np.array_equal(x.device_rows(), y.device_rows()) for x, y in zip(a, b))
+
+
+def recompiles(current: Optional[Sequence[ExpertPlan]],
+               candidate: Sequence[ExpertPlan]) -> bool:
+    """True when going from ``current`` to ``candidate`` changes a compiled shape: always for
+    "static" plans (slot capacities are shapes) and for a first plan (None); for "grouped"
+    plans only when some device's row buffer changes (every device compiles its full slot
+    budget, so slots filled or emptied are data)."""
+    if current is None or len(current) != len(candidate):
+        return True
+    return not all(a.dispatch == b.dispatch == "grouped"
+                   and np.array_equal(a.device_rows(), b.device_rows())
+                   for a, b in zip(current, candidate))
 
 
 def decide_replan(current_step_s: float, candidate_step_s: float,
@@ -143,8 +163,9 @@ def decide_replan(current_step_s: float, candidate_step_s: float,
                               costs.horizon_steps, 0.0, 0.0, 0.0, 0.0)
     moved = migration_bytes_DD(current, candidate, model, costs.bytes_per_param)
     migration = uneven_alltoall_time_s(moved, model.cluster)
+    recompile = costs.recompile_s if recompiles(current, candidate) else 0.0
     total_gain = gain * costs.horizon_steps
-    cost = migration + costs.recompile_s
+    cost = migration + recompile
     limit = costs.max_drop_rate
     over = [(what, rate) for what, rate in (("is predicted to drop", current_drop_rate),
                                             ("dropped", observed_drop_rate))
@@ -157,8 +178,7 @@ def decide_replan(current_step_s: float, candidate_step_s: float,
     else:
         reason = f"gain {total_gain:.3g} s over {costs.horizon_steps} steps <= cost {cost:.3g} s"
     decision = ReplanDecision(forced or total_gain > cost, reason, gain, costs.horizon_steps,
-                              total_gain, float(moved.sum()), migration, costs.recompile_s,
-                              forced)
+                              total_gain, float(moved.sum()), migration, recompile, forced)
     logger.debug("replan=%s: %s", decision.replan, reason)
     return decision
 

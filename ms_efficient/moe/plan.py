@@ -93,6 +93,8 @@ class ExpertPlan:
     rank_share: float [R, E] >= 0, optional ("static" plans): each expert's capacity is shared
         among the source ranks in proportion to its column (a per-rank load forecast); None:
         equal shares.
+    device_buffer: int64 [D] >= 0, optional ("grouped" plans): the row buffer of every device
+        (rows it computes at most per step); None: the sum of its slots' capacities.
     """
 
     slot_expert: np.ndarray
@@ -103,6 +105,7 @@ class ExpertPlan:
     method: str = ""
     dispatch: str = "alltoallv"
     rank_share: Optional[np.ndarray] = None
+    device_buffer: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
         if self.dispatch not in DISPATCH_MODES:
@@ -114,6 +117,11 @@ class ExpertPlan:
                     or (self.rank_share < 0).any()):
                 raise ValueError(f"ExpertPlan 'rank_share' must be a finite, non-negative "
                                  f"[rank, expert] array, but got shape {self.rank_share.shape}.")
+        if self.device_buffer is not None:
+            self.device_buffer = _int_vector("device_buffer", self.device_buffer)
+            if (self.device_buffer < 0).any():
+                raise ValueError(f"ExpertPlan 'device_buffer' must be >= 0, but got "
+                                 f"{self.device_buffer.tolist()}.")
         self.slot_expert = _int_vector("slot_expert", self.slot_expert)
         self.slot_device = _int_vector("slot_device", self.slot_device)
         self.slot_capacity = _int_vector("slot_capacity", self.slot_capacity)
@@ -159,9 +167,14 @@ class ExpertPlan:
         return self
 
     def device_rows(self, num_devices: Optional[int] = None) -> np.ndarray:
-        """int64 [D]: rows of every device's slots summed (the row buffer of a ``"grouped"``
-        plan); D = ``num_devices`` or the largest device id + 1."""
+        """int64 [D]: the row buffer of every device of a ``"grouped"`` plan: ``device_buffer``
+        when given, else the rows of the device's slots summed; D = ``num_devices`` or the
+        largest device id + 1."""
         size = int(self.slot_device.max()) + 1 if num_devices is None else int(num_devices)
+        if self.device_buffer is not None:
+            out = np.zeros(max(size, self.device_buffer.size), dtype=np.int64)
+            out[:self.device_buffer.size] = self.device_buffer
+            return out[:size]
         return np.bincount(self.slot_device, weights=self.slot_capacity,
                            minlength=size).astype(np.int64)
 
@@ -216,13 +229,15 @@ class ExpertPlan:
             out["dispatch"] = self.dispatch
         if self.rank_share is not None:
             out["rank_share"] = np.round(self.rank_share, 3).tolist()
+        if self.device_buffer is not None:
+            out["device_buffer"] = self.device_buffer.tolist()
         return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ExpertPlan":
         """Build a plan from :meth:`to_dict` output (unknown keys raise ``ValueError``)."""
         allowed = {"slot_expert", "slot_device", "slot_capacity", "top_k", "tokens_per_step",
-                   "method", "dispatch", "rank_share"}
+                   "method", "dispatch", "rank_share", "device_buffer"}
         if not isinstance(d, Mapping):
             raise ValueError(f"expert plan must be a mapping, but got {d!r}.")
         unknown = sorted(set(d) - allowed)
