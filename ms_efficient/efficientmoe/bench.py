@@ -169,17 +169,20 @@ def markdown_table(rows: Sequence[Dict[str, object]], reference: str = REFERENCE
 
 
 # ---- measured rows (MindSpore on this CPU) ----------------------------------------------
-# method label -> (moe.capacity_factor, efficientmoe.enabled)
+# method label -> (moe.capacity_factor, efficientmoe.enabled, moe.dispatch)
 MEASURED_METHODS = {
-    "switch-cf1.0": (1.0, False),
-    "switch-cf1.25": (1.25, False),
-    "switch-cf2.0": (2.0, False),
+    "switch-cf1.0": (1.0, False, "static"),
+    "switch-cf1.25": (1.25, False, "static"),
+    "switch-cf2.0": (2.0, False, "static"),
     # capacity = tokens per step: the only static capacity that can never drop for any routing
-    "dropless-static": (0.0, False),
-    # warm-up at CF 1.25, then per-expert capacities planned online
-    "efficientmoe": (1.25, True),
-    # no capacities: rows permuted by expert, each expert on its own rows (moe.dispatch)
-    "dropless-grouped": (0.0, False),
+    "dropless-static": (0.0, False, "static"),
+    # EfficientMoE's grouped mode on one process: no replicas to place and a buffer of all
+    # assignments (one device can receive every one), so the planner has nothing to decide
+    # and the row measures the padding-free grouped layer it runs (also what a MegaBlocks-
+    # style dropless grouped layer is on one device)
+    "efficientmoe": (0.0, False, "grouped"),
+    # the per-expert static mode: warm-up at CF 1.25, then capacities planned online
+    "efficientmoe-static": (1.25, True, "static"),
 }
 
 
@@ -214,7 +217,8 @@ def run_measured(base: RunConfig, methods: Optional[List[str]] = None, steps: Op
                  keep_trace: Optional[str] = None) -> List[Dict]:
     """Train ``base`` once per method; returns benchmark rows (evidence "measured").
 
-    keep_trace: copy the routing trace of the ``efficientmoe`` run to this path.
+    keep_trace: copy the routing trace of the ``efficientmoe-static`` run (the one whose
+        capacities follow its routing) to this path.
     init_from: a run folder whose last checkpoint every method starts from (routing of a
     trained model is steadier than at initialisation, which is where static capacities are
     decided in practice); its learning rate continues at the schedule's floor (10% of peak)
@@ -226,10 +230,10 @@ def run_measured(base: RunConfig, methods: Optional[List[str]] = None, steps: Op
         if method not in MEASURED_METHODS:
             raise ValueError(f"measured method must be one of {list(MEASURED_METHODS)}, "
                              f"but got {method!r}.")
-        cf, online = MEASURED_METHODS[method]
+        cf, online, dispatch = MEASURED_METHODS[method]
         cfg = copy.deepcopy(base)
         cfg.moe.capacity_factor = cf
-        cfg.moe.dispatch = "grouped" if method == "dropless-grouped" else "static"
+        cfg.moe.dispatch = dispatch
         cfg.efficientmoe.enabled = online
         cfg.train.eval_every = cfg.train.steps = steps or cfg.train.steps
         cfg.train.save_every = cfg.train.steps
@@ -243,7 +247,7 @@ def run_measured(base: RunConfig, methods: Optional[List[str]] = None, steps: Op
         with tempfile.TemporaryDirectory(prefix=f"bench-{method}-") as out:
             logger.info("measured run: %s (%d steps)", method, cfg.train.steps)
             run = _run_one(cfg, out, init_from)
-            if keep_trace and method == "efficientmoe":
+            if keep_trace and method == "efficientmoe-static":
                 shutil.copyfile(os.path.join(out, "trace.npz"), keep_trace)
         times = np.array(run["step_times"])
         # drop the compiling first step and every step right after a recompilation

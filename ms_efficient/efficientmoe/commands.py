@@ -1,6 +1,7 @@
 """EfficientMoE: expert replication, placement and per-replica capacities from routing traces.
 
-    ms-efficient plan moe --trace FILE.npz [--cluster NAME] --out plan.yaml
+    ms-efficient plan moe --trace FILE.npz [--cluster NAME] [--dispatch grouped|static]
+                          --out plan.yaml
     ms-efficient bench moe [--quick] [--trace FILE.npz ...] [--cluster NAME] --json OUT
                            [--config CONFIG] [--steps N] [--init-from RUN_DIR] [--no-measured]
 
@@ -31,23 +32,28 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, help="routing trace (.npz, see README)")
     parser.add_argument("--cluster", help="cluster preset (default: 8-chip Ascend 910B nodes, "
                                           "as many as the trace's ranks need)")
+    parser.add_argument("--dispatch", choices=("grouped", "static"), default="grouped",
+                        help="grouped (default): padding-free grouped expert compute, one row "
+                             "buffer per device; static: per-rank, per-slot capacities")
     parser.add_argument("--out", required=True, help="plan YAML to write")
 
 
 def run_plan(args: argparse.Namespace) -> int:
     from ms_efficient.core.cluster import get_cluster
-    from ms_efficient.efficientmoe.replay import plan_trace
+    from ms_efficient.efficientmoe.replay import ReplayConfig, plan_trace
     from ms_efficient.moe.plan import save_plans
     from ms_efficient.moe.trace import load_trace
 
     trace = load_trace(args.trace)
     cluster = get_cluster(args.cluster) if args.cluster else None
-    plans = plan_trace(trace, cluster)
+    plans = plan_trace(trace, cluster, ReplayConfig(dispatch=args.dispatch))
     save_plans(args.out, plans, trace.num_experts,
                extra={"trace": os.path.basename(args.trace), "cluster": args.cluster or "auto"})
     for layer, plan in enumerate(plans):
-        print(f"layer {layer}: {plan.num_slots} slots for {trace.num_experts} experts, "
-              f"{int(plan.slot_capacity.sum())} capacity rows")
+        rows = (f"row buffers {sorted(set(plan.device_rows()[plan.slot_device].tolist()))}"
+                if plan.dispatch == "grouped" else
+                f"{int(plan.slot_capacity.sum())} capacity rows")
+        print(f"layer {layer}: {plan.num_slots} slots for {trace.num_experts} experts, {rows}")
     print(f"plan written to {args.out}")
     return 0
 
