@@ -14,6 +14,7 @@ setup(
         "mindspore==2.10.0",
         "numpy>=1.24,<2",
         "scipy>=1.10",
+        "scipy-openblas32>=0.3.34",  # BLAS of the CPU grouped-matmul kernel
         "pulp>=2.7",
         "pyyaml>=6.0",
         "matplotlib>=3.7",

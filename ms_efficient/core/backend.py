@@ -12,6 +12,13 @@ reason, in one table:
                                  other groups:             ReduceScatter, and its AllGather kernel
                                  "allreduce-emulation"     accepts only the world group (AllReduce
                                                            accepts any group).
+    grouped_matmul_   "native"   CPU: "aot"                padding-free expert matmul with group
+    impl()            (untested  GPU: "ops"                sizes as data: Ascend's fused
+                      here)                                GroupedMatmul; on CPU a C++ kernel over
+                                                           OpenBLAS (ms_efficient.moe.
+                                                           grouped_matmul); GPU a dense composite.
+                                                           Never the Ascend op on CPU: in
+                                                           PYNATIVE it returns an empty tuple.
 
 Add a new choice as a function ``<thing>_impl(device_target=None) -> str`` that returns one of a
 few documented string constants, and list it in the table above.
@@ -33,6 +40,10 @@ __all__ = [
     "use_device",
     "is_ascend",
     "alltoall_impl",
+    "GMM_NATIVE",
+    "GMM_AOT",
+    "GMM_OPS",
+    "grouped_matmul_impl",
     "world_group",
     "group_size",
     "group_rank",
@@ -48,6 +59,11 @@ ALLTOALL_NATIVE = "native"  # ops.AlltoAll: one collective, Ascend only
 ALLTOALL_ALLGATHER_EMULATION = "allgather-emulation"  # AllGather + keep my column: exact
 ALLTOALL_ALLREDUCE_EMULATION = "allreduce-emulation"  # AllReduce of zero-padded buffers: exact
 ALLTOALL_IMPLS = (ALLTOALL_NATIVE, ALLTOALL_ALLGATHER_EMULATION, ALLTOALL_ALLREDUCE_EMULATION)
+
+# Grouped matmul implementations (see ms_efficient.moe.grouped_matmul.GroupedMatmul).
+GMM_NATIVE = "native"  # Ascend GroupedMatmul with a group list (untested here: no Ascend)
+GMM_AOT = "aot"  # ops.Custom C++ kernel over OpenBLAS: CPU only (host code on host memory)
+GMM_OPS = "ops"  # every expert on every row, masked: exact, E times the FLOPs; any target
 
 
 def device_target() -> str:
@@ -83,6 +99,15 @@ def alltoall_impl(target: Optional[str] = None, group: Optional[str] = None) -> 
     if group is None or group == world_group():
         return ALLTOALL_ALLGATHER_EMULATION
     return ALLTOALL_ALLREDUCE_EMULATION
+
+
+def grouped_matmul_impl(target: Optional[str] = None) -> str:
+    """The grouped matmul implementation on `target` (default: this process's device target):
+    GMM_NATIVE on Ascend, GMM_AOT on CPU, GMM_OPS elsewhere (see the table above)."""
+    target = target or device_target()
+    if target == ASCEND:
+        return GMM_NATIVE
+    return GMM_AOT if target == CPU else GMM_OPS
 
 
 def world_group() -> str:

@@ -35,7 +35,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -88,10 +88,15 @@ def kernel_cache_dir() -> Path:
 
 def build_kernel_library(source: Union[str, Path] = KERNEL_SOURCE,
                          cache_dir: Union[str, Path, None] = None,
-                         compiler: str = "g++") -> str:
+                         compiler: str = "g++", compile_flags: Sequence[str] = (),
+                         link_flags: Sequence[str] = ()) -> str:
     """Compile `source` into ``<cache_dir>/<stem>-<hash>.so`` unless it is there; return its path.
 
-    The hash covers the source text and the flags, so an edited source gets a new file. The
+    compile_flags: extra flags before the source (``-D...``, ``-I<dir>``); link_flags: after
+    it (``-L<dir>``, ``-l<lib>``, ``-Wl,-rpath,<dir>``), as the linker reads libraries after
+    the objects that need them.
+    The hash covers the source text and all flags, so an edited source, or the same source
+    against another library, gets a new file. The
     library is written to a temporary name and renamed into place, so concurrent builds (several
     workers starting at once) are safe: the last rename wins with an identical file.
     Raises KernelBuildError naming the command and the compiler's stderr when the build fails.
@@ -100,7 +105,9 @@ def build_kernel_library(source: Union[str, Path] = KERNEL_SOURCE,
     if not source.is_file():
         raise KernelBuildError(f"kernel source {source} does not exist.")
     text = source.read_bytes()
-    digest = hashlib.sha256(text + " ".join(BASE_FLAGS).encode()).hexdigest()[:16]
+    extra = (*compile_flags, *link_flags)
+    flags = " ".join(BASE_FLAGS) + ("" if not extra else " | " + " ".join(extra))
+    digest = hashlib.sha256(text + flags.encode()).hexdigest()[:16]
     out_dir = Path(cache_dir) if cache_dir is not None else kernel_cache_dir()
     library = out_dir / f"{source.stem}-{digest}.so"
     if library.is_file():
@@ -113,7 +120,8 @@ def build_kernel_library(source: Union[str, Path] = KERNEL_SOURCE,
     fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=out_dir)
     os.close(fd)
     try:
-        cmd = [cxx, *BASE_FLAGS, OPENMP_FLAG, str(source), "-o", tmp]
+        cmd = [cxx, *BASE_FLAGS, OPENMP_FLAG, *compile_flags, str(source), *link_flags,
+               "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             logger.info("building without OpenMP: %s", proc.stderr.strip()[:500])

@@ -15,11 +15,12 @@ connection of the block carries the token on), and counted.
 
 ``dispatch="grouped"`` has no capacities and no padding: the T*K assignments are permuted by
 expert with the padding-free kernels of :mod:`ms_efficient.moe.kernels` (rows grouped by
-expert, N = T*K), each expert's FFN runs on its own rows, found at run time (a dynamic-shape
-``nonzero`` + gather: group sizes are data, not compiled shapes; MindSpore 2.10 compiles
-these on CPU in GRAPH_MODE, with gradients), and the rows are combined back by the kernels.
-Nothing is dropped. On Ascend A2/A3 the same contract is ``ops.grouped_matmul`` with a
-group list (behind ``core.backend``; not built here: no Ascend hardware).
+expert, N = T*K), both FFN matmuls run as grouped matmuls over all N rows with the per-expert
+counts as group sizes (:mod:`ms_efficient.moe.grouped_matmul`: sizes are data, not compiled
+shapes, so every shape is static; on CPU a C++ kernel over OpenBLAS, on Ascend A2/A3
+``GroupedMatmul`` with a group list behind ``core.backend``, untested here: no Ascend
+hardware), each row's biases are gathered by its expert, and the rows are combined back by
+the kernels. Nothing is dropped.
 
 Capacities may differ per expert (``capacity`` given as a sequence of E ints): the slots of all
 experts then form one buffer of sum(C_e) rows, expert e owning rows [off_e, off_e + C_e), and
@@ -35,6 +36,9 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
+
+from ms_efficient.moe.grouped_matmul import GroupedMatmul, row_groups
+from ms_efficient.moe.kernels import MoeTokenPermute, MoeTokenUnpermute
 
 __all__ = ["MoEFeedForward", "DISPATCH_MODES", "TopKArrival", "TanhGELU", "routing_statistics", "sum_choices",
            "expert_capacity", "ROUTING_COUNTS", "routing_counts_buffer", "make_gelu",
@@ -214,10 +218,9 @@ class MoEFeedForward(nn.Cell):
         self.num_experts = num_experts
         self.top_k = top_k
         if dispatch == "grouped":
-            from ms_efficient.moe.kernels import MoeTokenPermute, MoeUnpermuteCombine
-
             self.permute = MoeTokenPermute()
-            self.combine = MoeUnpermuteCombine()
+            self.gmm = GroupedMatmul()
+            self.unpermute = MoeTokenUnpermute()
             self.capacities = ()
             self.num_slots = 0
         else:
@@ -273,43 +276,27 @@ class MoEFeedForward(nn.Cell):
         return y_TH.reshape(b, s, h), aux_loss, counts_RE, dropped
 
     def _grouped(self, x):
-        """The padding-free path: permute by expert, one FFN per expert on its own rows (a
-        run-time group), combine. Same outputs as ``construct``'s static path.
-
-        Every group gets one extra zero row (the row after x_NH's last): MindSpore 2.10's
-        MatMul backward rejects an empty dynamic-shape input, and an expert may get no
-        token. The extra rows are computed (E rows a step) and combined with token -1, i.e.
-        ignored: the output rows are laid out as [group 0, its extra row, group 1, ...]."""
+        """The padding-free path: permute by expert, the expert FFNs as two grouped matmuls
+        over all N = T*K rows (group sizes = per-expert counts), combine. Same outputs as
+        ``construct``'s static path. An expert with no row is an empty group: it computes
+        nothing and gets zero gradients."""
         b, s, h = x.shape
         t = b * s
-        k, e_total = self.top_k, self.num_experts
-        n = t * k
+        k, e = self.top_k, self.num_experts
         x_TH = x.reshape(t, h)
         probs_TE, weights_TK, expert_ids_A, onehot_AE, _ = self.arrival(self.router(x_TH))
         # Step 1: rows sorted by expert (t-major assignments a = t*K + k, stable)
         expert_ids_TK = expert_ids_A.reshape(k, t).transpose(1, 0)
         x_NH, rows_N = self.permute(x_TH, expert_ids_TK)
-        expert_N = expert_ids_TK.reshape(-1)
-        expert_of_row = ops.tensor_scatter_update(ops.zeros((n,), ms.int32),
-                                                  rows_N.reshape(-1, 1), expert_N)
-        x_pad = ops.concat((x_NH, ops.zeros((1, h), x_NH.dtype)), 0)
-        extra = Tensor([n], ms.int64)
-        # Step 2: every expert on its own rows plus the zero row, in expert order
-        outs = ()
-        for e in range(e_total):
-            idx = ops.concat((ops.nonzero(expert_of_row == e).reshape(-1), extra), 0)
-            rows = ops.gather(x_pad, idx, 0)
-            hid = self.gelu(ops.matmul(rows, self.w1[e]) + self.b1[e])
-            outs = outs + (ops.matmul(hid, self.w2[e]) + self.b2[e],)
-        y_PH = ops.concat(outs, 0).reshape(n + e_total, h)   # a static shape again
-        # Step 3: combine: assignment a sits at row rows_N[a] + its expert (one extra row per
-        # earlier group); the extra rows belong to no token
-        pos = (rows_N + expert_N).reshape(-1, 1)
-        row_token = ops.tensor_scatter_update(ops.fill(ms.int32, (n + e_total,), -1), pos,
-                                              ops.arange(n, dtype=ms.int32) // k)
-        row_weight = ops.tensor_scatter_update(ops.zeros((n + e_total,), y_PH.dtype), pos,
-                                               weights_TK.reshape(-1).astype(y_PH.dtype))
-        y_TH = self.combine(y_PH, row_token, row_weight, x_TH)
+        sizes_E = onehot_AE.sum(axis=0).astype(ms.int32)
+        expert_N = row_groups(sizes_E, t * k)
+        # Step 2: expert FFNs on their own rows, biases gathered by each row's expert
+        b1_NF = ops.gather(self.b1.reshape(e, -1), expert_N, 0)
+        hidden_NF = self.gelu(self.gmm(x_NH, self.w1, sizes_E) + b1_NF)
+        y_NH = self.gmm(hidden_NF, self.w2, sizes_E) + ops.gather(self.b2.reshape(e, h),
+                                                                  expert_N, 0)
+        # Step 3: combine: out[t] = sum_k weights_TK[t, k] * y_NH[row of (t, k)]
+        y_TH = self.unpermute(y_NH, rows_N, weights_TK.astype(y_NH.dtype))
         aux_loss, counts_RE = routing_statistics(probs_TE, onehot_AE, k, self.trace_ranks)
         ops.assign(self.routing_counts, counts_RE)
         return y_TH.reshape(b, s, h), aux_loss, counts_RE, ops.zeros((), ms.int32)
