@@ -87,7 +87,10 @@ def test_bad_shapes_are_rejected():
 
 
 @pytest.mark.mindspore
-def test_chunked_layer_equals_the_unchunked_one_when_dropless():
+@pytest.mark.parametrize("dispatch", ["static", "grouped"])
+def test_chunked_layer_equals_the_unchunked_one_when_dropless(dispatch):
+    """Both MoE paths: static capacities (halved per chunk) and the padding-free grouped
+    path (no capacity), outputs and gradients."""
     ms = pytest.importorskip("mindspore")
     from mindspore import Tensor
 
@@ -96,8 +99,8 @@ def test_chunked_layer_equals_the_unchunked_one_when_dropless():
 
     ms.set_context(mode=ms.GRAPH_MODE)
     b, s, h, f, e = 4, 8, 16, 32, 4
-    whole = MoEFeedForward(h, f, e, 2, capacity=b * s)
-    part = MoEFeedForward(h, f, e, 2, capacity=b * s // 2)
+    whole = MoEFeedForward(h, f, e, 2, capacity=b * s, dispatch=dispatch)
+    part = MoEFeedForward(h, f, e, 2, capacity=b * s // 2, dispatch=dispatch)
     for dst, src in zip(part.trainable_params(), whole.trainable_params()):
         dst.set_data(src.data)
     chunked = PipelinedMoE(part, chunks=2)
