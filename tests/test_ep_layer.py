@@ -20,10 +20,11 @@ import mindspore as ms
 from mindspore import Tensor, nn
 
 from ms_efficient.moe.ep_layer import ExpertParallelMoE, init_expert_weights
-from ms_efficient.moe.ep_routing import rank_dispatch, replica_sync
+from ms_efficient.moe.ep_routing import grouped_dispatch, rank_dispatch, replica_sync
 from ms_efficient.moe.layer import MoEFeedForward
 from ms_efficient.moe.plan import ExpertPlan
-from ms_efficient.moe.split import source_rows
+from ms_efficient.moe.split import (SPLIT_UNITS, grouped_assignments, grouped_split_weights,
+                                    source_rows)
 
 ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
 
@@ -273,6 +274,155 @@ def test_replicas_stay_identical_and_train_like_one_expert(optimizer):
     assert np.abs(single.w1.asnumpy() - w[1]).max() > 1e-3     # training moved the weights
 
 
+# --- grouped dispatch -------------------------------------------------------------------------
+
+
+def grouped_layer(w, slot_expert, slot_capacity, **kwargs):
+    plan = ExpertPlan(slot_expert, [0] * len(slot_expert), slot_capacity, dispatch="grouped")
+    layer = ExpertParallelMoE(H, F, E, K, plan, **kwargs)
+    layer.set_weights(*w)
+    return layer
+
+
+def skewed_inputs(seed=0):
+    """(weights, x, dy) where expert 3 never makes a token's top 2: x carries +4 on feature 0,
+    which the router scores +1 for experts 0-2 and -3 for expert 3."""
+    w = list(weights())
+    w[0] = w[0].copy()
+    w[0][:3, 0] += 1.0
+    w[0][3, 0] = -3.0
+    x, dy = batch(seed)
+    shift = np.zeros(H, np.float32)
+    shift[0] = 4.0
+    return tuple(w), Tensor(x.asnumpy() + shift), dy
+
+
+def numpy_grouped_moe(x_TH, w, plan, counts_RE, assigned_RS, rank, top_k):
+    """y_TH of rank ``rank`` in numpy: top-k routing (k-major arrivals), then the kept
+    assignments of :func:`grouped_assignments` (rank r's arrivals of e cut over e's replicas at
+    the cumulative split weights; arrival q of (r, s) kept iff q < assigned_RS[r, s])."""
+    router, w1, b1, w2, b2 = w
+    logits = x_TH @ router.T
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    ids_TK = np.argsort(-probs, axis=1, kind="stable")[:, :top_k]
+    gate_TK = np.take_along_axis(probs, ids_TK, axis=1)
+    gate_TK /= gate_TK.sum(axis=1, keepdims=True)
+    weights_RS = grouped_split_weights(plan, w1.shape[0], np.arange(counts_RE.shape[0]))
+    y = np.zeros_like(x_TH)
+    seen = np.zeros(w1.shape[0], np.int64)
+    for k in range(top_k):                        # k-major arrivals
+        for t in range(x_TH.shape[0]):
+            e, p = ids_TK[t, k], seen[ids_TK[t, k]]
+            seen[e] += 1
+            slots = plan.replicas_of(e)
+            ends = counts_RE[rank, e] * np.cumsum(weights_RS[rank, slots]) // SPLIT_UNITS
+            j = int((ends <= p).sum())
+            if p - (ends[j - 1] if j else 0) >= assigned_RS[rank, slots[j]]:
+                continue                          # dropped
+            u = x_TH[t] @ w1[e] + b1[e, 0]
+            hid = 0.5 * u * (1 + np.tanh(np.sqrt(2 / np.pi) * (u + 0.044715 * u ** 3)))
+            y[t] += gate_TK[t, k] * (hid @ w2[e] + b2[e, 0])
+    return y
+
+
+@pytest.mark.parametrize("caps", [[T] * E, [1, 1, 1, K * T - 3]],
+                         ids=["roomy-slots", "buffer-of-exactly-all-rows"])
+def test_grouped_layer_with_room_for_every_row_equals_moe_feedforward(caps):
+    """Outputs and every gradient equal the dropless static layer, expert 3 getting no token;
+    a slot's capacity is only its share of the device buffer (slots of 1 row take 8+)."""
+    w, x, dy = skewed_inputs()
+    ref, ep = dense_layer(w), grouped_layer(w, [0, 1, 2, 3], caps)
+    out, out_ref = ep(x), ref(x)
+    counts = out[2].asnumpy()
+    assert counts[0, 3] == 0 and (counts[0, :3] > 1).all()
+    assert int(out[3].asnumpy()) == 0
+    for a, b in zip(out, out_ref):
+        np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-6, atol=1e-7)
+    (dx, g), (dx_ref, g_ref) = grads(ep, x, dy), grads(ref, x, dy)
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-5, atol=1e-6)
+    for name in g:
+        np.testing.assert_allclose(g[name], g_ref[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert np.abs(g["w1"][:3]).max() > 1e-3 and np.abs(g["w1"][3]).max() == 0
+
+
+def test_a_small_grouped_buffer_drops_exactly_the_assignments_of_the_rule():
+    """Expert 0 on slots 0 and 4 (split 1:1), one buffer of A - 5 rows: the rule keeps slots
+    0-3 whole and drops the tail of slot 4; every expert keeps a prefix of its arrivals, so
+    the static layer with those per-expert capacities is the reference (outputs, gradients)."""
+    w = weights()
+    x, dy = batch()
+    counts_RE = dense_layer(w)(x)[2].asnumpy().astype(np.int64)
+    slot_expert = [0, 1, 2, 3, 0]
+    caps = [4, 1, 1, K * T - 5 - 10, 4]                   # buffer K*T - 5 on device 0
+    plan = ExpertPlan(slot_expert, [0] * 5, caps, dispatch="grouped")
+    assigned_RS, dropped = grouped_assignments(plan, counts_RE, [0])
+    assert dropped == 5 and assigned_RS[0, 4] < counts_RE[0, 0] - assigned_RS[0, 0]
+    kept_E = np.bincount(slot_expert, weights=assigned_RS[0], minlength=E).astype(int)
+    assert (kept_E >= 1).all() and (kept_E < counts_RE[0]).sum() >= 1
+
+    ep, ref = grouped_layer(w, slot_expert, caps), dense_layer(w, capacity=kept_E.tolist())
+    y, aux, counts, got_dropped = ep(x)
+    y_ref, aux_ref, _, dropped_ref = ref(x)
+    assert int(got_dropped.asnumpy()) == dropped == int(dropped_ref.asnumpy())
+    np.testing.assert_array_equal(counts.asnumpy(), counts_RE)
+    np.testing.assert_allclose(y.asnumpy(), y_ref.asnumpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        y.asnumpy().reshape(T, H),
+        numpy_grouped_moe(x.asnumpy().reshape(T, H), w, plan, counts_RE, assigned_RS, 0, K),
+        rtol=1e-4, atol=1e-5)
+    (dx, g), (dx_ref, g_ref) = grads(ep, x, dy), grads(ref, x, dy)
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-5, atol=1e-6)
+    for name in ("w1", "b1", "w2", "b2"):
+        np.testing.assert_array_equal(g[name][0], g[name][4])
+        np.testing.assert_allclose(g[name][:4], g_ref[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("caps", [[T] * 5, [3, T, T, T, 13]], ids=["half-half", "3:13"])
+def test_replicating_an_expert_in_a_grouped_plan_changes_neither_outputs_nor_input_gradient(
+        caps):
+    w = weights()
+    x, dy = batch()
+    single = grouped_layer(w, [0, 1, 2, 3], [T] * E)
+    replicated = grouped_layer(w, [0, 1, 2, 3, 0], caps)
+    cumw = replicated.tables.cumw_EJ[0].tolist()
+    assert cumw == ([SPLIT_UNITS // 2, SPLIT_UNITS] if caps[0] == T else [768, SPLIT_UNITS])
+    for a, b in zip(replicated(x), single(x)):
+        np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-6, atol=1e-7)
+    (dx, g), (dx_ref, g_ref) = grads(replicated, x, dy), grads(single, x, dy)
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-5, atol=1e-6)
+    for name in ("w1", "b1", "w2", "b2"):
+        np.testing.assert_array_equal(g[name][0], g[name][4])
+        np.testing.assert_allclose(g[name][:4], g_ref[name], rtol=1e-5, atol=1e-6)
+    # the second replica really computes tokens
+    y = replicated(x)[0].asnumpy()
+    replicated.w2.set_data(Tensor(replicated.w2.asnumpy()
+                                  * np.array([1, 1, 1, 1, 2], np.float32).reshape(-1, 1, 1)))
+    assert np.abs(replicated(x)[0].asnumpy() - y).max() > 1e-3
+
+
+def test_grouped_tables_follow_the_split_weights_and_device_buffers():
+    plan = ExpertPlan([0, 1, 2, 0, 3], [0, 0, 0, 1, 1], [24, 32, 32, 8, 32], dispatch="grouped")
+    t1 = grouped_dispatch(plan, E, 1, 2)
+    assert t1.slot_EJ[0].tolist() == [0, 3] and t1.slot_EJ[1].tolist() == [1, 1]
+    assert t1.cumw_EJ[0].tolist() == [2048, 4096]             # rank 1 spills half of expert 0
+    assert grouped_dispatch(plan, E, 0, 2).cumw_EJ[0].tolist() == [4096, 4096]
+    assert t1.buffer_D.tolist() == [88, 40]
+    assert t1.block_start_S.tolist() == [0, 0, 0, 88, 88]
+    assert t1.earlier_on_device_SS[:, 2].tolist() == [1, 1, 0, 0, 0]
+    assert t1.replica_onehot_XS[1].tolist() == [0, 0, 0, 1, 0]  # (expert 0, replica 1): slot 3
+    assert t1.replica_onehot_XS[3].sum() == 0                   # (expert 1, padding)
+
+
+def test_bad_grouped_plans_are_rejected():
+    empty = ExpertPlan([0, 1, 2, 3], [0] * 4, [0] * 4, dispatch="grouped")
+    with pytest.raises(ValueError, match=r"row buffer >= 1 on every device, but device_rows"):
+        ExpertParallelMoE(H, F, E, K, empty)
+    plan = ExpertPlan([0, 1, 2, 3], [0] * 4, [4] * 4, dispatch="grouped")
+    with pytest.raises(ValueError, match="'rank_load_RE' splits the capacities of static"):
+        ExpertParallelMoE(H, F, E, K, plan, rank_load_RE=np.ones((1, E)))
+
+
 # --- 2 workers (msrun) ------------------------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[1]
@@ -366,7 +516,7 @@ def test_two_workers_match_one_process_on_the_whole_batch(tmp_path):
 
     _finish_workers(*workers, wk.WORLD)
     out_dir = workers[1]
-    for plan in wk.PLANS:
+    for plan in (p for p in wk.PLANS if p not in wk.DROPPING):
         res = [np.load(out_dir / f"{plan}_rank{r}.npz") for r in range(wk.WORLD)]
         router_sum = sum(r["grad_router"] for r in res)
         np.testing.assert_allclose(router_sum, g_ref["router"], rtol=1e-5, atol=1e-6)
@@ -395,3 +545,20 @@ def test_two_workers_match_one_process_on_the_whole_batch(tmp_path):
             expected = trained_ref[name] if name == "router" else trained_ref[name][experts]
             np.testing.assert_allclose(t[f"trained_{name}"], expected, rtol=1e-4, atol=1e-5,
                                        err_msg=name)
+
+    # grouped plans with small buffers: every rank drops exactly what the package's rule drops
+    for plan in wk.DROPPING:
+        res = [np.load(out_dir / f"{plan}_rank{r}.npz") for r in range(wk.WORLD)]
+        counts_RE = np.concatenate([got["counts"] for got in res])
+        expert_plan = ExpertPlan(**wk.PLANS[plan])
+        assigned_RS, dropped = grouped_assignments(expert_plan, counts_RE, np.arange(wk.WORLD))
+        # buffers fill rank-major: rank 0 keeps everything, rank 1 drops on both devices
+        assert assigned_RS[0].sum() == counts_RE[0].sum() and dropped > 0
+        on_device = [np.asarray(wk.PLANS[plan]["slot_device"]) == d for d in range(wk.WORLD)]
+        assert all(0 < assigned_RS[1, on].sum() < assigned_RS[:, on].sum() for on in on_device)
+        for r, got in enumerate(res):
+            assert int(got["dropped"]) == counts_RE[r].sum() - assigned_RS[r].sum(), plan
+            x_r = x_np[r * wk.B:(r + 1) * wk.B].reshape(-1, wk.H)
+            y_r = numpy_grouped_moe(x_r, w, expert_plan, counts_RE, assigned_RS, r, wk.K)
+            np.testing.assert_allclose(got["y"].reshape(-1, wk.H), y_r, rtol=1e-4, atol=1e-5,
+                                       err_msg=plan)

@@ -51,13 +51,14 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from ms_efficient.core import backend
 from ms_efficient.moe.alltoall import AllToAllV
-from ms_efficient.moe.ep_routing import rank_dispatch, replica_sync
+from ms_efficient.moe.ep_routing import grouped_dispatch, rank_dispatch, replica_sync
+from ms_efficient.moe.grouped_matmul import GroupedMatmul, row_groups
 from ms_efficient.moe.layer import (TopKArrival, group_tables, make_gelu, routing_counts_buffer,
                                     routing_statistics, sum_choices)
 from ms_efficient.moe.plan import ExpertPlan
-from ms_efficient.moe.split import source_rows
+from ms_efficient.moe.split import SPLIT_UNITS, source_rows
 
-__all__ = ["ExpertParallelMoE", "ReplicaGradSum", "init_expert_weights"]
+__all__ = ["ExpertParallelMoE", "ReplicaGradSum", "CountExchange", "init_expert_weights"]
 
 
 def init_expert_weights(num_experts: int, hidden_size: int, ffn_hidden_size: int,
@@ -121,6 +122,40 @@ class ReplicaGradSum(nn.Cell):
         return (ops.gather(local_U, self.unique_of_slot, 0),)
 
 
+class CountExchange(nn.Cell):
+    """``construct(count_S int32 [S]) -> int32 [W, S]``: every rank's counts, row r from
+    rank r (an AllGather; on a named group on CPU, an AllReduce of a zero [W, S] table with
+    this rank's row filled, as :mod:`~ms_efficient.moe.alltoall`'s emulation). Counts carry no
+    gradient: the backward is zero (the CPU AllGather has no backward)."""
+
+    def __init__(self, world: int, rank: int, group: Optional[str] = None):
+        super().__init__()
+        self.world = world
+        self.gather_rows = False
+        if world == 1:
+            return
+        group = group or backend.world_group()
+        if backend.alltoall_impl(group=group) == backend.ALLTOALL_ALLREDUCE_EMULATION:
+            self.all_reduce = ops.AllReduce(op=ops.ReduceOp.SUM, group=group)
+            self.my_row = Tensor(np.array([[rank]], dtype=np.int32))
+        else:
+            self.gather_rows = True
+            self.all_gather = ops.AllGather(group=group)
+
+    def construct(self, count_S):
+        row_1S = count_S.reshape(1, -1)
+        if self.world == 1:
+            return row_1S
+        if self.gather_rows:
+            return self.all_gather(row_1S)
+        table_WS = ops.zeros((self.world, row_1S.shape[1]), row_1S.dtype)
+        return self.all_reduce(ops.tensor_scatter_update(table_WS, self.my_row, row_1S))
+
+    def bprop(self, count_S, out, dout):
+        """No gradient through counts."""
+        return (ops.zeros_like(count_S),)
+
+
 class ExpertParallelMoE(nn.Cell):
     """Expert-parallel MoE FFN: ``construct(x_BSH) -> (y_BSH, aux_loss, counts_RE, dropped)``.
 
@@ -170,29 +205,16 @@ class ExpertParallelMoE(nn.Cell):
         self.trace_ranks = trace_ranks
         self.plan = plan.validate(num_experts, self.world)
 
-        # Static tables (numpy; the same rows_RS on every rank).
-        self.rows_RS = source_rows(plan, num_experts, self.world, devices_per_node, rank_load_RE)
-        tables = rank_dispatch(plan, self.rows_RS, num_experts, self.rank, devices_per_node)
-        self.tables = tables
-        self.local_slots = tables.local_slots
-        self.local_experts = plan.slot_expert[tables.local_slots]
-        self.groups = tuple((c, len(ix)) for c, ix in tables.groups)
-        self.send_total = int(tables.send_counts.sum())
-        self.num_rows = int(tables.recv_index_N.size)
-        self.dispatch = AllToAllV(tables.send_counts, tables.recv_counts, hidden_size,
-                                  tables.send_rows, group)
-        self.undispatch = AllToAllV(tables.recv_counts, tables.send_counts, hidden_size,
-                                    tables.send_rows, group)
-        self.num_j = tables.replicas_per_expert
-        self.rows_E = Tensor(tables.rows_E)
-        self.ends_EJ = Tensor(tables.ends_EJ)
-        self.shift_X = Tensor(tables.shift_EJ.reshape(-1))
-        # receive rows of every capacity group, slot-major (one gather per group)
-        bounds = np.cumsum([0] + [c * len(ix) for c, ix in tables.groups])
-        self.recv_index = tuple(Tensor(tables.recv_index_N[lo:hi])
-                                for lo, hi in zip(bounds[:-1], bounds[1:]))
-        self.back_index = Tensor(tables.back_index_M)
-        self.group_members = tuple(tuple(int(i) for i in ix) for _, ix in tables.groups)
+        self.grouped = plan.dispatch == "grouped"
+        if self.grouped:
+            if rank_load_RE is not None:
+                raise ValueError("'rank_load_RE' splits the capacities of static plans; a "
+                                 "'grouped' plan splits tokens by its own 'rank_share', so "
+                                 "set that instead, but got rank_load_RE as well.")
+            self._init_grouped(group, devices_per_node)
+        else:
+            self._init_static(group, devices_per_node, rank_load_RE)
+        self.local_experts = plan.slot_expert[self.local_slots]
         sync = replica_sync(plan, self.rank)
         self.sync = ReplicaGradSum(sync, group) if sync.needed else None
 
@@ -209,6 +231,65 @@ class ExpertParallelMoE(nn.Cell):
         self.gelu = make_gelu()
         self.arrival = TopKArrival(num_experts, top_k)
         self.routing_counts = routing_counts_buffer(trace_ranks, num_experts)
+
+    def _init_static(self, group, devices_per_node, rank_load_RE) -> None:
+        """Static tables (numpy; the same rows_RS on every rank) and the two AlltoAllVs."""
+        plan, h = self.plan, self.hidden_size
+        self.rows_RS = source_rows(plan, self.num_experts, self.world, devices_per_node,
+                                   rank_load_RE)
+        tables = rank_dispatch(plan, self.rows_RS, self.num_experts, self.rank,
+                               devices_per_node)
+        self.tables = tables
+        self.local_slots = tables.local_slots
+        self.groups = tuple((c, len(ix)) for c, ix in tables.groups)
+        self.send_total = int(tables.send_counts.sum())
+        self.num_rows = int(tables.recv_index_N.size)
+        self.dispatch = AllToAllV(tables.send_counts, tables.recv_counts, h, tables.send_rows,
+                                  group)
+        self.undispatch = AllToAllV(tables.recv_counts, tables.send_counts, h,
+                                    tables.send_rows, group)
+        self.num_j = tables.replicas_per_expert
+        self.rows_E = Tensor(tables.rows_E)
+        self.ends_EJ = Tensor(tables.ends_EJ)
+        self.shift_X = Tensor(tables.shift_EJ.reshape(-1))
+        # receive rows of every capacity group, slot-major (one gather per group)
+        bounds = np.cumsum([0] + [c * len(ix) for c, ix in tables.groups])
+        self.recv_index = tuple(Tensor(tables.recv_index_N[lo:hi])
+                                for lo, hi in zip(bounds[:-1], bounds[1:]))
+        self.back_index = Tensor(tables.back_index_M)
+        self.group_members = tuple(tuple(int(i) for i in ix) for _, ix in tables.groups)
+
+    def _init_grouped(self, group, devices_per_node) -> None:
+        """Grouped tables (:func:`~ms_efficient.moe.ep_routing.grouped_dispatch`), the count
+        exchange and the two AlltoAllVs: block d of the send buffer has B_d rows, and this
+        rank receives W blocks of its own B_r rows."""
+        tables = grouped_dispatch(self.plan, self.num_experts, self.rank, self.world,
+                                  devices_per_node)
+        self.tables = tables
+        self.local_slots = tables.local_slots
+        world, buffer_D = self.world, tables.buffer_D
+        self.num_rows = int(buffer_D[self.rank])                       # N = B_r
+        self.send_total = int(buffer_D.sum())                          # M = sum_d B_d
+        block = int(buffer_D.max())
+        mine = np.full(world, self.num_rows)
+        self.dispatch = AllToAllV(buffer_D, mine, self.hidden_size, block, group)
+        self.undispatch = AllToAllV(mine, buffer_D, self.hidden_size, block, group)
+        self.count_exchange = CountExchange(world, self.rank, group)
+        self.gmm = GroupedMatmul()
+        self.num_j = tables.replicas_per_expert
+        self.slot_X = Tensor(tables.slot_EJ.reshape(-1))
+        self.cumw_EJ = Tensor(tables.cumw_EJ)
+        self.replica_onehot_XS = Tensor(tables.replica_onehot_XS)
+        self.device_onehot_SD = Tensor(tables.device_onehot_SD)
+        self.slot_device_S = Tensor(tables.slot_device_S)
+        self.earlier_SS = Tensor(tables.earlier_on_device_SS)
+        self.buffer_S = Tensor(tables.buffer_S)
+        self.block_start_S = Tensor(tables.block_start_S)
+        self.local_index = Tensor(tables.local_slots.astype(np.int32))
+        received = np.arange(world * self.num_rows, dtype=np.int32)
+        self.recv_source_I = Tensor(received // self.num_rows)       # I = W * B_r
+        self.recv_row_I = Tensor(received % self.num_rows)
+        self.recv_arange_I = Tensor(received)
 
     def set_weights(self, router_EH, w1_EHF, b1_E1F, w2_EFH, b2_E1H) -> None:
         """Load logical weights (numpy, all E experts): the router, and for every local slot
@@ -229,28 +310,26 @@ class ExpertParallelMoE(nn.Cell):
         probs_TE, weights_TK, expert_ids_A, onehot_AE, position_A = self.arrival(
             self.router(x_TH))
 
-        # Step 2: send row of every assignment: the replica whose reserved rows hold p
-        # (static tables); p beyond them: dropped.
-        keep_A = position_A < ops.gather(self.rows_E, expert_ids_A, 0)
-        if self.num_j == 1:
-            replica_A = expert_ids_A
+        # Step 2: send row of every assignment (m: the zero row, for drops).
+        if self.grouped:
+            keep_A, row_A, kept_WS = self._grouped_send_rows(expert_ids_A, onehot_AE,
+                                                             position_A)
         else:
-            ends_AJ = ops.gather(self.ends_EJ, expert_ids_A, 0)
-            past_A = (ends_AJ <= position_A.reshape(-1, 1)).astype(ms.int32).sum(axis=-1)
-            replica_A = expert_ids_A * self.num_j + ops.minimum(past_A, self.num_j - 1)
-        row_A = ops.select(keep_A, ops.gather(self.shift_X, replica_A, 0) + position_A,
-                           ops.fill(ms.int32, (k * t,), m))               # m: the zero row
+            keep_A, row_A = self._static_send_rows(expert_ids_A, position_A)
 
-        # Step 3: send buffer [M, H] (token T = empty row -> zeros), exchange.
+        # Step 3: send buffer [M, H] (token T = empty row -> zeros).
         token_A = ops.tile(ops.arange(t, dtype=ms.int32), (k,))
         row_token = ops.fill(ms.int32, (m + 1,), t)
         row_token = ops.tensor_scatter_update(row_token, row_A.reshape(-1, 1), token_A)
         x_pad = ops.concat((x_TH, ops.zeros((1, h), x_TH.dtype)), 0)
-        recv_NH = self.dispatch(ops.gather(x_pad, row_token[:m], 0))
+        send_MH = ops.gather(x_pad, row_token[:m], 0)
 
-        # Step 4: local experts on their slot-major rows, results back to receive order.
-        out_NH = self._experts(recv_NH)
-        ret_MH = self.undispatch(ops.gather(out_NH, self.back_index, 0))
+        # Step 4: exchange, local experts, results back to the send rows [M, H].
+        if self.grouped:
+            ret_MH = self._grouped_experts(send_MH, kept_WS)
+        else:
+            out_NH = self._experts(self.dispatch(send_MH))
+            ret_MH = self.undispatch(ops.gather(out_NH, self.back_index, 0))
 
         # Step 5: combine: every assignment reads its send row back, weighted; drops read 0.
         ret_pad = ops.concat((ret_MH, ops.zeros((1, h), ret_MH.dtype)), 0)
@@ -263,6 +342,103 @@ class ExpertParallelMoE(nn.Cell):
         ops.assign(self.routing_counts, counts_RE)
         dropped = (k * t - keep_A.astype(ms.int32).sum()).astype(ms.int32)
         return y_TH.reshape(b, s, h), aux_loss, counts_RE, dropped
+
+    def _static_send_rows(self, expert_ids_A, position_A):
+        """(keep_A, row_A): the replica whose reserved rows hold arrival p (static tables);
+        p beyond them is dropped (row M)."""
+        keep_A = position_A < ops.gather(self.rows_E, expert_ids_A, 0)
+        if self.num_j == 1:
+            replica_A = expert_ids_A
+        else:
+            ends_AJ = ops.gather(self.ends_EJ, expert_ids_A, 0)
+            past_A = (ends_AJ <= position_A.reshape(-1, 1)).astype(ms.int32).sum(axis=-1)
+            replica_A = expert_ids_A * self.num_j + ops.minimum(past_A, self.num_j - 1)
+        row_A = ops.select(keep_A, ops.gather(self.shift_X, replica_A, 0) + position_A,
+                           ops.fill(ms.int32, position_A.shape, self.send_total))
+        return keep_A, row_A
+
+    def _grouped_send_rows(self, expert_ids_A, onehot_AE, position_A):
+        """(keep_A, row_A, kept_WS) of :func:`~ms_efficient.moe.split.grouped_assignments`,
+        in int32 (cuts equal numpy's: c * SPLIT_UNITS < 2^31 for c < 524,288 local
+        assignments of one expert).
+
+        Step 1, the split: c_e local assignments of e; replica j of e takes arrivals
+        [c_e * W_{j-1} // U, c_e * W_j // U); q = p minus its replica's start.
+        Step 2, the buffers: the per-slot counts of every rank (exchanged, [W, S]) give every
+        (rank, slot) block its start in its device's rank-major, slot-minor order, and
+        kept_WS = clip(B_d - start, 0, count). Arrival q of slot s is kept iff q < kept[r, s],
+        at send row block_start(d) + (kept rows of d's earlier slots) + q.
+        """
+        e, j = self.num_experts, self.num_j
+        count_E = onehot_AE.sum(axis=0).astype(ms.int32)
+        bounds_EJ = ops.floor_div(count_E.reshape(-1, 1) * self.cumw_EJ, SPLIT_UNITS)
+        starts_EJ = ops.zeros((e, 1), ms.int32)
+        if j > 1:
+            starts_EJ = ops.concat((starts_EJ, bounds_EJ[:, :j - 1]), 1)
+        sent_S = ((bounds_EJ - starts_EJ).reshape(-1, 1) * self.replica_onehot_XS).sum(axis=0)
+        ends_AJ = ops.gather(bounds_EJ, expert_ids_A, 0)
+        past_A = (ends_AJ <= position_A.reshape(-1, 1)).astype(ms.int32).sum(axis=-1)
+        replica_A = expert_ids_A * j + ops.minimum(past_A, j - 1)
+        slot_A = ops.gather(self.slot_X, replica_A, 0)
+        q_A = position_A - ops.gather(starts_EJ.reshape(-1), replica_A, 0)
+
+        counts_WS = self.count_exchange(sent_S)
+        to_dev_WD = (counts_WS.reshape(self.world, -1, 1)
+                     * self.device_onehot_SD.reshape(1, -1, self.world)).sum(axis=1)
+        before_WD = ops.cumsum(to_dev_WD, 0) - to_dev_WD          # earlier ranks' rows
+        within_WS = (counts_WS.reshape(self.world, -1, 1)
+                     * self.earlier_SS.reshape((1,) + self.earlier_SS.shape)).sum(axis=1)
+        start_WS = ops.gather(before_WD, self.slot_device_S, 1) + within_WS
+        kept_WS = ops.minimum(ops.maximum(self.buffer_S - start_WS, 0), counts_WS)
+
+        kept_S = kept_WS[self.rank]
+        keep_A = q_A < ops.gather(kept_S, slot_A, 0)
+        offset_S = self.block_start_S + (kept_S.reshape(-1, 1) * self.earlier_SS).sum(axis=0)
+        row_A = ops.select(keep_A, ops.gather(offset_S, slot_A, 0) + q_A,
+                           ops.fill(ms.int32, position_A.shape, self.send_total))
+        return keep_A, row_A, kept_WS
+
+    def _grouped_experts(self, send_MH, kept_WS):
+        """Exchange, compact, grouped expert FFNs, exchange back: [M, H] -> [M, H].
+
+        Received row i = (source r, row j of r's block, I = W * B_r rows): in r's block the
+        kept rows of the local slots follow in slot order, so j's slot l and index q follow
+        from kept_WS; it goes to buffer row goff[l] + (rows of l from earlier sources) + q of
+        the [B_r, H] buffer grouped by local slot (group sizes g_L, data), the rest to none.
+        """
+        n, num_local = self.num_rows, self.local_index.shape[0]
+        recv_IH = self.dispatch(send_MH)
+        kept_WL = ops.gather(kept_WS, self.local_index, 1)
+        ends_WL = ops.cumsum(kept_WL, 1)
+        size_L = kept_WL.sum(axis=0).astype(ms.int32)          # the group sizes (data)
+        goff_L = ops.cumsum(size_L, 0) - size_L
+        shift_WL = ops.cumsum(kept_WL, 0) - kept_WL - (ends_WL - kept_WL)
+        ends_IL = ops.gather(ends_WL, self.recv_source_I, 0)
+        slot_I = (ends_IL <= self.recv_row_I.reshape(-1, 1)).astype(ms.int32).sum(axis=-1)
+        valid_I = slot_I < num_local
+        slot_I = ops.minimum(slot_I, num_local - 1)
+        dest_I = (ops.gather(goff_L, slot_I, 0) + self.recv_row_I
+                  + ops.gather(shift_WL.reshape(-1), self.recv_source_I * num_local + slot_I, 0))
+        dest_I = ops.select(valid_I, dest_I, ops.fill(ms.int32, dest_I.shape, n))
+        index_N = ops.fill(ms.int32, (n + 1,), self.recv_arange_I.shape[0])
+        index_N = ops.tensor_scatter_update(index_N, dest_I.reshape(-1, 1), self.recv_arange_I)
+        recv_pad = ops.concat((recv_IH, ops.zeros((1,) + recv_IH.shape[1:], recv_IH.dtype)), 0)
+        out_NH = self._grouped_ffn(ops.gather(recv_pad, index_N[:n], 0), size_L)
+        out_pad = ops.concat((out_NH, ops.zeros((1,) + out_NH.shape[1:], out_NH.dtype)), 0)
+        return self.undispatch(ops.gather(out_pad, dest_I, 0))
+
+    def _grouped_ffn(self, x_NH, size_L):
+        """Local slot FFNs on the grouped buffer [N, H] as two grouped matmuls (slot l owns
+        the rows after the first l groups, size_L int32 [S_l]; rows past their sum, and an
+        empty group, compute nothing and give zeros) -> [N, H]."""
+        w1, b1, w2, b2 = self.w1, self.b1, self.w2, self.b2
+        if self.sync is not None:
+            w1, b1, w2, b2 = self.sync(w1), self.sync(b1), self.sync(w2), self.sync(b2)
+        group_N = row_groups(size_L, x_NH.shape[0])            # S_l for the unused tail
+        b1_pad = ops.concat((b1.reshape(b1.shape[0], -1), ops.zeros((1, b1.shape[2]), b1.dtype)))
+        b2_pad = ops.concat((b2.reshape(b2.shape[0], -1), ops.zeros((1, b2.shape[2]), b2.dtype)))
+        hid = self.gelu(self.gmm(x_NH, w1, size_L) + ops.gather(b1_pad, group_N, 0))
+        return self.gmm(hid, w2, size_L) + ops.gather(b2_pad, group_N, 0)
 
     def _experts(self, recv_NH):
         """Local slot FFNs on the received rows -> slot-major [N, H]: per group of equal

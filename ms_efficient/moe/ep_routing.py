@@ -29,6 +29,15 @@ Static dispatch, in three tables:
    (``recv_index_N``, inverse ``back_index_M``). C_send, the largest block of the group, is
    what an emulation pads every block to.
 
+Grouped dispatch (:func:`grouped_dispatch`, plans with ``dispatch == "grouped"``): the
+tables of the package's rule :func:`~ms_efficient.moe.split.grouped_assignments`, which the
+layer evaluates in the graph on the step's counts. Rank r splits its c tokens of expert e over
+e's replicas (ascending slot) at the cumulative integer weights ``cumw_EJ`` of
+:func:`~ms_efficient.moe.split.grouped_split_weights`; device d keeps, out of what all ranks
+send it (rank-major, slot-minor), the first B_d = ``plan.device_rows()[d]`` rows. The send
+buffer has one block of B_d rows per device d (no rank can have more kept rows there), each
+holding this rank's kept rows of d's slots in ascending slot order.
+
 Replica gradient sync (:func:`replica_sync`): gradients of a logical expert's replicas are
 summed: first over the replicas on this rank, then, for experts with replicas on more than
 one rank ("cross" experts, the same list on every rank), by an AllReduce of a [X, ...] table
@@ -43,9 +52,10 @@ from typing import Optional, Tuple
 import numpy as np
 
 from ms_efficient.moe.plan import ExpertPlan
+from ms_efficient.moe.split import SPLIT_UNITS, grouped_split_weights
 
-__all__ = ["RankDispatch", "rank_dispatch", "ReplicaSync", "replica_sync",
-           "capacity_groups"]
+__all__ = ["RankDispatch", "rank_dispatch", "GroupedDispatch", "grouped_dispatch",
+           "ReplicaSync", "replica_sync", "capacity_groups"]
 
 
 def capacity_groups(slots: np.ndarray,
@@ -178,6 +188,87 @@ def rank_dispatch(plan: ExpertPlan, rows_RS: np.ndarray, num_experts: int, rank:
     return RankDispatch(send_rows, send_counts.copy(), recv_counts.copy(), local_slots, groups,
                         i32(rows_E), i32(ends_EJ), i32(shift_EJ), i32(recv_index_N),
                         i32(back_index_M))
+
+
+@dataclass(frozen=True)
+class GroupedDispatch:
+    """Tables of one rank for ``"grouped"`` dispatch (index tables int32, ready for a Tensor).
+
+    local_slots: int64 [S_l], global ids of the slots on this rank, ascending.
+    buffer_D: int64 [W], row buffer B_d of every device (``plan.device_rows(W)``).
+    slot_EJ: int32 [E, J], the replicas of every expert in ascending slot id, padded with the
+        last one (J = the most replicas of an expert).
+    cumw_EJ: int32 [E, J], this rank's cumulative split weights over them, in units of
+        1 / SPLIT_UNITS, padded with SPLIT_UNITS (a padded replica's range is empty).
+    replica_onehot_XS: int32 [E*J, S], 1 where entry (e, j) of slot_EJ is slot s (padded
+        entries: zero rows), to sum per-replica counts into per-slot counts.
+    device_onehot_SD: int32 [S, W], 1 where slot s is on device d.
+    slot_device_S: int32 [S], device of every slot.
+    earlier_on_device_SS: int32 [S, S], 1 where slot s' (row) precedes slot s (column) on the
+        same device: the slot-minor order of a device's rows.
+    buffer_S: int32 [S], B_d of every slot's device.
+    block_start_S: int32 [S], first row of the block of every slot's device in the send
+        buffer (blocks of B_d rows in device order).
+    """
+
+    local_slots: np.ndarray
+    buffer_D: np.ndarray
+    slot_EJ: np.ndarray
+    cumw_EJ: np.ndarray
+    replica_onehot_XS: np.ndarray
+    device_onehot_SD: np.ndarray
+    slot_device_S: np.ndarray
+    earlier_on_device_SS: np.ndarray
+    buffer_S: np.ndarray
+    block_start_S: np.ndarray
+
+    @property
+    def replicas_per_expert(self) -> int:
+        """J, the most replicas of one expert."""
+        return int(self.slot_EJ.shape[1])
+
+
+def grouped_dispatch(plan: ExpertPlan, num_experts: int, rank: int, world: int,
+                     devices_per_node: Optional[int] = None) -> GroupedDispatch:
+    """The tables of ``rank`` in a group of ``world`` ranks (rank = device) for a
+    ``"grouped"`` plan (see the module docstring).
+
+    Raises ``ValueError`` when the rank hosts no slot or a device's row buffer is 0.
+    """
+    if not 0 <= rank < world:
+        raise ValueError(f"'rank' must be in [0, {world}), but got {rank}.")
+    local_slots = np.flatnonzero(plan.slot_device == rank)
+    if local_slots.size == 0:
+        raise ValueError(f"rank {rank} hosts no slot of the expert plan; every rank of the "
+                         f"expert-parallel group needs at least one slot.")
+    buffer_D = plan.device_rows(world)
+    if (buffer_D < 1).any():
+        d = int(np.flatnonzero(buffer_D < 1)[0])
+        raise ValueError(f"a 'grouped' ExpertPlan needs a row buffer >= 1 on every device, but "
+                         f"device_rows() is {buffer_D.tolist()} (device {d} has 0): give device "
+                         f"{d} a slot with capacity >= 1 or a 'device_buffer' >= 1.")
+    weights_RS = grouped_split_weights(plan, num_experts, np.arange(world), devices_per_node)
+    num_slots = plan.num_slots
+    replicas = [plan.replicas_of(e) for e in range(num_experts)]
+    num_j = max(r.size for r in replicas)
+    slot_EJ = np.zeros((num_experts, num_j), dtype=np.int64)
+    cumw_EJ = np.full((num_experts, num_j), SPLIT_UNITS, dtype=np.int64)
+    replica_onehot_XS = np.zeros((num_experts * num_j, num_slots), dtype=np.int64)
+    for e, slots in enumerate(replicas):
+        slot_EJ[e] = slots[np.minimum(np.arange(num_j), slots.size - 1)]
+        cumw_EJ[e, :slots.size] = np.cumsum(weights_RS[rank, slots])
+        replica_onehot_XS[e * num_j + np.arange(slots.size), slots] = 1
+    assert (cumw_EJ[:, -1] == SPLIT_UNITS).all(), cumw_EJ
+    device_onehot_SD = np.zeros((num_slots, world), dtype=np.int64)
+    device_onehot_SD[np.arange(num_slots), plan.slot_device] = 1
+    same = plan.slot_device[:, None] == plan.slot_device[None, :]
+    earlier = np.arange(num_slots)[:, None] < np.arange(num_slots)[None, :]
+    block_start_D = np.cumsum(buffer_D) - buffer_D
+    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
+    return GroupedDispatch(local_slots, buffer_D, i32(slot_EJ), i32(cumw_EJ),
+                           i32(replica_onehot_XS), i32(device_onehot_SD), i32(plan.slot_device),
+                           i32(same & earlier), i32(buffer_D[plan.slot_device]),
+                           i32(block_start_D[plan.slot_device]))
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,15 @@ PLANS = {
     "hot": dict(slot_expert=[0, 1, 2, 0, 3], slot_device=[0, 0, 0, 1, 1],
                 slot_capacity=[T_LOCAL + 8, FULL, FULL, T_LOCAL - 8, FULL]),
 }
+# Grouped dispatch (one row buffer per device, a fixed split over replicas): the hot layout,
+# rank 0 keeping expert 0 on its own replica and rank 1 splitting it half/half (its static
+# share spills 8 of 16 rows); buffers 88 and 40 rows hold everything a device can receive
+# (device 1: at most 2 * T_LOCAL rows of expert 3 and T_LOCAL / 2 of expert 0).
+PLANS["grouped-hot"] = dict(PLANS["hot"], dispatch="grouped")
+# The same with buffers of 24 and 12 rows: both devices drop (rank 1's rows: buffers fill
+# rank-major); the test checks which assignments against split.grouped_assignments.
+PLANS["grouped-tight"] = dict(PLANS["hot"], slot_capacity=[8, 8, 8, 4, 8], dispatch="grouped")
+DROPPING = ("grouped-tight",)
 # MPipeMoE: the spread plan in 2 chunks of the batch (one sample each), every slot sized for a
 # chunk (still dropless: a rank routes at most T_LOCAL / 2 tokens to an expert per chunk)
 PLANS["spread-chunked"] = dict(PLANS["spread"], slot_capacity=[FULL // 2] * 4)
