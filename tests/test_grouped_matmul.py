@@ -199,3 +199,16 @@ def test_blas_flags_carry_an_rpath_and_change_the_cached_library(tmp_path):
     with_blas = G.build_grouped_matmul_library(use_blas=True, cache_dir=str(tmp_path))
     plain = G.build_grouped_matmul_library(use_blas=False, cache_dir=str(tmp_path))
     assert with_blas != plain
+
+
+def test_without_the_blas_package_the_loop_is_built_with_a_log_line(tmp_path, monkeypatch,
+                                                                     caplog):
+    monkeypatch.setattr(G, "blas_build_flags", lambda: None)
+    with caplog.at_level("INFO", logger=G.__name__):
+        library = G.build_grouped_matmul_library(cache_dir=str(tmp_path))
+    assert "scipy_openblas32 is not installed" in caplog.text
+    lib = ctypes.CDLL(library)
+    lib.MoeGroupedMatmulBackend.restype = ctypes.c_char_p
+    assert lib.MoeGroupedMatmulBackend() == b"loop"
+    with pytest.raises(G.KernelBuildError, match="pip install scipy-openblas32"):
+        G.build_grouped_matmul_library(use_blas=True, cache_dir=str(tmp_path))

@@ -54,8 +54,11 @@ logger = logging.getLogger(__name__)
 GMM_SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "cpu" / "grouped_matmul.cc"
 BLAS_PACKAGE = "scipy_openblas32"  # pip install scipy-openblas32: headers + prefixed symbols
 GMM_THREADS_ENV = "MS_EFFICIENT_GMM_THREADS"
-# BLAS threads per product. Set by measurement (scripts/bench_grouped_matmul.py --threads):
-# on the 2-core CPU machine, 1 thread left the other core to MindSpore's own pool ...
+# OpenBLAS threads per product, chosen by measurement (scripts/bench_grouped_matmul.py
+# --threads 1 2, 2-core CPU shared with other jobs): 2 threads made the reference layer's
+# forward+backward 5x slower than 1 (594 vs 111 ms; the kernel alone 50-101 vs 17-21 ms on
+# [4096, 256] x [8, 256, 512]), as OpenBLAS's spinning threads fight MindSpore's own pool and
+# the other jobs for the 2 cores. Override with $MS_EFFICIENT_GMM_THREADS on a larger machine.
 DEFAULT_BLAS_THREADS = 1
 
 
@@ -150,9 +153,13 @@ def _shape_weight_grad(x, dy, sizes):
 class _AotGroupedMatmul:
     """The three aot primitives of one library; each backward is made of the others:
 
-        forward(x, w, s)      -> y = x_e @ w_e        dx = trans_w(dy, w, s), dw = weight_grad(x, dy, s)
-        trans_w(dy, w, s)     -> d = dy_e @ w_e^T     ddy = forward(dd, w, s), dw = weight_grad(dd, dy, s)
-        weight_grad(x, dy, s) -> g_e = x_e^T @ dy_e   dx = trans_w(dy, dg, s), ddy = forward(x, dg, s)
+        forward(x, w, s)      -> y = x_e @ w_e        dx = trans_w(dy, w, s)
+                                                      dw = weight_grad(x, dy, s)
+        trans_w(dy, w, s)     -> d = dy_e @ w_e^T     ddy = forward(dd, w, s)
+                                                      dw = weight_grad(dd, dy, s)
+        weight_grad(x, dy, s) -> g_e = x_e^T @ dy_e   dx = trans_w(dy, dg, s)
+                                                      ddy = forward(x, dg, s)
+    Group sizes get zero gradients.
     """
 
     def __init__(self, library: str):
