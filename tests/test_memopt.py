@@ -294,8 +294,10 @@ def test_calibration_rejects_measurements_the_layer_model_cannot_explain():
 
 
 def test_measured_check_plans_on_the_calibrated_profile_and_fits_the_budget():
-    """The whole check with a stand-in for the MindSpore process: the "device" is a profile
-    whose bytes differ from the estimate per Cell kind, as on the real CPU run."""
+    """The check's plumbing with a stand-in for the MindSpore process (the "device" is a
+    profile whose bytes differ from the estimate per Cell kind, as on the real CPU run): it
+    recovers the true per-kind scale. The simulator against MindSpore's real allocator peak
+    is the slow test below."""
     from ms_efficient.core.cluster import get_cluster
     from ms_efficient.core.config import ModelConfig, MoEConfig
     from ms_efficient.memopt.measure import REFERENCE, measured_check
@@ -392,6 +394,13 @@ def test_measured_full_recompute_lowers_the_peak_and_memopt_fits_its_budget():
     assert by["none"]["peak_bytes"] > info["budget_bytes"]
     assert 0 < by["memopt"]["recomputed_cells"] < 8
     assert by["memopt"]["peak_bytes"] <= info["budget_bytes"]
+    # the simulator against MindSpore's allocator on a plan it was not fitted to: memopt's
+    # Cell set is none of the calibration plans, and its simulated peak is within 2 % of
+    # the real one (0.06 % when this was written: 66.90 vs 66.86 MB)
+    calibrated = [sorted(c["recompute"]) for c in info["calibration"].values()]
+    assert sorted(info["recompute"]["memopt"]) not in calibrated
+    assert by["memopt"]["simulated_peak_bytes"] == pytest.approx(by["memopt"]["peak_bytes"],
+                                                                 rel=0.02)
 
 
 def test_max_batch_bound_is_the_last_batch_whose_unavoidable_minimum_fits():
