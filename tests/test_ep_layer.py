@@ -1,5 +1,6 @@
 """Expert-parallel MoE layer: static routing tables, equivalence with MoEFeedForward, tied
-replicas, and a 2-worker msrun run compared with one process.
+replicas, grouped dispatch (drops as split.grouped_assignments), and a 2-worker msrun run
+compared with one process.
 
 Fast tests run in one process (W = 1, no communication init) in GRAPH_MODE. The slow test
 launches tests/dist/check_ep_moe.py on 2 CPU workers through scripts/msrun_launcher.sh (about
@@ -423,6 +424,15 @@ def test_bad_grouped_plans_are_rejected():
         ExpertParallelMoE(H, F, E, K, plan, rank_load_RE=np.ones((1, E)))
 
 
+def test_a_grouped_layer_refuses_more_tokens_than_its_int32_split_is_exact_for(monkeypatch):
+    import ms_efficient.moe.ep_layer as ep_layer_module
+
+    monkeypatch.setattr(ep_layer_module, "MAX_GROUPED_TOKENS", T - 1)
+    layer = grouped_layer(weights(), [0, 1, 2, 3], [T] * E)
+    with pytest.raises(ValueError, match=f"at most {T - 1} local tokens per call, but got {T}"):
+        layer(batch()[0])
+
+
 # --- 2 workers (msrun) ------------------------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[1]
@@ -478,7 +488,9 @@ def test_two_workers_match_one_process_on_the_whole_batch(tmp_path):
     """Each rank feeds half the batch: outputs, counts, input gradients and every slot's
     gradient (= its logical expert's, summed over replicas) equal MoEFeedForward on the whole
     batch, with experts spread over the ranks, the same in 2 MPipeMoE chunks (PipelinedMoE),
-    and with a hot expert on both ranks (one rank spilling into the other's replica); after
+    and with a hot expert on both ranks (one rank spilling into the other's replica), static
+    and grouped (dropless buffers); with small grouped buffers each rank drops what
+    split.grouped_assignments drops and its outputs equal a numpy MoE without those; after
     Adam steps the hot expert's replicas are
     identical on both ranks and every weight matches the one-process run."""
     wk = _worker_module()

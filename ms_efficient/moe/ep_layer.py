@@ -1,8 +1,9 @@
 """Expert-parallel MoE layer: experts as physical slots (replicas) on the ranks of a group.
 
 Shapes (names carry their dimensions): T local tokens, H hidden, F expert FFN width, E logical
-experts, K top-k, A = K*T assignments, W ranks, S_l slots on this rank, M rows this rank sends
-(the rows it reserves on all slots), N rows computed by the local slots (= rows received).
+experts, K top-k, A = K*T assignments, W ranks, S slots, S_l slots on this rank, M rows this
+rank sends (the rows it reserves on all slots), N rows computed by the local slots (= rows
+received; grouped: the device buffer B_r), I = W * B_r rows received (grouped).
 
 An :class:`~ms_efficient.moe.plan.ExpertPlan` maps every slot to a logical expert, a device
 (= rank in the expert-parallel group) and a static capacity. Each rank holds the weights of its
@@ -25,7 +26,27 @@ the source ranks before compilation (:func:`~ms_efficient.moe.split.source_rows`
 shares of each expert's total capacity by default), because every rank must know, without
 communication, how many rows it owns in every slot. Static shapes, so the graph compiles once;
 a rank that routes more than its share of an expert drops the excess even if another rank
-left room (count-based dispatch would not; it needs dynamic shapes).
+left room (count-based dispatch would not; it needs dynamic shapes). This is the path of
+every plan whose ``dispatch`` is not ``"grouped"``.
+
+Grouped dispatch (``plan.dispatch == "grouped"``, padding-free experts) runs the package's rule
+:func:`~ms_efficient.moe.split.grouped_assignments` in the graph, on the step's counts:
+
+    arrival p of (this rank, e) -> replica j of e by the fixed integer split (c_e local
+            assignments cut at c_e * W_j // SPLIT_UNITS, int32: the same cuts as numpy),
+            index q within (rank, slot)
+         -> per-slot counts [S] -> AllGather -> [W, S] on every rank (CountExchange)
+         -> kept_WS: device d keeps the first B_d rows in ascending source rank, slot-minor
+            (the others are dropped at the sender, which knows them from the counts)
+         -> send buffer [M = sum_d B_d, H], block d (B_d rows, the most one rank can have kept
+            on d) = this rank's kept rows of d's slots, slot-major -> AllToAllV
+         -> W blocks of B_r rows -> compacted into [N = B_r, H] grouped by local slot,
+            group sizes = kept rows (data) -> FFNs as two grouped matmuls
+            (:class:`~ms_efficient.moe.grouped_matmul.GroupedMatmul`) -> AllToAllV back
+         -> the same combine as above; dropped assignments read zeros.
+
+All shapes stay static (B_d from ``plan.device_rows()``), so the graph compiles once per
+plan; which rows are real is data. Slot capacities only set the buffers and the split weights.
 
 Gradient sync of replicas: replicas of a logical expert start identical (initialised from a
 seed and the logical expert id) and get the same gradient, the sum over all replicas, so any
@@ -59,6 +80,10 @@ from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import SPLIT_UNITS, source_rows
 
 __all__ = ["ExpertParallelMoE", "ReplicaGradSum", "CountExchange", "init_expert_weights"]
+
+# Grouped splits compute count * weight in int32 with weight <= SPLIT_UNITS and count <= the
+# local tokens T (an expert is chosen at most once per token): exact while T * 4096 < 2^31.
+MAX_GROUPED_TOKENS = (2 ** 31 - 1) // SPLIT_UNITS
 
 
 def init_expert_weights(num_experts: int, hidden_size: int, ffn_hidden_size: int,
@@ -165,13 +190,15 @@ class ExpertParallelMoE(nn.Cell):
         num_experts: E logical experts.
         top_k: K experts per token; gate weights renormalised to sum to 1.
         plan: the slots (logical expert, device = rank in ``group``, capacity); validated.
+            ``plan.dispatch == "grouped"``: grouped dispatch (module docstring); every
+            device needs a buffer ``plan.device_rows()[d] >= 1``; others: static dispatch.
         group: expert-parallel communication group; default the world group. W = its size
             (1 before ``init()``: then no collective is created).
         rank: this process's rank in ``group``; default the actual one (checked when given).
         devices_per_node: devices per node, for the same-node tier of the replica choice.
         rank_load_RE: optional float [W, E] per-rank load forecast; each expert's capacity is
             split among source ranks in proportion (default equal). Must be the same on
-            every rank.
+            every rank. Static plans only (a grouped plan splits by its ``rank_share``).
         trace_ranks: R; this rank's T tokens are split into R equal groups for counts_RE.
         init_std, seed: weights from :func:`init_expert_weights` (the same on every rank).
 
@@ -180,7 +207,9 @@ class ExpertParallelMoE(nn.Cell):
         aux_loss: Switch load-balancing loss E * sum_e f_e * p_e over the local tokens (as in
             :class:`~ms_efficient.moe.layer.MoEFeedForward`; average it over ranks).
         counts_RE: int32 [R, E], assignments each group of local tokens routed to each expert.
-        dropped: int32 scalar, local assignments beyond the rows this rank owns.
+        dropped: int32 scalar, local assignments beyond the rows this rank owns (static), or
+            beyond the device buffers (grouped: :func:`~ms_efficient.moe.split.
+            grouped_assignments`, this rank's part of its drop count).
 
     Parameters: ``router.weight`` [E, H] (data-parallel), ``w1`` [S_l, H, F], ``b1``
     [S_l, 1, F], ``w2`` [S_l, F, H], ``b2`` [S_l, 1, H] for the local slots ``local_slots``
@@ -370,6 +399,11 @@ class ExpertParallelMoE(nn.Cell):
         at send row block_start(d) + (kept rows of d's earlier slots) + q.
         """
         e, j = self.num_experts, self.num_j
+        tokens = position_A.shape[0] // self.top_k
+        if tokens > MAX_GROUPED_TOKENS:
+            raise ValueError(f"a grouped ExpertParallelMoE splits in int32, exact for at most "
+                             f"{MAX_GROUPED_TOKENS} local tokens per call, but got {tokens}; "
+                             f"split the batch.")
         count_E = onehot_AE.sum(axis=0).astype(ms.int32)
         bounds_EJ = ops.floor_div(count_E.reshape(-1, 1) * self.cumw_EJ, SPLIT_UNITS)
         starts_EJ = ops.zeros((e, 1), ms.int32)
