@@ -62,7 +62,8 @@ bool is_int32(const char *dtype) {
 
 #ifndef MOE_GMM_OPENBLAS
 // Tile of the fallback: kRowBlock rows of C share every loaded row of B, and kColBlock columns
-// keep those C rows (4 x 256 floats = 4 KiB) in L1 while B's rows stream through.
+// keep those C rows (4 x 256 floats = 4 KiB) in L1 while B's rows stream through. The micro
+// kernel below is written for kRowBlock = 4.
 constexpr int64_t kRowBlock = 4;
 constexpr int64_t kColBlock = 256;
 // Work (m * n * k multiply-adds) below which the fallback stays on one thread.
@@ -80,8 +81,10 @@ int loop_threads() {
 #endif
 }
 
-// C[m,n] = A[m,k] @ B[k,n], all row-major and contiguous.
-void gemm_nn_loop(int64_t m, int64_t n, int64_t k, const float *a, const float *b, float *c) {
+// C[m,n] = A[m,k] @ B[k,n], all row-major and contiguous. Every loaded row of B updates
+// kRowBlock rows of C in one vectorised pass (4 multiply-adds per load of B).
+void gemm_nn_loop(int64_t m, int64_t n, int64_t k, const float *__restrict a,
+                  const float *__restrict b, float *__restrict c) {
   const int64_t row_blocks = (m + kRowBlock - 1) / kRowBlock;
 #pragma omp parallel for schedule(static) num_threads(loop_threads()) \
     if (m * n * k >= kParallelMinWork)
@@ -89,15 +92,22 @@ void gemm_nn_loop(int64_t m, int64_t n, int64_t k, const float *a, const float *
     const int64_t i0 = ib * kRowBlock, rows = std::min(kRowBlock, m - i0);
     for (int64_t j0 = 0; j0 < n; j0 += kColBlock) {
       const int64_t cols = std::min(kColBlock, n - j0);
-      for (int64_t r = 0; r < rows; ++r) std::fill_n(c + (i0 + r) * n + j0, cols, 0.0f);
+      float acc[kRowBlock][kColBlock] = {};
+      // Rows past m (a partial last block) get weight 0 and are never stored.
       for (int64_t p = 0; p < k; ++p) {
-        const float *brow = b + p * n + j0;
-        for (int64_t r = 0; r < rows; ++r) {
-          const float air = a[(i0 + r) * k + p];
-          float *crow = c + (i0 + r) * n + j0;
-          for (int64_t j = 0; j < cols; ++j) crow[j] += air * brow[j];
+        const float *__restrict brow = b + p * n + j0;
+        float a_r[kRowBlock];
+        for (int64_t r = 0; r < kRowBlock; ++r) a_r[r] = r < rows ? a[(i0 + r) * k + p] : 0.0f;
+#pragma omp simd
+        for (int64_t j = 0; j < cols; ++j) {
+          const float bj = brow[j];
+          acc[0][j] += a_r[0] * bj;
+          acc[1][j] += a_r[1] * bj;
+          acc[2][j] += a_r[2] * bj;
+          acc[3][j] += a_r[3] * bj;
         }
       }
+      for (int64_t r = 0; r < rows; ++r) std::copy_n(acc[r], cols, c + (i0 + r) * n + j0);
     }
   }
 }
