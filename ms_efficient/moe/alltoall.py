@@ -39,7 +39,7 @@ from mindspore import Tensor, nn, ops
 
 from ms_efficient.core import backend
 
-__all__ = ["AllToAll", "AllToAllV"]
+__all__ = ["AllToAll", "AllToAllV", "CountExchange"]
 
 
 class AllToAll(nn.Cell):
@@ -199,3 +199,37 @@ class AllToAllV(nn.Cell):
         rest = x.shape[1:]
         out = self.alltoallv(x.reshape(-1), send_numel, recv_numel)
         return out.reshape((rows_out,) + rest)
+
+
+class CountExchange(nn.Cell):
+    """``construct(count_S int32 [S]) -> int32 [W, S]``: every rank's counts, row r from
+    rank r (an AllGather; on a named group on CPU, an AllReduce of a zero [W, S] table with
+    this rank's row filled, as :mod:`~ms_efficient.moe.alltoall`'s emulation). Counts carry no
+    gradient: the backward is zero (the CPU AllGather has no backward)."""
+
+    def __init__(self, world: int, rank: int, group: Optional[str] = None):
+        super().__init__()
+        self.world = world
+        self.gather_rows = False
+        if world == 1:
+            return
+        group = group or backend.world_group()
+        if backend.alltoall_impl(group=group) == backend.ALLTOALL_ALLREDUCE_EMULATION:
+            self.all_reduce = ops.AllReduce(op=ops.ReduceOp.SUM, group=group)
+            self.my_row = Tensor(np.array([[rank]], dtype=np.int32))
+        else:
+            self.gather_rows = True
+            self.all_gather = ops.AllGather(group=group)
+
+    def construct(self, count_S):
+        row_1S = count_S.reshape(1, -1)
+        if self.world == 1:
+            return row_1S
+        if self.gather_rows:
+            return self.all_gather(row_1S)
+        table_WS = ops.zeros((self.world, row_1S.shape[1]), row_1S.dtype)
+        return self.all_reduce(ops.tensor_scatter_update(table_WS, self.my_row, row_1S))
+
+    def bprop(self, count_S, out, dout):
+        """No gradient through counts."""
+        return (ops.zeros_like(count_S),)

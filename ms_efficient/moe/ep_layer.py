@@ -35,7 +35,7 @@ Grouped dispatch (``plan.dispatch == "grouped"``, padding-free experts) runs the
     arrival p of (this rank, e) -> replica j of e by the fixed integer split (c_e local
             assignments cut at c_e * W_j // SPLIT_UNITS, int32: the same cuts as numpy),
             index q within (rank, slot)
-         -> per-slot counts [S] -> AllGather -> [W, S] on every rank (CountExchange)
+         -> per-slot counts [S] -> AllGather -> [W, S] on every rank (alltoall.CountExchange)
          -> kept_WS: device d keeps the first B_d rows in ascending source rank, slot-minor
             (the others are dropped at the sender, which knows them from the counts)
          -> send buffer [M = sum_d B_d, H], block d (B_d rows, the most one rank can have kept
@@ -71,7 +71,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from ms_efficient.core import backend
-from ms_efficient.moe.alltoall import AllToAllV
+from ms_efficient.moe.alltoall import AllToAllV, CountExchange
 from ms_efficient.moe.ep_routing import grouped_dispatch, rank_dispatch, replica_sync
 from ms_efficient.moe.grouped_matmul import GroupedMatmul, row_groups
 from ms_efficient.moe.layer import (TopKArrival, group_tables, make_gelu, routing_counts_buffer,
@@ -79,7 +79,7 @@ from ms_efficient.moe.layer import (TopKArrival, group_tables, make_gelu, routin
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import SPLIT_UNITS, source_rows
 
-__all__ = ["ExpertParallelMoE", "ReplicaGradSum", "CountExchange", "init_expert_weights"]
+__all__ = ["ExpertParallelMoE", "ReplicaGradSum", "init_expert_weights"]
 
 # Grouped splits compute count * weight in int32 with weight <= SPLIT_UNITS and count <= the
 # local tokens T (an expert is chosen at most once per token): exact while T * 4096 < 2^31.
@@ -145,40 +145,6 @@ class ReplicaGradSum(nn.Cell):
             table_X = self.all_reduce(table_X[:self.num_cross])
             local_U = ops.gather(ops.concat((table_X, local_U), 0), self.pick_U, 0)
         return (ops.gather(local_U, self.unique_of_slot, 0),)
-
-
-class CountExchange(nn.Cell):
-    """``construct(count_S int32 [S]) -> int32 [W, S]``: every rank's counts, row r from
-    rank r (an AllGather; on a named group on CPU, an AllReduce of a zero [W, S] table with
-    this rank's row filled, as :mod:`~ms_efficient.moe.alltoall`'s emulation). Counts carry no
-    gradient: the backward is zero (the CPU AllGather has no backward)."""
-
-    def __init__(self, world: int, rank: int, group: Optional[str] = None):
-        super().__init__()
-        self.world = world
-        self.gather_rows = False
-        if world == 1:
-            return
-        group = group or backend.world_group()
-        if backend.alltoall_impl(group=group) == backend.ALLTOALL_ALLREDUCE_EMULATION:
-            self.all_reduce = ops.AllReduce(op=ops.ReduceOp.SUM, group=group)
-            self.my_row = Tensor(np.array([[rank]], dtype=np.int32))
-        else:
-            self.gather_rows = True
-            self.all_gather = ops.AllGather(group=group)
-
-    def construct(self, count_S):
-        row_1S = count_S.reshape(1, -1)
-        if self.world == 1:
-            return row_1S
-        if self.gather_rows:
-            return self.all_gather(row_1S)
-        table_WS = ops.zeros((self.world, row_1S.shape[1]), row_1S.dtype)
-        return self.all_reduce(ops.tensor_scatter_update(table_WS, self.my_row, row_1S))
-
-    def bprop(self, count_S, out, dout):
-        """No gradient through counts."""
-        return (ops.zeros_like(count_S),)
 
 
 class ExpertParallelMoE(nn.Cell):
