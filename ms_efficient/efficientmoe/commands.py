@@ -3,7 +3,8 @@
     ms-efficient plan moe --trace FILE.npz [--cluster NAME] [--dispatch grouped|static]
                           --out plan.yaml
     ms-efficient bench moe [--quick] [--trace FILE.npz ...] [--cluster NAME] --json OUT
-                           [--config CONFIG] [--steps N] [--init-from RUN_DIR] [--no-measured]
+                           [--config CONFIG] [--steps N] [--init-from RUN_DIR]
+                           [--no-measured | --no-simulated]
 
 The bench runs two kinds of evidence, never mixed in one number: measured rows (the reference
 model trained on this CPU under each capacity policy, see ``bench.run_measured``) and simulated
@@ -71,6 +72,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                                             "method starts from (e.g. runs/demo)")
     parser.add_argument("--no-measured", action="store_true",
                         help="simulated rows only (no MindSpore training)")
+    parser.add_argument("--no-simulated", action="store_true",
+                        help="measured rows only (no trace replay)")
     parser.add_argument("--static-blocks", choices=("exact", "equal"), default="exact",
                         help="simulated All-to-All of static-graph methods: per-peer counts "
                              "fixed at compile time (AlltoAllV, what ExpertParallelMoE sends), "
@@ -91,6 +94,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"'--steps' must be a positive integer, but got {args.steps}.")
+    if args.no_measured and args.no_simulated:
+        raise ValueError("'--no-measured' and '--no-simulated' together leave nothing to run; "
+                         "give at most one of them.")
     bad_skew = [s for s in args.skew if not 0 <= s <= 4]
     if bad_skew:
         raise ValueError(f"'--skew' values must be in [0, 4], but got {bad_skew[0]}.")
@@ -122,14 +128,16 @@ def run_bench(args: argparse.Namespace) -> int:
     measured = [r for r in rows if r["evidence"] == "measured"]
     from ms_efficient.efficientmoe.replay import ReplayConfig
 
-    rows += run_simulated(traces, args.cluster, args.quick,
-                          config=ReplayConfig(static_blocks=args.static_blocks))
+    if not args.no_simulated:
+        rows += run_simulated(traces, args.cluster, args.quick,
+                              config=ReplayConfig(static_blocks=args.static_blocks))
     if measured:
         print("Measured (MindSpore GRAPH_MODE on this CPU):")
         print(benchio.markdown_table(measured, MEASURED_COLUMNS))
         print()
-    print("Simulated (trace replay on the cluster preset):")
-    print(markdown_table(rows))
+    if not args.no_simulated:
+        print("Simulated (trace replay on the cluster preset):")
+        print(markdown_table(rows))
     write_bench_json(args.json, "moe", rows,
                      meta={"quick": args.quick, "seconds": round(time.perf_counter() - start, 1),
                            "config": args.config, "init_from": args.init_from,
