@@ -59,6 +59,15 @@ def test_callback_needs_an_moe_layer_and_a_valid_period():
         RoutingTraceCallback(layer).trace()
 
 
+def test_efficientmoe_callback_refuses_a_network_with_only_grouped_layers():
+    from ms_efficient.core.config import EfficientMoEConfig
+    from ms_efficient.efficientmoe.apply import EfficientMoECallback
+
+    grouped = MoEFeedForward(8, 16, num_experts=4, top_k=1, capacity=8, dispatch="grouped")
+    with pytest.raises(ValueError, match="dispatch 'static'.*no capacity to plan"):
+        EfficientMoECallback(grouped, EfficientMoEConfig(enabled=True))
+
+
 def test_trace_steps_keep_counting_up_across_model_train_calls(tmp_path):
     from ms_efficient.cli import main
 

@@ -146,10 +146,13 @@ class EfficientMoECallback(RoutingTraceCallback):
         else:
             raise TypeError(f"'config' must be a RunConfig or an EfficientMoEConfig, but got "
                             f"{type(config).__name__}.")
-        self.layers = [c for c in self.layers if hasattr(c, "set_capacities")]
+        self.layers = [c for c in self.layers if hasattr(c, "set_capacities")
+                       and getattr(c, "dispatch", "static") == "static"]
         if not self.layers:
             raise ValueError("'network' has no MoE layer with per-expert capacities "
-                             "(MoEFeedForward) to re-plan.")
+                             "(MoEFeedForward with dispatch 'static') to re-plan; a grouped "
+                             "layer on one device computes only its routed rows and has no "
+                             "capacity to plan.")
         self.cfg, self.cluster = em, cluster
         self.planner: Optional[EfficientMoEPlanner] = None
         self.loop: Optional[ReplanLoop] = None
@@ -215,6 +218,12 @@ def efficientmoe_pass(network: nn.Cell, context) -> tuple:
     if not layers:
         raise ValueError("efficientmoe: found no MoEFeedForward layer in the network; the pass "
                          "plans the capacities of the package's MoE layer.")
+    grouped = [p for p, c in layers if c.dispatch == "grouped"]
+    if grouped:
+        raise ValueError(f"efficientmoe: MoE layers {grouped} use dispatch 'grouped': on one "
+                         f"device they compute only their routed rows and have no capacities "
+                         f"to plan; plan replicas and row buffers for an expert-parallel run "
+                         f"with `ms-efficient plan moe --dispatch grouped`.")
     em = context.config.efficientmoe
     if not em.history:
         raise ValueError("efficientmoe: the pass plans capacities before compilation from a "
