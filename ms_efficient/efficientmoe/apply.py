@@ -182,7 +182,7 @@ class EfficientMoECallback(RoutingTraceCallback):
             self.planner = self._planner(tokens)
             self.loop = ReplanLoop(self.planner, em.monitor_steps)
         # the step that just ran: each expert drops its count beyond its capacity
-        self.loop.observe(int(np.maximum(load[-1] - current, 0).sum()), int(load[-1].sum()))
+        self.loop.observe(np.maximum(load[-1] - current, 0).sum(axis=1), load[-1].sum(axis=1))
         polled = self.loop.poll(seen, one_device_counts(load),
                                 single_device_plans(current, top_k, tokens))
         if polled is None:

@@ -49,13 +49,15 @@ class PlacementConfig:
     capacity_multiple: capacities are multiples of this (tokens). drop_target: expected drop
     rate the capacity model aims at. levels: points of the coarse grid of replication levels.
     dispatch: "static" (per-rank, per-slot capacities) or "grouped" (one row buffer per
-    device, see :mod:`ms_efficient.moe.plan`)."""
+    device, see :mod:`ms_efficient.moe.plan`). buffer_drop_target: expected drop rate the
+    row buffers of "grouped" plans aim at."""
 
     slots_per_device: int
     capacity_multiple: int = 16
     drop_target: float = 0.005
     levels: int = 5
     dispatch: str = "static"
+    buffer_drop_target: float = 0.0005
 
     def __post_init__(self) -> None:
         if self.dispatch not in ("static", "grouped"):
@@ -282,7 +284,7 @@ def _plan_grouped(load: np.ndarray, model: CostModel, config: PlacementConfig, r
             if seen.shape != load.shape:
                 raise ValueError(f"'seen_max_RE' must have the load's shape {load.shape}, "
                                  f"but got {seen.shape}.")
-            buffers = device_buffers(plan, seen, None, rd, dpn, config.drop_target,
+            buffers = device_buffers(plan, seen, None, rd, dpn, config.buffer_drop_target,
                                      config.capacity_multiple, bound)
             plan = dataclasses.replace(plan, device_buffer=buffers)
         return dataclasses.replace(plan, **sizes)
@@ -294,7 +296,7 @@ def _plan_grouped(load: np.ndarray, model: CostModel, config: PlacementConfig, r
 
     max_extra = min(config.slots_per_device * num_hosts, num_experts * num_hosts) - num_experts
     best_cost, plan, bound, _ = _best_level(candidate, max_extra, config.levels)
-    buffers = device_buffers(plan, load, rel_err_KRE, rd, dpn, config.drop_target,
+    buffers = device_buffers(plan, load, rel_err_KRE, rd, dpn, config.buffer_drop_target,
                              config.capacity_multiple, bound)
     # one size for every host (their loads are levelled anyway): a later placement that moves
     # load between devices then still fits, and keeps the compiled buffers

@@ -160,6 +160,9 @@ class PlannerConfig:
     dispatch: "static" (per-rank, per-slot capacities, padded) or "grouped" (padding-free
         grouped expert compute over one row buffer per device; the capacity model sizes the
         buffers, ``capacity_levels`` does not apply).
+    buffer_drop_target: expected drop rate the row buffers of "grouped" plans aim at. Lower
+        than ``drop_target``: a buffer row costs memory, not time (the grouped matmul
+        computes only the rows it receives), so dropping is not worth a saving.
     """
 
     slots_per_device: Optional[int] = None
@@ -174,11 +177,13 @@ class PlannerConfig:
     bytes_per_param: float = 14.0
     max_drop_rate: Optional[float] = 0.01
     dispatch: str = "static"
+    buffer_drop_target: float = 0.0005
 
     def __post_init__(self) -> None:
         checks = [
             ("capacity_multiple", self.capacity_multiple >= 1, ">= 1"),
             ("drop_target", 0.0 <= self.drop_target < 1.0, "in [0, 1)"),
+            ("buffer_drop_target", 0.0 <= self.buffer_drop_target < 1.0, "in [0, 1)"),
             ("residual_window", self.residual_window >= 1, ">= 1"),
             ("predictor", self.predictor in PREDICTOR_NAMES, f"one of {list(PREDICTOR_NAMES)}"),
             ("max_forecast_error", self.max_forecast_error > 0, "> 0"),
@@ -261,7 +266,8 @@ class EfficientMoEPlanner:
         slots = config.slots_per_device or (
             num_experts if hosts == 1 else default_slots_per_device(num_experts, hosts))
         self.placement = PlacementConfig(slots, config.capacity_multiple, config.drop_target,
-                                         dispatch=config.dispatch)
+                                         dispatch=config.dispatch,
+                                         buffer_drop_target=config.buffer_drop_target)
         self.check_rows, self.stride = check_rows, stride
         self.costs = ReplanCosts(config.recompile_s, config.bytes_per_param,
                                  check_rows * stride, config.max_drop_rate)
@@ -307,7 +313,7 @@ class EfficientMoEPlanner:
     def keep_buffers(self, plans: List[ExpertPlan], current: Optional[Sequence[ExpertPlan]],
                      pred_LRE: np.ndarray, rel_KLRE: np.ndarray) -> List[ExpertPlan]:
         """``plans`` with the current plan's row buffers wherever they still serve: a
-        "grouped" layer whose new placement is expected to drop at most ``drop_target``
+        "grouped" layer whose new placement is expected to drop at most ``buffer_drop_target``
         within the current buffers keeps them (the re-plan then needs no recompilation,
         :func:`schedule.recompiles`), so buffers change only when the forecast asks for
         more room."""
@@ -320,7 +326,7 @@ class EfficientMoEPlanner:
                 kept = dataclasses.replace(plan, device_buffer=now.device_rows(size))
                 rate = self.expected_drop_rate([kept], pred_LRE[layer:layer + 1],
                                                rel_KLRE[:, layer:layer + 1])
-                if rate <= self.config.drop_target:
+                if rate <= self.config.buffer_drop_target:
                     plan = kept
             out.append(plan)
         return out
@@ -393,11 +399,11 @@ class EfficientMoEPlanner:
         costs = ReplanCosts(self.costs.recompile_s, self.costs.bytes_per_param,
                             cand.horizon_steps, self.costs.max_drop_rate)
         pred = cand.predicted_LRE
+        worst = float(self.expected_drop_rate(current, pred, cand.rel_KLRE,
+                                              per_layer=True).max())
         decision = decide_replan(self.step_time_s(current, pred),
                                  self.step_time_s(cand.plans, pred), current, cand.plans,
-                                 self.model, costs,
-                                 self.expected_drop_rate(current, pred, cand.rel_KLRE),
-                                 observed_drop_rate)
+                                 self.model, costs, worst, observed_drop_rate)
         return decision, cand
 
     # ------------------------------------------------------------------ evaluation
@@ -453,8 +459,8 @@ class ReplanLoop:
         self.monitor = DropMonitor(max(1, monitor_rows), planner.config.max_drop_rate)
         self.first_row: Optional[int] = None
 
-    def observe(self, dropped: int, routed: int) -> None:
-        """Drops the current plan had on one row (the layers' counters, all layers)."""
+    def observe(self, dropped, routed) -> None:
+        """Drops the current plan had on one row: per layer (int [L]) or summed."""
         self.monitor.record(dropped, routed)
 
     def poll(self, row: int, counts_TLRE: np.ndarray, current: Optional[Sequence[ExpertPlan]],

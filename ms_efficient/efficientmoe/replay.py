@@ -129,6 +129,7 @@ class ReplayConfig:
         it is hidden behind other layers' backward).
     dispatch: what ``plan moe`` (:func:`plan_trace`) plans for, "grouped" or "static"; the
         replay's methods each keep their own.
+    buffer_drop_target: expected drop rate our "grouped" row buffers aim at (PlannerConfig).
     """
 
     slots_per_device: Optional[int] = None
@@ -147,6 +148,7 @@ class ReplayConfig:
     static_blocks: str = "exact"
     sync_replica_grads: bool = True
     dispatch: str = "grouped"
+    buffer_drop_target: float = 0.0005
 
     def planner_config(self) -> PlannerConfig:
         """The settings of our planner (the same class the trainer builds from its config)."""
@@ -155,7 +157,8 @@ class ReplayConfig:
                              drop_target=self.drop_target,
                              residual_window=self.residual_window, predictor=self.predictor,
                              max_forecast_error=self.max_forecast_error,
-                             recompile_s=self.recompile_s, dispatch=self.dispatch)
+                             recompile_s=self.recompile_s, dispatch=self.dispatch,
+                             buffer_drop_target=self.buffer_drop_target)
 
 
 @dataclass
@@ -347,7 +350,8 @@ class _Context:
         decision = decide_replan(self.planner.step_time_s(current, pred),
                                  self.planner.step_time_s(candidate, pred),
                                  current, candidate, self.model, self.costs,
-                                 self.planner.expected_drop_rate(current, pred, rel_next),
+                                 float(self.planner.expected_drop_rate(
+                                     current, pred, rel_next, per_layer=True).max()),
                                  observed_drop_rate)
         return decision, candidate
 
@@ -442,9 +446,10 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
         computed += sum(int(c.rows_D.sum()) for c in costs)
         assigned += sum(c.assigned for c in costs)
         dropped += sum(c.dropped for c in costs)
-        monitor.record(sum(c.dropped for c in costs), int(counts[t].sum()))
+        dropped_L = [c.dropped for c in costs]
+        monitor.record(dropped_L, counts[t].sum(axis=(1, 2)))
         if loop is not None:
-            loop.observe(sum(c.dropped for c in costs), int(counts[t].sum()))
+            loop.observe(dropped_L, counts[t].sum(axis=(1, 2)))
         rows += 1
     routed = int(counts[config.warmup:].sum())
     return ReplayResult(

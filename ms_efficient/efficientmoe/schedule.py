@@ -184,30 +184,37 @@ def decide_replan(current_step_s: float, candidate_step_s: float,
 
 
 class DropMonitor:
-    """Observed drop rate of the current plan, as the trainer sees it (the layer counts
+    """Observed drop rate of the current plan, as the trainer sees it (the layers count
     dropped tokens): fires when, over at least ``rows`` steps (trace rows) since the last
-    check, more than ``max_rate`` of the routed tokens were dropped; its rate then goes to
-    :func:`decide_replan` as ``observed_drop_rate``. Checks are cheap (host-side numbers),
-    re-plans are not, so the plan is checked as soon as drops show, not at the next period."""
+    check, some layer dropped more than ``max_rate`` of the tokens routed to it; its rate
+    (the worst layer's) then goes to :func:`decide_replan` as ``observed_drop_rate``. Per
+    layer, because one layer dropping 5 % of its tokens hurts the model however well the
+    others do. Checks are cheap (host-side numbers), re-plans are not, so the plan is
+    checked as soon as drops show, not at the next period."""
 
     def __init__(self, rows: int, max_rate: Optional[float]):
         self.rows, self.max_rate = rows, max_rate
         self.reset()
 
     def reset(self) -> None:
-        self.seen, self.dropped, self.routed = 0, 0, 0
+        self.seen = 0
+        self.dropped = np.zeros(1)
+        self.routed = np.zeros(1)
 
-    def record(self, dropped: int, routed: int) -> None:
+    def record(self, dropped, routed) -> None:
+        """One step: ``dropped`` and ``routed`` tokens, per layer (float [L]) or summed."""
         self.seen += 1
-        self.dropped += dropped
-        self.routed += routed
+        self.dropped = self.dropped + np.asarray(dropped, dtype=np.float64)
+        self.routed = self.routed + np.asarray(routed, dtype=np.float64)
 
     def rate(self) -> float:
-        return self.dropped / self.routed if self.routed else 0.0
+        """The worst layer's drop rate since the last reset."""
+        rates = self.dropped / np.maximum(self.routed, 1.0)
+        return float(np.max(np.where(self.routed > 0, rates, 0.0)))
 
     def fired(self) -> bool:
-        return (self.max_rate is not None and self.seen >= self.rows and self.routed > 0
-                and self.dropped > self.max_rate * self.routed)
+        return (self.max_rate is not None and self.seen >= self.rows
+                and float(np.sum(self.routed)) > 0 and self.rate() > self.max_rate)
 
 
 def choose_horizon(step_time_s: Sequence[float], migration_s: Sequence[float],

@@ -351,9 +351,10 @@ class Trainer:
             counts = counts.asnumpy()[moe_index]
             self.sampler.record(counts)
             sample_s += time.perf_counter() - t1
-            step_dropped = int(dropped.asnumpy()[moe_index].sum())
-            if self.replan_loop is not None:
-                self.replan_loop.observe(step_dropped, int(counts.sum()))
+            dropped_L = dropped.asnumpy()[moe_index]
+            step_dropped = int(dropped_L.sum())
+            if self.replan_loop is not None:          # per layer: any layer may force a check
+                self.replan_loop.observe(dropped_L, counts.sum(axis=(1, 2)))
             assigned += int(counts.sum())
             kept += int(counts.sum()) - step_dropped
             step_rows = self.computed_rows(int(counts.sum()))
