@@ -107,8 +107,10 @@ def build_grouped_matmul_library(use_blas: Optional[bool] = None,
 @functools.lru_cache(maxsize=None)
 def _configure_threads(library: str) -> None:
     """Set the default thread count once per library (a process-wide BLAS setting)."""
-    threads = int(os.environ.get(GMM_THREADS_ENV) or DEFAULT_BLAS_THREADS)
-    set_grouped_matmul_threads(library, threads)
+    value = os.environ.get(GMM_THREADS_ENV) or str(DEFAULT_BLAS_THREADS)
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError(f"${GMM_THREADS_ENV} must be a positive integer, but got {value!r}.")
+    set_grouped_matmul_threads(library, int(value))
 
 
 def set_grouped_matmul_threads(library: str, threads: int) -> int:
