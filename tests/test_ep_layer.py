@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import mindspore as ms
-from mindspore import Tensor, nn
+from mindspore import ParameterTuple, Tensor, nn, ops
 
 from ms_efficient.moe.ep_layer import ExpertParallelMoE, init_expert_weights
 from ms_efficient.moe.ep_routing import grouped_dispatch, rank_dispatch, replica_sync
@@ -159,11 +159,15 @@ def test_a_load_forecast_splits_capacity_in_proportion():
 
 def test_replica_sync_reduces_only_experts_replicated_across_ranks():
     plan = ExpertPlan([0, 1, 0, 2, 3, 3], [0, 0, 1, 1, 1, 1], [4] * 6)
-    r1 = replica_sync(plan, 1)
-    assert r1.needed and r1.cross_experts.tolist() == [0]
-    assert r1.unique_of_slot.tolist() == [0, 1, 2, 2]           # experts 0, 2, 3, 3
-    assert r1.pick_U.tolist() == [0, 2, 3]                      # expert 0 from the AllReduce
+    r1 = replica_sync(plan, 1)                                  # rows: experts 0, 2, 3, 3
+    assert r1.needed and r1.cross_experts.tolist() == [0] and r1.num_cross == 1
+    assert r1.first_L.tolist() == [0, 1, 2, 2]                  # expert 3 summed at row 2
+    assert r1.cross_L.tolist() == [0, 1, 1, 1]                  # only expert 0 is AllReduced
+    assert r1.pick_L.tolist() == [0, 2, 3, 3]                   # expert 0 from the AllReduce
     assert not replica_sync(ExpertPlan([0, 1, 2, 3], [0, 0, 1, 1], [4] * 4), 0).needed
+    # a budget of 3 rows and a cross table of 2: the empty row keeps its own (zero) gradient
+    r0 = replica_sync(plan, 0, budget=3, num_cross=2)
+    assert r0.first_L.tolist() == [0, 1, 2] and r0.pick_L.tolist() == [0, 3, 4]
 
 
 def test_bad_plans_and_arguments_are_rejected():
@@ -386,7 +390,7 @@ def test_replicating_an_expert_in_a_grouped_plan_changes_neither_outputs_nor_inp
     x, dy = batch()
     single = grouped_layer(w, [0, 1, 2, 3], [T] * E)
     replicated = grouped_layer(w, [0, 1, 2, 3, 0], caps)
-    cumw = replicated.tables.cumw_EJ[0].tolist()
+    cumw = replicated.tables.cut_hi_V[[0, 4]].tolist()          # expert 0's two slots
     assert cumw == ([SPLIT_UNITS // 2, SPLIT_UNITS] if caps[0] == T else [768, SPLIT_UNITS])
     for a, b in zip(replicated(x), single(x)):
         np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-6, atol=1e-7)
@@ -404,15 +408,21 @@ def test_replicating_an_expert_in_a_grouped_plan_changes_neither_outputs_nor_inp
 
 def test_grouped_tables_follow_the_split_weights_and_device_buffers():
     plan = ExpertPlan([0, 1, 2, 0, 3], [0, 0, 0, 1, 1], [24, 32, 32, 8, 32], dispatch="grouped")
-    t1 = grouped_dispatch(plan, E, 1, 2)
-    assert t1.slot_EJ[0].tolist() == [0, 3] and t1.slot_EJ[1].tolist() == [1, 1]
-    assert t1.cumw_EJ[0].tolist() == [2048, 4096]             # rank 1 spills half of expert 0
-    assert grouped_dispatch(plan, E, 0, 2).cumw_EJ[0].tolist() == [4096, 4096]
+    t1 = grouped_dispatch(plan, E, 1, 2)               # budget 3: device 1's third slot empty
+    assert t1.budget == 3 and t1.slot_of_V.tolist() == [0, 1, 2, 3, 4, -1]
+    assert t1.expert_V.tolist() == [0, 1, 2, 0, 3, E]
+    assert t1.cut_lo_V[[0, 3]].tolist() == [0, 2048]          # rank 1 spills half of expert 0
+    assert t1.cut_hi_V[[0, 3]].tolist() == [2048, 4096]
+    assert t1.cut_hi_V[[1, 2, 4, 5]].tolist() == [4096, 4096, 4096, 0]
+    t0 = grouped_dispatch(plan, E, 0, 2)
+    assert t0.cut_lo_V[[0, 3]].tolist() == [0, 4096] and t0.cut_hi_V[[0, 3]].tolist() == [4096] * 2
     assert t1.buffer_D.tolist() == [88, 40]
-    assert t1.block_start_S.tolist() == [0, 0, 0, 88, 88]
-    assert t1.earlier_on_device_SS[:, 2].tolist() == [1, 1, 0, 0, 0]
-    assert t1.replica_onehot_XS[1].tolist() == [0, 0, 0, 1, 0]  # (expert 0, replica 1): slot 3
-    assert t1.replica_onehot_XS[3].sum() == 0                   # (expert 1, padding)
+    assert t1.block_start_V.tolist() == [0, 0, 0, 88, 88, 88]
+    assert t1.earlier_on_device_VV[:, 2].tolist() == [1, 1, 0, 0, 0, 0]
+    assert t1.earlier_on_device_VV[:, 5].tolist() == [0, 0, 0, 1, 1, 0]
+    with pytest.raises(ValueError, match=r"'slots_per_device' must be >= .* \(3, per device "
+                                         r"\[3, 2\]\), but got 2"):
+        grouped_dispatch(plan, E, 1, 2, budget=2)
 
 
 def test_bad_grouped_plans_are_rejected():
@@ -431,6 +441,123 @@ def test_a_grouped_layer_refuses_more_tokens_than_its_int32_split_is_exact_for(m
     layer = grouped_layer(weights(), [0, 1, 2, 3], [T] * E)
     with pytest.raises(ValueError, match=f"at most {T - 1} local tokens per call, but got {T}"):
         layer(batch()[0])
+
+
+
+# --- set_plan: a re-plan with the same buffers is data ---------------------------------------
+
+
+class ForwardAndGrads(nn.Cell):
+    """One compiled graph: (WeightedOutput, (dx, ddy), grads of router, w1, b1, w2, b2)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.loss = WeightedOutput(layer)
+        self.params = ParameterTuple([layer.router.weight, layer.w1, layer.b1, layer.w2,
+                                      layer.b2])
+        self.grad = ops.GradOperation(get_all=True, get_by_list=True)
+
+    def construct(self, x, dy):
+        return self.loss(x, dy), self.grad(self.loss, self.params)(x, dy)
+
+
+def count_compiles(monkeypatch):
+    """A list that records every graph compiled from now on (the executor's compile returns
+    (phase, False) when a Cell's graph comes from its compile cache, (phase, True) when it
+    was compiled). MindSpore has no public hook for this; this is its only private use."""
+    from mindspore.graph.api import _cell_graph_executor as executor
+
+    compiled, real = [], executor.compile
+
+    def compile_and_record(obj, *args, **kwargs):
+        phase, fresh = real(obj, *args, **kwargs)
+        if fresh:
+            compiled.append(type(obj).__name__)
+        return phase, fresh
+
+    monkeypatch.setattr(executor, "compile", compile_and_record)
+    return compiled
+
+
+# Both plans keep one buffer of K*T - 5 rows, so rows are dropped and WHICH ones depends on the
+# slots' order and the split; B replicates expert 0 (split 3:6) and reorders the others.
+REPLAN_A = ([0, 1, 2, 3], [8, 8, 8, K * T - 5 - 24])
+REPLAN_B = ([3, 0, 2, 1, 0], [4, 3, 7, 7, 6])
+
+
+def test_set_plan_switches_a_compiled_grouped_layer_to_a_new_plan_without_recompiling(
+        monkeypatch):
+    """Plan A compiles; set_plan(B) (same buffer, expert 0 replicated, other experts moved):
+    outputs, input and weight gradients and the weights themselves equal a fresh layer of
+    plan B, and no graph was compiled again. A table kept as a compile-time constant would
+    still give A's outputs, which differ from B's."""
+    w = weights()
+    x, dy = batch()
+    compiled = count_compiles(monkeypatch)
+    layer = grouped_layer(w, *REPLAN_A, slots_per_device=5)
+    step = ForwardAndGrads(layer)
+    out_a = [a.asnumpy() for a in layer(x)]
+    step(x, dy)
+    assert compiled == ["ExpertParallelMoE", "ForwardAndGrads"]     # the counter sees compiles
+
+    plan_b = ExpertPlan(REPLAN_B[0], [0] * 5, REPLAN_B[1], dispatch="grouped")
+    layer.set_plan(plan_b)
+    out = [a.asnumpy() for a in layer(x)]
+    loss, ((dx, _), g) = step(x, dy)
+    assert compiled == ["ExpertParallelMoE", "ForwardAndGrads"]     # nothing recompiled
+    assert layer.local_experts.tolist() == REPLAN_B[0]
+
+    fresh = grouped_layer(w, *REPLAN_B)
+    out_ref = [a.asnumpy() for a in fresh(x)]
+    loss_ref, ((dx_ref, _), g_ref) = ForwardAndGrads(fresh)(x, dy)
+    assert int(out_ref[3]) > 0 and np.abs(out_ref[0] - out_a[0]).max() > 1e-3
+    for got, ref in zip(out, out_ref):
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(loss.asnumpy(), loss_ref.asnumpy(), rtol=1e-6)
+    np.testing.assert_allclose(dx.asnumpy(), dx_ref.asnumpy(), rtol=1e-6, atol=1e-7)
+    for name, a, b in zip(("router", "w1", "b1", "w2", "b2"), g, g_ref):
+        np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-7, err_msg=name)
+    for name in ("w1", "b1", "w2", "b2"):
+        np.testing.assert_array_equal(getattr(layer, name).asnumpy(),
+                                      getattr(fresh, name).asnumpy())
+    for a, b in zip(layer.expert_weights(), w[1:]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_an_empty_budget_slot_computes_nothing_and_gets_no_gradient():
+    """slots_per_device above the plan's slots: the same outputs and gradients as the
+    default budget, and the spare rows' gradients are zero."""
+    w, x, dy = skewed_inputs()
+    tight, spare = (grouped_layer(w, [0, 1, 2, 3], [T] * E, slots_per_device=n) for n in (4, 6))
+    assert spare.w1.shape[0] == 6 and np.abs(spare.w1.asnumpy()[4:]).max() == 0
+    for a, b in zip(spare(x), tight(x)):
+        np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-6, atol=1e-7)
+    (dx, g), (dx_ref, g_ref) = grads(spare, x, dy), grads(tight, x, dy)
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-6, atol=1e-7)
+    for name in ("w1", "b1", "w2", "b2"):
+        np.testing.assert_allclose(g[name][:4], g_ref[name], rtol=1e-6, atol=1e-7)
+        assert np.abs(g[name][4:]).max() == 0
+
+
+def test_set_plan_refuses_plans_that_need_new_shapes():
+    layer = grouped_layer(weights(), *REPLAN_A, slots_per_device=5)
+    buffer = K * T - 5
+    with pytest.raises(ValueError, match=rf"'device_rows' must equal the layer's \[{buffer}\], "
+                                         rf"but got \[{buffer + 1}\]; new buffers need a new"):
+        layer.set_plan(ExpertPlan([0, 1, 2, 3], [0] * 4, [8, 8, 8, buffer + 1 - 24],
+                                  dispatch="grouped"))
+    with pytest.raises(ValueError, match=r"at most 'slots_per_device' = 5 slots, but the plan "
+                                         r"holds \[6\]"):
+        layer.set_plan(ExpertPlan([0, 1, 2, 3, 0, 1], [0] * 6, [5, 5, 5, 4, 4, 4],
+                                  dispatch="grouped"))
+    with pytest.raises(ValueError, match=r"set_plan: ExpertPlan gives experts \[3\] no slot"):
+        layer.set_plan(ExpertPlan([0, 1, 2, 0], [0] * 4, REPLAN_A[1], dispatch="grouped"))
+    with pytest.raises(ValueError, match=r"the layer's dispatch is 'grouped' and the plan's "
+                                         r"'static'"):
+        layer.set_plan(ExpertPlan(*REPLAN_A[:1], [0] * 4, REPLAN_A[1], dispatch="static"))
+    with pytest.raises(ValueError, match=r"'slots_per_device' sets the slot budget of 'grouped'"):
+        ep_layer(weights(), [0, 1, 2, 3], [T] * E, slots_per_device=5)
+    assert layer.local_experts.tolist() == REPLAN_A[0]            # unchanged by the refusals
 
 
 # --- 2 workers (msrun) ------------------------------------------------------------------------

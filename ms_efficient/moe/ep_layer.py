@@ -3,7 +3,8 @@
 Shapes (names carry their dimensions): T local tokens, H hidden, F expert FFN width, E logical
 experts, K top-k, A = K*T assignments, W ranks, S slots, S_l slots on this rank, M rows this
 rank sends (the rows it reserves on all slots), N rows computed by the local slots (= rows
-received; grouped: the device buffer B_r), I = W * B_r rows received (grouped).
+received; grouped: the device buffer B_r), I = W * B_r rows received (grouped), S_b the slot
+budget per device and V = W * S_b budget slots (grouped).
 
 An :class:`~ms_efficient.moe.plan.ExpertPlan` maps every slot to a logical expert, a device
 (= rank in the expert-parallel group) and a static capacity. Each rank holds the weights of its
@@ -32,11 +33,11 @@ every plan whose ``dispatch`` is not ``"grouped"``.
 Grouped dispatch (``plan.dispatch == "grouped"``, padding-free experts) runs the package's rule
 :func:`~ms_efficient.moe.split.grouped_assignments` in the graph, on the step's counts:
 
-    arrival p of (this rank, e) -> replica j of e by the fixed integer split (c_e local
+    arrival p of (this rank, e) -> replica v of e by the fixed integer split (c_e local
             assignments cut at c_e * W_j // SPLIT_UNITS, int32: the same cuts as numpy),
             index q within (rank, slot)
-         -> per-slot counts [S] -> AllGather -> [W, S] on every rank (alltoall.CountExchange)
-         -> kept_WS: device d keeps the first B_d rows in ascending source rank, slot-minor
+         -> per-slot counts [V] -> AllGather -> [W, V] on every rank (alltoall.CountExchange)
+         -> kept_WV: device d keeps the first B_d rows in ascending source rank, slot-minor
             (the others are dropped at the sender, which knows them from the counts)
          -> send buffer [M = sum_d B_d, H], block d (B_d rows, the most one rank can have kept
             on d) = this rank's kept rows of d's slots, slot-major -> AllToAllV
@@ -45,8 +46,13 @@ Grouped dispatch (``plan.dispatch == "grouped"``, padding-free experts) runs the
             (:class:`~ms_efficient.moe.grouped_matmul.GroupedMatmul`) -> AllToAllV back
          -> the same combine as above; dropped assignments read zeros.
 
-All shapes stay static (B_d from ``plan.device_rows()``), so the graph compiles once per
-plan; which rows are real is data. Slot capacities only set the buffers and the split weights.
+All shapes stay static (B_d from ``plan.device_rows()``); which rows are real is data. Slot
+capacities only set the buffers and the split weights. The plan itself is data too: the graph
+reads its tables (expert of every budget slot, split cuts, replica-sync rows) from
+non-trainable Parameters, and every device has weights for S_b slots (``slots_per_device``),
+the unused ones empty groups (no rows, zero gradient). So :meth:`ExpertParallelMoE.set_plan`
+switches to any plan with the same buffers B_d, the same experts and at most S_b slots per
+device without recompiling (the assumption of ``efficientmoe.schedule.recompiles``).
 
 Gradient sync of replicas: replicas of a logical expert start identical (initialised from a
 seed and the logical expert id) and get the same gradient, the sum over all replicas, so any
@@ -55,6 +61,8 @@ identity whose backward sums the local replicas' gradients per expert and AllRed
 the group, a table of the experts that have replicas on more than one rank (X of them; a rank
 adds zeros for the ones it does not hold). That is the "AllReduce the [E, ...] table" scheme
 restricted to the replicated experts, so plans without cross-rank replicas communicate nothing.
+A grouped layer sizes that table for any plan of its budget, X_b = min(E, W * S_b - E) rows
+(:func:`~ms_efficient.moe.ep_routing.cross_budget`; 0 when S_b leaves no room for replicas).
 
 Gradient scale: the backward of the All-to-All brings every source rank's contribution to the
 slot, so the expert gradients are those of the SUM of the ranks' losses. Expert weights are not
@@ -72,7 +80,8 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from ms_efficient.core import backend
 from ms_efficient.moe.alltoall import AllToAllV, CountExchange
-from ms_efficient.moe.ep_routing import grouped_dispatch, rank_dispatch, replica_sync
+from ms_efficient.moe.ep_routing import (cross_budget, expert_sources, grouped_dispatch,
+                                         rank_dispatch, replica_sync)
 from ms_efficient.moe.grouped_matmul import GroupedMatmul, row_groups
 from ms_efficient.moe.layer import (TopKArrival, group_tables, make_gelu, routing_counts_buffer,
                                     routing_statistics, sum_choices)
@@ -112,39 +121,37 @@ def init_expert_weights(num_experts: int, hidden_size: int, ffn_hidden_size: int
 
 
 class ReplicaGradSum(nn.Cell):
-    """Identity on a local slot table [S_l, ...]; its backward gives every local replica the
-    gradient of its logical expert summed over all replicas in the group.
+    """``construct(w, first_L, cross_L, pick_L) -> w``: identity on a local weight table
+    [S_b, ...]; its backward gives every local row the gradient of its logical expert summed
+    over all replicas in the group. The int32 [S_b] tables of
+    :func:`~ms_efficient.moe.ep_routing.replica_sync` are inputs (data, zero gradient).
 
-    Backward, for dout [S_l, ...]:
-      1. per local expert: sum of its local replicas' gradients, [U, ...];
-      2. if some expert has replicas on several ranks: scatter those experts' sums into a
-         [X, ...] table (zeros elsewhere) and AllReduce-sum it over the group;
-      3. every local slot takes its expert's row: the AllReduced one for cross experts, the
-         local sum otherwise.
+    Backward, for dout [S_b, ...]:
+      1. per local expert: the sum of its rows' gradients, at its first row (first_L);
+      2. if ``num_cross`` (X_b) > 0: the cross experts' sums scattered into a [X_b, ...]
+         table (cross_L; zeros elsewhere) and AllReduce-summed over the group;
+      3. every row takes its expert's sum: row pick_L of concat(table, local sums).
     """
 
-    def __init__(self, sync, group: Optional[str] = None):
+    def __init__(self, num_cross: int, group: Optional[str] = None):
         super().__init__()
-        self.unique_of_slot = Tensor(sync.unique_of_slot)
-        self.num_unique = sync.num_unique
-        self.num_cross = int(sync.cross_experts.size)
-        self.cross_of_unique = Tensor(sync.cross_of_unique)
-        self.pick_U = Tensor(sync.pick_U)
+        self.num_cross = int(num_cross)
         if self.num_cross:
             self.all_reduce = ops.AllReduce(op=ops.ReduceOp.SUM,
                                             group=group or backend.world_group())
 
-    def construct(self, w):
+    def construct(self, w, first_L, cross_L, pick_L):
         return w
 
-    def bprop(self, w, out, dout):
+    def bprop(self, w, first_L, cross_L, pick_L, out, dout):
         """Gradient of the tied replicas: the per-expert sum, given to every replica."""
-        local_U = ops.unsorted_segment_sum(dout, self.unique_of_slot, self.num_unique)
+        local_L = ops.unsorted_segment_sum(dout, first_L, dout.shape[0])
         if self.num_cross:
-            table_X = ops.unsorted_segment_sum(local_U, self.cross_of_unique, self.num_cross + 1)
+            table_X = ops.unsorted_segment_sum(local_L, cross_L, self.num_cross + 1)
             table_X = self.all_reduce(table_X[:self.num_cross])
-            local_U = ops.gather(ops.concat((table_X, local_U), 0), self.pick_U, 0)
-        return (ops.gather(local_U, self.unique_of_slot, 0),)
+            local_L = ops.concat((table_X, local_L), 0)
+        return (ops.gather(local_L, pick_L, 0), ops.zeros_like(first_L),
+                ops.zeros_like(cross_L), ops.zeros_like(pick_L))
 
 
 class ExpertParallelMoE(nn.Cell):
@@ -167,6 +174,9 @@ class ExpertParallelMoE(nn.Cell):
             every rank. Static plans only (a grouped plan splits by its ``rank_share``).
         trace_ranks: R; this rank's T tokens are split into R equal groups for counts_RE.
         init_std, seed: weights from :func:`init_expert_weights` (the same on every rank).
+        slots_per_device: S_b, grouped plans only: weight rows (slots) every device compiles,
+            >= the most slots a device holds in ``plan`` (the default); :meth:`set_plan`
+            accepts plans of at most S_b slots per device.
 
     Outputs (for this rank's tokens):
         y_BSH: float [B, S, H].
@@ -177,16 +187,21 @@ class ExpertParallelMoE(nn.Cell):
             beyond the device buffers (grouped: :func:`~ms_efficient.moe.split.
             grouped_assignments`, this rank's part of its drop count).
 
-    Parameters: ``router.weight`` [E, H] (data-parallel), ``w1`` [S_l, H, F], ``b1``
-    [S_l, 1, F], ``w2`` [S_l, F, H], ``b2`` [S_l, 1, H] for the local slots ``local_slots``
-    (global slot ids, ascending), whose logical experts are ``local_experts``.
+    Parameters: ``router.weight`` [E, H] (data-parallel), ``w1`` [S_b, H, F], ``b1``
+    [S_b, 1, F], ``w2`` [S_b, F, H], ``b2`` [S_b, 1, H]: row i < S_l holds the local slot
+    ``local_slots[i]`` (global slot ids, ascending) of logical expert ``local_experts[i]``,
+    rows S_l.. (grouped, S_b > S_l) are empty slots (zeros, no rows, zero gradient); S_b = S_l
+    for static plans. Non-trainable int32 Parameters hold the plan's tables (grouped:
+    ``plan_expert_V``, ``plan_cut_lo_V``, ``plan_cut_hi_V``; both: ``sync_first_L``,
+    ``sync_cross_L``, ``sync_pick_L``), so :meth:`set_plan` changes them as data.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
                  plan: ExpertPlan, group: Optional[str] = None, rank: Optional[int] = None,
                  devices_per_node: Optional[int] = None,
                  rank_load_RE: Optional[np.ndarray] = None, trace_ranks: int = 1,
-                 init_std: float = 0.02, seed: int = 0):
+                 init_std: float = 0.02, seed: int = 0,
+                 slots_per_device: Optional[int] = None):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"'top_k' must be in [1, {num_experts}], but got {top_k}.")
@@ -200,24 +215,44 @@ class ExpertParallelMoE(nn.Cell):
         self.trace_ranks = trace_ranks
         self.plan = plan.validate(num_experts, self.world)
 
+        self.group, self.devices_per_node = group, devices_per_node
+
         self.grouped = plan.dispatch == "grouped"
         if self.grouped:
             if rank_load_RE is not None:
                 raise ValueError("'rank_load_RE' splits the capacities of static plans; a "
                                  "'grouped' plan splits tokens by its own 'rank_share', so "
                                  "set that instead, but got rank_load_RE as well.")
-            self._init_grouped(group, devices_per_node)
+            self._init_grouped(group, slots_per_device)
+            budget = self.tables.budget
+            sync = replica_sync(plan, self.rank, budget,
+                                cross_budget(num_experts, self.world, budget))
+            sync_needed = self.world * budget > num_experts     # some plan may replicate
         else:
+            if slots_per_device is not None:
+                raise ValueError(f"'slots_per_device' sets the slot budget of 'grouped' plans, "
+                                 f"but the plan's dispatch is {plan.dispatch!r} and "
+                                 f"slots_per_device={slots_per_device}.")
             self._init_static(group, devices_per_node, rank_load_RE)
+            budget = len(self.local_slots)
+            sync = replica_sync(plan, self.rank)
+            sync_needed = sync.needed
+        self.budget = budget
         self.local_experts = plan.slot_expert[self.local_slots]
-        sync = replica_sync(plan, self.rank)
-        self.sync = ReplicaGradSum(sync, group) if sync.needed else None
+        self.sync = ReplicaGradSum(sync.num_cross, group) if sync_needed else None
+        self.sync_first_L = _table("sync_first_L", sync.first_L)
+        self.sync_cross_L = _table("sync_cross_L", sync.cross_L)
+        self.sync_pick_L = _table("sync_pick_L", sync.pick_L)
+        if self.world > 1:
+            self.sum_over_ranks = ops.AllReduce(op=ops.ReduceOp.SUM,
+                                                group=group or backend.world_group())
 
         # Parameters: the local slots' experts only (a replica is its expert's copy).
         router, w1, b1, w2, b2 = init_expert_weights(num_experts, hidden_size, ffn_hidden_size,
                                                      init_std, seed, self.local_experts)
         self.router = nn.Dense(hidden_size, num_experts, has_bias=False,
                                weight_init=Tensor(router))
+        w1, b1, w2, b2 = (_pad_rows(a, budget) for a in (w1, b1, w2, b2))
         self.w1 = Parameter(Tensor(w1), name="w1")
         self.b1 = Parameter(Tensor(b1), name="b1")
         self.w2 = Parameter(Tensor(w2), name="w2")
@@ -254,12 +289,13 @@ class ExpertParallelMoE(nn.Cell):
         self.back_index = Tensor(tables.back_index_M)
         self.group_members = tuple(tuple(int(i) for i in ix) for _, ix in tables.groups)
 
-    def _init_grouped(self, group, devices_per_node) -> None:
-        """Grouped tables (:func:`~ms_efficient.moe.ep_routing.grouped_dispatch`), the count
+    def _init_grouped(self, group, slots_per_device) -> None:
+        """Grouped tables (:func:`~ms_efficient.moe.ep_routing.grouped_dispatch`): the plan's
+        in Parameters, the layout's (fixed by W, S_b and the buffers) as constants; the count
         exchange and the two AlltoAllVs: block d of the send buffer has B_d rows, and this
         rank receives W blocks of its own B_r rows."""
         tables = grouped_dispatch(self.plan, self.num_experts, self.rank, self.world,
-                                  devices_per_node)
+                                  self.devices_per_node, slots_per_device)
         self.tables = tables
         self.local_slots = tables.local_slots
         world, buffer_D = self.world, tables.buffer_D
@@ -271,16 +307,16 @@ class ExpertParallelMoE(nn.Cell):
         self.undispatch = AllToAllV(mine, buffer_D, self.hidden_size, block, group)
         self.count_exchange = CountExchange(world, self.rank, group)
         self.gmm = GroupedMatmul()
-        self.num_j = tables.replicas_per_expert
-        self.slot_X = Tensor(tables.slot_EJ.reshape(-1))
-        self.cumw_EJ = Tensor(tables.cumw_EJ)
-        self.replica_onehot_XS = Tensor(tables.replica_onehot_XS)
-        self.device_onehot_SD = Tensor(tables.device_onehot_SD)
-        self.slot_device_S = Tensor(tables.slot_device_S)
-        self.earlier_SS = Tensor(tables.earlier_on_device_SS)
-        self.buffer_S = Tensor(tables.buffer_S)
-        self.block_start_S = Tensor(tables.block_start_S)
-        self.local_index = Tensor(tables.local_slots.astype(np.int32))
+        self.plan_expert_V = _table("plan_expert_V", tables.expert_V)
+        self.plan_cut_lo_V = _table("plan_cut_lo_V", tables.cut_lo_V)
+        self.plan_cut_hi_V = _table("plan_cut_hi_V", tables.cut_hi_V)
+        self.arange_V = Tensor(np.arange(tables.expert_V.size, dtype=np.int32))
+        self.device_onehot_VD = Tensor(tables.device_onehot_VD)
+        self.slot_device_V = Tensor(tables.slot_device_V)
+        self.earlier_VV = Tensor(tables.earlier_on_device_VV)
+        self.buffer_V = Tensor(tables.buffer_V)
+        self.block_start_V = Tensor(tables.block_start_V)
+        self.local_start = self.rank * tables.budget      # this rank's budget slots start
         received = np.arange(world * self.num_rows, dtype=np.int32)
         self.recv_source_I = Tensor(received // self.num_rows)       # I = W * B_r
         self.recv_row_I = Tensor(received % self.num_rows)
@@ -288,12 +324,82 @@ class ExpertParallelMoE(nn.Cell):
 
     def set_weights(self, router_EH, w1_EHF, b1_E1F, w2_EFH, b2_E1H) -> None:
         """Load logical weights (numpy, all E experts): the router, and for every local slot
-        its expert's rows. Every rank must load the same values to keep replicas identical."""
-        ix = self.local_experts
+        its expert's rows (empty slots: zeros). Every rank must load the same values to keep
+        replicas identical."""
         self.router.weight.set_data(Tensor(np.asarray(router_EH, np.float32)))
-        for param, table in ((self.w1, w1_EHF), (self.b1, b1_E1F), (self.w2, w2_EFH),
-                             (self.b2, b2_E1H)):
-            param.set_data(Tensor(np.asarray(table, np.float32)[ix]))
+        self._load_experts((w1_EHF, b1_E1F, w2_EFH, b2_E1H))
+
+    def _load_experts(self, tables_E) -> None:
+        """w1, b1, w2, b2 from logical [E, ...] tables: row i < S_l takes local_experts[i]."""
+        for param, table in zip((self.w1, self.b1, self.w2, self.b2), tables_E):
+            rows = np.asarray(table, np.float32)[self.local_experts]
+            param.set_data(Tensor(_pad_rows(rows, self.budget)))
+
+    def expert_weights(self):
+        """The logical expert weights, numpy float32 (w1_EHF, b1_E1F, w2_EFH, b2_E1H), each
+        expert read from the lowest rank that holds it (replicas are identical). Collective
+        when W > 1: every rank of the group calls it (one AllReduce of E * (2HF + F + H)
+        floats, in which every rank fills the experts it is the source of, zeros elsewhere)."""
+        params = (self.w1, self.b1, self.w2, self.b2)
+        source_E = expert_sources(self.plan, self.num_experts, self.rank)
+        flat = np.concatenate([p.asnumpy().reshape(self.budget, -1) for p in params], axis=1)
+        table = np.where(source_E[:, None] >= 0, flat[np.maximum(source_E, 0)], 0.0)
+        if self.world > 1:
+            table = self.sum_over_ranks(Tensor(table.astype(np.float32))).asnumpy()
+        sizes = np.cumsum([int(np.prod(p.shape[1:])) for p in params])[:-1]
+        return tuple(part.reshape((self.num_experts,) + tuple(p.shape[1:]))
+                     for part, p in zip(np.split(table, sizes, axis=1), params))
+
+    def set_plan(self, plan: ExpertPlan) -> None:
+        """Switch a grouped layer to ``plan`` without recompiling its graph.
+
+        The new plan must keep every device's row buffer (``plan.device_rows(W)``), name the
+        same E experts and hold at most S_b slots per device: then only data changes, the
+        plan tables (Parameters) and the expert weights: every local slot gets its logical
+        expert's weights, gathered by :meth:`expert_weights` (one AllReduce of the logical
+        [E, ...] table, so an expert may move to a rank that did not hold it). Collective when
+        W > 1: every rank calls it with the same plan, between steps.
+
+        Optimizer state is NOT moved: a slot's moments (Adam's m, v) belong to the expert it
+        held before; the caller resets them (or moves them the same way) after a re-plan.
+        Raises ``ValueError`` for a static layer or plan, or a plan that needs new shapes
+        (then build a new layer, which compiles a new graph).
+        """
+        if not self.grouped or plan.dispatch != "grouped":
+            raise ValueError(f"set_plan switches 'grouped' layers to 'grouped' plans, but the "
+                             f"layer's dispatch is {self.plan.dispatch!r} and the plan's "
+                             f"{plan.dispatch!r}; build a new ExpertParallelMoE instead.")
+        old, new = self.tables.buffer_D, plan.device_rows(self.world)
+        if not np.array_equal(old, new):
+            raise ValueError(f"set_plan keeps the compiled shapes, so the plan's device buffers "
+                             f"'device_rows' must equal the layer's {old.tolist()}, but got "
+                             f"{new.tolist()}; new buffers need a new layer (a recompile).")
+        per_device = np.bincount(plan.slot_device, minlength=self.world)
+        if per_device.max() > self.budget:
+            raise ValueError(f"set_plan keeps the compiled shapes, so every device may hold at "
+                             f"most 'slots_per_device' = {self.budget} slots, but the plan "
+                             f"holds {per_device.tolist()}; a larger budget needs a new layer "
+                             f"(a recompile).")
+        try:
+            plan.validate(self.num_experts, self.world)
+        except ValueError as err:
+            raise ValueError(f"set_plan: {err} A different expert set needs a new layer (a "
+                             f"recompile).") from None
+        tables = grouped_dispatch(plan, self.num_experts, self.rank, self.world,
+                                  self.devices_per_node, self.budget)
+        experts_E = self.expert_weights()        # from the old placement, before switching
+        sync = replica_sync(plan, self.rank, self.budget,
+                            cross_budget(self.num_experts, self.world, self.budget))
+        self.plan, self.tables, self.local_slots = plan, tables, tables.local_slots
+        self.local_experts = plan.slot_expert[self.local_slots]
+        for param, values in ((self.plan_expert_V, tables.expert_V),
+                              (self.plan_cut_lo_V, tables.cut_lo_V),
+                              (self.plan_cut_hi_V, tables.cut_hi_V),
+                              (self.sync_first_L, sync.first_L),
+                              (self.sync_cross_L, sync.cross_L),
+                              (self.sync_pick_L, sync.pick_L)):
+            param.set_data(Tensor(values))
+        self._load_experts(experts_E)
 
     def construct(self, x):
         b, s, h = x.shape
@@ -307,7 +413,7 @@ class ExpertParallelMoE(nn.Cell):
 
         # Step 2: send row of every assignment (m: the zero row, for drops).
         if self.grouped:
-            keep_A, row_A, kept_WS = self._grouped_send_rows(expert_ids_A, onehot_AE,
+            keep_A, row_A, kept_WV = self._grouped_send_rows(expert_ids_A, onehot_AE,
                                                              position_A)
         else:
             keep_A, row_A = self._static_send_rows(expert_ids_A, position_A)
@@ -321,7 +427,7 @@ class ExpertParallelMoE(nn.Cell):
 
         # Step 4: exchange, local experts, results back to the send rows [M, H].
         if self.grouped:
-            ret_MH = self._grouped_experts(send_MH, kept_WS)
+            ret_MH = self._grouped_experts(send_MH, kept_WV)
         else:
             out_NH = self._experts(self.dispatch(send_MH))
             ret_MH = self.undispatch(ops.gather(out_NH, self.back_index, 0))
@@ -353,62 +459,61 @@ class ExpertParallelMoE(nn.Cell):
         return keep_A, row_A
 
     def _grouped_send_rows(self, expert_ids_A, onehot_AE, position_A):
-        """(keep_A, row_A, kept_WS) of :func:`~ms_efficient.moe.split.grouped_assignments`,
+        """(keep_A, row_A, kept_WV) of :func:`~ms_efficient.moe.split.grouped_assignments`,
         in int32 (cuts equal numpy's: c * SPLIT_UNITS < 2^31 for c < 524,288 local
-        assignments of one expert).
+        assignments of one expert), over the V budget slots (plan tables: Parameters).
 
-        Step 1, the split: c_e local assignments of e; replica j of e takes arrivals
-        [c_e * W_{j-1} // U, c_e * W_j // U); q = p minus its replica's start.
-        Step 2, the buffers: the per-slot counts of every rank (exchanged, [W, S]) give every
+        Step 1, the split: c_e local assignments of e; budget slot v of e takes arrivals
+        [c_e * lo_v // U, c_e * hi_v // U) (empty slots: none); q = p minus its slot's start.
+        Step 2, the buffers: the per-slot counts of every rank (exchanged, [W, V]) give every
         (rank, slot) block its start in its device's rank-major, slot-minor order, and
-        kept_WS = clip(B_d - start, 0, count). Arrival q of slot s is kept iff q < kept[r, s],
+        kept_WV = clip(B_d - start, 0, count). Arrival q of slot v is kept iff q < kept[r, v],
         at send row block_start(d) + (kept rows of d's earlier slots) + q.
         """
-        e, j = self.num_experts, self.num_j
         tokens = position_A.shape[0] // self.top_k
         if tokens > MAX_GROUPED_TOKENS:
             raise ValueError(f"a grouped ExpertParallelMoE splits in int32, exact for at most "
                              f"{MAX_GROUPED_TOKENS} local tokens per call, but got {tokens}; "
                              f"split the batch.")
         count_E = onehot_AE.sum(axis=0).astype(ms.int32)
-        bounds_EJ = ops.floor_div(count_E.reshape(-1, 1) * self.cumw_EJ, SPLIT_UNITS)
-        starts_EJ = ops.zeros((e, 1), ms.int32)
-        if j > 1:
-            starts_EJ = ops.concat((starts_EJ, bounds_EJ[:, :j - 1]), 1)
-        sent_S = ((bounds_EJ - starts_EJ).reshape(-1, 1) * self.replica_onehot_XS).sum(axis=0)
-        ends_AJ = ops.gather(bounds_EJ, expert_ids_A, 0)
-        past_A = (ends_AJ <= position_A.reshape(-1, 1)).astype(ms.int32).sum(axis=-1)
-        replica_A = expert_ids_A * j + ops.minimum(past_A, j - 1)
-        slot_A = ops.gather(self.slot_X, replica_A, 0)
-        q_A = position_A - ops.gather(starts_EJ.reshape(-1), replica_A, 0)
+        count_V = ops.gather(ops.concat((count_E, ops.zeros((1,), ms.int32))),
+                             self.plan_expert_V, 0)                  # empty slots: 0
+        lo_V = ops.floor_div(count_V * self.plan_cut_lo_V, SPLIT_UNITS)
+        hi_V = ops.floor_div(count_V * self.plan_cut_hi_V, SPLIT_UNITS)
+        p_A1 = position_A.reshape(-1, 1)
+        hit_AV = ((self.plan_expert_V.reshape(1, -1) == expert_ids_A.reshape(-1, 1))
+                  & (lo_V.reshape(1, -1) <= p_A1) & (p_A1 < hi_V.reshape(1, -1)))
+        slot_A = (hit_AV.astype(ms.int32) * self.arange_V).sum(axis=-1)  # exactly one hit
+        q_A = position_A - ops.gather(lo_V, slot_A, 0)
 
-        counts_WS = self.count_exchange(sent_S)
-        to_dev_WD = (counts_WS.reshape(self.world, -1, 1)
-                     * self.device_onehot_SD.reshape(1, -1, self.world)).sum(axis=1)
+        counts_WV = self.count_exchange(hi_V - lo_V)
+        to_dev_WD = (counts_WV.reshape(self.world, -1, 1)
+                     * self.device_onehot_VD.reshape(1, -1, self.world)).sum(axis=1)
         before_WD = ops.cumsum(to_dev_WD, 0) - to_dev_WD          # earlier ranks' rows
-        within_WS = (counts_WS.reshape(self.world, -1, 1)
-                     * self.earlier_SS.reshape((1,) + self.earlier_SS.shape)).sum(axis=1)
-        start_WS = ops.gather(before_WD, self.slot_device_S, 1) + within_WS
-        kept_WS = ops.minimum(ops.maximum(self.buffer_S - start_WS, 0), counts_WS)
+        within_WV = (counts_WV.reshape(self.world, -1, 1)
+                     * self.earlier_VV.reshape((1,) + self.earlier_VV.shape)).sum(axis=1)
+        start_WV = ops.gather(before_WD, self.slot_device_V, 1) + within_WV
+        kept_WV = ops.minimum(ops.maximum(self.buffer_V - start_WV, 0), counts_WV)
 
-        kept_S = kept_WS[self.rank]
-        keep_A = q_A < ops.gather(kept_S, slot_A, 0)
-        offset_S = self.block_start_S + (kept_S.reshape(-1, 1) * self.earlier_SS).sum(axis=0)
-        row_A = ops.select(keep_A, ops.gather(offset_S, slot_A, 0) + q_A,
+        kept_V = kept_WV[self.rank]
+        keep_A = q_A < ops.gather(kept_V, slot_A, 0)
+        offset_V = self.block_start_V + (kept_V.reshape(-1, 1) * self.earlier_VV).sum(axis=0)
+        row_A = ops.select(keep_A, ops.gather(offset_V, slot_A, 0) + q_A,
                            ops.fill(ms.int32, position_A.shape, self.send_total))
-        return keep_A, row_A, kept_WS
+        return keep_A, row_A, kept_WV
 
-    def _grouped_experts(self, send_MH, kept_WS):
+    def _grouped_experts(self, send_MH, kept_WV):
         """Exchange, compact, grouped expert FFNs, exchange back: [M, H] -> [M, H].
 
         Received row i = (source r, row j of r's block, I = W * B_r rows): in r's block the
-        kept rows of the local slots follow in slot order, so j's slot l and index q follow
-        from kept_WS; it goes to buffer row goff[l] + (rows of l from earlier sources) + q of
-        the [B_r, H] buffer grouped by local slot (group sizes g_L, data), the rest to none.
+        kept rows of the local budget slots follow in slot order, so j's slot l and index q
+        follow from kept_WV; it goes to buffer row goff[l] + (rows of l from earlier sources)
+        + q of the [B_r, H] buffer grouped by local slot (group sizes g_L, data), the rest to
+        none. L = S_b local budget slots; an empty slot is an empty group.
         """
-        n, num_local = self.num_rows, self.local_index.shape[0]
+        n, num_local = self.num_rows, self.budget
         recv_IH = self.dispatch(send_MH)
-        kept_WL = ops.gather(kept_WS, self.local_index, 1)
+        kept_WL = kept_WV[:, self.local_start:self.local_start + num_local]
         ends_WL = ops.cumsum(kept_WL, 1)
         size_L = kept_WL.sum(axis=0).astype(ms.int32)          # the group sizes (data)
         goff_L = ops.cumsum(size_L, 0) - size_L
@@ -427,13 +532,19 @@ class ExpertParallelMoE(nn.Cell):
         out_pad = ops.concat((out_NH, ops.zeros((1,) + out_NH.shape[1:], out_NH.dtype)), 0)
         return self.undispatch(ops.gather(out_pad, dest_I, 0))
 
+    def _synced_weights(self):
+        """(w1, b1, w2, b2), each through :class:`ReplicaGradSum` when replicas may exist."""
+        weights = (self.w1, self.b1, self.w2, self.b2)
+        if self.sync is None:
+            return weights
+        tables = (self.sync_first_L, self.sync_cross_L, self.sync_pick_L)
+        return tuple(self.sync(w, *tables) for w in weights)
+
     def _grouped_ffn(self, x_NH, size_L):
         """Local slot FFNs on the grouped buffer [N, H] as two grouped matmuls (slot l owns
         the rows after the first l groups, size_L int32 [S_l]; rows past their sum, and an
         empty group, compute nothing and give zeros) -> [N, H]."""
-        w1, b1, w2, b2 = self.w1, self.b1, self.w2, self.b2
-        if self.sync is not None:
-            w1, b1, w2, b2 = self.sync(w1), self.sync(b1), self.sync(w2), self.sync(b2)
+        w1, b1, w2, b2 = self._synced_weights()
         group_N = row_groups(size_L, x_NH.shape[0])            # S_l for the unused tail
         b1_pad = ops.concat((b1.reshape(b1.shape[0], -1), ops.zeros((1, b1.shape[2]), b1.dtype)))
         b2_pad = ops.concat((b2.reshape(b2.shape[0], -1), ops.zeros((1, b2.shape[2]), b2.dtype)))
@@ -444,9 +555,7 @@ class ExpertParallelMoE(nn.Cell):
         """Local slot FFNs on the received rows -> slot-major [N, H]: per group of equal
         capacity, its rows gathered from ``recv_NH`` and one batched matmul against the
         group's slot weights (:func:`~ms_efficient.moe.layer.group_tables`)."""
-        w1, b1, w2, b2 = self.w1, self.b1, self.w2, self.b2
-        if self.sync is not None:
-            w1, b1, w2, b2 = self.sync(w1), self.sync(b1), self.sync(w2), self.sync(b2)
+        w1, b1, w2, b2 = self._synced_weights()
         weights = group_tables((w1, b1, w2, b2), self.group_members, len(self.local_slots))
         outs = ()
         for gi in range(len(self.groups)):
@@ -458,3 +567,16 @@ class ExpertParallelMoE(nn.Cell):
         if len(outs) == 1:
             return outs[0]
         return ops.concat(outs, 0)
+
+
+def _table(name: str, values: np.ndarray) -> Parameter:
+    """A plan table the graph reads as data: a non-trainable Parameter (a Tensor attribute
+    would be a compile-time constant, and replacing it after compilation has no effect)."""
+    return Parameter(Tensor(values), name=name, requires_grad=False)
+
+
+def _pad_rows(rows_X, budget: int) -> np.ndarray:
+    """float32 [budget, ...]: ``rows_X`` [X, ...] then zero rows (empty slots)."""
+    rows_X = np.asarray(rows_X, np.float32)
+    pad = np.zeros((budget - rows_X.shape[0],) + rows_X.shape[1:], np.float32)
+    return np.concatenate((rows_X, pad), axis=0)

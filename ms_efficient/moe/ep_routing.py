@@ -32,16 +32,20 @@ Static dispatch, in three tables:
 Grouped dispatch (:func:`grouped_dispatch`, plans with ``dispatch == "grouped"``): the
 tables of the package's rule :func:`~ms_efficient.moe.split.grouped_assignments`, which the
 layer evaluates in the graph on the step's counts. Rank r splits its c tokens of expert e over
-e's replicas (ascending slot) at the cumulative integer weights ``cumw_EJ`` of
+e's replicas (ascending slot) at the cumulative integer weights of
 :func:`~ms_efficient.moe.split.grouped_split_weights`; device d keeps, out of what all ranks
 send it (rank-major, slot-minor), the first B_d = ``plan.device_rows()[d]`` rows. The send
 buffer has one block of B_d rows per device d (no rank can have more kept rows there), each
-holding this rank's kept rows of d's slots in ascending slot order.
+holding this rank's kept rows of d's slots in ascending slot order. The tables are laid out
+over a slot budget of S_b slots per device (V = W * S_b budget slots, device-major), so their
+shapes depend on (W, S_b, B_d) only: a new plan with the same buffers and at most S_b slots
+per device changes their values, not their shapes (the layer keeps them in Parameters).
 
 Replica gradient sync (:func:`replica_sync`): gradients of a logical expert's replicas are
 summed: first over the replicas on this rank, then, for experts with replicas on more than
-one rank ("cross" experts, the same list on every rank), by an AllReduce of a [X, ...] table
-(X = number of cross experts) to which each rank adds its local sums.
+one rank ("cross" experts, the same list on every rank), by an AllReduce of a [X_b, ...] table
+(X_b >= the number of cross experts, rows past them stay zero) to which each rank adds its
+local sums.
 No MindSpore import here.
 """
 from __future__ import annotations
@@ -55,7 +59,8 @@ from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import SPLIT_UNITS, grouped_split_weights
 
 __all__ = ["RankDispatch", "rank_dispatch", "GroupedDispatch", "grouped_dispatch",
-           "ReplicaSync", "replica_sync", "capacity_groups"]
+           "ReplicaSync", "replica_sync", "capacity_groups", "cross_budget", "expert_sources",
+           "slots_per_device"]
 
 
 def capacity_groups(slots: np.ndarray,
@@ -190,50 +195,66 @@ def rank_dispatch(plan: ExpertPlan, rows_RS: np.ndarray, num_experts: int, rank:
                         i32(back_index_M))
 
 
+def slots_per_device(plan: ExpertPlan) -> int:
+    """The most slots any device of ``plan`` holds (the default slot budget S_b)."""
+    return int(np.bincount(plan.slot_device).max())
+
+
 @dataclass(frozen=True)
 class GroupedDispatch:
-    """Tables of one rank for ``"grouped"`` dispatch (index tables int32, ready for a Tensor).
+    """Tables of one rank for ``"grouped"`` dispatch over a budget of S_b slots per device
+    (index tables int32, ready for a Tensor). Budget slot v = d * S_b + i is the i-th slot of
+    device d (V = W * S_b); the plan's slots on d fill d's first budget slots in ascending slot
+    id, the others are empty (expert E, cuts 0: no token, no row).
 
-    local_slots: int64 [S_l], global ids of the slots on this rank, ascending.
+    Fixed by (W, S_b, buffers), the same for every plan with these buffers:
     buffer_D: int64 [W], row buffer B_d of every device (``plan.device_rows(W)``).
-    slot_EJ: int32 [E, J], the replicas of every expert in ascending slot id, padded with the
-        last one (J = the most replicas of an expert).
-    cumw_EJ: int32 [E, J], this rank's cumulative split weights over them, in units of
-        1 / SPLIT_UNITS, padded with SPLIT_UNITS (a padded replica's range is empty).
-    replica_onehot_XS: int32 [E*J, S], 1 where entry (e, j) of slot_EJ is slot s (padded
-        entries: zero rows), to sum per-replica counts into per-slot counts.
-    device_onehot_SD: int32 [S, W], 1 where slot s is on device d.
-    slot_device_S: int32 [S], device of every slot.
-    earlier_on_device_SS: int32 [S, S], 1 where slot s' (row) precedes slot s (column) on the
-        same device: the slot-minor order of a device's rows.
-    buffer_S: int32 [S], B_d of every slot's device.
-    block_start_S: int32 [S], first row of the block of every slot's device in the send
-        buffer (blocks of B_d rows in device order).
+    device_onehot_VD: int32 [V, W], 1 where budget slot v is on device d.
+    slot_device_V: int32 [V], device of every budget slot (v // S_b).
+    earlier_on_device_VV: int32 [V, V], 1 where v' (row) precedes v (column) on the same
+        device: the slot-minor order of a device's rows.
+    buffer_V: int32 [V], B_d of every budget slot's device.
+    block_start_V: int32 [V], first row of the block of every budget slot's device in the
+        send buffer (blocks of B_d rows in device order).
+
+    Set by the plan (data):
+    local_slots: int64 [S_l], plan slot ids on this rank, ascending (S_l <= S_b); they fill
+        this rank's budget slots rank * S_b + i, i < S_l.
+    slot_of_V: int64 [V], plan slot held by every budget slot, -1 when empty.
+    expert_V: int32 [V], logical expert of every budget slot, E when empty.
+    cut_lo_V, cut_hi_V: int32 [V], this rank's cumulative split weights (units of
+        1 / SPLIT_UNITS) of the replicas of v's expert before v and through v, in ascending
+        plan slot id: of c local assignments of that expert, v takes arrivals
+        [c * cut_lo // SPLIT_UNITS, c * cut_hi // SPLIT_UNITS); 0 and 0 when empty.
     """
 
-    local_slots: np.ndarray
     buffer_D: np.ndarray
-    slot_EJ: np.ndarray
-    cumw_EJ: np.ndarray
-    replica_onehot_XS: np.ndarray
-    device_onehot_SD: np.ndarray
-    slot_device_S: np.ndarray
-    earlier_on_device_SS: np.ndarray
-    buffer_S: np.ndarray
-    block_start_S: np.ndarray
+    device_onehot_VD: np.ndarray
+    slot_device_V: np.ndarray
+    earlier_on_device_VV: np.ndarray
+    buffer_V: np.ndarray
+    block_start_V: np.ndarray
+    local_slots: np.ndarray
+    slot_of_V: np.ndarray
+    expert_V: np.ndarray
+    cut_lo_V: np.ndarray
+    cut_hi_V: np.ndarray
 
     @property
-    def replicas_per_expert(self) -> int:
-        """J, the most replicas of one expert."""
-        return int(self.slot_EJ.shape[1])
+    def budget(self) -> int:
+        """S_b, budget slots per device."""
+        return int(self.slot_of_V.size // self.buffer_D.size)
 
 
 def grouped_dispatch(plan: ExpertPlan, num_experts: int, rank: int, world: int,
-                     devices_per_node: Optional[int] = None) -> GroupedDispatch:
+                     devices_per_node: Optional[int] = None,
+                     budget: Optional[int] = None) -> GroupedDispatch:
     """The tables of ``rank`` in a group of ``world`` ranks (rank = device) for a
-    ``"grouped"`` plan (see the module docstring).
+    ``"grouped"`` plan (see the module docstring), over ``budget`` slots per device (default
+    :func:`slots_per_device`).
 
-    Raises ``ValueError`` when the rank hosts no slot or a device's row buffer is 0.
+    Raises ``ValueError`` when the rank hosts no slot, a device's row buffer is 0 or a device
+    holds more slots than the budget.
     """
     if not 0 <= rank < world:
         raise ValueError(f"'rank' must be in [0, {world}), but got {rank}.")
@@ -247,63 +268,119 @@ def grouped_dispatch(plan: ExpertPlan, num_experts: int, rank: int, world: int,
         raise ValueError(f"a 'grouped' ExpertPlan needs a row buffer >= 1 on every device, but "
                          f"device_rows() is {buffer_D.tolist()} (device {d} has 0): give device "
                          f"{d} a slot with capacity >= 1 or a 'device_buffer' >= 1.")
-    weights_RS = grouped_split_weights(plan, num_experts, np.arange(world), devices_per_node)
-    num_slots = plan.num_slots
-    replicas = [plan.replicas_of(e) for e in range(num_experts)]
-    num_j = max(r.size for r in replicas)
-    slot_EJ = np.zeros((num_experts, num_j), dtype=np.int64)
-    cumw_EJ = np.full((num_experts, num_j), SPLIT_UNITS, dtype=np.int64)
-    replica_onehot_XS = np.zeros((num_experts * num_j, num_slots), dtype=np.int64)
-    for e, slots in enumerate(replicas):
-        slot_EJ[e] = slots[np.minimum(np.arange(num_j), slots.size - 1)]
-        cumw_EJ[e, :slots.size] = np.cumsum(weights_RS[rank, slots])
-        replica_onehot_XS[e * num_j + np.arange(slots.size), slots] = 1
-    assert (cumw_EJ[:, -1] == SPLIT_UNITS).all(), cumw_EJ
-    device_onehot_SD = np.zeros((num_slots, world), dtype=np.int64)
-    device_onehot_SD[np.arange(num_slots), plan.slot_device] = 1
-    same = plan.slot_device[:, None] == plan.slot_device[None, :]
-    earlier = np.arange(num_slots)[:, None] < np.arange(num_slots)[None, :]
+    most = slots_per_device(plan)
+    budget = most if budget is None else int(budget)
+    if budget < most:
+        raise ValueError(f"'slots_per_device' must be >= the most slots a device holds in the "
+                         f"plan ({most}, per device "
+                         f"{np.bincount(plan.slot_device, minlength=world).tolist()}), but got "
+                         f"{budget}.")
+    # Step 1: the fixed layout: device-major budget slots, blocks of B_d rows.
+    num_v = world * budget
+    device_V = np.arange(num_v) // budget
+    device_onehot_VD = np.zeros((num_v, world), dtype=np.int64)
+    device_onehot_VD[np.arange(num_v), device_V] = 1
+    earlier_VV = ((device_V[:, None] == device_V[None, :])
+                  & (np.arange(num_v)[:, None] < np.arange(num_v)[None, :]))
     block_start_D = np.cumsum(buffer_D) - buffer_D
+
+    # Step 2: the plan's slots in the budget slots of their devices, in ascending slot id.
+    slot_of_V = np.full(num_v, -1, dtype=np.int64)
+    for d in range(world):
+        on_d = np.flatnonzero(plan.slot_device == d)
+        slot_of_V[d * budget:d * budget + on_d.size] = on_d
+    used = slot_of_V >= 0
+    expert_V = np.full(num_v, num_experts, dtype=np.int64)
+    expert_V[used] = plan.slot_expert[slot_of_V[used]]
+
+    # Step 3: this rank's cumulative split weights over every expert's replicas.
+    weights_S = grouped_split_weights(plan, num_experts, np.arange(world), devices_per_node)[rank]
+    cut_hi_S = np.zeros(plan.num_slots, dtype=np.int64)
+    for e in range(num_experts):
+        slots = plan.replicas_of(e)
+        cut_hi_S[slots] = np.cumsum(weights_S[slots])
+        assert cut_hi_S[slots[-1]] == SPLIT_UNITS, (e, weights_S[slots])
+    cut_lo_S = cut_hi_S - weights_S
+    cut_lo_V, cut_hi_V = np.zeros(num_v, np.int64), np.zeros(num_v, np.int64)
+    cut_lo_V[used], cut_hi_V[used] = cut_lo_S[slot_of_V[used]], cut_hi_S[slot_of_V[used]]
     i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
-    return GroupedDispatch(local_slots, buffer_D, i32(slot_EJ), i32(cumw_EJ),
-                           i32(replica_onehot_XS), i32(device_onehot_SD), i32(plan.slot_device),
-                           i32(same & earlier), i32(buffer_D[plan.slot_device]),
-                           i32(block_start_D[plan.slot_device]))
+    return GroupedDispatch(buffer_D, i32(device_onehot_VD), i32(device_V), i32(earlier_VV),
+                           i32(buffer_D[device_V]), i32(block_start_D[device_V]), local_slots,
+                           slot_of_V, i32(expert_V), i32(cut_lo_V), i32(cut_hi_V))
+
+
+def cross_budget(num_experts: int, world: int, budget: int) -> int:
+    """The most experts any plan of ``budget`` slots per device on ``world`` devices can
+    replicate on two devices or more: each takes >= 2 of the W * S_b slots and every other
+    expert >= 1, so X <= W * S_b - E (and X <= E); 0 on one device."""
+    if world < 2:
+        return 0
+    return int(max(0, min(num_experts, world * budget - num_experts)))
 
 
 @dataclass(frozen=True)
 class ReplicaSync:
-    """How rank r sums the gradients of replicas (all int32 index tables).
+    """How rank r sums the gradients of replicas (all int32 index tables over its S_b weight
+    rows: rows i < S_l are its plan slots in ascending slot id, the others empty).
 
     needed: False when no expert has two slots that r must agree with (then the gradient
         passes unchanged).
-    unique_of_slot: int32 [S_l], index of each local slot's logical expert among the local
-        experts (U of them, ascending expert id).
-    num_unique: U.
     cross_experts: int64 [X], experts with replicas on more than one rank (same on every rank).
-    cross_of_unique: int32 [U], index of each local expert in cross_experts, X if not cross.
-    pick_U: int32 [U], row of concat(allreduced [X], local sums [U]) each local expert takes.
+    num_cross: X_b >= X, rows of the AllReduced table (rows X.. stay zero).
+    first_L: int32 [S_b], first local row holding the same expert (itself when empty).
+    cross_L: int32 [S_b], row of the table a local row adds its expert's local sum to: the
+        cross index of its expert for the first row of a cross expert, X_b (none) otherwise.
+    pick_L: int32 [S_b], row of concat(AllReduced table [X_b], local sums [S_b]) every local
+        row takes: the cross index for cross experts, X_b + first_L otherwise.
     """
 
     needed: bool
-    unique_of_slot: np.ndarray
-    num_unique: int
     cross_experts: np.ndarray
-    cross_of_unique: np.ndarray
-    pick_U: np.ndarray
+    num_cross: int
+    first_L: np.ndarray
+    cross_L: np.ndarray
+    pick_L: np.ndarray
 
 
-def replica_sync(plan: ExpertPlan, rank: int) -> ReplicaSync:
-    """Gradient-sync tables of ``rank`` (see the module docstring)."""
+def replica_sync(plan: ExpertPlan, rank: int, budget: Optional[int] = None,
+                 num_cross: Optional[int] = None) -> ReplicaSync:
+    """Gradient-sync tables of ``rank`` over ``budget`` weight rows (default: its slot count)
+    and a cross table of ``num_cross`` rows (default: the plan's cross experts); see the
+    module docstring. Raises ``ValueError`` when either is too small for the plan."""
     local_experts = plan.slot_expert[plan.slot_device == rank]
-    unique, unique_of_slot = np.unique(local_experts, return_inverse=True)
+    budget = local_experts.size if budget is None else int(budget)
     devices_per_expert = {int(e): np.unique(plan.slot_device[plan.slot_expert == e]).size
                           for e in np.unique(plan.slot_expert)}
     cross = np.array(sorted(e for e, n in devices_per_expert.items() if n > 1), dtype=np.int64)
-    cross_of_unique = np.array([np.searchsorted(cross, e) if e in cross else cross.size
-                                for e in unique], dtype=np.int64)
-    pick_U = np.where(cross_of_unique < cross.size, cross_of_unique,
-                      cross.size + np.arange(unique.size))
-    needed = bool(cross.size > 0 or unique.size < local_experts.size)
-    return ReplicaSync(needed, unique_of_slot.astype(np.int32), int(unique.size), cross,
-                       cross_of_unique.astype(np.int32), pick_U.astype(np.int32))
+    num_cross = cross.size if num_cross is None else int(num_cross)
+    if budget < local_experts.size or num_cross < cross.size:
+        raise ValueError(f"rank {rank} holds {local_experts.size} slots and the plan replicates "
+                         f"{cross.size} experts across ranks, but the sync tables have "
+                         f"{budget} rows and a cross table of {num_cross}.")
+    first_L = np.arange(budget)
+    cross_L = np.full(budget, num_cross)
+    pick_L = num_cross + first_L
+    for i, e in enumerate(local_experts):
+        first_L[i] = int(np.flatnonzero(local_experts == e)[0])
+        pick_L[i] = num_cross + first_L[i]
+        if e in cross:
+            pick_L[i] = int(np.searchsorted(cross, e))
+            if first_L[i] == i:
+                cross_L[i] = pick_L[i]
+    needed = bool(cross.size > 0 or np.unique(local_experts).size < local_experts.size)
+    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
+    return ReplicaSync(needed, cross, num_cross, i32(first_L), i32(cross_L), i32(pick_L))
+
+
+def expert_sources(plan: ExpertPlan, num_experts: int, rank: int) -> np.ndarray:
+    """int64 [E]: the local weight row (index into this rank's plan slots, ascending slot id)
+    this rank contributes for every expert to a logical [E, ...] weight table, -1 for the
+    experts another rank contributes. Each expert comes from exactly one rank: the lowest that
+    holds it, from its first slot there (replicas are identical)."""
+    local = np.flatnonzero(plan.slot_device == rank)
+    source_E = np.full(num_experts, -1, dtype=np.int64)
+    for e in range(num_experts):
+        holders = plan.slot_device[plan.slot_expert == e]
+        if holders.size and holders.min() == rank:
+            source_E[e] = int(np.flatnonzero(plan.slot_expert[local] == e)[0])
+    return source_E
