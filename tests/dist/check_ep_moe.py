@@ -45,6 +45,14 @@ DROPPING = ("grouped-tight",)
 # chunk (still dropless: a rank routes at most T_LOCAL / 2 tokens to an expert per chunk)
 PLANS["spread-chunked"] = dict(PLANS["spread"], slot_capacity=[FULL // 2] * 4)
 CHUNKS = {"spread-chunked": 2}
+# Re-plan without recompiling: "grouped-replan" compiles with REPLAN_FROM (expert 3 on rank 0,
+# expert 0 on rank 1 only; the same buffers 88 and 40, at most 3 slots per device), takes one
+# step, then set_plan switches it to the grouped-hot plan: expert 3's weights move to rank 1
+# and expert 0's reach rank 0 (an AllReduce of the logical table). Its results, from the
+# already compiled step, must be those of the grouped-hot plan; no graph may compile again.
+PLANS["grouped-replan"] = PLANS["grouped-hot"]
+REPLAN_FROM = {"grouped-replan": dict(slot_expert=[3, 1, 2, 0], slot_device=[0, 0, 0, 1],
+                                      slot_capacity=[24, 32, 32, 40], dispatch="grouped")}
 TRAIN_PLAN = "hot"
 PARAM_NAMES = ("router", "w1", "b1", "w2", "b2")   # saved as grad_<name>, trained_<name>
 
@@ -90,6 +98,17 @@ def run(out_dir, rank, world):
             y, aux, counts, dropped = self.layer(x)
             return (y * dy).sum(), y, aux, counts, dropped
 
+    class GradStep(nn.Cell):
+        """value_and_grad of WeightedOutput as one compiled graph (a Cell)."""
+
+        def __init__(self, layer, params):
+            super().__init__()
+            self.value_and_grad = ms.value_and_grad(WeightedOutput(layer), grad_position=0,
+                                                    weights=params, has_aux=True)
+
+        def construct(self, x, dy):
+            return self.value_and_grad(x, dy)
+
     class TrainStep(nn.Cell):
         """One Adam step on sum(y * dy); returns the layer's outputs and the gradients taken
         before the update. The router is data-parallel: its gradient is summed over ranks."""
@@ -113,13 +132,19 @@ def run(out_dir, rank, world):
     seconds = {}
     for name, fields in PLANS.items():
         start = time.perf_counter()
-        inner = ExpertParallelMoE(H, F, E, K, ExpertPlan(**fields), rank=rank)
+        first = REPLAN_FROM.get(name, fields)
+        inner = ExpertParallelMoE(H, F, E, K, ExpertPlan(**first), rank=rank)
         inner.set_weights(*weights)
         layer = PipelinedMoE(inner, CHUNKS[name]) if name in CHUNKS else inner
         x, dy = (Tensor(a[rows]) for a in global_batch())
         params = [inner.router.weight, inner.w1, inner.b1, inner.w2, inner.b2]
         if name == TRAIN_PLAN:   # the first step's gradients are the checked ones
             step = TrainStep(layer, params)
+        elif name in REPLAN_FROM:
+            step = GradStep(layer, params)
+            step(x, dy)                                   # compiled with the first plan
+            compiled = count_compiles()
+            inner.set_plan(ExpertPlan(**fields))
         else:
             step = ms.value_and_grad(WeightedOutput(layer), grad_position=0, weights=params,
                                      has_aux=True)
@@ -128,6 +153,8 @@ def run(out_dir, rank, world):
         out.update({f"grad_{n}": g for n, g in zip(PARAM_NAMES, grads)})
         out = {k: v.asnumpy() for k, v in out.items()}
         out["local_slots"] = inner.local_slots
+        if name in REPLAN_FROM:
+            out["compiled_after_replan"] = np.array(len(compiled))
         if name == TRAIN_PLAN:
             for i in range(1, TRAIN_STEPS):
                 xs, dys = global_batch(i)
@@ -136,6 +163,23 @@ def run(out_dir, rank, world):
         seconds[f"{name}_s"] = time.perf_counter() - start
         np.savez(os.path.join(out_dir, f"{name}_rank{rank}.npz"), **out)
     return seconds
+
+
+def count_compiles():
+    """A list that records every graph compiled from now on (the executor's compile returns
+    (phase, True) only for a fresh compile; no public hook exists, hence the private name)."""
+    from mindspore.graph.api import _cell_graph_executor as executor
+
+    compiled, real = [], executor.compile
+
+    def compile_and_record(obj, *args, **kwargs):
+        phase, fresh = real(obj, *args, **kwargs)
+        if fresh:
+            compiled.append(type(obj).__name__)
+        return phase, fresh
+
+    executor.compile = compile_and_record
+    return compiled
 
 
 def main():
