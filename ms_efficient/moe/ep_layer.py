@@ -72,7 +72,7 @@ expert gradients by 1/W like the rest.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import mindspore as ms
@@ -80,8 +80,9 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from ms_efficient.core import backend
 from ms_efficient.moe.alltoall import AllToAllV, CountExchange
-from ms_efficient.moe.ep_routing import (cross_budget, expert_sources, grouped_dispatch,
-                                         rank_dispatch, replica_sync)
+from ms_efficient.moe.ep_routing import (check_replan, expert_sources, grouped_tables,
+                                         init_expert_weights, pad_rows, rank_dispatch,
+                                         replica_sync)
 from ms_efficient.moe.grouped_matmul import GroupedMatmul, row_groups
 from ms_efficient.moe.layer import (TopKArrival, group_tables, make_gelu, routing_counts_buffer,
                                     routing_statistics, sum_choices)
@@ -93,31 +94,6 @@ __all__ = ["ExpertParallelMoE", "ReplicaGradSum", "init_expert_weights"]
 # Grouped splits compute count * weight in int32 with weight <= SPLIT_UNITS and count <= the
 # local tokens T (an expert is chosen at most once per token): exact while T * 4096 < 2^31.
 MAX_GROUPED_TOKENS = (2 ** 31 - 1) // SPLIT_UNITS
-
-
-def init_expert_weights(num_experts: int, hidden_size: int, ffn_hidden_size: int,
-                        init_std: float = 0.02, seed: int = 0,
-                        experts: Optional[Sequence[int]] = None):
-    """Initial weights, float32 numpy: (router_EH, w1_XHF, b1_X1F, w2_XFH, b2_X1H) for the
-    logical experts ``experts`` (X of them, in that order, repeats allowed; default all E).
-
-    Expert e's weights come from the generator seeded with (seed, 0, e), the router's from
-    (seed, 1), so every rank builds the same values for the experts it holds, and replicas of
-    one expert on different ranks start identical without communication; a rank generates
-    only the experts it holds.
-    """
-    h, f = hidden_size, ffn_hidden_size
-    experts = list(range(num_experts)) if experts is None else [int(e) for e in experts]
-    w1 = np.empty((len(experts), h, f), np.float32)
-    w2 = np.empty((len(experts), f, h), np.float32)
-    for i, e in enumerate(experts):
-        rng = np.random.default_rng((seed, 0, e))
-        w1[i] = rng.normal(0.0, init_std, (h, f))
-        w2[i] = rng.normal(0.0, init_std, (f, h))
-    router = np.random.default_rng((seed, 1)).normal(0.0, init_std, (num_experts, h))
-    n = len(experts)
-    return (router.astype(np.float32), w1, np.zeros((n, 1, f), np.float32), w2,
-            np.zeros((n, 1, h), np.float32))
 
 
 class ReplicaGradSum(nn.Cell):
@@ -223,10 +199,8 @@ class ExpertParallelMoE(nn.Cell):
                 raise ValueError("'rank_load_RE' splits the capacities of static plans; a "
                                  "'grouped' plan splits tokens by its own 'rank_share', so "
                                  "set that instead, but got rank_load_RE as well.")
-            self._init_grouped(group, slots_per_device)
+            sync = self._init_grouped(group, slots_per_device)
             budget = self.tables.budget
-            sync = replica_sync(plan, self.rank, budget,
-                                cross_budget(num_experts, self.world, budget))
             sync_needed = self.world * budget > num_experts     # some plan may replicate
         else:
             if slots_per_device is not None:
@@ -252,7 +226,7 @@ class ExpertParallelMoE(nn.Cell):
                                                      init_std, seed, self.local_experts)
         self.router = nn.Dense(hidden_size, num_experts, has_bias=False,
                                weight_init=Tensor(router))
-        w1, b1, w2, b2 = (_pad_rows(a, budget) for a in (w1, b1, w2, b2))
+        w1, b1, w2, b2 = (pad_rows(a, budget) for a in (w1, b1, w2, b2))
         self.w1 = Parameter(Tensor(w1), name="w1")
         self.b1 = Parameter(Tensor(b1), name="b1")
         self.w2 = Parameter(Tensor(w2), name="w2")
@@ -289,13 +263,13 @@ class ExpertParallelMoE(nn.Cell):
         self.back_index = Tensor(tables.back_index_M)
         self.group_members = tuple(tuple(int(i) for i in ix) for _, ix in tables.groups)
 
-    def _init_grouped(self, group, slots_per_device) -> None:
-        """Grouped tables (:func:`~ms_efficient.moe.ep_routing.grouped_dispatch`): the plan's
+    def _init_grouped(self, group, slots_per_device):
+        """Grouped tables (:func:`~ms_efficient.moe.ep_routing.grouped_tables`): the plan's
         in Parameters, the layout's (fixed by W, S_b and the buffers) as constants; the count
         exchange and the two AlltoAllVs: block d of the send buffer has B_d rows, and this
-        rank receives W blocks of its own B_r rows."""
-        tables = grouped_dispatch(self.plan, self.num_experts, self.rank, self.world,
-                                  self.devices_per_node, slots_per_device)
+        rank receives W blocks of its own B_r rows. Returns the replica-sync tables."""
+        tables, sync = grouped_tables(self.plan, self.num_experts, self.rank, self.world,
+                                      self.devices_per_node, slots_per_device)
         self.tables = tables
         self.local_slots = tables.local_slots
         world, buffer_D = self.world, tables.buffer_D
@@ -321,6 +295,7 @@ class ExpertParallelMoE(nn.Cell):
         self.recv_source_I = Tensor(received // self.num_rows)       # I = W * B_r
         self.recv_row_I = Tensor(received % self.num_rows)
         self.recv_arange_I = Tensor(received)
+        return sync
 
     def set_weights(self, router_EH, w1_EHF, b1_E1F, w2_EFH, b2_E1H) -> None:
         """Load logical weights (numpy, all E experts): the router, and for every local slot
@@ -333,7 +308,7 @@ class ExpertParallelMoE(nn.Cell):
         """w1, b1, w2, b2 from logical [E, ...] tables: row i < S_l takes local_experts[i]."""
         for param, table in zip((self.w1, self.b1, self.w2, self.b2), tables_E):
             rows = np.asarray(table, np.float32)[self.local_experts]
-            param.set_data(Tensor(_pad_rows(rows, self.budget)))
+            param.set_data(Tensor(pad_rows(rows, self.budget)))
 
     def expert_weights(self):
         """The logical expert weights, numpy float32 (w1_EHF, b1_E1F, w2_EFH, b2_E1H), each
@@ -365,31 +340,13 @@ class ExpertParallelMoE(nn.Cell):
         Raises ``ValueError`` for a static layer or plan, or a plan that needs new shapes
         (then build a new layer, which compiles a new graph).
         """
-        if not self.grouped or plan.dispatch != "grouped":
-            raise ValueError(f"set_plan switches 'grouped' layers to 'grouped' plans, but the "
-                             f"layer's dispatch is {self.plan.dispatch!r} and the plan's "
-                             f"{plan.dispatch!r}; build a new ExpertParallelMoE instead.")
-        old, new = self.tables.buffer_D, plan.device_rows(self.world)
-        if not np.array_equal(old, new):
-            raise ValueError(f"set_plan keeps the compiled shapes, so the plan's device buffers "
-                             f"'device_rows' must equal the layer's {old.tolist()}, but got "
-                             f"{new.tolist()}; new buffers need a new layer (a recompile).")
-        per_device = np.bincount(plan.slot_device, minlength=self.world)
-        if per_device.max() > self.budget:
-            raise ValueError(f"set_plan keeps the compiled shapes, so every device may hold at "
-                             f"most 'slots_per_device' = {self.budget} slots, but the plan "
-                             f"holds {per_device.tolist()}; a larger budget needs a new layer "
-                             f"(a recompile).")
-        try:
-            plan.validate(self.num_experts, self.world)
-        except ValueError as err:
-            raise ValueError(f"set_plan: {err} A different expert set needs a new layer (a "
-                             f"recompile).") from None
-        tables = grouped_dispatch(plan, self.num_experts, self.rank, self.world,
-                                  self.devices_per_node, self.budget)
+        if not self.grouped:
+            raise ValueError(f"set_plan switches 'grouped' layers, but this layer's dispatch is "
+                             f"{self.plan.dispatch!r}; build a new ExpertParallelMoE instead.")
+        check_replan(plan, self.num_experts, self.tables.buffer_D, self.budget)
+        tables, sync = grouped_tables(plan, self.num_experts, self.rank, self.world,
+                                      self.devices_per_node, self.budget)
         experts_E = self.expert_weights()        # from the old placement, before switching
-        sync = replica_sync(plan, self.rank, self.budget,
-                            cross_budget(self.num_experts, self.world, self.budget))
         self.plan, self.tables, self.local_slots = plan, tables, tables.local_slots
         self.local_experts = plan.slot_expert[self.local_slots]
         for param, values in ((self.plan_expert_V, tables.expert_V),
@@ -573,10 +530,3 @@ def _table(name: str, values: np.ndarray) -> Parameter:
     """A plan table the graph reads as data: a non-trainable Parameter (a Tensor attribute
     would be a compile-time constant, and replacing it after compilation has no effect)."""
     return Parameter(Tensor(values), name=name, requires_grad=False)
-
-
-def _pad_rows(rows_X, budget: int) -> np.ndarray:
-    """float32 [budget, ...]: ``rows_X`` [X, ...] then zero rows (empty slots)."""
-    rows_X = np.asarray(rows_X, np.float32)
-    pad = np.zeros((budget - rows_X.shape[0],) + rows_X.shape[1:], np.float32)
-    return np.concatenate((rows_X, pad), axis=0)

@@ -1,4 +1,5 @@
-"""Static dispatch tables of the expert-parallel MoE layer (numpy, computed before compilation).
+"""Dispatch tables and slot weights of the expert-parallel MoE layer (numpy, computed before
+compilation or a re-plan).
 
 Notation: W ranks in the expert-parallel group (rank = device id of the plan), E logical
 experts, S physical slots of an :class:`~ms_efficient.moe.plan.ExpertPlan`, J the most
@@ -46,12 +47,18 @@ summed: first over the replicas on this rank, then, for experts with replicas on
 one rank ("cross" experts, the same list on every rank), by an AllReduce of a [X_b, ...] table
 (X_b >= the number of cross experts, rows past them stay zero) to which each rank adds its
 local sums.
+
+Slot weights: :func:`init_expert_weights` seeds every expert's initial weights by its id (so
+replicas start identical without communication), :func:`pad_rows` fills the empty budget
+slots with zeros, :func:`expert_sources` names the one rank and row each expert is read from
+when the layer rebuilds the logical [E, ...] table, and :func:`check_replan` says whether a
+new plan fits a compiled grouped layer (same buffers, budget and experts).
 No MindSpore import here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -60,7 +67,8 @@ from ms_efficient.moe.split import SPLIT_UNITS, grouped_split_weights
 
 __all__ = ["RankDispatch", "rank_dispatch", "GroupedDispatch", "grouped_dispatch",
            "ReplicaSync", "replica_sync", "capacity_groups", "cross_budget", "expert_sources",
-           "slots_per_device"]
+           "slots_per_device", "grouped_tables", "check_replan", "pad_rows",
+           "init_expert_weights"]
 
 
 def capacity_groups(slots: np.ndarray,
@@ -384,3 +392,75 @@ def expert_sources(plan: ExpertPlan, num_experts: int, rank: int) -> np.ndarray:
         if holders.size and holders.min() == rank:
             source_E[e] = int(np.flatnonzero(plan.slot_expert[local] == e)[0])
     return source_E
+
+
+def grouped_tables(plan: ExpertPlan, num_experts: int, rank: int, world: int,
+                   devices_per_node: Optional[int] = None,
+                   budget: Optional[int] = None) -> Tuple[GroupedDispatch, ReplicaSync]:
+    """The dispatch and replica-sync tables of ``rank`` for a ``"grouped"`` plan over
+    ``budget`` slots per device (default :func:`slots_per_device`), the cross table sized for
+    any plan of that budget (:func:`cross_budget`), so both keep their shapes across plans."""
+    dispatch = grouped_dispatch(plan, num_experts, rank, world, devices_per_node, budget)
+    sync = replica_sync(plan, rank, dispatch.budget,
+                        cross_budget(num_experts, world, dispatch.budget))
+    return dispatch, sync
+
+
+def check_replan(plan: ExpertPlan, num_experts: int, buffer_D: np.ndarray,
+                 budget: int) -> None:
+    """Raise ``ValueError`` unless ``plan`` fits the shapes a grouped layer compiled: a
+    ``"grouped"`` plan with the row buffers ``buffer_D`` (int [W]), at most ``budget`` slots
+    per device and every one of the ``num_experts`` experts (ids below it) placed."""
+    world = int(buffer_D.size)
+    if plan.dispatch != "grouped":
+        raise ValueError(f"set_plan switches 'grouped' layers to 'grouped' plans, but the "
+                         f"layer's dispatch is 'grouped' and the plan's {plan.dispatch!r}.")
+    new = plan.device_rows(world)
+    if not np.array_equal(new, buffer_D):
+        raise ValueError(f"set_plan keeps the compiled shapes, so the plan's device buffers "
+                         f"'device_rows' must equal the layer's {buffer_D.tolist()}, but got "
+                         f"{new.tolist()}; new buffers need a new layer (a recompile).")
+    per_device = np.bincount(plan.slot_device, minlength=world)
+    if per_device.max() > budget:
+        raise ValueError(f"set_plan keeps the compiled shapes, so every device may hold at most "
+                         f"'slots_per_device' = {budget} slots, but the plan holds "
+                         f"{per_device.tolist()}; a larger budget needs a new layer (a "
+                         f"recompile).")
+    try:
+        plan.validate(num_experts, world)
+    except ValueError as err:
+        raise ValueError(f"set_plan: {err} A different expert set needs a new layer (a "
+                         f"recompile).") from None
+
+
+def pad_rows(rows_X: np.ndarray, budget: int) -> np.ndarray:
+    """float32 [budget, ...]: the slot weight rows ``rows_X`` [X, ...] (X <= budget), then
+    zero rows for the empty budget slots."""
+    rows_X = np.asarray(rows_X, np.float32)
+    pad = np.zeros((budget - rows_X.shape[0],) + rows_X.shape[1:], np.float32)
+    return np.concatenate((rows_X, pad), axis=0)
+
+
+def init_expert_weights(num_experts: int, hidden_size: int, ffn_hidden_size: int,
+                        init_std: float = 0.02, seed: int = 0,
+                        experts: Optional[Sequence[int]] = None):
+    """Initial weights, float32 numpy: (router_EH, w1_XHF, b1_X1F, w2_XFH, b2_X1H) for the
+    logical experts ``experts`` (X of them, in that order, repeats allowed; default all E).
+
+    Expert e's weights come from the generator seeded with (seed, 0, e), the router's from
+    (seed, 1), so every rank builds the same values for the experts it holds, and replicas of
+    one expert on different ranks start identical without communication; a rank generates
+    only the experts it holds.
+    """
+    h, f = hidden_size, ffn_hidden_size
+    experts = list(range(num_experts)) if experts is None else [int(e) for e in experts]
+    w1 = np.empty((len(experts), h, f), np.float32)
+    w2 = np.empty((len(experts), f, h), np.float32)
+    for i, e in enumerate(experts):
+        rng = np.random.default_rng((seed, 0, e))
+        w1[i] = rng.normal(0.0, init_std, (h, f))
+        w2[i] = rng.normal(0.0, init_std, (f, h))
+    router = np.random.default_rng((seed, 1)).normal(0.0, init_std, (num_experts, h))
+    n = len(experts)
+    return (router.astype(np.float32), w1, np.zeros((n, 1, f), np.float32), w2,
+            np.zeros((n, 1, h), np.float32))
