@@ -26,7 +26,8 @@
 // Float tensors of one call share one dtype: float32, or float16 (converted to float32 scratch,
 // computed in float32, rounded once). `sizes` is int32.
 // Plain C helpers for ctypes: MoeGroupedMatmulSetThreads(n) / MoeGroupedMatmulGetThreads() set
-// and read the BLAS thread count (OpenMP's for the fallback build); MoeGroupedMatmulBackend()
+// and read the thread count (OpenMP threads over single-threaded sgemm tasks with BLAS, over
+// row blocks in the fallback build); MoeGroupedMatmulBackend()
 // returns "openblas" or "loop".
 #include <algorithm>
 #include <atomic>
@@ -121,6 +122,7 @@ void transpose(const float *src, int64_t rows, int64_t cols, std::vector<float> 
 }
 #endif
 
+#ifndef MOE_GMM_OPENBLAS
 // C[m,n] = op(A) @ op(B) with op(A) [m,k], op(B) [k,n]; A is stored [m,k] (or [k,m] when
 // trans_a), B [k,n] (or [n,k] when trans_b); row-major, contiguous; C is overwritten.
 void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float *a,
@@ -130,20 +132,13 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const fl
     std::fill_n(c, m * n, 0.0f);
     return;
   }
-#ifdef MOE_GMM_OPENBLAS
-  scipy_cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
-                    trans_b ? CblasTrans : CblasNoTrans, static_cast<blasint>(m),
-                    static_cast<blasint>(n), static_cast<blasint>(k), 1.0f, a,
-                    static_cast<blasint>(trans_a ? m : k), b,
-                    static_cast<blasint>(trans_b ? k : n), 0.0f, c, static_cast<blasint>(n));
-#else
   // A transpose costs one pass over a matrix the product reads k or m times.
   std::vector<float> at, bt;
   if (trans_a) transpose(a, k, m, &at);
   if (trans_b) transpose(b, n, k, &bt);
   gemm_nn_loop(m, n, k, trans_a ? at.data() : a, trans_b ? bt.data() : b, c);
-#endif
 }
+#endif
 
 // Which product of the contract an entry point computes.
 enum class Product { kForward, kTransW, kWeightGrad };
@@ -158,13 +153,87 @@ bool group_offsets(const int32_t *sizes, int64_t e, int64_t rows, std::vector<in
   return (*off)[e] <= rows;
 }
 
+#ifdef MOE_GMM_OPENBLAS
+// Threads over the products' tasks (0 = OpenMP's default), set by MoeGroupedMatmulSetThreads.
+// OpenBLAS itself runs single-threaded inside each task: its own spinning threads fought
+// MindSpore's pool on the 2-core build machine (5x slower), while independent tasks on
+// OpenMP threads do not. A global, because kernels run on MindSpore's threads.
+std::atomic<int> g_task_threads{1};
+// Rows (forward, trans) or columns (weight grad) of one task: small enough that 8 experts'
+// groups split into a few tasks per thread, large enough that each sgemm stays efficient.
+constexpr int64_t kTaskSpan = 256;
+// Work (multiply-adds) below which one thread does everything.
+constexpr int64_t kParallelMinWork = 1 << 20;
+
+int task_threads() {
+#ifdef _OPENMP
+  const int t = g_task_threads.load();
+  return t > 0 ? t : omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+// C = op(A) @ op(B) with explicit leading dimensions (row-major).
+void sgemm_ld(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float *a,
+              int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc) {
+  scipy_cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+                    trans_b ? CblasTrans : CblasNoTrans, static_cast<blasint>(m),
+                    static_cast<blasint>(n), static_cast<blasint>(k), 1.0f, a,
+                    static_cast<blasint>(lda), b, static_cast<blasint>(ldb), 0.0f, c,
+                    static_cast<blasint>(ldc));
+}
+#endif
+
 // The three products in float32 over contiguous buffers (see the header comment).
 //   kForward:    a = x [N,H],  w [E,H,F]  -> out [N,F]
 //   kTransW:     a = dy [N,F], w [E,H,F]  -> out [N,H]
 //   kWeightGrad: a = x [N,H],  b = dy [N,F] -> out [E,H,F]
+// With BLAS, every group is cut into tasks of kTaskSpan rows (forward, trans: the rows of a
+// group are independent) or of kTaskSpan output columns (weight grad: dw[e][:, cols] needs
+// only dy[:, cols]), run on task_threads() OpenMP threads, each a single-threaded sgemm that
+// writes its own block of `out`: no two tasks write the same element, so the result does not
+// depend on the thread count.
 void grouped(Product product, const float *a, const float *b, float *out,
              const std::vector<int64_t> &off, int64_t n_rows, int64_t h, int64_t f) {
   const int64_t e = static_cast<int64_t>(off.size()) - 1;
+#ifdef MOE_GMM_OPENBLAS
+  struct Task { int64_t g, lo, hi; };
+  std::vector<Task> tasks;
+  for (int64_t g = 0; g < e; ++g) {
+    const int64_t m = off[g + 1] - off[g];
+    if (product == Product::kWeightGrad) {
+      if (m == 0) {
+        std::fill_n(out + g * h * f, h * f, 0.0f);   // an empty group's gradient
+        continue;
+      }
+      for (int64_t lo = 0; lo < f; lo += kTaskSpan) tasks.push_back({g, lo, std::min(f, lo + kTaskSpan)});
+    } else {
+      for (int64_t lo = 0; lo < m; lo += kTaskSpan) tasks.push_back({g, lo, std::min(m, lo + kTaskSpan)});
+    }
+  }
+  const int64_t work = off[e] * h * f;
+  const int64_t count = static_cast<int64_t>(tasks.size());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(task_threads()) \
+    if (count > 1 && work >= kParallelMinWork)
+  for (int64_t i = 0; i < count; ++i) {
+    const Task t = tasks[i];
+    const int64_t r0 = off[t.g], m = off[t.g + 1] - off[t.g], span = t.hi - t.lo;
+    const float *w = b + t.g * h * f;
+    switch (product) {
+      case Product::kForward:
+        sgemm_ld(false, false, span, f, h, a + (r0 + t.lo) * h, h, w, f, out + (r0 + t.lo) * f, f);
+        break;
+      case Product::kTransW:
+        sgemm_ld(false, true, span, h, f, a + (r0 + t.lo) * f, f, w, f, out + (r0 + t.lo) * h, h);
+        break;
+      case Product::kWeightGrad:
+        sgemm_ld(true, false, h, span, m, a + r0 * h, h, b + r0 * f + t.lo, f,
+                 out + t.g * h * f + t.lo, f);
+        break;
+    }
+  }
+#else
   for (int64_t g = 0; g < e; ++g) {
     const int64_t r0 = off[g], m = off[g + 1] - off[g];
     switch (product) {
@@ -179,6 +248,7 @@ void grouped(Product product, const float *a, const float *b, float *out,
         break;
     }
   }
+#endif
   if (product != Product::kWeightGrad) {
     const int64_t width = product == Product::kForward ? f : h;
     std::fill(out + off[e] * width, out + n_rows * width, 0.0f);
@@ -278,7 +348,8 @@ int MoeGroupedMatmulWeightGrad(int nparam, void **params, int *ndims, int64_t **
 
 void MoeGroupedMatmulSetThreads(int threads) {
 #ifdef MOE_GMM_OPENBLAS
-  scipy_openblas_set_num_threads(threads);
+  scipy_openblas_set_num_threads(1);      // threads go to the tasks, see grouped()
+  g_task_threads.store(threads);
 #else
   g_threads.store(threads);
 #endif
@@ -286,7 +357,7 @@ void MoeGroupedMatmulSetThreads(int threads) {
 
 int MoeGroupedMatmulGetThreads() {
 #ifdef MOE_GMM_OPENBLAS
-  return scipy_openblas_get_num_threads();
+  return task_threads();
 #else
   return loop_threads();
 #endif
