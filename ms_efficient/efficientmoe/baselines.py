@@ -59,7 +59,8 @@ import numpy as np
 
 from ms_efficient.efficientmoe.capacity import round_up, switch_capacity, uniform_capacity
 from ms_efficient.efficientmoe.cost import CostModel, check_rank_device, layer_cost
-from ms_efficient.efficientmoe.placement import PlacementConfig, plan_layer, replica_counts_greedy
+from ms_efficient.efficientmoe.placement import (PlacementConfig, plan_layer,
+                                                 replica_counts_greedy, uniform_placement)
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import largest_remainder, split_tokens
 
@@ -68,22 +69,6 @@ __all__ = ["uniform_placement", "switch_plan", "dropless_static_plan", "dropless
            "balanced_packing", "eplb_plan", "greedy_plan", "oracle_plan"]
 
 logger = logging.getLogger(__name__)
-
-
-def uniform_placement(num_experts: int,
-                      devices: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
-    """Static expert parallelism over the hosting ``devices`` (int [H], ascending):
-    (slot_expert, slot_device), int64 [S] each.
-
-    E >= H: expert e on devices[floor(e * H / E)] (contiguous, equal counts when H divides E).
-    E < H: expert-data parallel, devices[i] holds expert i mod E (H // E or more copies each).
-    """
-    devices = np.asarray(devices, dtype=np.int64)
-    num_hosts = devices.size
-    if num_experts >= num_hosts:
-        experts = np.arange(num_experts)
-        return experts, devices[experts * num_hosts // num_experts]
-    return np.arange(num_hosts) % num_experts, devices.copy()
 
 
 def _equal_per_rank(slot_expert: np.ndarray, per_rank_E: np.ndarray,

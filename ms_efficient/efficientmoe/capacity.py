@@ -196,20 +196,22 @@ def _expected(cap_S: np.ndarray, pred_S: np.ndarray, spread_S: np.ndarray, z: np
     suffix = _suffix(z) if suffix is None else suffix
     pred = np.asarray(pred_S, dtype=np.float64)
     cap = np.asarray(cap_S, dtype=np.float64)
-    top = np.inf if max_load is None else float(max_load)
+    top_S = np.full(pred.shape, np.inf) if max_load is None else np.broadcast_to(
+        np.asarray(max_load, dtype=np.float64), pred.shape)
     live = spread_S > 0
-    p, g, c = pred[live], spread_S[live], cap[live]
+    p, g, c, top = pred[live], spread_S[live], cap[live], top_S[live]
 
     def excess(u: np.ndarray) -> np.ndarray:                             # u: finite [S']
         i = np.searchsorted(z, (u - p) / g, side="right")
         count, total = n - i, suffix[i]
         return np.maximum(0.0, (p - u) * count + g * total) / n
 
-    beyond = np.zeros_like(p) if np.isinf(top) else excess(np.full(p.shape, top))
+    capped = np.isfinite(top)
+    beyond = np.where(capped, excess(np.where(capped, top, 0.0)), 0.0)
     load = excess(np.zeros_like(p)) - beyond
     over = np.maximum(0.0, excess(np.minimum(c, top)) - beyond)
     # slots with no spread: one point load, pred itself (clipped)
-    flat_load = np.minimum(pred[~live], top)
+    flat_load = np.minimum(pred[~live], top_S[~live])
     total_load = load.sum() + flat_load.sum()
     total_over = over.sum() + np.maximum(0.0, flat_load - cap[~live]).sum()
     rows = cap.sum()
@@ -314,10 +316,11 @@ def uniform_capacity(pred_load_S: np.ndarray, slot_expert: np.ndarray, rel_err_K
 
 
 def expected_expert_drop_rate(capacity_E: np.ndarray, pred_load_E: np.ndarray,
-                              rel_err_KE: np.ndarray, max_load: Optional[float] = None) -> float:
+                              rel_err_KE: np.ndarray, max_load=None) -> float:
     """Expected drop rate of a plan whose experts have total capacities ``capacity_E`` (int [E],
     summed over replicas: overflow moves between replicas) when the coming loads follow the
-    error model of :func:`load_samples` around ``pred_load_E``, in [0, 1]."""
+    error model of :func:`load_samples` around ``pred_load_E``, in [0, 1]. ``max_load``: the
+    most tokens an entry can receive, a number or float [E] (None: unbounded)."""
     pred = np.asarray(pred_load_E, dtype=np.float64)
     spread_E, z = _error_model(pred, np.arange(pred.size), rel_err_KE)
     return _expected(np.asarray(capacity_E, dtype=np.float64), pred, spread_E, z, max_load)[0]

@@ -37,7 +37,8 @@ from ms_efficient.efficientmoe.capacity import device_buffers, round_up, slot_ca
 from ms_efficient.efficientmoe.cost import CostModel, check_rank_device, layer_cost
 from ms_efficient.moe.plan import ExpertPlan
 
-__all__ = ["PlacementConfig", "default_slots_per_device", "replica_counts_greedy",
+__all__ = ["PlacementConfig", "default_slots_per_device", "uniform_placement",
+           "replica_counts_greedy", "device_bound",
            "place_replicas", "levelled_shares", "rank_capacities", "plan_layer"]
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,22 @@ class PlacementConfig:
 def default_slots_per_device(num_experts: int, num_hosts: int, extra: int = 1) -> int:
     """ceil(E / hosts) slots for the experts plus ``extra`` spare slots for replicas."""
     return -(-num_experts // num_hosts) + extra
+
+
+def uniform_placement(num_experts: int,
+                      devices: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
+    """Static expert parallelism over the hosting ``devices`` (int [H], ascending):
+    (slot_expert, slot_device), int64 [S] each.
+
+    E >= H: expert e on devices[floor(e * H / E)] (contiguous, equal counts when H divides E).
+    E < H: expert-data parallel, devices[i] holds expert i mod E (H // E or more copies each).
+    """
+    devices = np.asarray(devices, dtype=np.int64)
+    num_hosts = devices.size
+    if num_experts >= num_hosts:
+        experts = np.arange(num_experts)
+        return experts, devices[experts * num_hosts // num_experts]
+    return np.arange(num_hosts) % num_experts, devices.copy()
 
 
 def replica_counts_greedy(load_E: np.ndarray, total_slots: int) -> np.ndarray:
@@ -230,7 +247,7 @@ def _best_level(candidate, max_extra: int, levels: int):
     return scored[min(scored, key=lambda x: (scored[x][0], x))]
 
 
-def _device_bound(slot_expert: np.ndarray, slot_device: np.ndarray, num_devices: int,
+def device_bound(slot_expert: np.ndarray, slot_device: np.ndarray, num_devices: int,
                   tokens_per_step: Optional[int], top_k: Optional[int]) -> Optional[np.ndarray]:
     """float64 [D]: the most rows a device can receive in a step, min(tokens x top_k, tokens x
     its distinct experts) (an expert appears at most once in a token's top-k); None when the
@@ -254,9 +271,10 @@ def _plan_grouped(load: np.ndarray, model: CostModel, config: PlacementConfig, r
     load and errors (:func:`~ms_efficient.efficientmoe.capacity.device_buffers`), then
     raised to the largest of them on every host (one buffer size, as the issue's design
     has it: balanced devices need the same room, and a re-placement that moves load between
-    devices then keeps the compiled buffers). Dropless
-    layers: no replicas, and every buffer sized for the largest per-rank counts seen (each
-    rank at its largest at once; the device bound without ``seen_max_RE``)."""
+    devices then keeps the compiled buffers). Dropless layers (the forecast is not to be
+    trusted): uniform placement, no replicas, and every buffer sized for the largest
+    per-rank counts seen (each rank at its largest at once; the device bound without
+    ``seen_max_RE``): at the bound, the MegaBlocks-style layout that cannot drop."""
     cluster = model.cluster
     num_ranks, num_experts = load.shape
     num_hosts = rd.size
@@ -264,21 +282,23 @@ def _plan_grouped(load: np.ndarray, model: CostModel, config: PlacementConfig, r
     load_E = load.sum(axis=0)
     tokens, top_k = sizes["tokens_per_step"], sizes["top_k"]
 
-    def build(replicas: np.ndarray, buffer: Optional[np.ndarray] = None):
-        slot_expert, slot_device = place_replicas(load, replicas, model,
-                                                  config.slots_per_device, rd)
+    def build(replicas: Optional[np.ndarray], slot_expert=None, slot_device=None):
+        if replicas is not None:
+            slot_expert, slot_device = place_replicas(load, replicas, model,
+                                                      config.slots_per_device, rd)
         rows = levelled_shares(slot_expert, slot_device, load_E, cluster.num_devices)
         caps = np.maximum(np.ceil(rows - 1e-9), 1).astype(np.int64)
-        bound = _device_bound(slot_expert, slot_device, cluster.num_devices, tokens, top_k)
-        if buffer is None:          # scoring: room for any load (drops are the buffers' job)
-            buffer = bound if bound is not None else np.full(cluster.num_devices,
-                                                             load_E.sum())
+        bound = device_bound(slot_expert, slot_device, cluster.num_devices, tokens, top_k)
+        # room for any load while scoring (drops are the buffers' job, sized last)
+        buffer = bound if bound is not None else np.full(cluster.num_devices, load_E.sum())
         plan = ExpertPlan(slot_expert, slot_device, caps, dispatch="grouped",
                           rank_share=load, device_buffer=np.ceil(buffer).astype(np.int64))
         return plan, bound
 
     if dropless:
-        plan, bound = build(np.ones(num_experts, dtype=np.int64))
+        # the forecast is not to be trusted: the static layout of expert parallelism
+        slot_expert, slot_device = uniform_placement(num_experts, np.sort(rd))
+        plan, bound = build(None, slot_expert=slot_expert, slot_device=slot_device)
         if seen_max_RE is not None:
             seen = np.asarray(seen_max_RE, dtype=np.float64)
             if seen.shape != load.shape:

@@ -40,7 +40,7 @@ import numpy as np
 from ms_efficient.efficientmoe.capacity import device_loads, expected_expert_drop_rate
 from ms_efficient.efficientmoe.cost import CostModel, check_rank_device, layer_cost
 from ms_efficient.efficientmoe.placement import (PlacementConfig, default_slots_per_device,
-                                                 plan_layer)
+                                                 device_bound, plan_layer)
 from ms_efficient.efficientmoe.predictor import (PREDICTOR_NAMES, PerRank, get_predictor,
                                                  predict_counts, relative_residuals)
 from ms_efficient.efficientmoe.schedule import (DropMonitor, ReplanCosts, ReplanDecision,
@@ -426,8 +426,11 @@ class EfficientMoEPlanner:
                 devices, load_H, rel_KH = device_loads(plan, pred_LRE[layer],
                                                        rel_KLRE[:, layer], self.rank_device,
                                                        dpn)
-                rates.append(expected_expert_drop_rate(plan.device_rows()[devices], load_H,
-                                                       rel_KH))
+                bound = device_bound(plan.slot_expert, plan.slot_device,
+                                     int(devices.max()) + 1, self.tokens_per_step, self.top_k)
+                rates.append(expected_expert_drop_rate(
+                    plan.device_rows()[devices], load_H, rel_KH,
+                    None if bound is None else bound[devices]))
                 continue
             rows_RS = source_rows(plan, self.num_experts, self.rank_device, dpn,
                                   plan.rank_share)
