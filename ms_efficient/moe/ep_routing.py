@@ -130,6 +130,18 @@ def _block_offsets(plan: ExpertPlan, rows_RS: np.ndarray) -> np.ndarray:
     return off_RS
 
 
+def _local_slots(plan: ExpertPlan, rank: int, world: int) -> np.ndarray:
+    """Slot ids on ``rank`` (int64, ascending); ValueError for a rank outside the group or one
+    that hosts no slot."""
+    if not 0 <= rank < world:
+        raise ValueError(f"'rank' must be in [0, {world}), but got {rank}.")
+    local_slots = np.flatnonzero(plan.slot_device == rank)
+    if local_slots.size == 0:
+        raise ValueError(f"rank {rank} hosts no slot of the expert plan; every rank of the "
+                         f"expert-parallel group needs at least one slot.")
+    return local_slots
+
+
 def rank_dispatch(plan: ExpertPlan, rows_RS: np.ndarray, num_experts: int, rank: int,
                   devices_per_node: Optional[int] = None) -> RankDispatch:
     """The send and receive tables of ``rank`` for per-source rows ``rows_RS`` (int [W, S]).
@@ -144,12 +156,7 @@ def rank_dispatch(plan: ExpertPlan, rows_RS: np.ndarray, num_experts: int, rank:
     if (rows_RS.sum(axis=0) > plan.slot_capacity).any():
         raise ValueError(f"'rows_RS' reserves more rows than the slot capacities "
                          f"{plan.slot_capacity.tolist()}: {rows_RS.sum(axis=0).tolist()}.")
-    if not 0 <= rank < world:
-        raise ValueError(f"'rank' must be in [0, {world}), but got {rank}.")
-    local_slots = np.flatnonzero(plan.slot_device == rank)
-    if local_slots.size == 0:
-        raise ValueError(f"rank {rank} hosts no slot of the expert plan; every rank of the "
-                         f"expert-parallel group needs at least one slot.")
+    local_slots = _local_slots(plan, rank, world)
     # Step 1: blocks: rank r sends to_dev_RD[r, d] rows to d; block offsets in both buffers.
     to_dev_RD = np.zeros((world, world), dtype=np.int64)
     np.add.at(to_dev_RD.T, plan.slot_device, rows_RS.T)
@@ -264,12 +271,7 @@ def grouped_dispatch(plan: ExpertPlan, num_experts: int, rank: int, world: int,
     Raises ``ValueError`` when the rank hosts no slot, a device's row buffer is 0 or a device
     holds more slots than the budget.
     """
-    if not 0 <= rank < world:
-        raise ValueError(f"'rank' must be in [0, {world}), but got {rank}.")
-    local_slots = np.flatnonzero(plan.slot_device == rank)
-    if local_slots.size == 0:
-        raise ValueError(f"rank {rank} hosts no slot of the expert plan; every rank of the "
-                         f"expert-parallel group needs at least one slot.")
+    local_slots = _local_slots(plan, rank, world)
     buffer_D = plan.device_rows(world)
     if (buffer_D < 1).any():
         d = int(np.flatnonzero(buffer_D < 1)[0])
