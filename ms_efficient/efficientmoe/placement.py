@@ -276,7 +276,7 @@ def _plan_grouped(load: np.ndarray, model: CostModel, config: PlacementConfig, r
     per-rank counts seen (each rank at its largest at once; the device bound without
     ``seen_max_RE``): at the bound, the MegaBlocks-style layout that cannot drop."""
     cluster = model.cluster
-    num_ranks, num_experts = load.shape
+    num_experts = load.shape[1]
     num_hosts = rd.size
     dpn = cluster.devices_per_node
     load_E = load.sum(axis=0)
