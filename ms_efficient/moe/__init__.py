@@ -1,9 +1,12 @@
 """MoE runtime: the Cells and the formats they execute (no planning here).
 
-``layer`` (router + top-k MoE FFN with static per-expert capacity), ``ep_layer`` and
-``ep_routing`` (expert-parallel layer over replicas and its static dispatch tables),
-``alltoall`` (All-to-All / AlltoAllV: native on Ascend, exact emulation elsewhere),
-``kernels`` (padding-free permute / combine, ``ops.Custom`` aot on CPU), ``plan`` (the
-``ExpertPlan`` format: slots, devices, capacities), ``split`` (the dispatch rule that splits a
-rank's tokens over an expert's replicas) and ``trace`` (the routing-trace ``.npz`` format).
+``layer`` (router + top-k MoE FFN: static per-expert capacities, or padding-free grouped
+compute), ``ep_layer`` and ``ep_routing`` (expert-parallel layer over replicas, static or
+grouped dispatch, and its tables), ``alltoall`` (All-to-All / AlltoAllV and the count
+exchange: native on Ascend, exact emulation elsewhere), ``kernels`` (padding-free permute /
+combine, ``ops.Custom`` aot on CPU), ``grouped_matmul`` (the grouped matmul whose group sizes
+are data: aot over OpenBLAS on CPU, ``GroupedMatmul`` on Ascend), ``plan`` (the
+``ExpertPlan`` format: slots, devices, capacities, row buffers), ``split`` (the dispatch rule
+that splits a rank's tokens over an expert's replicas) and ``trace`` (the routing-trace
+``.npz`` format).
 """
