@@ -462,21 +462,9 @@ class ForwardAndGrads(nn.Cell):
 
 
 def count_compiles(monkeypatch):
-    """A list that records every graph compiled from now on (the executor's compile returns
-    (phase, False) when a Cell's graph comes from its compile cache, (phase, True) when it
-    was compiled). MindSpore has no public hook for this; this is its only private use."""
-    from mindspore.graph.api import _cell_graph_executor as executor
-
-    compiled, real = [], executor.compile
-
-    def compile_and_record(obj, *args, **kwargs):
-        phase, fresh = real(obj, *args, **kwargs)
-        if fresh:
-            compiled.append(type(obj).__name__)
-        return phase, fresh
-
-    monkeypatch.setattr(executor, "compile", compile_and_record)
-    return compiled
+    """The worker script's compile recorder (tests/dist/check_ep_moe.py), undone after the
+    test."""
+    return _worker_module().count_compiles(monkeypatch.setattr)
 
 
 # Both plans keep one buffer of K*T - 5 rows, so rows are dropped and WHICH ones depends on the

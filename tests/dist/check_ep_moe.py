@@ -165,9 +165,11 @@ def run(out_dir, rank, world):
     return seconds
 
 
-def count_compiles():
+def count_compiles(patch=setattr):
     """A list that records every graph compiled from now on (the executor's compile returns
-    (phase, True) only for a fresh compile; no public hook exists, hence the private name)."""
+    (phase, True) only for a fresh compile, (phase, False) for a compile-cache hit; no public
+    hook exists, hence the private name). ``patch(obj, name, value)`` installs the recorder:
+    ``setattr`` in a worker, pytest's ``monkeypatch.setattr`` in a test (undone after it)."""
     from mindspore.graph.api import _cell_graph_executor as executor
 
     compiled, real = [], executor.compile
@@ -178,7 +180,7 @@ def count_compiles():
             compiled.append(type(obj).__name__)
         return phase, fresh
 
-    executor.compile = compile_and_record
+    patch(executor, "compile", compile_and_record)
     return compiled
 
 
