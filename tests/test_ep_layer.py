@@ -6,6 +6,7 @@ Fast tests run in one process (W = 1, no communication init) in GRAPH_MODE. The 
 launches tests/dist/check_ep_moe.py on 2 CPU workers through scripts/msrun_launcher.sh (about
 35-45 s on 2 shared cores) and compares with MoEFeedForward on the whole batch here.
 """
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -20,7 +21,10 @@ import pytest
 import mindspore as ms
 from mindspore import ParameterTuple, Tensor, nn, ops
 
+from ms_efficient.core.cluster import get_cluster
+from ms_efficient.efficientmoe.cost import CostModel, layer_cost, uneven_alltoall_time_s
 from ms_efficient.moe.ep_layer import ExpertParallelMoE, init_expert_weights
+from ms_efficient.moe.exchange import exchange_rows
 from ms_efficient.moe.ep_routing import grouped_dispatch, rank_dispatch, replica_sync
 from ms_efficient.moe.layer import MoEFeedForward
 from ms_efficient.moe.plan import ExpertPlan
@@ -660,6 +664,27 @@ def test_two_workers_match_one_process_on_the_whole_batch(tmp_path):
                 np.testing.assert_allclose(got[f"grad_{name}"][:n], g_ref[name][experts],
                                            rtol=1e-5, atol=1e-6, err_msg=f"{plan} {name}")
                 assert not got[f"grad_{name}"][n:].any(), (plan, name)
+    # one source of truth for traffic: the rows every AlltoAllV Cell sends are the rows
+    # exchange_rows gives and the cost model charges (bytes at fp32 on this CPU)
+    model = CostModel(get_cluster("ascend910b-1x8"), wk.H, wk.F, dtype="fp32")
+    for plan in wk.PLANS:
+        res = [np.load(out_dir / f"{plan}_rank{r}.npz") for r in range(wk.WORLD)]
+        counts_RE = np.concatenate([got["counts"] for got in res]).astype(np.int64)
+        expert_plan = ExpertPlan(**wk.PLANS[plan])
+        if wk.CHUNKS.get(plan, 1) > 1:
+            continue                                  # chunked: one exchange per chunk
+        sent_WD = np.stack([got["send_counts"] for got in res])
+        np.testing.assert_array_equal(sent_WD, np.stack([got["recv_counts"] for got in res]).T)
+        if expert_plan.dispatch != "grouped":
+            expert_plan = dataclasses.replace(expert_plan, dispatch="static")
+        np.testing.assert_array_equal(
+            sent_WD, exchange_rows(expert_plan, wk.E, np.arange(wk.WORLD), wk.WORLD), plan)
+        charged = layer_cost(expert_plan, counts_RE, model, np.arange(wk.WORLD))
+        off_diagonal = sent_WD.sum() - np.trace(sent_WD)
+        a2a = uneven_alltoall_time_s(
+            np.pad(sent_WD * wk.H * 4.0, ((0, 6), (0, 6))), model.cluster) * model.a2a_passes
+        assert charged.a2a_time_s == pytest.approx(a2a) and off_diagonal > 0, plan
+
     for plan in wk.REPLAN_FROM:                   # set_plan reused the compiled graphs
         assert all(int(np.load(out_dir / f"{plan}_rank{r}.npz")["compiled_after_replan"]) == 0
                    for r in range(wk.WORLD))
@@ -685,10 +710,18 @@ def test_two_workers_match_one_process_on_the_whole_batch(tmp_path):
         counts_RE = np.concatenate([got["counts"] for got in res])
         expert_plan = ExpertPlan(**wk.PLANS[plan])
         assigned_RS, dropped = grouped_assignments(expert_plan, counts_RE, np.arange(wk.WORLD))
-        # buffers fill rank-major: rank 0 keeps everything, rank 1 drops on both devices
-        assert assigned_RS[0].sum() == counts_RE[0].sum() and dropped > 0
         on_device = [np.asarray(wk.PLANS[plan]["slot_device"]) == d for d in range(wk.WORLD)]
-        assert all(0 < assigned_RS[1, on].sum() < assigned_RS[:, on].sum() for on in on_device)
+        if plan == "grouped-tight":
+            # buffers fill rank-major: rank 0 keeps everything, rank 1 drops on both devices
+            assert assigned_RS[0].sum() == counts_RE[0].sum() and dropped > 0
+            assert all(0 < assigned_RS[1, on].sum() < assigned_RS[:, on].sum()
+                       for on in on_device)
+        else:
+            # send blocks: every pair keeps min(its rows, its block); both full blocks drop
+            block = np.asarray(wk.PLANS[plan]["send_block"])
+            kept_RD = np.stack([assigned_RS[:, on].sum(axis=1) for on in on_device], axis=1)
+            assert (kept_RD <= block).all() and kept_RD[0, 0] == 10 and kept_RD[1, 0] == 5
+            assert dropped > 0
         for r, got in enumerate(res):
             assert int(got["dropped"]) == counts_RE[r].sum() - assigned_RS[r].sum(), plan
             x_r = x_np[r * wk.B:(r + 1) * wk.B].reshape(-1, wk.H)

@@ -21,8 +21,12 @@ dropless_grouped_plan  MegaBlocks (Gale et al., "MegaBlocks: Efficient Sparse Tr
                  Mixture-of-Experts", MLSys 2023): dropless expert compute as a grouped
                  (block-sparse) matmul over the tokens each expert actually got, no capacity and
                  no padding beyond the kernel's tile. Uniform placement, no replicas, no
-                 re-planning; each device's buffer is the most rows it could ever receive, so
-                 nothing drops (``dispatch="grouped"``).
+                 re-planning. In a static graph (what MindSpore's GRAPH mode compiles)
+                 MegaBlocks' dynamic token exchange becomes blocks fixed before compilation,
+                 so every rank sends every device the most rows it could ever send there
+                 (its tokens x min(top-k, the device's experts)) and nothing drops
+                 (``dispatch="grouped"`` with those ``send_block``); its dynamic-shape best
+                 case is FasterMoE's exchange below.
 fastermoe_plan   FasterMoE (He et al., "FasterMoE: Modeling and Optimizing Training of Large-
                  Scale Dynamic Pre-Trained Models", PPoPP 2022), dynamic shadowing: after the
                  gate has routed the step, a performance model decides which popular experts to
@@ -113,19 +117,25 @@ def dropless_static_plan(counts_TRE: np.ndarray, devices: Sequence[int],
 def dropless_grouped_plan(num_experts: int, devices: Sequence[int],
                           tokens_per_step: Optional[int], top_k: Optional[int],
                           assignments_per_step: int) -> ExpertPlan:
-    """MegaBlocks-style dropless grouped plan: uniform placement over ``devices``, every
-    slot's capacity an equal share (it only sets the split, there are no replicas), and each
-    device's buffer the most rows it can receive: min(assignments_per_step, tokens_per_step
-    x its experts) (all assignments when the token count is unknown)."""
+    """MegaBlocks-style dropless grouped plan: uniform placement over ``devices`` (the
+    source ranks too, one per device), every slot's capacity an equal share (it only sets the
+    split, there are no replicas), and every (rank, device) send block the most rows the rank
+    can send there: min(its assignments, its tokens x the device's experts), each rank
+    holding 1/R of ``assignments_per_step`` and ``tokens_per_step`` (all its assignments when
+    the token count is unknown); a device's buffer is the sum of its blocks."""
     slot_expert, slot_device = uniform_placement(num_experts, devices)
+    num_ranks = len(devices)
     experts_D = np.bincount(slot_device, minlength=int(slot_device.max()) + 1)
-    most = np.full(experts_D.size, assignments_per_step, dtype=np.int64)
+    most_D = np.full(experts_D.size, assignments_per_step / num_ranks)
     if tokens_per_step:
-        most = np.minimum(most, tokens_per_step * experts_D)
+        most_D = np.minimum(most_D, tokens_per_step / num_ranks * experts_D)
+    most_D = np.where(experts_D > 0, np.maximum(np.ceil(most_D - 1e-9), 1), 0)
+    block_RD = np.tile(most_D.astype(np.int64), (num_ranks, 1))
     caps = np.full(slot_expert.size, max(1, assignments_per_step // num_experts))
     return ExpertPlan(slot_expert, slot_device, caps, top_k=top_k,
                       tokens_per_step=tokens_per_step, method="dropless-grouped",
-                      dispatch="grouped", device_buffer=most)
+                      dispatch="grouped", device_buffer=block_RD.sum(axis=0),
+                      send_block=block_RD)
 
 
 def fastermoe_plan(counts_RE: np.ndarray, model: CostModel, slots_per_device: Optional[int],

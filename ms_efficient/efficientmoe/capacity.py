@@ -55,7 +55,8 @@ from ms_efficient.moe.split import SPLIT_UNITS, grouped_split_weights
 __all__ = ["CapacityResult", "round_up", "switch_capacity", "error_scales", "load_samples",
            "expected_drop_and_padding", "slot_capacities", "uniform_capacity",
            "expected_expert_drop_rate", "hindsight_capacities",
-           "static_capacity_limit", "device_loads", "device_buffers"]
+           "static_capacity_limit", "pair_loads", "device_loads", "send_blocks",
+           "expected_pair_drop_rate"]
 
 logger = logging.getLogger(__name__)
 
@@ -392,57 +393,87 @@ def static_capacity_limit(loads_TLE: np.ndarray, drop_target: float,
 
 
 # ---------------------------------------------------------------------------------------------
-# "grouped" dispatch: one row buffer per device
+# "grouped" dispatch: one send block per (source rank, device), one row buffer per device
 # ---------------------------------------------------------------------------------------------
 
-def device_loads(plan: ExpertPlan, load_RE: np.ndarray, rel_err_KRE: Optional[np.ndarray],
-                 rank_device: np.ndarray, devices_per_node: Optional[int] = None
-                 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The forecast load of every device hosting a slot of a ``"grouped"`` plan, and its
-    relative errors: (devices int64 [H], load float64 [H], rel float64 [K, H]).
+def pair_loads(plan: ExpertPlan, load_RE: np.ndarray, rel_err_KRE: Optional[np.ndarray],
+               rank_device: np.ndarray, devices_per_node: Optional[int] = None
+               ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The forecast rows every source rank sends every device hosting a slot of a
+    ``"grouped"`` plan, and their relative errors: (devices int64 [H], load float64 [R, H],
+    rel float64 [K, R, H]).
 
     Rank r's forecast ``load_RE[r, e]`` reaches slot s in the plan's fixed split
-    (:func:`~ms_efficient.moe.split.grouped_split_weights`), so device d's load is
-    P_d = sum over its slots and all ranks of load_RE[r, e(s)] * w_rs. Error sample k of a
-    device is exact for the sum: sum of load_RE[r, e(s)] w_rs rel[k, r, e(s)] / max(P_d, 1).
+    (:func:`~ms_efficient.moe.split.grouped_split_weights`), so the pair (r, d) carries
+    P_rd = sum over d's slots of load_RE[r, e(s)] * w_rs. Error sample k of a pair is exact
+    for the sum: sum over d's slots of load_RE[r, e(s)] w_rs rel[k, r, e(s)] / max(P_rd, 1).
     rel_err_KRE: float [K, R, E] relative per-rank forecast errors (None: K = 0)."""
     load = np.asarray(load_RE, dtype=np.float64)
     frac_RS = grouped_split_weights(plan, load.shape[1], rank_device,
                                     devices_per_node) / SPLIT_UNITS
     part_RS = load[:, plan.slot_expert] * frac_RS                          # [R, S]
     devices = np.unique(plan.slot_device)
-    index = np.searchsorted(devices, plan.slot_device)
-    load_H = np.bincount(index, weights=part_RS.sum(axis=0), minlength=devices.size)
+    onehot_SH = (plan.slot_device[:, None] == devices[None, :]).astype(np.float64)
+    load_RH = part_RS @ onehot_SH
     if rel_err_KRE is None:
-        return devices, load_H, np.zeros((0, devices.size))
+        return devices, load_RH, np.zeros((0,) + load_RH.shape)
     rel = np.asarray(rel_err_KRE, dtype=np.float64)[:, :, plan.slot_expert]   # [K, R, S]
-    err_KS = (rel * part_RS[None]).sum(axis=1)
-    err_KH = np.stack([np.bincount(index, weights=row, minlength=devices.size)
-                       for row in err_KS]) if err_KS.shape[0] else np.zeros((0, devices.size))
-    return devices, load_H, err_KH / np.maximum(load_H, 1.0)[None, :]
+    err_KRH = (rel * part_RS[None]) @ onehot_SH
+    return devices, load_RH, err_KRH / np.maximum(load_RH, 1.0)[None]
 
 
-def device_buffers(plan: ExpertPlan, load_RE: np.ndarray, rel_err_KRE: Optional[np.ndarray],
-                   rank_device: np.ndarray, devices_per_node: Optional[int],
-                   drop_target: float, multiple: int,
-                   max_rows_D: Optional[np.ndarray] = None) -> np.ndarray:
-    """Row buffer of every device of a ``"grouped"`` plan, int64 [D] (D = largest device id
-    + 1): the capacity model (:func:`slot_capacities`) with each hosting device as one slot,
-    its forecast load and errors from :func:`device_loads`, so the buffers meet
-    ``drop_target`` together with the fewest rows. The exact load (``rel_err_KRE`` None)
-    gets its rounded-up value. ``max_rows_D``: float [D], the most rows a device can ever
-    receive (its experts' tokens), a cap."""
-    devices, load_H, rel_KH = device_loads(plan, load_RE, rel_err_KRE, rank_device,
+def device_loads(plan: ExpertPlan, load_RE: np.ndarray, rel_err_KRE: Optional[np.ndarray],
+                 rank_device: np.ndarray, devices_per_node: Optional[int] = None
+                 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`pair_loads` summed over the source ranks: (devices int64 [H], load float64 [H],
+    rel float64 [K, H]), the forecast rows every hosting device receives and its errors."""
+    devices, load_RH, rel_KRH = pair_loads(plan, load_RE, rel_err_KRE, rank_device,
                                            devices_per_node)
+    load_H = load_RH.sum(axis=0)
+    rel_KH = (rel_KRH * load_RH[None]).sum(axis=1) / np.maximum(load_H, 1.0)[None]
+    return devices, load_H, rel_KH
+
+
+def send_blocks(plan: ExpertPlan, load_RE: np.ndarray, rel_err_KRE: Optional[np.ndarray],
+                rank_device: np.ndarray, devices_per_node: Optional[int],
+                drop_target: float, max_rows_RD: Optional[np.ndarray] = None) -> np.ndarray:
+    """The send block C[r, d] of every (source rank, device) pair of a ``"grouped"`` plan,
+    int64 [R, D] (D = largest device id + 1; 0 towards devices without slots): the capacity
+    model (:func:`slot_capacities`) with each pair as one slot, its forecast rows and errors
+    from :func:`pair_loads`, so the blocks meet ``drop_target`` together with the fewest
+    rows (a block row is a row sent every step, full or not: padding costs communication,
+    a short block drops). The exact load (``rel_err_KRE`` None) gets its rounded-up value.
+    Every block holds >= 1 row. ``max_rows_RD``: float [R, D], the most rows a rank can
+    ever send a device (its tokens x the device's experts, at most top-k), a cap."""
+    devices, load_RH, rel_KRH = pair_loads(plan, load_RE, rel_err_KRE, rank_device,
+                                           devices_per_node)
+    load_P = load_RH.ravel()
     if rel_err_KRE is None:
-        caps = np.maximum(round_up(load_H, multiple), multiple)
+        caps = np.maximum(np.ceil(load_P - 1e-9), 1)
     else:
-        caps = slot_capacities(load_H, np.arange(devices.size), rel_KH, drop_target,
-                               multiple).capacity_S
-    if max_rows_D is not None:
-        top = np.maximum(round_up(np.asarray(max_rows_D, np.float64)[devices], multiple),
-                         multiple)
-        caps = np.minimum(caps, top)
-    out = np.zeros(int(plan.slot_device.max()) + 1, dtype=np.int64)
-    out[devices] = caps
+        caps = slot_capacities(load_P, np.arange(load_P.size),
+                               rel_KRH.reshape(rel_KRH.shape[0], -1), drop_target,
+                               1).capacity_S
+    caps = caps.reshape(load_RH.shape)
+    if max_rows_RD is not None:
+        top = np.asarray(max_rows_RD, np.float64)[:, devices]
+        caps = np.minimum(caps, np.maximum(np.ceil(top - 1e-9), 1))
+    out = np.zeros((load_RH.shape[0], int(plan.slot_device.max()) + 1), dtype=np.int64)
+    out[:, devices] = caps
     return out
+
+
+def expected_pair_drop_rate(plan: ExpertPlan, load_RE: np.ndarray,
+                            rel_err_KRE: np.ndarray, rank_device: np.ndarray,
+                            devices_per_node: Optional[int],
+                            max_rows_RD: Optional[np.ndarray] = None) -> float:
+    """Expected drop rate of a ``"grouped"`` plan's send blocks (``plan.send_rows``) when the
+    coming per-rank loads follow the error model around ``load_RE`` (float [R, E]), in [0, 1];
+    the device buffers of a planned plan (B_d = the column sums) drop nothing more."""
+    devices, load_RH, rel_KRH = pair_loads(plan, load_RE, rel_err_KRE, rank_device,
+                                           devices_per_node)
+    block_RH = plan.send_rows(load_RH.shape[0], int(devices.max()) + 1)[:, devices]
+    top = None if max_rows_RD is None else np.asarray(max_rows_RD, np.float64)[:, devices]
+    return expected_expert_drop_rate(block_RH.ravel(), load_RH.ravel(),
+                                     rel_KRH.reshape(rel_KRH.shape[0], -1),
+                                     None if top is None else top.ravel())

@@ -6,9 +6,11 @@ For a layer with plan ``plan`` (:class:`ms_efficient.moe.plan.ExpertPlan`) and r
 
     time      = exchange + a2a_passes * A2A(dispatch bytes) + max_d compute_d + max_d sync_d
     exchange  = AllGather of the [R, E] int32 counts ("alltoallv" and "grouped" plans, once per step)
-    dispatch  = rows device r sends to device d: the kept tokens ("alltoallv", "grouped"); for
-                "static"
-                plans every row rank r owns in d's slots, full or empty, sent
+    dispatch  = rows device r sends to device d (:func:`~ms_efficient.moe.exchange.exchange_rows`,
+                what the expert-parallel layer's AlltoAllV Cells are built from): the
+                kept tokens ("alltoallv"); the planned block C[r, d], full or empty
+                ("grouped"); for "static" plans every row rank r owns in d's slots, full
+                or empty, sent
                   static_blocks="exact" (default): as exactly those rows (an AlltoAllV whose
                     per-peer counts are compile-time constants, ``mindspore.ops.AlltoAllV``
                     with tuple counts: still static shapes, no padding to the largest block;
@@ -41,6 +43,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from ms_efficient.core.cluster import ClusterSpec
+from ms_efficient.moe.exchange import exchange_rows
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import source_rows, split_tokens, static_assignments
 from ms_efficient.sim import Simulator
@@ -213,20 +216,24 @@ def _sync_time_D(plan: ExpertPlan, num_experts: int, model: CostModel) -> np.nda
 
 
 def _dispatch(plan: ExpertPlan, counts_RE: np.ndarray, model: CostModel, rd: np.ndarray):
-    """(assigned_RS, dropped, sent_DD rows, exchange seconds) of one step."""
+    """(assigned_RS, dropped, sent_DD rows, exchange seconds) of one step; sent_DD sums
+    :func:`~ms_efficient.moe.exchange.exchange_rows` (what the layer's AlltoAllV carries)
+    over the ranks' devices."""
     dpn, num_devices = model.cluster.devices_per_node, model.cluster.num_devices
+    num_experts = counts_RE.shape[1]
+    if plan.dispatch == "static" and not np.isin(plan.slot_device, rd).all():
+        raise ValueError(f"a 'static' plan must keep its slots on the ranks' devices "
+                         f"{sorted(rd.tolist())}, but got {sorted(set(plan.slot_device))}.")
+    rows_RD = exchange_rows(plan, num_experts, rd, num_devices, dpn, counts_RE)
+    sent_DD = np.zeros((num_devices, num_devices))
+    sent_DD[rd] = rows_RD
     if plan.dispatch == "static":
-        if not np.isin(plan.slot_device, rd).all():
-            raise ValueError(f"a 'static' plan must keep its slots on the ranks' devices "
-                             f"{sorted(rd.tolist())}, but got {sorted(set(plan.slot_device))}.")
-        rows_RS = source_rows(plan, counts_RE.shape[1], rd, dpn, plan.rank_share)
+        rows_RS = source_rows(plan, num_experts, rd, dpn, plan.rank_share)
         assigned_RS, dropped = static_assignments(plan, counts_RE, rows_RS, rd, dpn)
-        sent_DD = device_matrix(rows_RS, rd, plan.slot_device, num_devices)
         if model.static_blocks == "equal":
             sent_DD[np.ix_(rd, rd)] = sent_DD.max()            # C_send rows, every pair
         return assigned_RS, dropped, sent_DD, 0.0
     assigned_RS, dropped = split_tokens(plan, counts_RE, rd, dpn)
-    sent_DD = device_matrix(assigned_RS, rd, plan.slot_device, num_devices)
     return assigned_RS, dropped, sent_DD, count_exchange_time_s(*counts_RE.shape, model, rd)
 
 

@@ -33,7 +33,7 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from ms_efficient.efficientmoe.capacity import device_buffers, round_up, slot_capacities
+from ms_efficient.efficientmoe.capacity import round_up, send_blocks, slot_capacities
 from ms_efficient.efficientmoe.cost import CostModel, check_rank_device, layer_cost
 from ms_efficient.moe.plan import ExpertPlan
 
@@ -265,16 +265,17 @@ def _plan_grouped(load: np.ndarray, model: CostModel, config: PlacementConfig, r
                   seen_max_RE: Optional[np.ndarray]) -> ExpertPlan:
     """:func:`plan_layer` for ``"grouped"`` dispatch. The grouped matmul computes the rows a
     device receives, not its buffer, so placement balances the forecast loads themselves
-    (no capacity headroom in the search), a slot's capacity is its levelled share of the
-    forecast (it sets how each rank splits an expert over its replicas), and the headroom
-    goes into one buffer per device sized by the capacity model over the device's forecast
-    load and errors (:func:`~ms_efficient.efficientmoe.capacity.device_buffers`), then
-    raised to the largest of them on every host (one buffer size, as the issue's design
-    has it: balanced devices need the same room, and a re-placement that moves load between
-    devices then keeps the compiled buffers). Dropless layers (the forecast is not to be
-    trusted): uniform placement, no replicas, and every buffer sized for the largest
-    per-rank counts seen (each rank at its largest at once; the device bound without
-    ``seen_max_RE``): at the bound, the MegaBlocks-style layout that cannot drop."""
+    (no capacity headroom in the search), and a slot's capacity is its levelled share of the
+    forecast (it sets how each rank splits an expert over its replicas). The headroom goes
+    into the send blocks: every (source rank, device) pair gets a block C[r, d] sized by the
+    capacity model over the pair's forecast rows and errors
+    (:func:`~ms_efficient.efficientmoe.capacity.send_blocks`), and every device's buffer is
+    what it receives, B_d = sum_r C[r, d], so only a block's overflow drops. The search
+    scores candidates with blocks at the forecast itself (no headroom yet). Dropless layers
+    (the forecast is not to be trusted): uniform placement, no replicas, and every block
+    sized for the largest per-rank counts seen (each rank at its largest at once; the pair
+    bound, a rank's tokens x min(top-k, the device's experts), without ``seen_max_RE``):
+    at the bound, the layout that cannot drop."""
     cluster = model.cluster
     num_experts = load.shape[1]
     num_hosts = rd.size
@@ -282,18 +283,24 @@ def _plan_grouped(load: np.ndarray, model: CostModel, config: PlacementConfig, r
     load_E = load.sum(axis=0)
     tokens, top_k = sizes["tokens_per_step"], sizes["top_k"]
 
+    def pair_bound(slot_expert, slot_device):
+        bound = device_bound(slot_expert, slot_device, cluster.num_devices, tokens, top_k)
+        return None if bound is None else np.tile(bound / num_hosts, (num_hosts, 1))
+
+    def with_blocks(plan: ExpertPlan, blocks_RD: np.ndarray) -> ExpertPlan:
+        return dataclasses.replace(plan, send_block=blocks_RD,
+                                   device_buffer=blocks_RD.sum(axis=0))
+
     def build(replicas: Optional[np.ndarray], slot_expert=None, slot_device=None):
         if replicas is not None:
             slot_expert, slot_device = place_replicas(load, replicas, model,
                                                       config.slots_per_device, rd)
         rows = levelled_shares(slot_expert, slot_device, load_E, cluster.num_devices)
         caps = np.maximum(np.ceil(rows - 1e-9), 1).astype(np.int64)
-        bound = device_bound(slot_expert, slot_device, cluster.num_devices, tokens, top_k)
-        # room for any load while scoring (drops are the buffers' job, sized last)
-        buffer = bound if bound is not None else np.full(cluster.num_devices, load_E.sum())
         plan = ExpertPlan(slot_expert, slot_device, caps, dispatch="grouped",
-                          rank_share=load, device_buffer=np.ceil(buffer).astype(np.int64))
-        return plan, bound
+                          rank_share=load)
+        bound = pair_bound(slot_expert, slot_device)
+        return with_blocks(plan, send_blocks(plan, load, None, rd, dpn, 0.0, bound)), bound
 
     if dropless:
         # the forecast is not to be trusted: the static layout of expert parallelism
@@ -304,9 +311,14 @@ def _plan_grouped(load: np.ndarray, model: CostModel, config: PlacementConfig, r
             if seen.shape != load.shape:
                 raise ValueError(f"'seen_max_RE' must have the load's shape {load.shape}, "
                                  f"but got {seen.shape}.")
-            buffers = device_buffers(plan, seen, None, rd, dpn, config.buffer_drop_target,
-                                     config.capacity_multiple, bound)
-            plan = dataclasses.replace(plan, device_buffer=buffers)
+            plan = with_blocks(plan, send_blocks(plan, seen, None, rd, dpn, 0.0, bound))
+        else:
+            most_RD = (bound if bound is not None else   # every assignment of the rank
+                       np.tile(load.sum(axis=1, keepdims=True), (1, cluster.num_devices)))
+            hosts = np.zeros(cluster.num_devices, dtype=bool)
+            hosts[slot_device] = True                     # no block to a device without slots
+            plan = with_blocks(plan, np.where(hosts, np.maximum(np.ceil(most_RD - 1e-9), 1),
+                                              0).astype(np.int64))
         return dataclasses.replace(plan, **sizes)
 
     def candidate(extra: int):
@@ -316,18 +328,10 @@ def _plan_grouped(load: np.ndarray, model: CostModel, config: PlacementConfig, r
 
     max_extra = min(config.slots_per_device * num_hosts, num_experts * num_hosts) - num_experts
     best_cost, plan, bound, _ = _best_level(candidate, max_extra, config.levels)
-    buffers = device_buffers(plan, load, rel_err_KRE, rd, dpn, config.buffer_drop_target,
-                             config.capacity_multiple, bound)
-    # one size for every host (their loads are levelled anyway): a later placement that moves
-    # load between devices then still fits, and keeps the compiled buffers
-    hosts = np.unique(plan.slot_device)
-    buffers[hosts] = buffers[hosts].max()
-    if bound is not None:
-        buffers[hosts] = np.minimum(buffers[hosts], np.maximum(
-            round_up(bound[hosts], config.capacity_multiple), config.capacity_multiple))
-    logger.debug("plan_layer (grouped): %d slots, buffers %s, predicted %.3g s",
-                 plan.num_slots, buffers.tolist(), best_cost)
-    return dataclasses.replace(plan, device_buffer=buffers, **sizes)
+    blocks = send_blocks(plan, load, rel_err_KRE, rd, dpn, config.buffer_drop_target, bound)
+    logger.debug("plan_layer (grouped): %d slots, blocks %s, predicted %.3g s",
+                 plan.num_slots, blocks.tolist(), best_cost)
+    return dataclasses.replace(with_blocks(plan, blocks), **sizes)
 
 
 def plan_layer(load_RE: np.ndarray, model: CostModel, config: PlacementConfig,

@@ -37,7 +37,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ms_efficient.efficientmoe.capacity import device_loads, expected_expert_drop_rate
+from ms_efficient.efficientmoe.capacity import expected_expert_drop_rate, expected_pair_drop_rate
 from ms_efficient.efficientmoe.cost import CostModel, check_rank_device, layer_cost
 from ms_efficient.efficientmoe.placement import (PlacementConfig, default_slots_per_device,
                                                  device_bound, plan_layer)
@@ -323,7 +323,9 @@ class EfficientMoEPlanner:
         for layer, (plan, now) in enumerate(zip(plans, current)):
             if plan.dispatch == now.dispatch == "grouped":
                 size = max(int(plan.slot_device.max()), int(now.slot_device.max())) + 1
-                kept = dataclasses.replace(plan, device_buffer=now.device_rows(size))
+                kept = dataclasses.replace(plan, device_buffer=now.device_rows(size),
+                                           send_block=now.send_rows(self.rank_device.size,
+                                                                    size))
                 rate = self.expected_drop_rate([kept], pred_LRE[layer:layer + 1],
                                                rel_KLRE[:, layer:layer + 1])
                 if rate <= self.config.buffer_drop_target:
@@ -422,15 +424,13 @@ class EfficientMoEPlanner:
         dpn = self.model.cluster.devices_per_node
         rates = []
         for layer, plan in enumerate(plans):
-            if plan.dispatch == "grouped":        # a device drops what exceeds its buffer
-                devices, load_H, rel_KH = device_loads(plan, pred_LRE[layer],
-                                                       rel_KLRE[:, layer], self.rank_device,
-                                                       dpn)
+            if plan.dispatch == "grouped":        # a pair drops what exceeds its block
                 bound = device_bound(plan.slot_expert, plan.slot_device,
-                                     int(devices.max()) + 1, self.tokens_per_step, self.top_k)
-                rates.append(expected_expert_drop_rate(
-                    plan.device_rows()[devices], load_H, rel_KH,
-                    None if bound is None else bound[devices]))
+                                     int(plan.slot_device.max()) + 1, self.tokens_per_step,
+                                     self.top_k)
+                rates.append(expected_pair_drop_rate(
+                    plan, pred_LRE[layer], rel_KLRE[:, layer], self.rank_device, dpn,
+                    None if bound is None else np.tile(bound / num_ranks, (num_ranks, 1))))
                 continue
             rows_RS = source_rows(plan, self.num_experts, self.rank_device, dpn,
                                   plan.rank_share)

@@ -129,19 +129,26 @@ def plans_equal(a: Sequence[ExpertPlan], b: Sequence[ExpertPlan]) -> bool:
         x.dispatch == y.dispatch
         and all(np.array_equal(getattr(x, f), getattr(y, f))
                 for f in ("slot_expert", "slot_device", "slot_capacity"))
-        and np.array_equal(x.device_rows(), y.device_rows()) for x, y in zip(a, b))
+        and _same_shapes(x, y) for x, y in zip(a, b))
+
+
+def _same_shapes(a: ExpertPlan, b: ExpertPlan) -> bool:
+    """Same device buffers and send blocks (the grouped layer's compiled shapes)."""
+    if (a.send_block is None) != (b.send_block is None):
+        return False
+    return (np.array_equal(a.device_rows(), b.device_rows())
+            and (a.send_block is None or np.array_equal(a.send_block, b.send_block)))
 
 
 def recompiles(current: Optional[Sequence[ExpertPlan]],
                candidate: Sequence[ExpertPlan]) -> bool:
     """True when going from ``current`` to ``candidate`` changes a compiled shape: always for
     "static" plans (slot capacities are shapes) and for a first plan (None); for "grouped"
-    plans only when some device's row buffer changes (every device compiles its full slot
-    budget, so slots filled or emptied are data)."""
+    plans only when some device's row buffer or some send block changes (every device
+    compiles its full slot budget, so slots filled or emptied are data)."""
     if current is None or len(current) != len(candidate):
         return True
-    return not all(a.dispatch == b.dispatch == "grouped"
-                   and np.array_equal(a.device_rows(), b.device_rows())
+    return not all(a.dispatch == b.dispatch == "grouped" and _same_shapes(a, b)
                    for a, b in zip(current, candidate))
 
 

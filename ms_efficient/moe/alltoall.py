@@ -156,6 +156,9 @@ class AllToAllV(nn.Cell):
         if row_numel < 1:
             raise ValueError(f"'row_numel' must be >= 1, but got {row_numel}.")
         self.send_total, self.recv_total = int(send.sum()), int(recv.sum())
+        # rows to / from every rank: what one exchange carries (the cost model's charge)
+        self.send_counts = tuple(int(c) for c in send)
+        self.recv_counts = tuple(int(c) for c in recv)
         self.native = self.world > 1 and self.exchange.impl == backend.ALLTOALL_NATIVE
         if self.native:
             self.send_numel = tuple(int(c) for c in send)

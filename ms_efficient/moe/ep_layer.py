@@ -3,7 +3,7 @@
 Shapes (names carry their dimensions): T local tokens, H hidden, F expert FFN width, E logical
 experts, K top-k, A = K*T assignments, W ranks, S slots, S_l slots on this rank, M rows this
 rank sends (the rows it reserves on all slots), N rows computed by the local slots (= rows
-received; grouped: the device buffer B_r), I = W * B_r rows received (grouped), S_b the slot
+received; grouped: the device buffer B_r), I = sum_src C[src, r] rows received (grouped), S_b the slot
 budget per device and V = W * S_b budget slots (grouped).
 
 An :class:`~ms_efficient.moe.plan.ExpertPlan` maps every slot to a logical expert, a device
@@ -36,22 +36,26 @@ Grouped dispatch (``plan.dispatch == "grouped"``, padding-free experts) runs the
     arrival p of (this rank, e) -> replica v of e by the fixed integer split (c_e local
             assignments cut at c_e * W_j // SPLIT_UNITS, int32: the same cuts as numpy),
             index q within (rank, slot)
-         -> per-slot counts [V] -> AllGather -> [W, V] on every rank (alltoall.CountExchange)
+         -> per-slot counts [V], each device's slots cut at this rank's block C[r, d]
+            (slots ascending) -> AllGather -> [W, V] on every rank (alltoall.CountExchange)
          -> kept_WV: device d keeps the first B_d rows in ascending source rank, slot-minor
-            (the others are dropped at the sender, which knows them from the counts)
-         -> send buffer [M = sum_d B_d, H], block d (B_d rows, the most one rank can have kept
-            on d) = this rank's kept rows of d's slots, slot-major -> AllToAllV
-         -> W blocks of B_r rows -> compacted into [N = B_r, H] grouped by local slot,
+            (the others are dropped at the sender, which knows them from the counts; a
+            planned plan has B_d = sum_r C[r, d], so only a block's overflow drops)
+         -> send buffer [M = sum_d C[r, d], H], block d (C[r, d] rows, full or not) = this
+            rank's kept rows of d's slots, slot-major -> AllToAllV (counts from
+            :func:`~ms_efficient.moe.exchange.exchange_rows`, what the cost model charges)
+         -> W blocks of C[src, r] rows -> compacted into [N = B_r, H] grouped by local slot,
             group sizes = kept rows (data) -> FFNs as two grouped matmuls
             (:class:`~ms_efficient.moe.grouped_matmul.GroupedMatmul`) -> AllToAllV back
          -> the same combine as above; dropped assignments read zeros.
 
-All shapes stay static (B_d from ``plan.device_rows()``); which rows are real is data. Slot
+All shapes stay static (C from ``plan.send_rows()``, B_d from ``plan.device_rows()``);
+which rows are real is data. Slot
 capacities only set the buffers and the split weights. The plan itself is data too: the graph
 reads its tables (expert of every budget slot, split cuts, replica-sync rows) from
 non-trainable Parameters, and every device has weights for S_b slots (``slots_per_device``),
 the unused ones empty groups (no rows, zero gradient). So :meth:`ExpertParallelMoE.set_plan`
-switches to any plan with the same buffers B_d, the same experts and at most S_b slots per
+switches to any plan with the same blocks C and buffers B_d, the same experts and at most S_b slots per
 device without recompiling (the assumption of ``efficientmoe.schedule.recompiles``).
 
 Gradient sync of replicas: replicas of a logical expert start identical (initialised from a
@@ -72,6 +76,7 @@ expert gradients by 1/W like the rest.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import numpy as np
@@ -83,6 +88,7 @@ from ms_efficient.moe.alltoall import AllToAllV, CountExchange
 from ms_efficient.moe.ep_routing import (check_replan, expert_sources, grouped_tables,
                                          init_expert_weights, pad_rows, rank_dispatch,
                                          replica_sync)
+from ms_efficient.moe.exchange import exchange_rows
 from ms_efficient.moe.grouped_matmul import GroupedMatmul, row_groups
 from ms_efficient.moe.layer import (TopKArrival, group_tables, make_gelu, routing_counts_buffer,
                                     routing_statistics, sum_choices)
@@ -237,20 +243,29 @@ class ExpertParallelMoE(nn.Cell):
         self.routing_counts = routing_counts_buffer(trace_ranks, num_experts)
 
     def _init_static(self, group, devices_per_node, rank_load_RE) -> None:
-        """Static tables (numpy; the same rows_RS on every rank) and the two AlltoAllVs."""
-        plan, h = self.plan, self.hidden_size
+        """Static tables (numpy; the same rows_RS on every rank) and the two AlltoAllVs, whose
+        counts are :func:`~ms_efficient.moe.exchange.exchange_rows` (the cost model's)."""
+        h = self.hidden_size
+        # what the graph runs: static shapes (an "alltoallv" plan's slots with static rows)
+        self.plan = dataclasses.replace(self.plan, dispatch="static")
+        if rank_load_RE is not None:
+            self.plan = dataclasses.replace(self.plan, rank_share=rank_load_RE)
+        plan = self.plan
         self.rows_RS = source_rows(plan, self.num_experts, self.world, devices_per_node,
-                                   rank_load_RE)
+                                   plan.rank_share)
         tables = rank_dispatch(plan, self.rows_RS, self.num_experts, self.rank,
                                devices_per_node)
+        rows_WD = exchange_rows(plan, self.num_experts, np.arange(self.world), self.world,
+                                devices_per_node)
+        assert np.array_equal(rows_WD[self.rank], tables.send_counts), (rows_WD, tables)
         self.tables = tables
         self.local_slots = tables.local_slots
         self.groups = tuple((c, len(ix)) for c, ix in tables.groups)
-        self.send_total = int(tables.send_counts.sum())
+        self.send_total = int(rows_WD[self.rank].sum())
         self.num_rows = int(tables.recv_index_N.size)
-        self.dispatch = AllToAllV(tables.send_counts, tables.recv_counts, h, tables.send_rows,
-                                  group)
-        self.undispatch = AllToAllV(tables.recv_counts, tables.send_counts, h,
+        self.dispatch = AllToAllV(rows_WD[self.rank], rows_WD[:, self.rank], h,
+                                  tables.send_rows, group)
+        self.undispatch = AllToAllV(rows_WD[:, self.rank], rows_WD[self.rank], h,
                                     tables.send_rows, group)
         self.num_j = tables.replicas_per_expert
         self.rows_E = Tensor(tables.rows_E)
@@ -272,13 +287,14 @@ class ExpertParallelMoE(nn.Cell):
                                       self.devices_per_node, slots_per_device)
         self.tables = tables
         self.local_slots = tables.local_slots
-        world, buffer_D = self.world, tables.buffer_D
-        self.num_rows = int(buffer_D[self.rank])                       # N = B_r
-        self.send_total = int(buffer_D.sum())                          # M = sum_d B_d
-        block = int(buffer_D.max())
-        mine = np.full(world, self.num_rows)
-        self.dispatch = AllToAllV(buffer_D, mine, self.hidden_size, block, group)
-        self.undispatch = AllToAllV(mine, buffer_D, self.hidden_size, block, group)
+        world, block_WD = self.world, tables.block_WD
+        self.num_rows = int(tables.buffer_D[self.rank])                # N = B_r
+        self.send_total = int(block_WD[self.rank].sum())               # M = sum_d C[r, d]
+        block = int(block_WD.max())
+        self.dispatch = AllToAllV(block_WD[self.rank], block_WD[:, self.rank],
+                                  self.hidden_size, block, group)
+        self.undispatch = AllToAllV(block_WD[:, self.rank], block_WD[self.rank],
+                                    self.hidden_size, block, group)
         self.count_exchange = CountExchange(world, self.rank, group)
         self.gmm = GroupedMatmul()
         self.plan_expert_V = _table("plan_expert_V", tables.expert_V)
@@ -289,12 +305,15 @@ class ExpertParallelMoE(nn.Cell):
         self.slot_device_V = Tensor(tables.slot_device_V)
         self.earlier_VV = Tensor(tables.earlier_on_device_VV)
         self.buffer_V = Tensor(tables.buffer_V)
+        self.pair_limit_V = Tensor(tables.pair_limit_V)
         self.block_start_V = Tensor(tables.block_start_V)
         self.local_start = self.rank * tables.budget      # this rank's budget slots start
-        received = np.arange(world * self.num_rows, dtype=np.int32)
-        self.recv_source_I = Tensor(received // self.num_rows)       # I = W * B_r
-        self.recv_row_I = Tensor(received % self.num_rows)
-        self.recv_arange_I = Tensor(received)
+        recv_W = block_WD[:, self.rank]                                # I = sum_src C[src, r]
+        source_I = np.repeat(np.arange(world), recv_W)
+        first_W = np.cumsum(recv_W) - recv_W
+        self.recv_source_I = Tensor(source_I.astype(np.int32))
+        self.recv_row_I = Tensor((np.arange(source_I.size) - first_W[source_I]).astype(np.int32))
+        self.recv_arange_I = Tensor(np.arange(source_I.size, dtype=np.int32))
         return sync
 
     def set_weights(self, router_EH, w1_EHF, b1_E1F, w2_EFH, b2_E1H) -> None:
@@ -343,7 +362,8 @@ class ExpertParallelMoE(nn.Cell):
         if not self.grouped:
             raise ValueError(f"set_plan switches 'grouped' layers, but this layer's dispatch is "
                              f"{self.plan.dispatch!r}; build a new ExpertParallelMoE instead.")
-        check_replan(plan, self.num_experts, self.tables.buffer_D, self.budget)
+        check_replan(plan, self.num_experts, self.tables.buffer_D, self.budget,
+                     self.tables.block_WD)
         tables, sync = grouped_tables(plan, self.num_experts, self.rank, self.world,
                                       self.devices_per_node, self.budget)
         experts_E = self.expert_weights()        # from the old placement, before switching
@@ -422,7 +442,9 @@ class ExpertParallelMoE(nn.Cell):
 
         Step 1, the split: c_e local assignments of e; budget slot v of e takes arrivals
         [c_e * lo_v // U, c_e * hi_v // U) (empty slots: none); q = p minus its slot's start.
-        Step 2, the buffers: the per-slot counts of every rank (exchanged, [W, V]) give every
+        Step 2, the send blocks: this rank keeps its rows of device d's slots, slots
+        ascending, up to C[r, d] (``pair_limit_V``): block_V = clip(C - earlier, 0, split).
+        Step 3, the buffers: those per-slot counts of every rank (exchanged, [W, V]) give every
         (rank, slot) block its start in its device's rank-major, slot-minor order, and
         kept_WV = clip(B_d - start, 0, count). Arrival q of slot v is kept iff q < kept[r, v],
         at send row block_start(d) + (kept rows of d's earlier slots) + q.
@@ -443,7 +465,10 @@ class ExpertParallelMoE(nn.Cell):
         slot_A = (hit_AV.astype(ms.int32) * self.arange_V).sum(axis=-1)  # exactly one hit
         q_A = position_A - ops.gather(lo_V, slot_A, 0)
 
-        counts_WV = self.count_exchange(hi_V - lo_V)
+        split_V = hi_V - lo_V                     # this rank's rows of every budget slot
+        before_V = (split_V.reshape(-1, 1) * self.earlier_VV).sum(axis=0)
+        block_V = ops.minimum(ops.maximum(self.pair_limit_V - before_V, 0), split_V)
+        counts_WV = self.count_exchange(block_V)
         to_dev_WD = (counts_WV.reshape(self.world, -1, 1)
                      * self.device_onehot_VD.reshape(1, -1, self.world)).sum(axis=1)
         before_WD = ops.cumsum(to_dev_WD, 0) - to_dev_WD          # earlier ranks' rows
@@ -462,7 +487,7 @@ class ExpertParallelMoE(nn.Cell):
     def _grouped_experts(self, send_MH, kept_WV):
         """Exchange, compact, grouped expert FFNs, exchange back: [M, H] -> [M, H].
 
-        Received row i = (source r, row j of r's block, I = W * B_r rows): in r's block the
+        Received row i = (source r, row j of r's block, I = sum_r C[r, me] rows): in r's block the
         kept rows of the local budget slots follow in slot order, so j's slot l and index q
         follow from kept_WV; it goes to buffer row goff[l] + (rows of l from earlier sources)
         + q of the [B_r, H] buffer grouped by local slot (group sizes g_L, data), the rest to

@@ -34,13 +34,16 @@ Grouped dispatch (:func:`grouped_dispatch`, plans with ``dispatch == "grouped"``
 tables of the package's rule :func:`~ms_efficient.moe.split.grouped_assignments`, which the
 layer evaluates in the graph on the step's counts. Rank r splits its c tokens of expert e over
 e's replicas (ascending slot) at the cumulative integer weights of
-:func:`~ms_efficient.moe.split.grouped_split_weights`; device d keeps, out of what all ranks
-send it (rank-major, slot-minor), the first B_d = ``plan.device_rows()[d]`` rows. The send
-buffer has one block of B_d rows per device d (no rank can have more kept rows there), each
-holding this rank's kept rows of d's slots in ascending slot order. The tables are laid out
-over a slot budget of S_b slots per device (V = W * S_b budget slots, device-major), so their
-shapes depend on (W, S_b, B_d) only: a new plan with the same buffers and at most S_b slots
-per device changes their values, not their shapes (the layer keeps them in Parameters).
+:func:`~ms_efficient.moe.split.grouped_split_weights`, keeps its rows of device d's slots
+(ascending slot) up to its planned block C[r, d] = ``plan.send_rows(W)[r, d]``, and device
+d keeps, out of what all ranks send it (rank-major, slot-minor), the first
+B_d = ``plan.device_rows()[d]`` rows. The send buffer has one block of C[r, d] rows per
+device d (:func:`~ms_efficient.moe.exchange.exchange_rows`), holding this rank's kept rows of
+d's slots in ascending slot order; the receive buffer one block of C[src, r] rows per source.
+The tables are laid out over a slot budget of S_b slots per device (V = W * S_b budget slots,
+device-major), so their shapes depend on (W, S_b, C, B_d) only: a new plan with the same
+blocks and buffers and at most S_b slots per device changes their values, not their shapes
+(the layer keeps them in Parameters).
 
 Replica gradient sync (:func:`replica_sync`): gradients of a logical expert's replicas are
 summed: first over the replicas on this rank, then, for experts with replicas on more than
@@ -62,6 +65,7 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
+from ms_efficient.moe.exchange import exchange_rows
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import SPLIT_UNITS, grouped_split_weights
 
@@ -224,13 +228,17 @@ class GroupedDispatch:
 
     Fixed by (W, S_b, buffers), the same for every plan with these buffers:
     buffer_D: int64 [W], row buffer B_d of every device (``plan.device_rows(W)``).
+    block_WD: int64 [W, W], rows rank r sends device d, C[r, d]
+        (:func:`~ms_efficient.moe.exchange.exchange_rows`).
+    pair_limit_V: int32 [V], C[rank, d] of every budget slot's device d: this rank keeps at
+        most that many rows of d's slots.
     device_onehot_VD: int32 [V, W], 1 where budget slot v is on device d.
     slot_device_V: int32 [V], device of every budget slot (v // S_b).
     earlier_on_device_VV: int32 [V, V], 1 where v' (row) precedes v (column) on the same
         device: the slot-minor order of a device's rows.
     buffer_V: int32 [V], B_d of every budget slot's device.
-    block_start_V: int32 [V], first row of the block of every budget slot's device in the
-        send buffer (blocks of B_d rows in device order).
+    block_start_V: int32 [V], first row of the block of every budget slot's device in this
+        rank's send buffer (blocks of C[rank, d] rows in device order).
 
     Set by the plan (data):
     local_slots: int64 [S_l], plan slot ids on this rank, ascending (S_l <= S_b); they fill
@@ -244,6 +252,8 @@ class GroupedDispatch:
     """
 
     buffer_D: np.ndarray
+    block_WD: np.ndarray
+    pair_limit_V: np.ndarray
     device_onehot_VD: np.ndarray
     slot_device_V: np.ndarray
     earlier_on_device_VV: np.ndarray
@@ -292,7 +302,8 @@ def grouped_dispatch(plan: ExpertPlan, num_experts: int, rank: int, world: int,
     device_onehot_VD[np.arange(num_v), device_V] = 1
     earlier_VV = ((device_V[:, None] == device_V[None, :])
                   & (np.arange(num_v)[:, None] < np.arange(num_v)[None, :]))
-    block_start_D = np.cumsum(buffer_D) - buffer_D
+    block_WD = exchange_rows(plan, num_experts, np.arange(world), world, devices_per_node)
+    block_start_D = np.cumsum(block_WD[rank]) - block_WD[rank]
 
     # Step 2: the plan's slots in the budget slots of their devices, in ascending slot id.
     slot_of_V = np.full(num_v, -1, dtype=np.int64)
@@ -314,7 +325,8 @@ def grouped_dispatch(plan: ExpertPlan, num_experts: int, rank: int, world: int,
     cut_lo_V, cut_hi_V = np.zeros(num_v, np.int64), np.zeros(num_v, np.int64)
     cut_lo_V[used], cut_hi_V[used] = cut_lo_S[slot_of_V[used]], cut_hi_S[slot_of_V[used]]
     i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
-    return GroupedDispatch(buffer_D, i32(device_onehot_VD), i32(device_V), i32(earlier_VV),
+    return GroupedDispatch(buffer_D, block_WD, i32(block_WD[rank][device_V]),
+                           i32(device_onehot_VD), i32(device_V), i32(earlier_VV),
                            i32(buffer_D[device_V]), i32(block_start_D[device_V]), local_slots,
                            slot_of_V, i32(expert_V), i32(cut_lo_V), i32(cut_hi_V))
 
@@ -409,10 +421,11 @@ def grouped_tables(plan: ExpertPlan, num_experts: int, rank: int, world: int,
 
 
 def check_replan(plan: ExpertPlan, num_experts: int, buffer_D: np.ndarray,
-                 budget: int) -> None:
+                 budget: int, block_WD: Optional[np.ndarray] = None) -> None:
     """Raise ``ValueError`` unless ``plan`` fits the shapes a grouped layer compiled: a
-    ``"grouped"`` plan with the row buffers ``buffer_D`` (int [W]), at most ``budget`` slots
-    per device and every one of the ``num_experts`` experts (ids below it) placed."""
+    ``"grouped"`` plan with the row buffers ``buffer_D`` (int [W]) and send blocks
+    ``block_WD`` (int [W, W], when given), at most ``budget`` slots per device and every one
+    of the ``num_experts`` experts (ids below it) placed."""
     world = int(buffer_D.size)
     if plan.dispatch != "grouped":
         raise ValueError(f"set_plan switches 'grouped' layers to 'grouped' plans, but the "
@@ -422,6 +435,11 @@ def check_replan(plan: ExpertPlan, num_experts: int, buffer_D: np.ndarray,
         raise ValueError(f"set_plan keeps the compiled shapes, so the plan's device buffers "
                          f"'device_rows' must equal the layer's {buffer_D.tolist()}, but got "
                          f"{new.tolist()}; new buffers need a new layer (a recompile).")
+    if block_WD is not None and not np.array_equal(plan.send_rows(world, world), block_WD):
+        raise ValueError(f"set_plan keeps the compiled shapes, so the plan's send blocks "
+                         f"'send_rows' must equal the layer's {block_WD.tolist()}, but got "
+                         f"{plan.send_rows(world, world).tolist()}; new blocks need a new "
+                         f"layer (a recompile).")
     per_device = np.bincount(plan.slot_device, minlength=world)
     if per_device.max() > budget:
         raise ValueError(f"set_plan keeps the compiled shapes, so every device may hold at most "

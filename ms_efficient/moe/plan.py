@@ -33,17 +33,24 @@ tokens are dropped and what the All-to-All carries:
                  default, because ``split_tokens`` is also the rule that attributes static
                  rows to replicas.
     "grouped"    padding-free expert compute over one static row buffer per device
-                 (MegaBlocks-style grouped matmul, group sizes are data): the buffer of
-                 device d holds ``device_rows()[d]`` = the sum of its slots' capacities, and
-                 a slot's capacity is only its planned share of that buffer. Each rank splits
-                 its tokens of an expert over the expert's replicas by fixed integer weights
+                 (MegaBlocks-style grouped matmul, group sizes are data) fed by a static
+                 exchange of planned send blocks: rank r sends device d a block of exactly
+                 ``send_rows()[r, d]`` = C[r, d] rows every step, full or not (an AlltoAllV
+                 with compile-time counts), and device d computes at most
+                 ``device_rows()[d]`` = B_d of the rows it receives. Each rank splits its
+                 tokens of an expert over the expert's replicas by fixed integer weights
                  (:func:`~ms_efficient.moe.split.grouped_split_weights`, from the plan, so no
-                 communication decides the split); every device computes the rows it
-                 receives, in ascending source rank, up to its buffer, and drops the rest
-                 (:func:`~ms_efficient.moe.split.grouped_assignments`). The routing counts
-                 are exchanged (an AllGather of R x E integers) so that every receiver knows
-                 its group sizes; the token exchange carries exactly the kept rows, and the
-                 experts compute exactly those rows (no per-expert padding).
+                 communication decides the split), keeps its rows for d's slots (ascending
+                 slot) up to C[r, d], and device d keeps, in ascending source rank, up to B_d
+                 of them (:func:`~ms_efficient.moe.split.grouped_assignments`). A planned
+                 plan has B_d = sum_r C[r, d], so drops happen only where a pair's block
+                 overflows; a plan without ``send_block`` lets every rank fill a whole
+                 buffer (C[r, d] = B_d), which cannot drop more than the buffer but sends
+                 R x B_d rows to every device. The kept counts are exchanged (an AllGather
+                 of R x S integers) so that every receiver knows its group sizes, and the
+                 experts compute exactly the kept rows (no per-expert padding). What the
+                 exchange carries, per (rank, device) block, is
+                 :func:`~ms_efficient.moe.exchange.exchange_rows` for every mode.
 
 ``ms_efficient.moe.split`` holds the dispatch rule both the planners and the MoE layer follow:
 it turns per-rank routing counts ``counts_RE`` into per-slot assignments ``assigned_RS``.
@@ -94,7 +101,11 @@ class ExpertPlan:
         among the source ranks in proportion to its column (a per-rank load forecast); None:
         equal shares.
     device_buffer: int64 [D] >= 0, optional ("grouped" plans): the row buffer of every device
-        (rows it computes at most per step); None: the sum of its slots' capacities.
+        (rows it computes at most per step); None: the column sums of ``send_block`` when
+        given, else the sum of its slots' capacities.
+    send_block: int64 [R, D] >= 0, optional ("grouped" plans): rows source rank r sends to
+        device d every step (C[r, d], the block of a static AlltoAllV); None: every rank may
+        fill a device's whole buffer, C[r, d] = B_d.
     """
 
     slot_expert: np.ndarray
@@ -106,6 +117,7 @@ class ExpertPlan:
     dispatch: str = "alltoallv"
     rank_share: Optional[np.ndarray] = None
     device_buffer: Optional[np.ndarray] = None
+    send_block: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
         if self.dispatch not in DISPATCH_MODES:
@@ -122,6 +134,14 @@ class ExpertPlan:
             if (self.device_buffer < 0).any():
                 raise ValueError(f"ExpertPlan 'device_buffer' must be >= 0, but got "
                                  f"{self.device_buffer.tolist()}.")
+        if self.send_block is not None:
+            block = np.asarray(self.send_block)
+            if (block.ndim != 2 or block.size == 0
+                    or not np.all(np.isfinite(block.astype(np.float64)))
+                    or not np.all(block == np.round(block)) or (block < 0).any()):
+                raise ValueError(f"ExpertPlan 'send_block' must be a non-empty [rank, device] "
+                                 f"array of integers >= 0, but got {block.tolist()}.")
+            self.send_block = block.astype(np.int64)
         self.slot_expert = _int_vector("slot_expert", self.slot_expert)
         self.slot_device = _int_vector("slot_device", self.slot_device)
         self.slot_capacity = _int_vector("slot_capacity", self.slot_capacity)
@@ -171,12 +191,33 @@ class ExpertPlan:
         when given, else the rows of the device's slots summed; D = ``num_devices`` or the
         largest device id + 1."""
         size = int(self.slot_device.max()) + 1 if num_devices is None else int(num_devices)
+        if self.device_buffer is None and self.send_block is not None:
+            out = np.zeros(max(size, self.send_block.shape[1]), dtype=np.int64)
+            out[:self.send_block.shape[1]] = self.send_block.sum(axis=0)
+            return out[:size]
         if self.device_buffer is not None:
             out = np.zeros(max(size, self.device_buffer.size), dtype=np.int64)
             out[:self.device_buffer.size] = self.device_buffer
             return out[:size]
         return np.bincount(self.slot_device, weights=self.slot_capacity,
                            minlength=size).astype(np.int64)
+
+    def send_rows(self, num_ranks: int, num_devices: Optional[int] = None) -> np.ndarray:
+        """int64 [R, D]: rows source rank r sends device d every step under ``"grouped"``
+        dispatch (C[r, d]): ``send_block`` when given (its shape must be [R, >= D'], D' the
+        devices holding slots), else every rank may fill d's whole buffer, C[r, d] = B_d
+        (:meth:`device_rows`). Raises ``ValueError`` on a block of the wrong shape."""
+        size = int(self.slot_device.max()) + 1 if num_devices is None else int(num_devices)
+        if self.send_block is None:
+            return np.tile(self.device_rows(size), (int(num_ranks), 1))
+        if self.send_block.shape[0] != num_ranks or self.send_block.shape[1] < \
+                int(self.slot_device.max()) + 1:
+            raise ValueError(f"ExpertPlan 'send_block' must be [{num_ranks} ranks, >= "
+                             f"{int(self.slot_device.max()) + 1} devices], but got shape "
+                             f"{list(self.send_block.shape)}.")
+        out = np.zeros((int(num_ranks), max(size, self.send_block.shape[1])), dtype=np.int64)
+        out[:, :self.send_block.shape[1]] = self.send_block
+        return out[:, :size]
 
     def capacity_factor(self) -> Optional[float]:
         """Total capacity / (tokens_per_step * top_k): the Switch/MindFormers capacity factor
@@ -231,13 +272,15 @@ class ExpertPlan:
             out["rank_share"] = np.round(self.rank_share, 3).tolist()
         if self.device_buffer is not None:
             out["device_buffer"] = self.device_buffer.tolist()
+        if self.send_block is not None:
+            out["send_block"] = self.send_block.tolist()
         return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ExpertPlan":
         """Build a plan from :meth:`to_dict` output (unknown keys raise ``ValueError``)."""
         allowed = {"slot_expert", "slot_device", "slot_capacity", "top_k", "tokens_per_step",
-                   "method", "dispatch", "rank_share", "device_buffer"}
+                   "method", "dispatch", "rank_share", "device_buffer", "send_block"}
         if not isinstance(d, Mapping):
             raise ValueError(f"expert plan must be a mapping, but got {d!r}.")
         unknown = sorted(set(d) - allowed)

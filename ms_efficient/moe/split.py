@@ -191,11 +191,15 @@ def grouped_assignments(plan: ExpertPlan, counts_RE: np.ndarray, rank_device: Se
     ascending slot order, replica j taking the arrival positions
     [c * W_{j-1} // SPLIT_UNITS, c * W_j // SPLIT_UNITS), W_j the cumulative
     :func:`grouped_split_weights` of r over e's first j + 1 replicas.
-    Step 2, the buffers: device d computes the rows it receives in ascending source rank
-    (slots ascending within a rank) up to ``plan.device_rows()[d]``; the rest drop."""
+    Step 2, the send blocks: rank r keeps its rows of device d's slots, slots ascending, up to
+    its block ``plan.send_rows(R)[r, d]`` (C[r, d]); the rest drop at the sender.
+    Step 3, the buffers: device d computes the rows it receives in ascending source rank
+    (slots ascending within a rank) up to ``plan.device_rows()[d]`` (B_d); the rest drop.
+    A planned plan has B_d = sum_r C[r, d], so step 3 drops nothing and only a pair's
+    overflow drops."""
     counts_RE = np.asarray(counts_RE, dtype=np.int64)
     rank_device = np.asarray(rank_device, dtype=np.int64)
-    num_experts = counts_RE.shape[1]
+    num_ranks, num_experts = counts_RE.shape
     weights_RS = grouped_split_weights(plan, num_experts, rank_device, devices_per_node)
     # Step 1: the fixed split over replicas
     assigned_RS = np.zeros(weights_RS.shape, dtype=np.int64)
@@ -203,11 +207,16 @@ def grouped_assignments(plan: ExpertPlan, counts_RE: np.ndarray, rank_device: Se
         slots = plan.replicas_of(e)
         bounds = counts_RE[:, [e]] * np.cumsum(weights_RS[:, slots], axis=1) // SPLIT_UNITS
         assigned_RS[:, slots] = np.diff(bounds, axis=1, prepend=0)
-    # Step 2: every device's buffer, filled rank-major
     buffer_D = plan.device_rows()
+    block_RD = plan.send_rows(num_ranks, buffer_D.size)
     for d in np.unique(plan.slot_device):
         slots = np.flatnonzero(plan.slot_device == d)
-        rows = assigned_RS[:, slots].ravel()                      # rank-major, slot-minor
+        # Step 2: every rank's block to d, slots ascending
+        rows_RS = assigned_RS[:, slots]
+        before_RS = np.cumsum(rows_RS, axis=1) - rows_RS
+        rows_RS = np.clip(block_RD[:, [d]] - before_RS, 0, rows_RS)
+        # Step 3: d's buffer, filled rank-major
+        rows = rows_RS.ravel()                                    # rank-major, slot-minor
         before = np.cumsum(rows) - rows
         assigned_RS[:, slots] = np.clip(buffer_D[d] - before, 0, rows).reshape(-1, slots.size)
     return assigned_RS, int(counts_RE.sum() - assigned_RS.sum())

@@ -40,7 +40,12 @@ PLANS["grouped-hot"] = dict(PLANS["hot"], dispatch="grouped")
 # The same with buffers of 24 and 12 rows: both devices drop (rank 1's rows: buffers fill
 # rank-major); the test checks which assignments against split.grouped_assignments.
 PLANS["grouped-tight"] = dict(PLANS["hot"], slot_capacity=[8, 8, 8, 4, 8], dispatch="grouped")
-DROPPING = ("grouped-tight",)
+# Planned send blocks: rank r sends device d exactly C[r, d] rows (an AlltoAllV of those
+# constant counts) and each device computes what it receives (buffers = column sums), so only
+# a pair's overflow drops: rank 0's 10-row block to device 0 and rank 1's 5-row one both do.
+PLANS["grouped-blocks"] = dict(PLANS["hot"], dispatch="grouped",
+                               send_block=[[10, 6], [5, 9]], device_buffer=[15, 15])
+DROPPING = ("grouped-tight", "grouped-blocks")
 # MPipeMoE: the spread plan in 2 chunks of the batch (one sample each), every slot sized for a
 # chunk (still dropless: a rank routes at most T_LOCAL / 2 tokens to an expert per chunk)
 PLANS["spread-chunked"] = dict(PLANS["spread"], slot_capacity=[FULL // 2] * 4)
@@ -153,6 +158,8 @@ def run(out_dir, rank, world):
         out.update({f"grad_{n}": g for n, g in zip(PARAM_NAMES, grads)})
         out = {k: v.asnumpy() for k, v in out.items()}
         out["local_slots"] = inner.local_slots
+        out["send_counts"] = np.array(inner.dispatch.send_counts)   # rows to every rank
+        out["recv_counts"] = np.array(inner.dispatch.recv_counts)
         if name in REPLAN_FROM:
             out["compiled_after_replan"] = np.array(len(compiled))
         if name == TRAIN_PLAN:
