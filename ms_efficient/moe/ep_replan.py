@@ -28,7 +28,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import mindspore as ms
-from mindspore import Parameter, Tensor
+from mindspore import Parameter, ParameterTuple, Tensor
 
 from ms_efficient.moe.alltoall import AllToAllV
 from ms_efficient.moe.ep_migration import Migration, migration_bytes_WW
@@ -66,41 +66,54 @@ class MigrationRecord:
 
 
 def weight_states(optimizer, weights: Sequence[Parameter]) -> Tuple[Tuple[Parameter, ...], ...]:
-    """The optimizer's state Parameters of ``weights`` (Q of them, all with leading dim S_b),
-    as one tuple per state kind, each in the order of ``weights``: e.g. nn.Adam gives
-    ((moment1 of w1, b1, w2, b2), (moment2 of ...)), nn.Momentum one tuple, SGD none.
+    """The optimizer's state Parameters of ``weights`` (all with leading dim S_b), as one
+    tuple per state kind, each in the order of ``weights``: nn.Adam gives ((moment1 of w1,
+    b1, w2, b2), (moment2 of ...)), nn.Momentum ((moments of ...),), nn.SGD its accum and
+    stat.
 
-    A state of weight w is an optimizer Parameter whose name ends with "." + w.name and whose
-    shape equals w's (and not one that belongs to a longer-named weight of the optimizer
-    ending the same way); its kind is the name before that suffix ("moment1").
+    A state of weight w is an optimizer Parameter other than w with w's shape whose name ends
+    with "." + the name w had when the optimizer was built, found two ways: (1) the entry of w
+    in every ParameterTuple attribute of the optimizer aligned with ``optimizer.parameters``
+    (how MindSpore optimizers clone their state: ``moment1.<name>``; exact even when the
+    network renamed w after the optimizer was built, e.g. "w1" -> "layer.w1"); (2) any other
+    optimizer Parameter named "<kind>." + w's current name.
     Raises ``ValueError`` when ``optimizer`` is not an optimizer of these weights or a state
     kind does not cover every weight.
     """
     if not hasattr(optimizer, "get_parameters") or not hasattr(optimizer, "parameters"):
         raise ValueError(f"'optimizer' must be a mindspore.nn.Optimizer (e.g. nn.Adam) of the "
                          f"layer's weights, or None, but got {type(optimizer).__name__}.")
-    trained = {p.name for p in optimizer.parameters}
-    missing = [w.name for w in weights if w.name not in trained]
+    trained = list(optimizer.parameters)
+    index = {id(p): i for i, p in enumerate(trained)}
+    missing = [w.name for w in weights if id(w) not in index]
     if missing:
         raise ValueError(f"'optimizer' must optimize the layer's expert weights, but it does "
-                         f"not hold {missing} (it holds {sorted(trained)[:8]}...).")
+                         f"not hold {missing} (it holds {[p.name for p in trained][:8]}...).")
     names = [w.name for w in weights]
     kinds: Dict[str, Dict[str, Parameter]] = {}
+    seen = {id(p) for p in trained}
+    # (1) ParameterTuples aligned with optimizer.parameters
+    for kind, value in vars(optimizer).items():
+        if not isinstance(value, ParameterTuple) or len(value) != len(trained):
+            continue
+        for weight in weights:
+            param = value[index[id(weight)]]
+            if id(param) in seen or tuple(param.shape) != tuple(weight.shape):
+                continue
+            if param.name.rsplit(".", 1)[-1] != weight.name.rsplit(".", 1)[-1]:
+                continue
+            kinds.setdefault(kind, {})[weight.name] = param
+    covered = {id(p) for found in kinds.values() for p in found.values()}
+    # (2) "<kind>.<current weight name>" elsewhere in the optimizer
     for param in optimizer.get_parameters():
-        if param.name in trained:
+        if id(param) in seen or id(param) in covered:
             continue
         for weight in weights:
             suffix = "." + weight.name
-            if not param.name.endswith(suffix) or tuple(param.shape) != tuple(weight.shape):
-                continue
-            longer = [t for t in trained if t != weight.name and t.endswith(suffix)
-                      and param.name.endswith("." + t)]
-            if longer:
-                continue                    # the state of another weight named like this one
-            kinds.setdefault(param.name[:-len(suffix)], {})[weight.name] = param
+            if param.name.endswith(suffix) and tuple(param.shape) == tuple(weight.shape):
+                kinds.setdefault(param.name[:-len(suffix)], {})[weight.name] = param
     states = []
-    for kind in sorted(kinds):
-        found = kinds[kind]
+    for kind, found in kinds.items():
         if set(found) != set(names):
             raise ValueError(f"optimizer state '{kind}' must have one Parameter per expert "
                              f"weight {names}, but got {sorted(found)}.")
@@ -164,8 +177,7 @@ def _exchange(migration: Migration, rank: int, old_BX: np.ndarray,
 def record(migration: Migration, weights: Sequence[Parameter],
            optimizer_states: int) -> MigrationRecord:
     """The :class:`MigrationRecord` of ``migration`` for ``weights`` (w1, b1, w2, b2)."""
-    row_bytes = int(sum(int(np.prod(w.shape[1:])) * np.dtype(
-        ms.dtype_to_nptype(w.dtype)).itemsize for w in weights))
+    row_bytes = int(sum(int(np.prod(w.shape[1:])) * w.itemsize for w in weights))
     moved = migration_bytes_WW(migration.rows_WW, row_bytes, optimizer_states)
     return MigrationRecord(migration.moved_slots, migration.sent_rows, float(moved.sum()),
                            row_bytes, optimizer_states, migration.rows_WW.copy())
