@@ -159,26 +159,30 @@ def plan_migration(old: ExpertPlan, new: ExpertPlan, budget: int, world: int,
     src_rank_WB = np.full((world, budget), -1, dtype=np.int64)
     src_row_WB = np.full((world, budget), -1, dtype=np.int64)
     rows_WW = np.zeros((world, world), dtype=np.int64)
+    first_row = {}                     # (rank, expert) -> its first old row there
+    for r, i in zip(*np.nonzero(old_WB >= 0)):          # row-major: ascending rank, row
+        first_row.setdefault((int(r), int(old_WB[r, i])), int(i))
+    holders_E = {}                     # expert -> ranks holding it, ascending
+    for r, e in first_row:
+        holders_E.setdefault(e, []).append(r)
     for d in range(world):
         remote = set()
         for i in range(budget):
             e = int(new_WB[d, i])
             if e < 0 or old_WB[d, i] == e:
                 continue                                           # kept (or emptied)
-            here = np.flatnonzero(old_WB[d] == e)
-            if here.size:                                          # local copy
-                src_rank_WB[d, i], src_row_WB[d, i] = d, int(here[0])
+            if (d, e) in first_row:                                # local copy
+                src_rank_WB[d, i], src_row_WB[d, i] = d, first_row[d, e]
                 continue
-            holders = np.flatnonzero((old_WB == e).any(axis=1))
-            if holders.size == 0:
+            holders = holders_E.get(e, [])
+            if not holders:
                 raise ValueError(f"expert {e} has no copy in the old plan to migrate from "
                                  f"(rank {d} needs it in row {i} of the new plan).")
             near = holders
             if devices_per_node is not None:
-                same = holders[holders // devices_per_node == d // devices_per_node]
-                near = same if same.size else holders
-            s = int(near[0])
-            j = int(np.flatnonzero(old_WB[s] == e)[0])
+                same = [r for r in holders if r // devices_per_node == d // devices_per_node]
+                near = same or holders
+            s, j = near[0], first_row[near[0], e]
             src_rank_WB[d, i], src_row_WB[d, i] = s, j
             if (s, j) not in remote:
                 remote.add((s, j))
