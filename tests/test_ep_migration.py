@@ -4,7 +4,8 @@ built from it, and ExpertParallelMoE.set_plan moving weight rows with their Adam
 Numpy tests first; then one process (W = 1, GRAPH_MODE): after set_plan(plan, optimizer) a
 training step equals the step of a fresh layer built with the new plan and given the same
 expert weights and moments; the slow test launches tests/dist/check_ep_migration.py on 2 CPU
-workers (msrun, about 25-35 s) and compares with MoEFeedForward trained on the whole batch.
+workers (msrun; 38-45 s measured on the 2 shared cores, up to 80 s while others load them)
+and compares with MoEFeedForward trained on the whole batch.
 """
 import importlib.util
 import os
