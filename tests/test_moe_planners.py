@@ -564,8 +564,8 @@ def test_replan_only_when_gain_over_the_horizon_exceeds_migration_plus_recompile
     model = model_for(cluster)
     old = [ExpertPlan([0, 1], [0, 8], [64, 64])]
     new = [ExpertPlan([0, 1, 0], [0, 8, 9], [32, 64, 32])]          # expert 0 copied node0->1
-    moved = migration_bytes_DD(old, new, model, 14.0)
-    nbytes = model.expert_params * 14.0
+    moved = migration_bytes_DD(old, new, model, 4.0, 2)          # float32 + Adam's 2 moments
+    nbytes = model.expert_params * 4.0 * 3
     assert moved[0, 9] == nbytes and moved.sum() == nbytes
     migration = cluster.inter_link.latency_s + nbytes / cluster.inter_link.bandwidth_Bps
     costs = ReplanCosts(recompile_s=1.2, horizon_steps=100)

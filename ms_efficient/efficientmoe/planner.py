@@ -156,7 +156,8 @@ class PlannerConfig:
     horizon_multiples: plan lifetimes considered, in check intervals.
     capacity_levels: at most this many distinct capacities per device (None: no limit);
         equal capacities run as one batched matmul in ``MoEFeedForward``.
-    recompile_s, bytes_per_param, max_drop_rate: see :class:`schedule.ReplanCosts`.
+    recompile_s, bytes_per_param, max_drop_rate, optimizer_states: see
+        :class:`schedule.ReplanCosts`.
     dispatch: "static" (per-rank, per-slot capacities, padded) or "grouped" (padding-free
         grouped expert compute over one row buffer per device; the capacity model sizes the
         buffers, ``capacity_levels`` does not apply).
@@ -174,10 +175,11 @@ class PlannerConfig:
     horizon_multiples: Tuple[int, ...] = (1, 2, 4, 8)
     capacity_levels: Optional[int] = None
     recompile_s: float = 1.2
-    bytes_per_param: float = 14.0
+    bytes_per_param: float = 4.0
     max_drop_rate: Optional[float] = 0.01
     dispatch: str = "static"
     buffer_drop_target: float = 0.0005
+    optimizer_states: int = 2
 
     def __post_init__(self) -> None:
         checks = [
@@ -192,6 +194,7 @@ class PlannerConfig:
             ("capacity_levels", self.capacity_levels is None or self.capacity_levels >= 1,
              "None or >= 1"),
             ("recompile_s", self.recompile_s >= 0, ">= 0"),
+            ("optimizer_states", self.optimizer_states >= 0, ">= 0"),
             ("dispatch", self.dispatch in ("static", "grouped"), "'static' or 'grouped'"),
         ]
         for name, ok, allowed in checks:
@@ -270,7 +273,8 @@ class EfficientMoEPlanner:
                                          buffer_drop_target=config.buffer_drop_target)
         self.check_rows, self.stride = check_rows, stride
         self.costs = ReplanCosts(config.recompile_s, config.bytes_per_param,
-                                 check_rows * stride, config.max_drop_rate)
+                                 check_rows * stride, config.max_drop_rate,
+                                 config.optimizer_states)
         self.forecaster = Forecaster(config.predictor, config.residual_window)
 
     # ------------------------------------------------------------------ one candidate
@@ -355,7 +359,8 @@ class EfficientMoEPlanner:
                                       pred, rel)
             step = self.step_time_s(plans, pred)
             moved = 0.0 if current is None else migration_time_s(
-                current, plans, self.model, self.costs.bytes_per_param)
+                current, plans, self.model, self.costs.bytes_per_param,
+                self.costs.optimizer_states)
             if recompiles(current, plans):
                 moved += self.costs.recompile_s
             options.append((plans, pred, rows * self.stride, step, moved))
@@ -399,7 +404,8 @@ class EfficientMoEPlanner:
         drop rate since the last check (from the layers' drop counters), when known."""
         cand = self.propose(counts_TLRE, current, forecaster, max_horizon_steps)
         costs = ReplanCosts(self.costs.recompile_s, self.costs.bytes_per_param,
-                            cand.horizon_steps, self.costs.max_drop_rate)
+                            cand.horizon_steps, self.costs.max_drop_rate,
+                            self.costs.optimizer_states)
         pred = cand.predicted_LRE
         worst = float(self.expected_drop_rate(current, pred, cand.rel_KLRE,
                                               per_layer=True).max())

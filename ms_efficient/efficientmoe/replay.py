@@ -423,7 +423,8 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
             candidate = ctx.propose(method, t, plans)[0]
             if not plans_equal(plans, candidate):
                 moved = migration_time_s(plans, candidate, ctx.model,
-                                         ctx.costs.bytes_per_param)
+                                         ctx.costs.bytes_per_param,
+                                         ctx.costs.optimizer_states)
                 decision = ReplanDecision(True, "EPLB periodic re-balance", 0.0,
                                           ctx.costs.horizon_steps, 0.0, 0.0, moved,
                                           ctx.costs.recompile_s)

@@ -9,7 +9,9 @@ gain_per_step_s: predicted step time under the current plan minus under the cand
     evaluated on the same predicted load, seconds).
 horizon_steps: training steps the new plan is expected to serve (until the next check).
 migration_s: time to copy the weights and optimizer state of every expert copy that is new on
-    its device, over the cluster's links (an uneven all-to-all of those bytes).
+    its device, over the cluster's links (an uneven all-to-all of those bytes). The rows are
+    those of :func:`~ms_efficient.moe.ep_migration.plan_migration`, the function
+    ``ExpertParallelMoE.set_plan`` moves them by, so the charge is what a re-plan sends.
 recompile_s: graph compilation of the changed network, seconds; only when a compiled shape
     changes (:func:`recompiles`): a "grouped" plan's shapes are its devices' row buffers and
     the slot budget, so moving or replicating experts within unchanged buffers costs the
@@ -34,6 +36,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ms_efficient.efficientmoe.cost import CostModel, uneven_alltoall_time_s
+from ms_efficient.moe.ep_migration import migration_bytes_WW, plan_migration
 from ms_efficient.moe.plan import ExpertPlan
 
 __all__ = ["ReplanCosts", "ReplanDecision", "migration_bytes_DD", "migration_time_s",
@@ -48,22 +51,29 @@ class ReplanCosts:
         the forward+backward graph of one MoE layer (H=64, 8 experts, MindSpore 2.10 GRAPH_MODE)
         measured 0.84-0.97 s on this 2-core CPU build machine; 1.2 s rounds it up. A full model
         on Ascend compiles for longer: set the measured figure.
-    bytes_per_param: bytes moved per parameter of a migrated expert: bf16 weight (2) + fp32
-        master weight (4) + Adam moments (2 x 4) = 14.
+    bytes_per_param: bytes of one element of a migrated expert's weights, and of each of its
+        optimizer state tensors: 4 (float32, what ``ExpertParallelMoE`` trains in).
     horizon_steps: training steps a new plan is expected to serve, >= 1.
     max_drop_rate: predicted drop rate of the current plan above which a candidate is adopted
         regardless of cost (None: never forced).
+    optimizer_states: state tensors the optimizer keeps per weight, moved with it: Adam 2
+        (its moments; the default), Momentum 1, plain SGD 0. A moved expert costs
+        expert_params x bytes_per_param x (1 + optimizer_states) bytes: 12 per parameter for
+        float32 Adam. (Mixed precision, bf16 weight + fp32 master + Adam moments = 14 bytes per
+        parameter: bytes_per_param=3.5, optimizer_states=3.)
     """
 
     recompile_s: float = 1.2
-    bytes_per_param: float = 14.0
+    bytes_per_param: float = 4.0
     horizon_steps: int = 200
     max_drop_rate: Optional[float] = 0.01
+    optimizer_states: int = 2
 
     def __post_init__(self) -> None:
-        if self.recompile_s < 0 or self.bytes_per_param < 0 or self.horizon_steps < 1:
+        if (self.recompile_s < 0 or self.bytes_per_param < 0 or self.horizon_steps < 1
+                or self.optimizer_states < 0):
             raise ValueError(f"ReplanCosts needs recompile_s >= 0, bytes_per_param >= 0, "
-                             f"horizon_steps >= 1, but got {self}.")
+                             f"horizon_steps >= 1, optimizer_states >= 0, but got {self}.")
 
 
 @dataclass(frozen=True)
@@ -87,39 +97,37 @@ class ReplanDecision:
 
 
 def migration_bytes_DD(old: Sequence[ExpertPlan], new: Sequence[ExpertPlan], model: CostModel,
-                       bytes_per_param: float) -> np.ndarray:
+                       bytes_per_param: float = 4.0, optimizer_states: int = 2) -> np.ndarray:
     """Bytes to copy between devices to go from plans ``old`` to ``new`` (one per layer):
     float64 [D, D], [src, dst].
 
-    A copy of expert e on device d in the new plan is free when d held e before; otherwise it
-    is copied from a device that held e, preferring d's node, then the lowest id.
+    Per layer, the rows of :func:`~ms_efficient.moe.ep_migration.plan_migration` over D =
+    ``model.cluster.num_devices`` ranks and a row budget of the most slots a device holds in
+    either plan: a copy of expert e on device d in the new plan is free when d held e before;
+    otherwise one row is copied from a device that held e, preferring d's node, then the
+    lowest id. Each row costs ``model.expert_params`` x ``bytes_per_param`` x
+    (1 + ``optimizer_states``) bytes (:func:`~ms_efficient.moe.ep_migration.migration_bytes_WW`).
     """
     if len(old) != len(new):
         raise ValueError(f"old and new plans must cover the same layers, but got {len(old)} "
                          f"and {len(new)}.")
     num_devices, dpn = model.cluster.num_devices, model.cluster.devices_per_node
     moved = np.zeros((num_devices, num_devices))
-    nbytes = model.expert_params * bytes_per_param
+    row_bytes = model.expert_params * bytes_per_param
     for before, after in zip(old, new):
-        held = {}
-        for e, d in zip(before.slot_expert.tolist(), before.slot_device.tolist()):
-            held.setdefault(e, set()).add(d)
-        for e, d in sorted(set(zip(after.slot_expert.tolist(), after.slot_device.tolist()))):
-            sources = held.get(e, set())
-            if d in sources:
-                continue
-            if not sources:
-                raise ValueError(f"expert {e} has no copy in the old plan to migrate from.")
-            near = sorted(s for s in sources if s // dpn == d // dpn)
-            moved[(near or sorted(sources))[0], d] += nbytes
+        budget = max(int(np.bincount(p.slot_device, minlength=num_devices).max())
+                     for p in (before, after))
+        rows_DD = plan_migration(before, after, budget, num_devices, dpn).rows_WW
+        moved += migration_bytes_WW(rows_DD, row_bytes, optimizer_states)
     return moved
 
 
 def migration_time_s(old: Sequence[ExpertPlan], new: Sequence[ExpertPlan], model: CostModel,
-                     bytes_per_param: float = 14.0) -> float:
-    """Seconds to migrate expert weights from ``old`` to ``new`` plans (all layers at once)."""
-    return uneven_alltoall_time_s(migration_bytes_DD(old, new, model, bytes_per_param),
-                                  model.cluster)
+                     bytes_per_param: float = 4.0, optimizer_states: int = 2) -> float:
+    """Seconds to migrate expert weights and optimizer state from ``old`` to ``new`` plans
+    (all layers at once; arguments as :func:`migration_bytes_DD`)."""
+    return uneven_alltoall_time_s(
+        migration_bytes_DD(old, new, model, bytes_per_param, optimizer_states), model.cluster)
 
 
 def plans_equal(a: Sequence[ExpertPlan], b: Sequence[ExpertPlan]) -> bool:
@@ -168,7 +176,8 @@ def decide_replan(current_step_s: float, candidate_step_s: float,
     if plans_equal(current, candidate):
         return ReplanDecision(False, "candidate equals the current plan", gain,
                               costs.horizon_steps, 0.0, 0.0, 0.0, 0.0)
-    moved = migration_bytes_DD(current, candidate, model, costs.bytes_per_param)
+    moved = migration_bytes_DD(current, candidate, model, costs.bytes_per_param,
+                               costs.optimizer_states)
     migration = uneven_alltoall_time_s(moved, model.cluster)
     recompile = costs.recompile_s if recompiles(current, candidate) else 0.0
     total_gain = gain * costs.horizon_steps

@@ -85,6 +85,8 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from ms_efficient.core import backend
 from ms_efficient.moe.alltoall import AllToAllV, CountExchange
+from ms_efficient.moe.ep_migration import plan_migration
+from ms_efficient.moe.ep_replan import move_rows, record, weight_states
 from ms_efficient.moe.ep_routing import (check_replan, expert_sources, grouped_tables,
                                          init_expert_weights, pad_rows, rank_dispatch,
                                          replica_sync)
@@ -344,29 +346,41 @@ class ExpertParallelMoE(nn.Cell):
         return tuple(part.reshape((self.num_experts,) + tuple(p.shape[1:]))
                      for part, p in zip(np.split(table, sizes, axis=1), params))
 
-    def set_plan(self, plan: ExpertPlan) -> None:
+    def set_plan(self, plan: ExpertPlan, optimizer=None) -> None:
         """Switch a grouped layer to ``plan`` without recompiling its graph.
 
-        The new plan must keep every device's row buffer (``plan.device_rows(W)``), name the
+        The new plan must keep the send blocks and row buffers (``plan.send_rows(W)``,
+        ``plan.device_rows(W)``), name the
         same E experts and hold at most S_b slots per device: then only data changes, the
-        plan tables (Parameters) and the expert weights: every local slot gets its logical
-        expert's weights, gathered by :meth:`expert_weights` (one AllReduce of the logical
-        [E, ...] table, so an expert may move to a rank that did not hold it). Collective when
-        W > 1: every rank calls it with the same plan, between steps.
+        plan tables (Parameters) and the weight rows. Only the rows whose expert changed move
+        (:func:`~ms_efficient.moe.ep_migration.plan_migration`): a copy already on this rank
+        is copied locally, the others come in ONE AlltoAllV of the moved rows
+        (:func:`~ms_efficient.moe.ep_replan.move_rows`), rows left empty become zeros.
+        Collective when W > 1: every rank calls it with the same plan, between steps.
 
-        Optimizer state is NOT moved: a slot's moments (Adam's m, v) belong to the expert it
-        held before; the caller resets them (or moves them the same way) after a re-plan.
-        Raises ``ValueError`` for a static layer or plan, or a plan that needs new shapes
-        (then build a new layer, which compiles a new graph).
+        optimizer: the optimizer (e.g. ``nn.Adam``) of w1/b1/w2/b2, or None. Given, its state
+            Parameters of those weights (Adam's moments, Momentum's moments;
+            :func:`~ms_efficient.moe.ep_replan.weight_states`) travel with their rows, so a
+            step after the move equals the step without it. None: the weights alone move and
+            the state stays behind (a slot keeps the moments of the expert it held before).
+        Records ``self.last_migration`` (:class:`~ms_efficient.moe.ep_replan.MigrationRecord`:
+        moved_slots, moved_bytes, ...). Raises ``ValueError`` for a static layer or plan, a
+        plan that needs new shapes (then build a new layer, which compiles a new graph) or an
+        optimizer that does not hold the layer's weights.
         """
         if not self.grouped:
             raise ValueError(f"set_plan switches 'grouped' layers, but this layer's dispatch is "
                              f"{self.plan.dispatch!r}; build a new ExpertParallelMoE instead.")
         check_replan(plan, self.num_experts, self.tables.buffer_D, self.budget,
                      self.tables.block_WD)
+        weights = (self.w1, self.b1, self.w2, self.b2)
+        states = () if optimizer is None else weight_states(optimizer, weights)
         tables, sync = grouped_tables(plan, self.num_experts, self.rank, self.world,
                                       self.devices_per_node, self.budget)
-        experts_E = self.expert_weights()        # from the old placement, before switching
+        migration = plan_migration(self.plan, plan, self.budget, self.world,
+                                   self.devices_per_node)
+        move_rows(migration, self.rank, weights + sum(states, ()), self.group)
+        self.last_migration = record(migration, weights, len(states))
         self.plan, self.tables, self.local_slots = plan, tables, tables.local_slots
         self.local_experts = plan.slot_expert[self.local_slots]
         for param, values in ((self.plan_expert_V, tables.expert_V),
@@ -376,7 +390,6 @@ class ExpertParallelMoE(nn.Cell):
                               (self.sync_cross_L, sync.cross_L),
                               (self.sync_pick_L, sync.pick_L)):
             param.set_data(Tensor(values))
-        self._load_experts(experts_E)
 
     def construct(self, x):
         b, s, h = x.shape

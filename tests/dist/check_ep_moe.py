@@ -53,7 +53,7 @@ CHUNKS = {"spread-chunked": 2}
 # Re-plan without recompiling: "grouped-replan" compiles with REPLAN_FROM (expert 3 on rank 0,
 # expert 0 on rank 1 only; the same buffers 88 and 40, at most 3 slots per device), takes one
 # step, then set_plan switches it to the grouped-hot plan: expert 3's weights move to rank 1
-# and expert 0's reach rank 0 (an AllReduce of the logical table). Its results, from the
+# and expert 0's reach rank 0 (the moved rows only, one AlltoAllV). Its results, from the
 # already compiled step, must be those of the grouped-hot plan; no graph may compile again.
 PLANS["grouped-replan"] = PLANS["grouped-hot"]
 REPLAN_FROM = {"grouped-replan": dict(slot_expert=[3, 1, 2, 0], slot_device=[0, 0, 0, 1],
