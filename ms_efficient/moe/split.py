@@ -169,8 +169,33 @@ def grouped_split_weights(plan: ExpertPlan, num_experts: int, rank_device: Seque
     The weights are the rows each rank would own of each replica under ``"static"`` dispatch
     (:func:`source_rows` with the plan's ``rank_share``: own device first, then same node,
     then by room), rounded by largest remainder; a rank that would own none of an expert
-    splits it equally. An un-replicated expert's slot gets everything."""
+    splits it equally. An un-replicated expert's slot gets everything. Memoised on the plan's
+    values (the planners ask for the same plan's weights many times); the result is
+    read-only."""
     rank_device = np.asarray(rank_device, dtype=np.int64)
+    share = None if plan.rank_share is None else np.asarray(plan.rank_share, np.float64)
+    key = (plan.slot_expert.tobytes(), plan.slot_device.tobytes(),
+           plan.slot_capacity.tobytes(), None if share is None else (share.shape,
+                                                                      share.tobytes()),
+           int(num_experts), rank_device.tobytes(), devices_per_node)
+    cached = _SPLIT_CACHE.get(key)
+    if cached is not None:
+        return cached
+    weights = _split_weights(plan, num_experts, rank_device, devices_per_node)
+    weights.setflags(write=False)
+    if len(_SPLIT_CACHE) >= _SPLIT_CACHE_SIZE:
+        _SPLIT_CACHE.pop(next(iter(_SPLIT_CACHE)))                 # oldest first
+    _SPLIT_CACHE[key] = weights
+    return weights
+
+
+_SPLIT_CACHE: dict = {}
+_SPLIT_CACHE_SIZE = 512
+
+
+def _split_weights(plan: ExpertPlan, num_experts: int, rank_device: np.ndarray,
+                   devices_per_node: Optional[int]) -> np.ndarray:
+    """:func:`grouped_split_weights` without the memo."""
     rows_RS = source_rows(plan, num_experts, rank_device, devices_per_node, plan.rank_share)
     weights = np.zeros(rows_RS.shape, dtype=np.int64)
     replicas = plan.replica_counts(num_experts)
