@@ -47,15 +47,20 @@ eplb_plan        DeepSeek EPLB (deepseek-ai/EPLB, "Expert Parallelism Load Balan
                  graph as ours (its placement policy in our harness): having no per-replica
                  capacity, it gets one uniform capacity for all slots, each expert's capacity
                  shared among the ranks in proportion to their EMA forecast, and the smallest
-                 uniform capacity whose expected per-rank drop rate meets the target.
+                 uniform capacity whose expected per-rank drop rate meets the target; or
+                 (``dispatch="grouped"``, the "-grouped" rows) grouped dispatch with the send
+                 blocks ours would give its placement (:func:`placement.grouped_plan`), so
+                 the grouped rows compare placement and forecast alone.
 greedy_plan      MindSpeed-style greedy expert placement: no replication; experts, heaviest
                  first, go to the least loaded device with a free slot (equal experts per
-                 device); one uniform capacity, sized and shared as for EPLB.
+                 device); one uniform capacity, sized and shared as for EPLB, or grouped
+                 dispatch as for EPLB.
 oracle_plan      our scheduler (:func:`placement.plan_layer`) given the true
                  load of the step, capacities fitted exactly: a reference for the planner.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional, Sequence, Tuple
 
@@ -63,7 +68,7 @@ import numpy as np
 
 from ms_efficient.efficientmoe.capacity import round_up, switch_capacity, uniform_capacity
 from ms_efficient.efficientmoe.cost import CostModel, check_rank_device, layer_cost
-from ms_efficient.efficientmoe.placement import (PlacementConfig, plan_layer,
+from ms_efficient.efficientmoe.placement import (PlacementConfig, grouped_plan, plan_layer,
                                                  replica_counts_greedy, uniform_placement)
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import largest_remainder, split_tokens
@@ -235,11 +240,11 @@ def _uniform_capacity_plan(slot_expert, slot_device, load_RE, rel_err_KRE, confi
 
 def eplb_plan(load_RE: np.ndarray, rel_err_KRE: np.ndarray, model: CostModel,
               config: PlacementConfig, rank_device: np.ndarray, top_k: Optional[int] = None,
-              tokens_per_step: Optional[int] = None) -> ExpertPlan:
+              tokens_per_step: Optional[int] = None, dispatch: str = "static") -> ExpertPlan:
     """EPLB: fill all slots of the ranks' devices (redundant experts to the heaviest load per
-    replica), balanced packing of replicas (load L_e / n_e each) onto those devices, one
-    uniform capacity (at most ``tokens_per_step``). load_RE: float [R, E] forecast;
-    rel_err_KRE: float [K, R, E] relative errors of the per-rank forecasts."""
+    replica), balanced packing of replicas (load L_e / n_e each) onto those devices; then
+    the dispatch's sizing (:func:`_sized`). load_RE: float [R, E] forecast; rel_err_KRE:
+    float [K, R, E] relative errors of the per-rank forecasts."""
     load = np.asarray(load_RE, dtype=np.float64)
     hosts = np.sort(check_rank_device(rank_device, load.shape[0], model.cluster))
     load_E = load.sum(axis=0)
@@ -249,23 +254,40 @@ def eplb_plan(load_RE: np.ndarray, rel_err_KRE: np.ndarray, model: CostModel,
     # Step 2: balanced packing of the replicas onto devices
     slot_device = hosts[balanced_packing(load_E[slot_expert] / replicas[slot_expert],
                                          hosts.size, config.slots_per_device)]
-    return _uniform_capacity_plan(slot_expert, slot_device, load, rel_err_KRE, config,
-                                  "eplb-ema", top_k, tokens_per_step)
+    return _sized(slot_expert, slot_device, load, rel_err_KRE, model, config, rank_device,
+                  "eplb-ema", top_k, tokens_per_step, dispatch)
 
 
 def greedy_plan(load_RE: np.ndarray, rel_err_KRE: np.ndarray, model: CostModel,
                 config: PlacementConfig, rank_device: np.ndarray, top_k: Optional[int] = None,
-                tokens_per_step: Optional[int] = None) -> ExpertPlan:
+                tokens_per_step: Optional[int] = None, dispatch: str = "static") -> ExpertPlan:
     """Greedy placement without replication: experts, heaviest first, onto the least loaded
-    of the ranks' devices with a free slot (ceil(E / H) slots each); one uniform capacity."""
+    of the ranks' devices with a free slot (ceil(E / H) slots each); then the dispatch's
+    sizing (:func:`_sized`)."""
     load = np.asarray(load_RE, dtype=np.float64)
     hosts = np.sort(check_rank_device(rank_device, load.shape[0], model.cluster))
     num_experts = load.shape[1]
     slot_expert = np.arange(num_experts)
     slot_device = hosts[balanced_packing(load.sum(axis=0), hosts.size,
                                          -(-num_experts // hosts.size))]
-    return _uniform_capacity_plan(slot_expert, slot_device, load, rel_err_KRE, config,
-                                  "mindspeed-greedy", top_k, tokens_per_step)
+    return _sized(slot_expert, slot_device, load, rel_err_KRE, model, config, rank_device,
+                  "mindspeed-greedy", top_k, tokens_per_step, dispatch)
+
+
+def _sized(slot_expert, slot_device, load, rel_err_KRE, model, config, rank_device, method,
+           top_k, tokens_per_step, dispatch) -> ExpertPlan:
+    """A placement baseline's plan for ``dispatch``: "static", one uniform capacity
+    (:func:`_uniform_capacity_plan`, its published form); "grouped", the block rule ours uses
+    (:func:`~ms_efficient.efficientmoe.placement.grouped_plan`, blocks at the same drop
+    target), so a grouped row differs from ours by its placement and forecast only."""
+    if dispatch == "static":
+        return _uniform_capacity_plan(slot_expert, slot_device, load, rel_err_KRE, config,
+                                      method, top_k, tokens_per_step)
+    if dispatch != "grouped":
+        raise ValueError(f"'dispatch' must be 'static' or 'grouped', but got {dispatch!r}.")
+    plan = grouped_plan(slot_expert, slot_device, load, model, np.asarray(rank_device),
+                        tokens_per_step, top_k, rel_err_KRE, config.buffer_drop_target)
+    return dataclasses.replace(plan, method=f"{method}-grouped")
 
 
 def oracle_plan(counts_RE: np.ndarray, model: CostModel, config: PlacementConfig,

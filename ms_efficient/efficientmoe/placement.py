@@ -39,7 +39,8 @@ from ms_efficient.moe.plan import ExpertPlan
 
 __all__ = ["PlacementConfig", "default_slots_per_device", "uniform_placement",
            "replica_counts_greedy", "device_bound",
-           "place_replicas", "levelled_shares", "rank_capacities", "plan_layer"]
+           "place_replicas", "levelled_shares", "rank_capacities", "plan_layer",
+           "grouped_plan", "pair_bound", "with_blocks"]
 
 logger = logging.getLogger(__name__)
 
@@ -260,6 +261,46 @@ def device_bound(slot_expert: np.ndarray, slot_device: np.ndarray, num_devices: 
     return tokens_per_step * np.minimum(experts_D, top_k or experts_D.max())
 
 
+def grouped_plan(slot_expert: np.ndarray, slot_device: np.ndarray, load_RE: np.ndarray,
+                 model: CostModel, rank_device: np.ndarray, tokens_per_step: Optional[int],
+                 top_k: Optional[int], rel_err_KRE: Optional[np.ndarray] = None,
+                 drop_target: float = 0.0) -> ExpertPlan:
+    """A ``"grouped"`` plan for a given placement (int [S] experts and devices of the slots)
+    and forecast ``load_RE`` (float [R, E]): every slot's capacity its levelled share of
+    the forecast (it sets how each rank splits an expert over its replicas), every
+    (source rank, device) block sized by the capacity model over the pair's forecast rows
+    and errors (:func:`~ms_efficient.efficientmoe.capacity.send_blocks`; ``rel_err_KRE``
+    None: the forecast rounded up), capped at the pair bound (a rank's tokens x min(top-k,
+    the device's experts)), and every device's buffer the sum of its blocks, so only a
+    block's overflow drops. The one block rule of ours and of the grouped baselines."""
+    cluster = model.cluster
+    load = np.asarray(load_RE, dtype=np.float64)
+    rd = np.asarray(rank_device, dtype=np.int64)
+    rows = levelled_shares(slot_expert, slot_device, load.sum(axis=0), cluster.num_devices)
+    caps = np.maximum(np.ceil(rows - 1e-9), 1).astype(np.int64)
+    plan = ExpertPlan(slot_expert, slot_device, caps, dispatch="grouped", rank_share=load,
+                      top_k=top_k, tokens_per_step=tokens_per_step)
+    bound = pair_bound(slot_expert, slot_device, cluster.num_devices, rd.size,
+                       tokens_per_step, top_k)
+    return with_blocks(plan, send_blocks(plan, load, rel_err_KRE, rd,
+                                         cluster.devices_per_node, drop_target, bound))
+
+
+def pair_bound(slot_expert: np.ndarray, slot_device: np.ndarray, num_devices: int,
+               num_ranks: int, tokens_per_step: Optional[int],
+               top_k: Optional[int]) -> Optional[np.ndarray]:
+    """float64 [R, D]: the most rows a rank can send a device in a step, its share of
+    :func:`device_bound` (ranks hold equal token counts); None when the tokens are unknown."""
+    bound = device_bound(slot_expert, slot_device, num_devices, tokens_per_step, top_k)
+    return None if bound is None else np.tile(bound / num_ranks, (num_ranks, 1))
+
+
+def with_blocks(plan: ExpertPlan, blocks_RD: np.ndarray) -> ExpertPlan:
+    """``plan`` with send blocks ``blocks_RD`` (int [R, D]) and buffers their column sums."""
+    blocks_RD = np.asarray(blocks_RD, dtype=np.int64)
+    return dataclasses.replace(plan, send_block=blocks_RD, device_buffer=blocks_RD.sum(axis=0))
+
+
 def _plan_grouped(load: np.ndarray, model: CostModel, config: PlacementConfig, rd: np.ndarray,
                   rel_err_KRE: Optional[np.ndarray], sizes: dict, dropless: bool,
                   seen_max_RE: Optional[np.ndarray]) -> ExpertPlan:
@@ -283,24 +324,13 @@ def _plan_grouped(load: np.ndarray, model: CostModel, config: PlacementConfig, r
     load_E = load.sum(axis=0)
     tokens, top_k = sizes["tokens_per_step"], sizes["top_k"]
 
-    def pair_bound(slot_expert, slot_device):
-        bound = device_bound(slot_expert, slot_device, cluster.num_devices, tokens, top_k)
-        return None if bound is None else np.tile(bound / num_hosts, (num_hosts, 1))
-
-    def with_blocks(plan: ExpertPlan, blocks_RD: np.ndarray) -> ExpertPlan:
-        return dataclasses.replace(plan, send_block=blocks_RD,
-                                   device_buffer=blocks_RD.sum(axis=0))
-
     def build(replicas: Optional[np.ndarray], slot_expert=None, slot_device=None):
         if replicas is not None:
             slot_expert, slot_device = place_replicas(load, replicas, model,
                                                       config.slots_per_device, rd)
-        rows = levelled_shares(slot_expert, slot_device, load_E, cluster.num_devices)
-        caps = np.maximum(np.ceil(rows - 1e-9), 1).astype(np.int64)
-        plan = ExpertPlan(slot_expert, slot_device, caps, dispatch="grouped",
-                          rank_share=load)
-        bound = pair_bound(slot_expert, slot_device)
-        return with_blocks(plan, send_blocks(plan, load, None, rd, dpn, 0.0, bound)), bound
+        plan = grouped_plan(slot_expert, slot_device, load, model, rd, tokens, top_k)
+        return plan, pair_bound(slot_expert, slot_device, cluster.num_devices, num_hosts,
+                                tokens, top_k)
 
     if dropless:
         # the forecast is not to be trusted: the static layout of expert parallelism

@@ -31,10 +31,14 @@ one static row buffer per device, after a routing-count exchange (``dispatch="gr
                      per-rank capacity in every expert, never re-planned (see :mod:`baselines`).
     eplb-ema         EPLB's placement policy fed by an EMA predictor, one capacity for all
                      slots, re-balanced on its own schedule as published: every check
-                     interval, adopted whatever the gain (paying migration + recompilation
-                     whenever the plan changes).
+                     interval, adopted whatever the gain (paying migration, and a
+                     recompilation whenever a compiled shape changes).
     eplb-ar          EPLB fed by our predictor (ar-ridge), otherwise as eplb-ema: its
                      placement policy at its best forecast.
+    eplb-ema-grouped, eplb-ar-grouped, mindspeed-greedy-grouped  the same placements with
+                     grouped dispatch and the send blocks ours would give them
+                     (:func:`placement.grouped_plan`, same drop target): these rows differ
+                     from efficientmoe only by placement and forecast.
     mindspeed-greedy its greedy placement fed by an EMA predictor, one capacity for all
                      slots, re-planned by the same checks and rule as ours.
     dropless-window  a realistic dropless static graph: every expert's per-rank capacity is
@@ -62,9 +66,11 @@ trainer sees from the layer's drop counter). Ours runs
 :class:`ms_efficient.efficientmoe.planner.ReplanLoop` and ``EfficientMoEPlanner``, the loop
 and planner of the trainer and the callback: at a check it sizes candidate plans for lifetimes
 of 1, 2, 4 or 8 check intervals and keeps the one with the least amortised step time; the
-baselines plan for one interval. Every method starts from a plan made at row ``warmup`` (its first
-compilation, not charged); an adopted re-plan costs migration + recompilation, amortised over
-the training steps the replay covers:
+re-planned baselines make the same choice (:meth:`_Context.baseline_candidate`). Every
+method starts from a plan made at row ``warmup`` (its first compilation, not charged); an
+adopted re-plan costs migration + recompilation (only when a compiled shape changes,
+:func:`schedule.recompiles`, for every method alike), amortised over the training steps the
+replay covers:
     iteration_time_s = mean step time + total re-plan seconds / (rows * stride).
 The oracle re-plans every row for free.
 """
@@ -83,8 +89,9 @@ from ms_efficient.efficientmoe.cost import CostModel, layer_cost
 from ms_efficient.efficientmoe.planner import (EfficientMoEPlanner, Forecaster, PlannerConfig,
                                                ReplanLoop)
 from ms_efficient.efficientmoe.predictor import FLOOR_FRACTION, error_floor
-from ms_efficient.efficientmoe.schedule import (DropMonitor, ReplanDecision, decide_replan,
-                                                migration_time_s, plans_equal)
+from ms_efficient.efficientmoe.schedule import (DropMonitor, ReplanDecision, choose_horizon,
+                                                decide_replan, migration_time_s, plans_equal,
+                                                recompiles)
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.trace import RoutingTrace
 
@@ -95,12 +102,16 @@ logger = logging.getLogger(__name__)
 
 METHODS = ("efficientmoe", "efficientmoe-static", "switch-cf1.0", "switch-cf1.25",
            "switch-cf2.0", "dropless-static", "dropless-window", "dropless-grouped", "fastermoe",
-           "eplb-ema", "eplb-ar", "mindspeed-greedy", "oracle", "oracle-static")
-_ADAPTIVE = {"efficientmoe", "efficientmoe-static", "eplb-ema", "eplb-ar", "mindspeed-greedy",
+           "eplb-ema", "eplb-ar", "eplb-ema-grouped", "eplb-ar-grouped", "mindspeed-greedy",
+           "mindspeed-greedy-grouped", "oracle", "oracle-static")
+_ADAPTIVE = {"efficientmoe", "efficientmoe-static", "eplb-ema", "eplb-ar", "eplb-ema-grouped",
+             "eplb-ar-grouped", "mindspeed-greedy", "mindspeed-greedy-grouped",
              "oracle-static", "dropless-window"}
 # our planner (planner.EfficientMoEPlanner), and the dispatch it plans for
 _OURS = {"efficientmoe": "grouped", "efficientmoe-static": "static", "oracle-static": "static"}
-_EPLB = {"eplb-ema", "eplb-ar"}               # re-balanced on their own periodic schedule
+_EPLB = {"eplb-ema", "eplb-ar", "eplb-ema-grouped",
+         "eplb-ar-grouped"}                   # re-balanced on their own periodic schedule
+_OUR_PREDICTOR = {"eplb-ar", "eplb-ar-grouped"}   # baselines given our forecaster
 
 
 @dataclass(frozen=True)
@@ -300,7 +311,7 @@ class _Context:
     def forecaster(self, method: str, t: int) -> Forecaster:
         if method == "oracle-static":
             return Foresight(self.trace.counts, t, self.check_rows)
-        if method in _OURS or method == "eplb-ar":          # EPLB given our predictor
+        if method in _OURS or method in _OUR_PREDICTOR:      # EPLB given our predictor
             return self.planner.forecaster
         return Forecaster("ema", self.config.residual_window)
 
@@ -310,15 +321,18 @@ class _Context:
         from the true rows [t, t + horizon_rows) instead (:class:`Foresight`)."""
         return self.forecaster(method, t).forecast(self.trace.counts[:t], horizon_rows)
 
-    def baseline_plans(self, method: str, t: int):
+    def baseline_plans(self, method: str, t: int, horizon_rows: Optional[int] = None):
         """(plans per layer, predicted counts [L, R, E], residuals [K, L, R, E]) of a
-        re-planned baseline at row t, sized for one check interval."""
-        pred, rel = self.predicted(t, method, self.check_rows)
+        re-planned baseline at row t, sized for ``horizon_rows`` rows (default one check
+        interval)."""
+        pred, rel = self.predicted(t, method, horizon_rows or self.check_rows)
+        dispatch = "grouped" if method.endswith("-grouped") else "static"
         plans = []
         for layer in range(self.trace.num_layers):
             args = (pred[layer], rel[:, layer], self.model, self.placement, self.rank_device)
-            sizes = {"top_k": self.top_k, "tokens_per_step": self.tokens_per_step}
-            if method in ("eplb-ema", "eplb-ar"):
+            sizes = {"top_k": self.top_k, "tokens_per_step": self.tokens_per_step,
+                     "dispatch": dispatch}
+            if method.startswith("eplb-"):
                 plans.append(baselines.eplb_plan(*args, **sizes))
             elif method == "dropless-window":
                 window = self.trace.counts[max(0, t - self.config.residual_window):t, layer]
@@ -328,14 +342,36 @@ class _Context:
                 plans.append(baselines.greedy_plan(*args, **sizes))
         return plans, pred, rel
 
+    def baseline_candidate(self, method: str, t: int, current: Optional[List[ExpertPlan]]):
+        """A baseline's candidate at row t with the re-plan interval choice ours has: plans
+        sized for lifetimes of ``horizon_multiples`` check intervals, the least amortised
+        kept (:func:`schedule.choose_horizon`: step time + (migration + recompile, charged by
+        :func:`schedule.recompiles`) / lifetime). Returns (plans, predicted counts [L, R, E],
+        residuals over the next check interval [K, L, R, E], horizon_steps)."""
+        options = []
+        for mult in sorted(set(int(m) for m in self.planner.config.horizon_multiples)):
+            rows = mult * self.check_rows
+            plans, pred, _ = self.baseline_plans(method, t, rows)
+            moved = 0.0 if current is None else migration_time_s(
+                current, plans, self.model, self.costs.bytes_per_param,
+                self.costs.optimizer_states)
+            if current is not None and recompiles(current, plans):
+                moved += self.costs.recompile_s
+            options.append((plans, pred, rows * self.stride,
+                            self.planner.step_time_s(plans, pred), moved))
+        best = options[choose_horizon([o[3] for o in options], [o[4] for o in options],
+                                      [o[2] for o in options], 0.0)]
+        _, rel_next = self.predicted(t, method, self.check_rows)
+        return best[0], best[1], rel_next, best[2]
+
     def propose(self, method: str, t: int, current: Optional[List[ExpertPlan]]):
         """Candidate plans at row t: (plans, predicted counts [L, R, E], horizon_steps)."""
         if method in _OURS:
             cand = self.ours(method).propose(self.trace.counts[:t], current,
                                              self.forecaster(method, t))
             return cand.plans, cand.predicted_LRE, cand.horizon_steps
-        plans, pred, _ = self.baseline_plans(method, t)
-        return plans, pred, self.costs.horizon_steps
+        plans, pred, _, horizon = self.baseline_candidate(method, t, current)
+        return plans, pred, horizon
 
     def check(self, method: str, t: int, current: List[ExpertPlan],
               observed_drop_rate: Optional[float] = None):
@@ -346,10 +382,11 @@ class _Context:
                                                      observed_drop_rate,
                                                      self.forecaster(method, t))
             return decision, cand.plans
-        candidate, pred, rel_next = self.baseline_plans(method, t)
+        candidate, pred, rel_next, horizon = self.baseline_candidate(method, t, current)
+        costs = dataclasses.replace(self.costs, horizon_steps=horizon)
         decision = decide_replan(self.planner.step_time_s(current, pred),
                                  self.planner.step_time_s(candidate, pred),
-                                 current, candidate, self.model, self.costs,
+                                 current, candidate, self.model, costs,
                                  float(self.planner.expected_drop_rate(
                                      current, pred, rel_next, per_layer=True).max()),
                                  observed_drop_rate)
@@ -425,9 +462,9 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
                 moved = migration_time_s(plans, candidate, ctx.model,
                                          ctx.costs.bytes_per_param,
                                          ctx.costs.optimizer_states)
+                recompile = ctx.costs.recompile_s if recompiles(plans, candidate) else 0.0
                 decision = ReplanDecision(True, "EPLB periodic re-balance", 0.0,
-                                          ctx.costs.horizon_steps, 0.0, 0.0, moved,
-                                          ctx.costs.recompile_s)
+                                          ctx.costs.horizon_steps, 0.0, 0.0, moved, recompile)
                 plans = candidate
         elif method in _ADAPTIVE and method not in _EPLB and (due(t) or monitor.fired()):
             decision, candidate = ctx.check(method, t, plans,
