@@ -1,6 +1,7 @@
 """The ``ms-efficient`` command.
 
-    ms-efficient train CONFIG [--steps N] [--out DIR]    train the reference MoE model
+    ms-efficient train CONFIG [--steps N] [--out DIR] [--overwrite]
+                                                         train the reference MoE model
     ms-efficient train --resume DIR [--steps N]          continue a run from its checkpoint
     ms-efficient graph CONFIG_OR_FILE [--mode M] [--out graph.json]
     ms-efficient report RUN_DIR                          rebuild a run's report.md and plots
@@ -46,11 +47,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise ValueError("give either CONFIG or --resume DIR, not both.")
     if not args.resume and not args.config:
         raise ValueError("train needs CONFIG (a YAML file) or --resume DIR.")
+    if args.resume and args.overwrite:
+        raise ValueError("give either --resume DIR (continue the run) or --overwrite "
+                         "(replace it), not both.")
     overrides = {}
     if args.efficientmoe is not None:
         overrides["efficientmoe.enabled"] = args.efficientmoe == "on"
     result = train(args.config, out_dir=args.out, steps=args.steps, resume=args.resume,
-                   overrides=overrides)
+                   overrides=overrides, overwrite=args.overwrite)
     drop = result.first_val_loss - result.final_val_loss
     print(f"run folder: {result.out_dir}")
     print(f"validation loss: {result.first_val_loss:.4f} -> {result.final_val_loss:.4f} "
@@ -152,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive_int, help="override train.steps")
     p.add_argument("--out", help="run folder (default: train.out_dir of the config)")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in the output folder (without it, a "
+                        "non-empty folder is refused)")
     p.add_argument("--efficientmoe", choices=("on", "off"),
                    help="override efficientmoe.enabled: online per-expert capacities")
     p.set_defaults(func=_cmd_train)
