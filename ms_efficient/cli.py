@@ -25,19 +25,19 @@ import os
 import sys
 from typing import List, Optional
 
+from ms_efficient.core.argtypes import positive_int as _positive_int
+
 __all__ = ["main"]
 
 logger = logging.getLogger("ms_efficient")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, but got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, but got {value}")
-    return value
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors (bad option values included) are one line, exit 2;
+    sub-command parsers inherit it."""
+
+    def error(self, message: str):
+        self.exit(2, f"ms-efficient: error: {self.prog}: {message}\n")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -145,7 +145,7 @@ def _add_planner_commands(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ms-efficient",
         description="Faster, leaner MindSpore training of dense and MoE models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -178,6 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Output files (``--out`` of every command but train, whose --out is a run folder, and
+    ``--json``) are refused before any work when they name a folder."""
+    for name in ("out", "json"):
+        value = getattr(args, name, None)
+        if value and os.path.isdir(value) and not (name == "out" and args.command == "train"):
+            raise ValueError(f"'--{name}' must be a file to write, but '{value}' is a folder.")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -185,6 +194,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     try:
+        _check_outputs(args)
         return args.func(args)
     except ValueError as err:
         print(f"ms-efficient: error: {err}", file=sys.stderr)

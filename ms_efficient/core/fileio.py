@@ -9,6 +9,7 @@ them (the trainer calls it on start, holding the run folder's lock).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from typing import Any, Callable, Iterator
@@ -53,6 +54,8 @@ def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
     temporary is fsynced before the rename and the folder after it.
     """
     folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):         # name the path given, not the temporary the rename hit
+        raise IsADirectoryError(errno.EISDIR, "is a folder; give a file name", path)
     try:
         os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=TEMP_PREFIX, suffix=suffix)

@@ -42,6 +42,7 @@ from ms_efficient.moe.layer import ROUTING_COUNTS, MoEFeedForward
 from ms_efficient.moe.trace import load_trace, save_trace
 from ms_efficient.train import checkpoint as run_ckpt
 from ms_efficient.train.data import Corpus, load_corpus
+from ms_efficient.train.footprint import check_fits_machine
 
 __all__ = ["Trainer", "TrainResult", "lr_schedule", "train"]
 
@@ -83,6 +84,7 @@ class Trainer:
         self.out_dir = out_dir
         self.resume = resume
         self.overwrite = overwrite
+        check_fits_machine(cfg)                   # before any tensor is allocated
         ms.set_context(mode=getattr(ms, cfg.context.mode))
         backend.use_device(cfg.context.device_target)
         ms.set_seed(cfg.context.seed)
@@ -430,13 +432,15 @@ def train(config_path: str, out_dir: Optional[str] = None, steps: Optional[int] 
     if steps is not None:
         overrides["train.steps"] = steps
     if resume:
-        cfg = load_config(os.path.join(resume, "config.yaml"), overrides)
+        config_path = os.path.join(resume, "config.yaml")
+        cfg = load_config(config_path, overrides)
         out = resume
     else:
         if out_dir:
             overrides["train.out_dir"] = out_dir
         cfg = load_config(config_path, overrides)
         out = cfg.train.out_dir
+    check_fits_machine(cfg, config_path)
     if not resume and not overwrite:
         run_ckpt.check_fresh(out)             # refuse before any work (checked again locked)
     with run_ckpt.acquire_lock(out):
