@@ -136,8 +136,7 @@ class MoEConfig:
             _fail(f"{path}.top_k", self.top_k,
                   f"in [1, {path}.num_experts ({self.num_experts})]")
         if not (self.capacity_factor == 0 or 1.0 <= self.capacity_factor < math.inf):
-            _fail(f"{path}.capacity_factor", self.capacity_factor,
-                  "a finite number >= 1.0, or 0 for dropless")
+            _fail(f"{path}.capacity_factor", self.capacity_factor, ">= 1.0, or 0 for dropless")
         if not 0 <= self.aux_loss_coef < math.inf:
             _fail(f"{path}.aux_loss_coef", self.aux_loss_coef, "a finite number >= 0")
         if self.moe_every < 1:
