@@ -32,8 +32,7 @@ evaluations" means the same number of distinct placements scored by the cost mod
 - a placement seen before is answered from a cache and not counted again;
 - once ``max_evaluations`` are spent, or the time budget would be overrun by one more
   call (the slowest call so far is the estimate), new placements score ``inf``. The default
-  budget is ``inf`` seconds: searches stop on counts (evaluations, generations), so the same
-  seed gives the same plan on a busy machine; a finite wall-clock budget is an option, and
+  budget is ``inf`` s (stop on counts: same seed, same plan on a busy machine);
   :meth:`Evaluator.stop_reason` says which rule ended a search.
 
 Costs are penalised step seconds (:func:`penalised_cost`).
@@ -312,8 +311,7 @@ class SearchResult:
     search_time_s: float
     trace: List[TracePoint] = field(default_factory=list)
     order: Optional[np.ndarray] = None
-    # what ended the search: "evaluations", "time_budget", "patience" (no new placement for
-    # that many generations / samples) or "" (not a search)
+    # "evaluations", "time_budget", "patience" (no new placement lately) or "" (no search)
     stopped_by: str = ""
 
 
