@@ -90,10 +90,13 @@ def test_the_footprint_estimate_counts_the_models_parameters_exactly(tmp_path, t
     fp = estimate_footprint(cfg)
     assert fp.params == counted
     assert fp.state_bytes == 16 * counted
-    assert check_fits_machine(cfg, memory_bytes=1 << 30) is not None
-    with pytest.raises(ValueError, match=r"^x.yaml: 'train.batch_size' must be small enough "
-                                         r"for the run to fit this machine's 0.0 GiB"):
-        check_fits_machine(cfg, "x.yaml", memory_bytes=1 << 20)    # activations dominate
+    assert check_fits_machine(cfg, memory_bytes=1 << 30).total_bytes == fp.total_bytes
+    # the field named is the one whose default (4 layers here) would shrink the run most
+    deep = config_from_dict(dict(data, model=dict(data["model"], num_layers=100_000)))
+    with pytest.raises(ValueError, match=r"^x.yaml: 'model.num_layers' must be small enough "
+                                         r"for the run to fit this machine's 1.0 GiB of "
+                                         r"memory, but got 100000: training needs at least"):
+        check_fits_machine(deep, "x.yaml", memory_bytes=1 << 30)
 
 
 # ---------------------------------------------------------------- traces

@@ -18,10 +18,11 @@ so the decision is the same on a busy machine.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Optional, Tuple
 
 __all__ = ["Footprint", "estimate_footprint", "machine_memory_bytes", "check_fits_machine"]
 
@@ -32,13 +33,11 @@ _ADAM_COPIES = 4         # weight, gradient, first and second moment
 @dataclass
 class Footprint:
     """Estimated bytes of one training process. params: parameter count; state_bytes:
-    weights + gradients + optimizer moments; activation_bytes: kept for the backward pass;
-    terms: bytes per config field that drives them (to name the culprit)."""
+    weights + gradients + optimizer moments; activation_bytes: kept for the backward pass."""
 
     params: int
     state_bytes: int
     activation_bytes: int
-    terms: Dict[str, int]
 
     @property
     def total_bytes(self) -> int:
@@ -66,15 +65,8 @@ def estimate_footprint(cfg) -> Footprint:
     act_route = moe_layers * 3 * t * k * e
     act_rows = moe_layers * 3 * e * cap * (h + f)
     act_dense = dense_layers * 3 * t * f
-    terms = {
-        "moe.num_experts": _F32 * (_ADAM_COPIES * experts + act_route + act_rows),
-        "model.vocab_size": _F32 * _ADAM_COPIES * m.vocab_size * h,
-        "model.hidden_size": _F32 * _ADAM_COPIES * (attn + dense),
-        "train.batch_size": _F32 * (act_attn + act_dense),
-    }
     return Footprint(params=params, state_bytes=_F32 * _ADAM_COPIES * params,
-                     activation_bytes=_F32 * (act_attn + act_route + act_rows + act_dense),
-                     terms=terms)
+                     activation_bytes=_F32 * (act_attn + act_route + act_rows + act_dense))
 
 
 def machine_memory_bytes() -> int:
@@ -89,21 +81,39 @@ def machine_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+# Fields that size the run; the one named is the one whose default shrinks the estimate most.
+_SIZE_FIELDS = ("moe.num_experts", "model.ffn_hidden_size", "model.hidden_size",
+                "model.num_layers", "model.vocab_size", "model.seq_length", "train.batch_size")
+
+
+def _culprit(cfg) -> Tuple[str, object]:
+    """(field, value) of the size field whose default value lowers the estimate the most."""
+    best = (estimate_footprint(cfg).total_bytes, _SIZE_FIELDS[-1])
+    for field in _SIZE_FIELDS:
+        section, name = field.split(".")
+        part = getattr(cfg, section)
+        default = getattr(type(part)(), name)
+        if default >= getattr(part, name):
+            continue
+        trial = dataclasses.replace(cfg, **{section: dataclasses.replace(part, **{name: default})})
+        best = min(best, (estimate_footprint(trial).total_bytes, field))
+    section, name = best[1].split(".")
+    return best[1], getattr(getattr(cfg, section), name)
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
 def check_fits_machine(cfg, source: str = "", memory_bytes: Optional[int] = None) -> Footprint:
-    """Raise ValueError (one line: ``source``, the field that drives the estimate, its value,
-    the estimate and the machine's memory) when training ``cfg`` cannot fit in
+    """Raise ValueError (one line: ``source``, the size field whose default value would lower
+    the estimate most, its value, the estimate and the machine's memory) when training ``cfg`` cannot fit in
     ``memory_bytes`` (default: this machine's physical memory). Returns the estimate."""
     fp = estimate_footprint(cfg)
     limit = machine_memory_bytes() if memory_bytes is None else memory_bytes
     if fp.total_bytes <= limit:
         return fp
-    field = max(fp.terms, key=fp.terms.get)
-    section, name = field.split(".")
-    value = getattr(getattr(cfg, section), name)
+    field, value = _culprit(cfg)
     where = f"{source}: " if source else ""
     raise ValueError(
         f"{where}'{field}' must be small enough for the run to fit this machine's "
