@@ -19,7 +19,7 @@ $(STAMP): setup.py requirements.txt
 	touch $(STAMP)
 
 demo: install
-	$(VENV)/bin/ms-efficient train configs/gpt_moe_tiny.yaml --out runs/demo
+	$(VENV)/bin/ms-efficient train configs/gpt_moe_tiny.yaml --out runs/demo --overwrite
 
 test: install
 	$(PY) -m pytest -q tests

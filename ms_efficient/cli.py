@@ -1,6 +1,7 @@
 """The ``ms-efficient`` command.
 
-    ms-efficient train CONFIG [--steps N] [--out DIR]    train the reference MoE model
+    ms-efficient train CONFIG [--steps N] [--out DIR] [--overwrite]
+                                                         train the reference MoE model
     ms-efficient train --resume DIR [--steps N]          continue a run from its checkpoint
     ms-efficient graph CONFIG_OR_FILE [--mode M] [--out graph.json]
     ms-efficient report RUN_DIR                          rebuild a run's report.md and plots
@@ -24,19 +25,19 @@ import os
 import sys
 from typing import List, Optional
 
+from ms_efficient.core.argtypes import positive_int as _positive_int
+
 __all__ = ["main"]
 
 logger = logging.getLogger("ms_efficient")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, but got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, but got {value}")
-    return value
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors (bad option values included) are one line, exit 2;
+    sub-command parsers inherit it."""
+
+    def error(self, message: str):
+        self.exit(2, f"ms-efficient: error: {self.prog}: {message}\n")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -46,11 +47,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise ValueError("give either CONFIG or --resume DIR, not both.")
     if not args.resume and not args.config:
         raise ValueError("train needs CONFIG (a YAML file) or --resume DIR.")
+    if args.resume and args.overwrite:
+        raise ValueError("give either --resume DIR (continue the run) or --overwrite "
+                         "(replace it), not both.")
     overrides = {}
     if args.efficientmoe is not None:
         overrides["efficientmoe.enabled"] = args.efficientmoe == "on"
     result = train(args.config, out_dir=args.out, steps=args.steps, resume=args.resume,
-                   overrides=overrides)
+                   overrides=overrides, overwrite=args.overwrite)
     drop = result.first_val_loss - result.final_val_loss
     print(f"run folder: {result.out_dir}")
     print(f"validation loss: {result.first_val_loss:.4f} -> {result.final_val_loss:.4f} "
@@ -141,7 +145,7 @@ def _add_planner_commands(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ms-efficient",
         description="Faster, leaner MindSpore training of dense and MoE models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -152,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive_int, help="override train.steps")
     p.add_argument("--out", help="run folder (default: train.out_dir of the config)")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in the output folder (without it, a "
+                        "non-empty folder is refused)")
     p.add_argument("--efficientmoe", choices=("on", "off"),
                    help="override efficientmoe.enabled: online per-expert capacities")
     p.set_defaults(func=_cmd_train)
@@ -171,6 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Output files (``--out`` of every command but train, whose --out is a run folder, and
+    ``--json``) are refused before any work when they name a folder."""
+    for name in ("out", "json"):
+        value = getattr(args, name, None)
+        if value and os.path.isdir(value) and not (name == "out" and args.command == "train"):
+            raise ValueError(f"'--{name}' must be a file to write, but '{value}' is a folder.")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -178,6 +194,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     try:
+        _check_outputs(args)
         return args.func(args)
     except ValueError as err:
         print(f"ms-efficient: error: {err}", file=sys.stderr)

@@ -19,6 +19,7 @@ the bad value and what is allowed, e.g.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -99,7 +100,7 @@ class ModelConfig:
         if self.hidden_size % self.num_heads:
             _fail(f"{path}.hidden_size", self.hidden_size,
                   f"a multiple of {path}.num_heads ({self.num_heads})")
-        if not 0.0 <= self.dropout < 1.0:
+        if not 0.0 <= self.dropout < 1.0:            # (nan fails every comparison)
             _fail(f"{path}.dropout", self.dropout, "in [0, 1)")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             _fail(f"{path}.dtype", self.dtype, "one of ['float32', 'float16', 'bfloat16']")
@@ -134,10 +135,10 @@ class MoEConfig:
         if not 1 <= self.top_k <= self.num_experts:
             _fail(f"{path}.top_k", self.top_k,
                   f"in [1, {path}.num_experts ({self.num_experts})]")
-        if self.capacity_factor != 0 and self.capacity_factor < 1.0:
+        if not (self.capacity_factor == 0 or 1.0 <= self.capacity_factor < math.inf):
             _fail(f"{path}.capacity_factor", self.capacity_factor, ">= 1.0, or 0 for dropless")
-        if self.aux_loss_coef < 0:
-            _fail(f"{path}.aux_loss_coef", self.aux_loss_coef, ">= 0")
+        if not 0 <= self.aux_loss_coef < math.inf:
+            _fail(f"{path}.aux_loss_coef", self.aux_loss_coef, "a finite number >= 0")
         if self.moe_every < 1:
             _fail(f"{path}.moe_every", self.moe_every, "a positive integer")
         if self.capacity_multiple < 1:
@@ -200,10 +201,10 @@ class EfficientMoEConfig:
             _fail(f"{path}.predictor", self.predictor, f"one of {list(PREDICTOR_NAMES)}")
         if not 0.0 <= self.drop_target < 1.0:
             _fail(f"{path}.drop_target", self.drop_target, "in [0, 1)")
-        if self.recompile_cost_s < 0:
-            _fail(f"{path}.recompile_cost_s", self.recompile_cost_s, ">= 0")
-        if not self.max_forecast_error > 0:
-            _fail(f"{path}.max_forecast_error", self.max_forecast_error, "> 0")
+        if not 0 <= self.recompile_cost_s < math.inf:
+            _fail(f"{path}.recompile_cost_s", self.recompile_cost_s, "a finite number >= 0")
+        if not 0 < self.max_forecast_error < math.inf:
+            _fail(f"{path}.max_forecast_error", self.max_forecast_error, "a finite number > 0")
 
 
 @dataclass
@@ -249,14 +250,15 @@ class TrainConfig:
                      "save_every"):
             if getattr(self, name) < 1:
                 _fail(f"{path}.{name}", getattr(self, name), "a positive integer")
-        if self.learning_rate <= 0:
-            _fail(f"{path}.learning_rate", self.learning_rate, "> 0")
+        if not 0 < self.learning_rate < math.inf:
+            _fail(f"{path}.learning_rate", self.learning_rate, "a finite number > 0")
         if self.warmup_steps < 0:
             _fail(f"{path}.warmup_steps", self.warmup_steps, ">= 0")
-        if self.weight_decay < 0:
-            _fail(f"{path}.weight_decay", self.weight_decay, ">= 0")
-        if self.grad_clip < 0:
-            _fail(f"{path}.grad_clip", self.grad_clip, ">= 0 (0 disables clipping)")
+        if not 0 <= self.weight_decay < math.inf:
+            _fail(f"{path}.weight_decay", self.weight_decay, "a finite number >= 0")
+        if not 0 <= self.grad_clip < math.inf:
+            _fail(f"{path}.grad_clip", self.grad_clip,
+                  "a finite number >= 0 (0 disables clipping)")
 
 
 @dataclass
@@ -377,6 +379,8 @@ def _check_type(value: Any, tp: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             _fail(path, value, "a number")
+        if not math.isfinite(value):                  # YAML .nan / .inf
+            _fail(path, value, "a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -418,19 +422,28 @@ def config_from_dict(data: Dict[str, Any]) -> RunConfig:
     return _build(RunConfig, data, "")
 
 
-def read_yaml(path: str) -> Dict[str, Any]:
-    """The mapping in YAML file ``path`` ({} for an empty file); clear errors otherwise."""
+def read_yaml(path: str, allow_empty: bool = True) -> Dict[str, Any]:
+    """The mapping in YAML file ``path`` ({} for an empty file, or ValueError when
+    ``allow_empty`` is False); clear errors otherwise."""
+    if os.path.isdir(path):
+        raise ValueError(f"Config file '{path}' is a folder, not a YAML file.")
     if not os.path.isfile(path):
         raise ValueError(f"Config file '{path}' does not exist.")
     with open(path, "r", encoding="utf-8") as fh:
         try:
-            data = yaml.safe_load(fh) or {}
+            data = yaml.safe_load(fh)
         except yaml.YAMLError as err:
             reason = " ".join(str(err).split())            # one line
             raise ValueError(f"Config file '{path}' is not valid YAML: {reason}") from None
         except UnicodeDecodeError:
             raise ValueError(f"Config file '{path}' is binary, not YAML text (a MINDIR, "
                              f"checkpoint or trace given where a config belongs?).") from None
+    if data is None or data == {}:
+        if not allow_empty:
+            raise ValueError(f"Config file '{path}' is empty: it must hold at least one "
+                             f"section (context, model, moe, efficientmoe, data, train, "
+                             f"cluster, optimize); an empty file would train on all defaults.")
+        data = {}
     if not isinstance(data, dict):
         raise ValueError(f"Config file '{path}' must hold a mapping of sections, but got "
                          f"{type(data).__name__}.")
@@ -438,13 +451,21 @@ def read_yaml(path: str) -> Dict[str, Any]:
 
 
 def load_config(path: str, overrides: Optional[Dict[str, Any]] = None) -> RunConfig:
-    """Load ``path`` (YAML), apply dotted ``overrides`` (``{"train.steps": 10}``), validate."""
-    data = read_yaml(path)
+    """Load ``path`` (YAML), apply dotted ``overrides`` (``{"train.steps": 10}``), validate.
+
+    An empty file is refused (it would silently mean "all defaults")."""
+    data = read_yaml(path, allow_empty=False)
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
+        for depth, key in enumerate(parents):
+            if node.get(key) is None:                 # a missing or empty (null) section
+                node[key] = {}
+            node = node[key]
+            if not isinstance(node, dict):
+                where = ".".join(parents[:depth + 1])
+                raise ValueError(f"{path}: '{where}' must be a mapping of keys to values, "
+                                 f"but got {node!r}.")
         node[leaf] = value
     try:
         return config_from_dict(data)

@@ -21,6 +21,7 @@ heuristic / recompute-only MILP plan), so the agents explore around a known feas
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -38,8 +39,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RLConfig:
-    """Training knobs. iterations x batch plans are simulated at most; time_limit_s bounds
-    wall time (results are reproducible for a seed when the limit is not hit)."""
+    """Training knobs. iterations x batch plans are simulated at most, and training stops
+    after ``patience`` updates without a better plan: counts, so a seed gives the same plan
+    on any machine. time_limit_s optionally bounds wall time (inf, the default, = none; a
+    finite limit makes the result depend on the machine's speed and load)."""
 
     seed: int = 0
     iterations: int = 120          # policy updates
@@ -49,7 +52,7 @@ class RLConfig:
     entropy: float = 0.01          # entropy bonus weight
     warm: float = 2.0              # initial logit bonus of the warm-start actions
     patience: int = 40             # stop after this many updates without a better plan
-    time_limit_s: float = 60.0
+    time_limit_s: float = math.inf
 
 
 def layer_features(profile: LayerProfile, budget_bytes: float, host_link) -> np.ndarray:
@@ -174,11 +177,12 @@ def train_agents(profile: LayerProfile, budget_bytes: float, host_link,
         strategy.params["bias"][np.arange(L), warm_start.actions] += config.warm
         score(MemoryPlan(warm_start.actions, warm_start.swap_delay, warm_start.prefetch_lead))
     history: Dict[str, List[float]] = {"best_step_time_s": [], "mean_reward": []}
-    stale = 0
+    stale, stopped_by = 0, "iterations"
     for it in range(config.iterations):
         if time.perf_counter() - start > config.time_limit_s:
             logger.info("MemOpt RL: time limit %.0f s reached after %d updates",
                         config.time_limit_s, it)
+            stopped_by = "time_limit"
             break
         # Step 1: sample a batch of joint plans from both agents
         p_s, h_s = strategy.probs(phi)
@@ -208,11 +212,13 @@ def train_agents(profile: LayerProfile, budget_bytes: float, host_link,
         history["best_step_time_s"].append(float(after))
         stale = 0 if after < before - 1e-15 else stale + 1
         if stale >= config.patience:
+            stopped_by = "patience"
             break
     # Step 3: the agents' greedy (most likely) plan is a candidate too
     greedy = MemoryPlan(strategy.probs(phi)[0].argmax(1), delay_net.probs(phi)[0].argmax(1),
                         lead_net.probs(phi)[0].argmax(1))
     score(greedy)
     history["evaluations"] = len(cache)
+    history["stopped_by"] = stopped_by
     history["time_s"] = time.perf_counter() - start
     return best[0], best[1], history

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import time
+
+from ms_efficient.core.argtypes import positive_float, positive_int
 
 __all__ = ["add_plan_arguments", "run_plan", "add_bench_arguments", "run_bench"]
 
@@ -30,7 +33,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                                        "or a graph file (MINDIR, OpGraph JSON, PipeDream)")
     parser.add_argument("--budget", required=True,
                         help="device memory the step may use, e.g. 12GiB, 800MB, bytes")
-    parser.add_argument("--batch", type=int, help="batch size (default: train.batch_size)")
+    parser.add_argument("--batch", type=positive_int,
+                        help="batch size (default: train.batch_size)")
     parser.add_argument("--cluster", help="cluster preset (default: the config's cluster)")
     parser.add_argument("--method", default="memopt",
                         help="memopt (default) or a baseline: none, full-recompute, chen-sqrt, "
@@ -39,7 +43,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="for a MINDIR/JSON graph: glob of the Cells to plan, e.g. "
                              "'model.layers.*' (repeatable; default: its repeated blocks)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--time-limit", type=float, default=60.0, help="planning seconds")
+    parser.add_argument("--time-limit", type=positive_float,
+                        help="wall-clock planning seconds (default: none; MemOpt stops on "
+                             "its update count and patience, so the plan is the same on a "
+                             "busy machine)")
     parser.add_argument("--out", required=True, help="plan YAML to write")
 
 
@@ -88,7 +95,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"'--method' must be one of {list(METHODS)}, but got {args.method!r}.")
     budget = parse_size(args.budget, "--budget")
     profile, cluster = _profile_for(args)
-    rl = RLConfig(seed=args.seed, time_limit_s=args.time_limit)
+    rl = RLConfig(seed=args.seed, time_limit_s=args.time_limit or math.inf)
     start = time.perf_counter()
     plan, result = plan_with(args.method, profile, budget, cluster.host_link, rl)
     if not result.fits:
@@ -101,7 +108,8 @@ def run_plan(args: argparse.Namespace) -> int:
           + ", ".join(f"{k} {v}" for k, v in counts.items()))
     print(f"simulated step {result.step_time_s * 1e3:.2f} ms, peak {format_size(result.peak_bytes)}"
           f" of budget {format_size(budget)} on {cluster.name} "
-          f"(planned in {time.perf_counter() - start:.1f} s)")
+          f"(planned in {time.perf_counter() - start:.1f} s"
+          + (f", stopped by {plan.meta['stopped_by']})" if "stopped_by" in plan.meta else ")"))
     print(f"plan written to {args.out}")
     return 0
 
@@ -109,7 +117,7 @@ def run_plan(args: argparse.Namespace) -> int:
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small run, ~20 s")
     parser.add_argument("--graph", nargs="*", default=[], help="graph files (PipeDream ...)")
-    parser.add_argument("--graph-batch", type=int, default=32,
+    parser.add_argument("--graph-batch", type=positive_int, default=32,
                         help="samples a graph profile stands for (for max_batch)")
     parser.add_argument("--measured", action="store_true",
                         help="also run the measured CPU check (5 MindSpore processes, "

@@ -9,6 +9,7 @@ MILP), and the baselines "none", "full-recompute", "chen-sqrt", "checkmate-milp"
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -77,7 +78,8 @@ def plan_memory(profile: LayerProfile, budget_bytes: float, host_link,
     fitting = [(r.step_time_s, i) for i, (r, _) in enumerate(scored) if r.fits]
     warm = scored[min(fitting)[1]][1] if fitting else None
     # Step 2: train the two agents for the remaining time
-    left = max(1.0, config.time_limit_s - (time.perf_counter() - start))
+    left = (config.time_limit_s if config.time_limit_s == math.inf
+            else max(1.0, config.time_limit_s - (time.perf_counter() - start)))
     plan, result, history = train_agents(profile, budget_bytes, host_link, warm,
                                          replace(config, time_limit_s=left), codes)
     if plan is None:
@@ -87,7 +89,10 @@ def plan_memory(profile: LayerProfile, budget_bytes: float, host_link,
     plan.meta.update({"warm_start": warm.method if warm is not None else None,
                       "planning_time_s": time.perf_counter() - start,
                       "evaluations": history["evaluations"],
-                      "updates": len(history["mean_reward"])})
+                      "updates": len(history["mean_reward"]),
+                      "stopped_by": history["stopped_by"],
+                      "time_limit_s": (None if config.time_limit_s == math.inf
+                                       else config.time_limit_s)})
     return plan, result
 
 

@@ -25,6 +25,9 @@ from ms_efficient.core.fileio import atomic_write_with
 __all__ = ["RoutingTrace", "load_trace", "save_trace", "synthetic_trace", "skewed_trace"]
 
 _META = ("top_k", "hidden", "tokens_per_rank")
+# Largest token count a trace may hold per step and layer (and the largest metadata value):
+# byte sizes the planners derive (tokens x hidden x 8 bytes) then stay far below 2**63.
+MAX_TOKENS = 2 ** 40
 
 
 @dataclass
@@ -41,8 +44,17 @@ class RoutingTrace:
         self.counts = validate_counts(self.counts, "counts")
         for name in _META:
             value = getattr(self, name)
-            if value is not None and (int(value) != value or value < 1):
-                raise ValueError(f"trace '{name}' must be a positive integer, but got {value!r}.")
+            if value is None:
+                continue
+            if (isinstance(value, (bool, np.bool_))
+                    or not isinstance(value, (int, np.integer, float, np.floating))
+                    or not 1 <= value <= MAX_TOKENS or int(value) != value):
+                raise ValueError(f"trace '{name}' must be an integer in [1, 2**40], but got "
+                                 f"{value!r}.")
+        if self.top_k is not None and self.top_k > self.num_experts:
+            raise ValueError(f"trace 'top_k' must be <= the number of experts "
+                             f"({self.num_experts}, the last axis of 'counts'), but got "
+                             f"{self.top_k}.")
         if self.steps is not None:
             self.steps = np.asarray(self.steps, dtype=np.int64)
             if self.steps.shape != (self.counts.shape[0],):
@@ -71,8 +83,12 @@ class RoutingTrace:
 
 
 def validate_counts(counts, name: str = "counts") -> np.ndarray:
-    """Check a counts array: 4-D, integral, non-negative; returns it as int64."""
+    """Check a counts array: 4-D, numeric and integral, non-negative, at most
+    :data:`MAX_TOKENS` per step and layer; returns it as int64."""
     arr = np.asarray(counts)
+    if arr.dtype.kind not in "iuf":
+        raise ValueError(f"trace '{name}' must hold integer token counts, but got dtype "
+                         f"{arr.dtype}.")
     if arr.ndim != 4:
         raise ValueError(f"trace '{name}' must be 4-D [step, layer, src_rank, expert], "
                          f"but got shape {arr.shape}.")
@@ -87,6 +103,12 @@ def validate_counts(counts, name: str = "counts") -> np.ndarray:
         where = tuple(int(i) for i in np.argwhere(arr < 0)[0])
         raise ValueError(f"trace '{name}' must be >= 0, but got {arr[where]} at "
                          f"[step, layer, src_rank, expert] = {list(where)}.")
+    # summed as floats: an int64 or uint64 sum could itself wrap around
+    per_row = arr.astype(np.float64).sum(axis=(2, 3))
+    if per_row.max() > MAX_TOKENS:
+        where = tuple(int(i) for i in np.argwhere(per_row > MAX_TOKENS)[0])
+        raise ValueError(f"trace '{name}' must sum to at most 2**40 tokens per step and layer, "
+                         f"but got {per_row[where]:.4g} at [step, layer] = {list(where)}.")
     return arr.astype(np.int64)
 
 
@@ -117,6 +139,9 @@ def load_trace(path: str) -> RoutingTrace:
             if "counts" not in data:
                 raise ValueError(f"trace file '{path}' has no 'counts' array (has "
                                  f"{sorted(data.files)}).")
+            if data["counts"].dtype.kind not in "iu":
+                raise ValueError(f"trace file '{path}': 'counts' must be an integer array, "
+                                 f"but has dtype {data['counts'].dtype}.")
             kwargs = {}
             for name in _META:
                 if name in data:

@@ -27,6 +27,7 @@ first use and ``meta.pipeline`` is false.
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
@@ -44,9 +45,9 @@ __all__ = ["PlacementPlan", "make_plan", "save_plan", "load_plan", "apply_pipeli
 
 PLAN_VERSION = 1
 # The place pass's search: TGA's distinct evaluations (as `bench place --quick`) and its
-# wall-time cap, seconds.
+# wall-time cap, seconds: none (inf), so the pass gives the same plan on a busy machine.
 PLACE_PASS_EVALUATIONS = 300
-PLACE_PASS_TIME_S = 60.0
+PLACE_PASS_TIME_S = math.inf
 
 
 @dataclass
@@ -250,7 +251,8 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
                                     time_budget_s=PLACE_PASS_TIME_S))
     plan = make_plan(problem, result.assign, "tga",
                      scopes={n.name: strip_train_root(full, n.scope) for n in graph if n.scope},
-                     meta={"evaluations": result.evaluations, "seed": 0}, order=result.order)
+                     meta={"evaluations": result.evaluations, "seed": 0,
+                           "stopped_by": result.stopped_by}, order=result.order)
     if len(plan.stages) < 2:
         raise ValueError(f"place: TGA's best plan for the network on {cluster.name!r} keeps "
                          f"every operator on one device (simulated {plan.step_time_s * 1e3:.3f} "

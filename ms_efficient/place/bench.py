@@ -59,12 +59,16 @@ def cluster_with_devices(devices: int, base: str = "ascend910b-1x8") -> ClusterS
 
 
 def run_methods(problem: PlacementProblem, methods: Sequence[str], evaluations: int,
-                time_budget_s: float, seed: int, spent_s: float = 0.0) -> Dict[str, SearchResult]:
+                time_budget_s: Optional[float], seed: int,
+                spent_s: float = 0.0) -> Dict[str, SearchResult]:
     """Run each method on ``problem``; search methods share TGA's evaluation count.
 
-    time_budget_s: seconds for TGA including ``spent_s`` already spent (building the
-    graph and the problem); the other searches may take up to
-    ``_BASELINE_TIME_FACTOR x time_budget_s`` to use the same evaluations."""
+    time_budget_s: wall-clock seconds for TGA including ``spent_s`` already spent (building
+    the graph and the problem); the other searches may take up to
+    ``_BASELINE_TIME_FACTOR x time_budget_s`` to use the same evaluations. None = no
+    wall-clock limit: every search stops on its counts (reproducible)."""
+    if time_budget_s is None:
+        time_budget_s = math.inf
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ValueError(f"unknown placement methods {unknown}; known: {list(METHODS)}.")

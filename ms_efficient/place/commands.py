@@ -13,6 +13,8 @@ import os
 import time
 from typing import Dict, List, Tuple
 
+from ms_efficient.core.argtypes import positive_float, positive_int as _positive_int
+
 __all__ = ["add_plan_arguments", "run_plan", "add_bench_arguments", "run_bench"]
 
 logger = logging.getLogger(__name__)
@@ -22,13 +24,6 @@ _SHARED_GRAPHS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 _REFERENCE_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "configs", "gpt_moe_tiny.yaml")
 _VISION_BATCH = 32   # images per training step of the mindcv workloads
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, but got {value}")
-    return value
 
 
 def _positive_ints(text: str) -> List[int]:
@@ -42,10 +37,13 @@ def _positive_ints(text: str) -> List[int]:
     return sorted(set(values))
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
+def _common(parser: argparse.ArgumentParser, time_budget) -> None:
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--time-budget", type=float, default=60.0,
-                        help="seconds per search (TGA, GA, Hierarchical)")
+    parser.add_argument("--time-budget", type=positive_float, default=time_budget,
+                        help="wall-clock seconds per search (TGA, GA, Hierarchical); "
+                             + ("default: none, the search stops on --evaluations, so the "
+                                "plan is the same on a busy machine" if time_budget is None
+                                else f"default {time_budget:g}"))
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +64,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="plan YAML to write")
     parser.add_argument("--micro-batches", type=_positive_int, default=8,
                         help="GPipe micro-batches per step (1 = plain model parallelism)")
-    _common(parser)
+    _common(parser, None)
 
 
 def _load_cluster(name: str, devices):
@@ -123,14 +121,17 @@ def run_plan(args: argparse.Namespace) -> int:
                      scopes={n.name: n.scope for n in graph if n.scope},
                      meta={"search_time_s": result.search_time_s,
                            "evaluations": result.evaluations, "seed": args.seed,
-                           "units": problem.num_units}, order=result.order)
+                           "units": problem.num_units, "max_evaluations": args.evaluations,
+                           "time_budget_s": args.time_budget,
+                           "stopped_by": result.stopped_by}, order=result.order)
     save_plan(plan, args.out)
     print(f"{args.method}: {len(graph)} ops in {problem.num_units} units on "
           f"{len(plan.stages)}/{cluster.num_devices} devices of {cluster.name}")
     print(f"simulated step time {plan.step_time_s * 1e3:.3f} ms with {args.micro_batches} "
           f"micro-batches; peak memory {max(plan.peak_memory_bytes) / 2**30:.2f} GiB/device"
           f"{'' if plan.meta['feasible'] else ' (OVER MEMORY)'}; search "
-          f"{result.search_time_s:.1f} s, {result.evaluations} evaluations")
+          f"{result.search_time_s:.1f} s, {result.evaluations} evaluations "
+          f"(stopped by {result.stopped_by})")
     print(f"plan written to {args.out}")
     return 0
 
@@ -153,7 +154,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GPipe micro-batch counts to run every case at (default 1,8: "
                              "1 is the single-batch setting Baechi's m-ETF/m-SCT schedule "
                              "for, 8 a pipelined step)")
-    _common(parser)
+    _common(parser, 60.0)
 
 
 def _workloads(args: argparse.Namespace) -> List[Tuple[str, object]]:

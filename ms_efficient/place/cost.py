@@ -31,12 +31,15 @@ evaluations" means the same number of distinct placements scored by the cost mod
 
 - a placement seen before is answered from a cache and not counted again;
 - once ``max_evaluations`` are spent, or the time budget would be overrun by one more
-  call (the slowest call so far is the estimate), new placements score ``inf``.
+  call (the slowest call so far is the estimate), new placements score ``inf``. The default
+  budget is ``inf`` s (stop on counts: same seed, same plan on a busy machine);
+  :meth:`Evaluator.stop_reason` says which rule ended a search.
 
 Costs are penalised step seconds (:func:`penalised_cost`).
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -308,6 +311,8 @@ class SearchResult:
     search_time_s: float
     trace: List[TracePoint] = field(default_factory=list)
     order: Optional[np.ndarray] = None
+    # "evaluations", "time_budget", "patience" (no new placement lately) or "" (no search)
+    stopped_by: str = ""
 
 
 class Evaluator:
@@ -317,14 +322,17 @@ class Evaluator:
     call, seconds), elapsed_s (since construction).
     """
 
-    def __init__(self, problem: PlacementProblem, max_evaluations: int, time_budget_s: float):
+    def __init__(self, problem: PlacementProblem, max_evaluations: int,
+                 time_budget_s: float = math.inf):
         if max_evaluations < 1:
             raise ValueError(f"'max_evaluations' must be >= 1, but got {max_evaluations}.")
         if not time_budget_s > 0:
-            raise ValueError(f"'time_budget_s' must be > 0, but got {time_budget_s}.")
+            raise ValueError(f"'time_budget_s' must be > 0 (inf = no wall-clock limit), but "
+                             f"got {time_budget_s}.")
         self.problem = problem
         self.max_evaluations, self.time_budget_s = int(max_evaluations), float(time_budget_s)
         self.used, self.cache_hits, self.max_call_s = 0, 0, 0.0
+        self.timed_out = False          # the wall-clock budget stopped something
         self._key_dtype = np.uint8 if problem.num_devices <= 256 else np.uint16
         self._cache: Dict[bytes, float] = {}
         self._t0 = time.perf_counter()
@@ -337,8 +345,19 @@ class Evaluator:
         """True when one more cost-model call, or ``extra_s`` of other work (one
         generation), would overrun the time budget; headroom for a busy CPU: 50% on the
         estimate and 1% of the budget."""
+        if self.time_budget_s == math.inf:
+            return False
         reserve_s = 1.5 * max(self.max_call_s, extra_s) + 0.01 * self.time_budget_s
-        return self.elapsed_s + reserve_s >= self.time_budget_s
+        if self.elapsed_s + reserve_s >= self.time_budget_s:
+            self.timed_out = True
+            return True
+        return False
+
+    def stop_reason(self) -> str:
+        """Which rule ended the search: "time_budget", "evaluations" or "patience"."""
+        if self.timed_out:
+            return "time_budget"
+        return "evaluations" if self.used >= self.max_evaluations else "patience"
 
     def left(self) -> int:
         """Evaluations still allowed (0 once the time is up, but never before the first

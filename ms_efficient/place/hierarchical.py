@@ -20,6 +20,7 @@ runs (``place.planner.order_finals``) from the same reserve.
 from __future__ import annotations
 
 import logging
+import math
 import zlib
 from dataclasses import dataclass
 from typing import Optional
@@ -48,7 +49,7 @@ class HierarchicalConfig:
 
     seed: int = 0
     max_evaluations: int = 4000
-    time_budget_s: float = 60.0
+    time_budget_s: float = math.inf     # wall-clock seconds; inf = stop on counts only
     batch: int = 16
     groups: int = 0
     lr: float = 0.05
@@ -190,4 +191,4 @@ def hierarchical(problem: PlacementProblem, config: Optional[HierarchicalConfig]
     logger.info("hierarchical %s: %d evaluations (%d samples), %.2f s, best %.6g s",
                 problem.name, ev.used + extra, sampled, ev.elapsed_s, cost)
     return SearchResult("hierarchical", assign, cost, ev.used + extra, ev.elapsed_s, trace,
-                        order=order)
+                        order=order, stopped_by=ev.stop_reason())

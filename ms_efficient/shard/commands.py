@@ -18,6 +18,8 @@ import os
 import time
 from typing import Any, Dict, List
 
+from ms_efficient.core.argtypes import non_negative_float, positive_float
+
 __all__ = ["add_plan_arguments", "run_plan", "add_bench_arguments", "run_bench"]
 
 logger = logging.getLogger(__name__)
@@ -31,7 +33,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                                        "graphs: default 1x8)")
     parser.add_argument("--cluster", help="graphs: cluster preset (default: the smallest "
                                           "Ascend 910B preset with the mesh's devices)")
-    parser.add_argument("--comm-ratio", type=float, default=1.2,
+    parser.add_argument("--comm-ratio", type=non_negative_float, default=1.2,
                         help="graphs: communication budget as a multiple of Megatron-TP's on "
                              "the same graph (0 = unconstrained; default 1.2)")
     parser.add_argument("--out", default="shard_plan.yaml", help="plan YAML to write")
@@ -138,7 +140,7 @@ def run_plan(args: argparse.Namespace) -> int:
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer workloads (< 1 minute)")
     parser.add_argument("--json", required=True, help="write the result rows here")
-    parser.add_argument("--budget-ratio", type=float, default=1.2,
+    parser.add_argument("--budget-ratio", type=positive_float, default=1.2,
                         help="ILP communication budget relative to megatron-tp (default 1.2)")
     parser.add_argument("--tie", default="binary", choices=("layer", "binary", "none"),
                         help="how repeated layers share strategies in the ILP (default "

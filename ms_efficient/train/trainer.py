@@ -3,16 +3,19 @@ metrics, the routing trace and the report.
 
 Run folder layout (``out_dir``)::
 
+    run.lock           held while a process trains in the folder (train/checkpoint.py)
     config.yaml        resolved config of the run
     metrics.jsonl      one JSON object per line: {"kind": "train"|"val", "step", ...}
-    ckpt/step_N.ckpt   network + optimizer state (the last two are kept)
-    state.json         {"step": N, "checkpoint": "ckpt/step_N.ckpt"}: what --resume reads
+    ckpt/step_N.ckpt   network + optimizer state (the two of the highest steps are kept)
+    state.json         {"step": N, "checkpoint": "ckpt/step_N.ckpt", "sha256", "checkpoints":
+                       [records with checksums]}: what --resume reads and verifies
     trace.npz          routing trace counts[step, layer, src_rank, expert] (moe/trace.py)
     report.md, *.png   written by ms_efficient.train.report at the end
 
 Checkpoint, trace and state are written atomically every ``train.save_every`` steps, so a run
 killed with SIGKILL loses at most that many steps and resumes from the checkpointed state (restored
-bit for bit) on the same data.
+bit for bit) on the same data. A new run refuses a folder that holds files (``overwrite``
+clears them); --resume falls back to the newest checkpoint that matches its checksum.
 """
 from __future__ import annotations
 
@@ -30,14 +33,16 @@ from mindspore import Tensor, nn, ops
 
 from ms_efficient.core import backend
 from ms_efficient.core.config import RunConfig, history_trace_path, load_config, save_config
-from ms_efficient.core.fileio import atomic_write_text, atomic_write_with
+from ms_efficient.core.fileio import atomic_write_text
 from ms_efficient.efficientmoe.planner import (ReplanLoop, RoutingSampler, capacities_LE,
                                                one_device_counts, one_device_planner,
                                                single_device_plans)
 from ms_efficient.models.gpt_moe import build_model
 from ms_efficient.moe.layer import ROUTING_COUNTS, MoEFeedForward
 from ms_efficient.moe.trace import load_trace, save_trace
+from ms_efficient.train import checkpoint as run_ckpt
 from ms_efficient.train.data import Corpus, load_corpus
+from ms_efficient.train.footprint import check_fits_machine
 
 __all__ = ["Trainer", "TrainResult", "lr_schedule", "train"]
 
@@ -69,12 +74,17 @@ class TrainResult:
 
 
 class Trainer:
-    """Trains ``GPTMoE`` per ``cfg`` into ``out_dir``; ``resume=True`` continues from state.json."""
+    """Trains ``GPTMoE`` per ``cfg`` into ``out_dir``; ``resume=True`` continues from state.json;
+    ``overwrite=True`` replaces an earlier run in ``out_dir`` (else a non-empty folder is
+    refused)."""
 
-    def __init__(self, cfg: RunConfig, out_dir: str, resume: bool = False):
+    def __init__(self, cfg: RunConfig, out_dir: str, resume: bool = False,
+                 overwrite: bool = False):
         self.cfg = cfg
         self.out_dir = out_dir
         self.resume = resume
+        self.overwrite = overwrite
+        check_fits_machine(cfg)                   # before any tensor is allocated
         ms.set_context(mode=getattr(ms, cfg.context.mode))
         backend.use_device(cfg.context.device_target)
         ms.set_seed(cfg.context.seed)
@@ -226,20 +236,16 @@ class Trainer:
         return out
 
     def save(self) -> None:
-        """Checkpoint, trace, metrics and state, each written atomically; state.json last."""
-        ckpt_dir = os.path.join(self.out_dir, "ckpt")
-        rel = os.path.join("ckpt", f"step_{self.step:06d}.ckpt")
+        """Checkpoint (fsynced, checksummed), trace, metrics and state, each written atomically;
+        state.json last, then the checkpoints of all but the two highest steps are pruned."""
         tensors = self._state_tensors()
-        atomic_write_with(os.path.join(self.out_dir, rel),
-                          lambda tmp: ms.save_checkpoint(tensors, tmp), suffix=".ckpt")
+        record = run_ckpt.save_checkpoint(self.out_dir, self.step,
+                                          lambda tmp: ms.save_checkpoint(tensors, tmp))
+        record["capacities"] = self.capacities().tolist()
         self._save_trace()
         self._save_metrics()
-        atomic_write_text(os.path.join(self.out_dir, "state.json"), json.dumps(
-            {"step": self.step, "checkpoint": rel,
-             "capacities": self.capacities().tolist()}) + "\n")
-        keep = sorted(f for f in os.listdir(ckpt_dir) if f.startswith("step_"))[:-2]
-        for name in keep:
-            os.unlink(os.path.join(ckpt_dir, name))
+        run_ckpt.commit_state(self.out_dir, record,
+                              {"capacities": record["capacities"]}, keep=2)
 
     def _save_trace(self) -> None:
         if not len(self.sampler):
@@ -260,12 +266,15 @@ class Trainer:
         keep_step=False leaves the optimizer's step counter at 0, so a new run (a benchmark
         arm, a fine-tune) starts its own learning-rate schedule from trained weights.
         Returns the run's state.json.
+
+        The checkpoint is verified against its checksum; a bad latest one gives way to the
+        newest good one (the returned state then names that one: its ``step``,
+        ``checkpoint`` and ``capacities``).
         """
-        state_path = os.path.join(run_dir, "state.json")
-        if not os.path.isfile(state_path):
-            raise ValueError(f"'{run_dir}' has no state.json: not a run folder to load from.")
-        with open(state_path, encoding="utf-8") as fh:
-            state = json.load(fh)
+        state = run_ckpt.read_state(run_dir)
+        record, _ = run_ckpt.verified_latest(run_dir, state)
+        state = dict(state, step=int(record["step"]), checkpoint=record["path"],
+                     **({"capacities": record["capacities"]} if "capacities" in record else {}))
         params = ms.load_checkpoint(os.path.join(run_dir, state["checkpoint"]))
         # The learning-rate table is rebuilt from the config (--steps may have changed it).
         skip = {"learning_rate"} if keep_step else {"learning_rate", "global_step"}
@@ -315,11 +324,17 @@ class Trainer:
 
     def run(self) -> TrainResult:
         """Train until ``train.steps``; returns the run's figures."""
+        with run_ckpt.acquire_lock(self.out_dir):
+            run_ckpt.clean_temporaries(self.out_dir)
+            if self.resume:
+                self._restore()
+            else:
+                run_ckpt.check_fresh(self.out_dir, self.overwrite)
+            return self._run()
+
+    def _run(self) -> TrainResult:
         tr, mc = self.cfg.train, self.cfg.model
         total = tr.steps
-        os.makedirs(self.out_dir, exist_ok=True)
-        if self.resume:
-            self._restore()
         save_config(self.cfg, os.path.join(self.out_dir, "config.yaml"))
         if self.step == 0:
             self._maybe_replan()          # plans from efficientmoe.history before compiling
@@ -403,10 +418,13 @@ def _fmt_eta(seconds: float) -> str:
 
 
 def train(config_path: str, out_dir: Optional[str] = None, steps: Optional[int] = None,
-          resume: Optional[str] = None, overrides: Optional[Dict] = None) -> TrainResult:
+          resume: Optional[str] = None, overrides: Optional[Dict] = None,
+          overwrite: bool = False) -> TrainResult:
     """Train from a config file (or resume the run folder ``resume``) and write the report.
 
     overrides: dotted config keys to set, e.g. ``{"efficientmoe.enabled": True}``.
+    overwrite: replace an earlier run in the output folder (else a non-empty one is refused).
+    The folder is locked and checked before the model is built.
     """
     from ms_efficient.train.report import write_report
 
@@ -414,13 +432,18 @@ def train(config_path: str, out_dir: Optional[str] = None, steps: Optional[int] 
     if steps is not None:
         overrides["train.steps"] = steps
     if resume:
-        cfg = load_config(os.path.join(resume, "config.yaml"), overrides)
+        config_path = os.path.join(resume, "config.yaml")
+        cfg = load_config(config_path, overrides)
         out = resume
     else:
         if out_dir:
             overrides["train.out_dir"] = out_dir
         cfg = load_config(config_path, overrides)
         out = cfg.train.out_dir
-    result = Trainer(cfg, out, resume=bool(resume)).run()
-    write_report(out)
+    check_fits_machine(cfg, config_path)
+    if not resume and not overwrite:
+        run_ckpt.check_fresh(out)             # refuse before any work (checked again locked)
+    with run_ckpt.acquire_lock(out):
+        result = Trainer(cfg, out, resume=bool(resume), overwrite=overwrite).run()
+        write_report(out)
     return result
