@@ -109,6 +109,10 @@ class ClusterSpec:
         unit multiplies 16 x 16 fp16 fractals (Liao et al., "Ascend: a Scalable and Unified
         Architecture for Ubiquitous Deep Neural Network Computing", HPCA 2021, sec. 3), so
         16 by default; 1 models no tile loss.
+    hbm_bandwidth_Bps: device memory bandwidth, bytes/s, or None (no limit): a kernel that
+        moves B bytes takes at least B / hbm_bandwidth_Bps (:meth:`memory_time_s`), the
+        roofline's memory side; the MoE cost model charges each expert GEMM the larger of
+        its compute and memory times.
     """
 
     name: str
@@ -121,6 +125,7 @@ class ClusterSpec:
     host_link: Link
     compute_efficiency: float = 1.0
     matmul_tile_rows: int = 16
+    hbm_bandwidth_Bps: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -144,6 +149,17 @@ class ClusterSpec:
         tile = self.matmul_tile_rows
         if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
             _fail("matmul_tile_rows", tile, "a positive integer")
+        hbm = self.hbm_bandwidth_Bps
+        if hbm is not None and (isinstance(hbm, bool) or not isinstance(hbm, (int, float))
+                                or not 0 < hbm < math.inf):
+            _fail("hbm_bandwidth_Bps", hbm, "a positive finite number of bytes/s or null")
+
+    def memory_time_s(self, nbytes) -> Any:
+        """Seconds to move ``nbytes`` (a number or an array) through device memory:
+        nbytes / hbm_bandwidth_Bps, 0 without a bandwidth."""
+        if self.hbm_bandwidth_Bps is None:
+            return np.zeros_like(np.asarray(nbytes, dtype=np.float64))
+        return np.asarray(nbytes, dtype=np.float64) / self.hbm_bandwidth_Bps
 
     def tiled_rows(self, rows):
         """Rows a matmul over ``rows`` (an int or an int array) computes:
@@ -255,8 +271,8 @@ class ClusterSpec:
         mappings (``peak_flops``, ``*_link``) update the preset's entries key by key, so
         ``{preset: ascend910b-1x8, inter_link: {bandwidth_Bps: 12.5e9}}`` keeps the latency.
         The preset's ``name`` is kept unless ``name`` is given.
-        Without ``preset`` every field except ``compute_efficiency`` and
-        ``matmul_tile_rows`` is required.
+        Without ``preset`` every field except ``compute_efficiency``, ``matmul_tile_rows``
+        and ``hbm_bandwidth_Bps`` is required.
         """
         if not isinstance(d, Mapping):
             raise ValueError(f"cluster config must be a mapping, but got {d!r}.")
@@ -286,7 +302,8 @@ class ClusterSpec:
                 value = {k: _as_number(f"{key}.{k}", v) for k, v in value.items()}
             if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
                 value = {**merged[key], **value}
-            elif key in ("device_memory_bytes", "compute_efficiency"):
+            elif key in ("device_memory_bytes", "compute_efficiency") or (
+                    key == "hbm_bandwidth_Bps" and value is not None):
                 value = _as_number(key, value)
             merged[key] = value
         for key in _LINK_FIELDS:
@@ -367,6 +384,16 @@ def _ascend910b(nodes: int) -> ClusterSpec:
         # PCIe 4.0 x16 to the Kunpeng 920 host: 16 GT/s x 16 lanes x 128/130 / 8 = 31.5 GB/s
         # per direction (PCI-SIG PCIe 4.0 base spec), line rate; alpha ~10 us per DMA (approx.).
         host_link=Link(latency_s=10e-6, bandwidth_Bps=31.5e9),
+        # What a real MoE training run reaches on 910B-class NPUs: Pangu Ultra MoE (718B
+        # parameters, 6K Ascend NPUs) reports an MFU of 30.0% (Pangu Team, "Pangu Ultra
+        # MoE: How to Train Your Big MoE on Ascend NPUs", arXiv 2505.04519, 2025, abstract).
+        # MFU counts the whole step, communication stalls included, so charging every
+        # kernel at 30% of peak over-charges compute; that shrinks the All-to-All's share
+        # of a step, which works against a planner whose gains are in the All-to-All.
+        compute_efficiency=0.30,
+        # HBM2e per 910B: ~1.6 TB/s (approx., public material; the 910's HBM2 gives
+        # 1.2 TB/s). Only the memory side of the expert GEMMs' roofline reads it.
+        hbm_bandwidth_Bps=1.6e12,
     )
 
 

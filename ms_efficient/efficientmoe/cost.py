@@ -20,7 +20,8 @@ For a layer with plan ``plan`` (:class:`ms_efficient.moe.plan.ExpertPlan`) and r
                     equal-split AlltoAll of a [W, C_send, H] buffer, as GShard, whose blocks
                     are all equal anyway)
     A2A       = max over devices of the per-link send/receive time (uneven all-to-all)
-    compute_d = compute_passes * rows_d * 4 H F / (peak FLOP/s * efficiency)
+    compute_d = max(compute_passes * rows_d * 4 H F / (peak FLOP/s * efficiency),
+                    compute_passes * bytes its GEMMs move / HBM bandwidth)  (compute_time_D)
     sync_d    = all-reduce of an expert's gradients among its replicas' devices
 
 rows_d sums the device's slots' rows, each rounded up to the matrix unit's tile
@@ -49,6 +50,7 @@ from ms_efficient.moe.split import source_rows, split_tokens, static_assignments
 from ms_efficient.sim import Simulator
 
 __all__ = ["CostModel", "LayerCost", "uneven_alltoall_time_s", "device_matrix", "computed_rows_D",
+           "compute_time_D",
            "check_rank_device", "count_exchange_time_s", "layer_cost", "event_step_time_s"]
 
 _DTYPE_BYTES = {"fp16": 2, "bf16": 2, "float16": 2, "bfloat16": 2, "fp32": 4, "float32": 4}
@@ -245,6 +247,25 @@ def computed_rows_D(plan: ExpertPlan, assigned_RS: np.ndarray, model: CostModel)
                        minlength=model.cluster.num_devices).astype(np.float64)
 
 
+def compute_time_D(plan: ExpertPlan, assigned_RS: np.ndarray, model: CostModel) -> np.ndarray:
+    """Seconds of expert compute every device spends in one training step (forward and
+    backward), float64 [D]: the roofline of its slots' GEMMs, the larger of
+      compute: computed rows (:func:`computed_rows_D`) x ``model.row_time_s`` and
+      memory:  compute_passes x the bytes its FFN GEMMs move, per slot with m > 0 computed
+               rows 2 (m (H + F) + H F) dtype bytes (two GEMMs, each reading its input and
+               weight and writing its output), over ``cluster.hbm_bandwidth_Bps``.
+    A slot that computes no row (a grouped slot with no token) reads no weight."""
+    rows_S = (model.cluster.tiled_rows(assigned_RS.sum(axis=0)) if plan.dispatch == "grouped"
+              else model.cluster.tiled_rows(plan.slot_capacity)).astype(np.float64)
+    h, f = model.hidden, model.ffn_hidden
+    bytes_S = np.where(rows_S > 0, 2.0 * (rows_S * (h + f) + h * f) * model.dtype_bytes, 0.0)
+    num_devices = model.cluster.num_devices
+    flops_D = computed_rows_D(plan, assigned_RS, model) * model.row_time_s
+    bytes_D = np.bincount(plan.slot_device, weights=bytes_S, minlength=num_devices)
+    memory_D = model.cluster.memory_time_s(model.compute_passes * bytes_D)
+    return np.maximum(flops_D, memory_D)
+
+
 def layer_cost(plan: ExpertPlan, counts_RE: np.ndarray, model: CostModel,
                rank_device: Optional[Sequence[int]] = None) -> LayerCost:
     """Analytic cost of one training step of one MoE layer under ``plan`` (module docstring).
@@ -261,7 +282,7 @@ def layer_cost(plan: ExpertPlan, counts_RE: np.ndarray, model: CostModel,
     a2a = model.a2a_passes * uneven_alltoall_time_s(sent_DD * model.bytes_per_token, cluster)
     # Step 2: expert compute (padded capacities, or grouped kept rows), replica gradient sync
     rows_D = computed_rows_D(plan, assigned_RS, model)
-    compute = float(rows_D.max()) * model.row_time_s
+    compute = float(compute_time_D(plan, assigned_RS, model).max())
     sync = float(_sync_time_D(plan, counts_RE.shape[1], model).max())
     tokens_D = np.bincount(plan.slot_device, weights=assigned_RS.sum(axis=0),
                            minlength=num_devices)
@@ -290,7 +311,7 @@ def event_step_time_s(plan: ExpertPlan, counts_RE: np.ndarray, model: CostModel,
     assigned_RS, _, sent_DD, exchange = _dispatch(plan, counts, model, rd)
     bytes_DD = sent_DD * model.bytes_per_token
     num_devices = cluster.num_devices
-    rows_D = computed_rows_D(plan, assigned_RS, model)
+    compute_D = compute_time_D(plan, assigned_RS, model)
     sim = Simulator()
     prev: List[int] = []
 
@@ -312,7 +333,7 @@ def event_step_time_s(plan: ExpertPlan, counts_RE: np.ndarray, model: CostModel,
 
     def compute(tag: str, passes: float) -> List[int]:
         return [sim.add_task(f"{tag}.dev{d}", f"dev{d}.compute",
-                             rows_D[d] * passes * model.row_time_s / model.compute_passes,
+                             compute_D[d] * passes / model.compute_passes,
                              deps=prev) for d in range(num_devices)]
 
     def counts_exchange() -> List[int]:
