@@ -16,14 +16,20 @@ source rank, expert]):
        the history holds (the offline dropless baseline's rule on the rows seen so far);
     3. every other layer: replication + placement + per-rank, per-slot capacities
        (:func:`placement.plan_layer`), optionally raised to ``capacity_levels`` distinct
-       values per device (:func:`quantize_levels`, fewer batched matmuls);
+       values per device (:func:`levels.quantize_levels`, fewer batched matmuls);
     4. lifetimes of ``horizon_multiples`` check intervals are sized and the least amortised
        one is kept (:func:`schedule.choose_horizon`);
     5. adopted only when it pays for migration + recompilation over its lifetime, or when the
        current plan is predicted or observed to drop more than ``max_drop_rate``
        (:func:`schedule.decide_replan`).
-:class:`ReplanLoop` says when to check: the first plan (free: before the first compile),
-then every ``check_rows`` rows, and as soon as the drop monitor fires.
+
+Its neighbours, one concept each: :mod:`~ms_efficient.efficientmoe.sampler` records the
+history, :mod:`~ms_efficient.efficientmoe.forecaster` forecasts it (step 1),
+:mod:`~ms_efficient.efficientmoe.levels` quantizes capacities (step 3),
+:mod:`~ms_efficient.efficientmoe.schedule` prices a re-plan (steps 4-5) and
+:class:`~ms_efficient.efficientmoe.replan_loop.ReplanLoop` says when to check: the first plan
+(free: before the first compile), then every ``check_rows`` rows, and as soon as the drop
+monitor fires.
 
 No MindSpore here: the trainer and the callback turn a one-device plan into
 ``MoEFeedForward.set_capacities`` (:func:`capacities_LE`) and recompile.
@@ -39,102 +45,20 @@ import numpy as np
 
 from ms_efficient.efficientmoe.capacity import expected_expert_drop_rate, expected_pair_drop_rate
 from ms_efficient.efficientmoe.cost import CostModel, check_rank_device, layer_cost
+from ms_efficient.efficientmoe.forecaster import Forecaster
+from ms_efficient.efficientmoe.levels import quantize_levels
 from ms_efficient.efficientmoe.placement import (PlacementConfig, default_slots_per_device,
                                                  device_bound, plan_layer)
-from ms_efficient.efficientmoe.predictor import (PREDICTOR_NAMES, PerRank, get_predictor,
-                                                 predict_counts, relative_residuals)
-from ms_efficient.efficientmoe.schedule import (DropMonitor, ReplanCosts, ReplanDecision,
-                                                choose_horizon, decide_replan,
-                                                migration_time_s, recompiles)
+from ms_efficient.efficientmoe.predictor import PREDICTOR_NAMES
+from ms_efficient.efficientmoe.schedule import (ReplanCosts, ReplanDecision, choose_horizon,
+                                                decide_replan, migration_time_s, recompiles)
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import source_rows
-from ms_efficient.moe.trace import RoutingTrace
 
-__all__ = ["RoutingSampler", "quantize_levels", "PlannerConfig", "Forecaster", "Proposal",
-           "EfficientMoEPlanner", "ReplanLoop", "single_device_plans", "capacities_LE",
-           "planner_config", "one_device_planner", "one_device_counts"]
+__all__ = ["PlannerConfig", "Proposal", "EfficientMoEPlanner", "single_device_plans",
+           "capacities_LE", "planner_config", "one_device_planner", "one_device_counts"]
 
 logger = logging.getLogger(__name__)
-
-
-class RoutingSampler:
-    """Per-step routing counts, the input of every MoE planner.
-
-    ``record(counts_LRE)`` appends one step (int [layer, src_rank, expert], tokens sent by each
-    source rank to each expert, top-k counted k times); ``trace()`` returns the history in the
-    routing-trace format. Recording is one small host copy per step: the trainer reports its
-    measured cost as ``sampler_overhead_s``.
-    """
-
-    def __init__(self) -> None:
-        self._rows: List[np.ndarray] = []
-
-    def record(self, counts_LRE: np.ndarray) -> None:
-        counts = np.asarray(counts_LRE, dtype=np.int64)
-        if counts.ndim != 3:
-            raise ValueError(f"counts must be [layer, src_rank, expert], but got shape "
-                             f"{counts.shape}.")
-        if self._rows and counts.shape != self._rows[0].shape:
-            raise ValueError(f"counts shape changed from {self._rows[0].shape} to "
-                             f"{counts.shape}.")
-        self._rows.append(counts)
-
-    def truncate(self, steps: int) -> None:
-        """Keep the first ``steps`` rows (used when a run resumes from a checkpoint)."""
-        del self._rows[steps:]
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def counts(self) -> np.ndarray:
-        """int64 [step, layer, src_rank, expert]."""
-        return np.stack(self._rows)
-
-    def expert_load(self) -> np.ndarray:
-        """int64 [step, layer, expert], tokens per expert summed over source ranks."""
-        return self.counts().sum(axis=2)
-
-    def trace(self, **meta) -> RoutingTrace:
-        return RoutingTrace(counts=self.counts(), steps=np.arange(1, len(self) + 1), **meta)
-
-
-def quantize_levels(capacity_E: np.ndarray, levels: int) -> np.ndarray:
-    """Raise capacities to at most ``levels`` distinct values with the fewest added rows.
-
-    Experts of equal capacity run as one batched matmul (``MoEFeedForward`` groups them), so
-    few distinct values mean few kernels. Sorted descending, the values split into ``levels``
-    contiguous groups, each raised to its largest member; dynamic programming over the split
-    points gives the minimum total (O(E^2 * levels)). Only raises, so it never adds drops.
-
-    capacity_E: int [E] >= 1. Returns int64 [E].
-    """
-    caps = np.asarray(capacity_E, dtype=np.int64)
-    if levels < 1:
-        raise ValueError(f"'levels' must be a positive integer, but got {levels}.")
-    order = np.argsort(-caps, kind="stable")
-    v = caps[order]                                            # descending
-    n = len(v)
-    levels = min(levels, len(np.unique(v)))
-    # best[g][i]: fewest rows covering v[:i] with g groups; a group v[j:i] costs v[j] * (i - j)
-    inf = np.iinfo(np.int64).max // 4
-    best = np.full((levels + 1, n + 1), inf, dtype=np.int64)
-    cut = np.zeros((levels + 1, n + 1), dtype=np.int64)
-    best[0, 0] = 0
-    for g in range(1, levels + 1):
-        for i in range(1, n + 1):
-            for j in range(g - 1, i):
-                cost = best[g - 1, j] + v[j] * (i - j)
-                if cost < best[g, i]:
-                    best[g, i], cut[g, i] = cost, j
-    out_sorted = np.empty(n, dtype=np.int64)
-    i, g = n, levels
-    while g > 0:
-        j = cut[g, i]
-        out_sorted[j:i] = v[j]
-        i, g = j, g - 1
-    out = np.empty(n, dtype=np.int64)
-    out[order] = out_sorted
-    return out
 
 
 @dataclass(frozen=True)
@@ -201,32 +125,6 @@ class PlannerConfig:
             if not ok:
                 raise ValueError(f"planner '{name}' must be {allowed}, but got "
                                  f"{getattr(self, name)!r}.")
-
-
-class Forecaster:
-    """The forecast a plan is sized from: next-row per-rank counts and their relative errors.
-
-    Replaced by a foresight object in the replay's oracle-static method (same interface)."""
-
-    def __init__(self, predictor_name: str, residual_window: int):
-        self.predictor = get_predictor(predictor_name)
-        self.residual_window = residual_window
-
-    def forecast(self, counts_TLRE: np.ndarray, horizon_rows: int):
-        """(predicted counts float64 [L, R, E], relative errors [K, L, R, E] of per-rank
-        forecasts over the next ``horizon_rows`` rows)."""
-        counts = np.asarray(counts_TLRE)
-        pred = predict_counts(counts, self.predictor)
-        steps, layers, ranks, experts = counts.shape
-        rel = relative_residuals(counts.reshape(steps, layers, ranks * experts),
-                                 PerRank(self.predictor, ranks), self.residual_window,
-                                 horizon_rows)
-        return pred, rel.reshape(-1, layers, ranks, experts)
-
-    def one_step_errors(self, counts_TLRE: np.ndarray) -> np.ndarray:
-        """Relative one-step errors of the expert totals, [K, L, E] (K = 0: none yet)."""
-        load = np.asarray(counts_TLRE).sum(axis=2)
-        return relative_residuals(load, self.predictor, self.residual_window, 1)
 
 
 @dataclass
@@ -456,44 +354,6 @@ class EfficientMoEPlanner:
             rows = float(cost.rows_D.sum())
             out.append((rows - cost.assigned) / rows if rows else 0.0)
         return np.array(out)
-
-
-class ReplanLoop:
-    """When the planner is asked: the first plan (free, nothing compiled yet), then a check
-    every ``check_rows`` rows after it, and as soon as the drop monitor fires (the current
-    plan dropped more than ``max_drop_rate`` of the tokens over >= ``monitor_rows`` rows)."""
-
-    def __init__(self, planner: EfficientMoEPlanner, monitor_rows: int):
-        self.planner = planner
-        self.monitor = DropMonitor(max(1, monitor_rows), planner.config.max_drop_rate)
-        self.first_row: Optional[int] = None
-
-    def observe(self, dropped, routed) -> None:
-        """Drops the current plan had on one row: per layer (int [L]) or summed."""
-        self.monitor.record(dropped, routed)
-
-    def poll(self, row: int, counts_TLRE: np.ndarray, current: Optional[Sequence[ExpertPlan]],
-             compiled: bool = True, forecaster: Optional[Forecaster] = None,
-             max_horizon_steps: Optional[int] = None
-             ) -> Optional[Tuple[Optional[ReplanDecision], Proposal]]:
-        """At ``row`` (before it runs): None when no check is due; else (decision, candidate),
-        decision None for a first plan (``current`` None or not ``compiled``), which is
-        adopted as is. The first poll of a network already compiled with ``current`` (e.g.
-        after warm-up steps at a static capacity) checks at once."""
-        first = self.first_row is None
-        if first or current is None or not compiled:
-            self.first_row = row
-        if current is None or not compiled:
-            self.monitor.reset()
-            return None, self.planner.propose(counts_TLRE, None, forecaster, max_horizon_steps)
-        fired = self.monitor.fired()
-        due = first or (row - self.first_row) % self.planner.check_rows == 0
-        if not (due or fired):
-            return None
-        observed = self.monitor.rate() if fired else None
-        self.monitor.reset()
-        return self.planner.check(counts_TLRE, current, observed, forecaster,
-                                  max_horizon_steps)
 
 
 def single_device_plans(capacity_LE: np.ndarray, top_k: Optional[int] = None,

@@ -80,9 +80,10 @@ import numpy as np
 from ms_efficient.core.cluster import PRESETS, ClusterSpec, get_cluster
 from ms_efficient.efficientmoe import baselines
 from ms_efficient.efficientmoe.cost import CostModel, layer_cost
-from ms_efficient.efficientmoe.planner import (EfficientMoEPlanner, Forecaster, PlannerConfig,
-                                               ReplanLoop)
+from ms_efficient.efficientmoe.forecaster import Forecaster
+from ms_efficient.efficientmoe.planner import EfficientMoEPlanner, PlannerConfig
 from ms_efficient.efficientmoe.predictor import FLOOR_FRACTION, error_floor
+from ms_efficient.efficientmoe.replan_loop import ReplanLoop
 from ms_efficient.efficientmoe.schedule import (DropMonitor, ReplanDecision, decide_replan,
                                                 migration_time_s, plans_equal)
 from ms_efficient.moe.plan import ExpertPlan
