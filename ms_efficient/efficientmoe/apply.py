@@ -168,7 +168,7 @@ class EfficientMoECallback(RoutingTraceCallback):
         first = self.layers[0]
         return one_device_planner(self.cfg, self.cluster, int(first.hidden_size),
                                   int(first.w1.shape[2]), int(first.num_experts),
-                                  int(first.top_k), tokens)
+                                  int(first.top_k), tokens, len(self.layers))
 
     def on_train_step_end(self, run_context) -> None:
         super().on_train_step_end(run_context)
@@ -243,7 +243,7 @@ def efficientmoe_pass(network: nn.Cell, context) -> tuple:
     tokens = int(load[-1, 0].sum()) // int(first.top_k)
     cluster = context.config.cluster_spec()
     planner = one_device_planner(em, cluster, int(first.hidden_size), int(first.w1.shape[2]),
-                                 int(first.num_experts), int(first.top_k), tokens)
+                                 int(first.num_experts), int(first.top_k), tokens, len(layers))
     cand = planner.propose(one_device_counts(load))
     caps_LE = capacities_LE(cand.plans, want[1])
     current = np.array([c.capacities for _, c in layers], np.int64)

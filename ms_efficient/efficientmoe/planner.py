@@ -51,7 +51,8 @@ from ms_efficient.efficientmoe.placement import (PlacementConfig, default_slots_
                                                  device_bound, plan_layer)
 from ms_efficient.efficientmoe.predictor import PREDICTOR_NAMES
 from ms_efficient.efficientmoe.schedule import (ReplanCosts, ReplanDecision, choose_horizon,
-                                                decide_replan, migration_time_s, recompiles)
+                                                decide_replan, migration_time_s,
+                                                recompile_time_s, recompiles)
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import source_rows
 
@@ -80,8 +81,9 @@ class PlannerConfig:
     horizon_multiples: plan lifetimes considered, in check intervals.
     capacity_levels: at most this many distinct capacities per device (None: no limit);
         equal capacities run as one batched matmul in ``MoEFeedForward``.
-    recompile_s, bytes_per_param, max_drop_rate, optimizer_states: see
-        :class:`schedule.ReplanCosts`.
+    recompile_s: seconds one recompilation costs (None: :func:`schedule.recompile_time_s` of
+        the planner's ``num_layers``, the measured model; a value overrides it).
+    bytes_per_param, max_drop_rate, optimizer_states: see :class:`schedule.ReplanCosts`.
     dispatch: "static" (per-rank, per-slot capacities, padded) or "grouped" (padding-free
         grouped expert compute over one row buffer per device; the capacity model sizes the
         buffers, ``capacity_levels`` does not apply).
@@ -98,7 +100,7 @@ class PlannerConfig:
     max_forecast_error: float = 0.75
     horizon_multiples: Tuple[int, ...] = (1, 2, 4, 8)
     capacity_levels: Optional[int] = None
-    recompile_s: float = 1.2
+    recompile_s: Optional[float] = None
     bytes_per_param: float = 4.0
     max_drop_rate: Optional[float] = 0.01
     dispatch: str = "static"
@@ -117,7 +119,8 @@ class PlannerConfig:
              and all(int(m) >= 1 for m in self.horizon_multiples), "positive integers"),
             ("capacity_levels", self.capacity_levels is None or self.capacity_levels >= 1,
              "None or >= 1"),
-            ("recompile_s", self.recompile_s >= 0, ">= 0"),
+            ("recompile_s", self.recompile_s is None or self.recompile_s >= 0,
+             "None or >= 0"),
             ("optimizer_states", self.optimizer_states >= 0, ">= 0"),
             ("dispatch", self.dispatch in ("static", "grouped"), "'static' or 'grouped'"),
         ]
@@ -151,11 +154,15 @@ class EfficientMoEPlanner:
         (before top-k; None: unknown, then no dropless fallback).
     check_rows: trace rows between periodic checks (a plan lives >= this long).
     stride: training steps per trace row (1 when every step is sampled).
+    num_layers: MoE layers of the network whose recompile a re-plan pays, sizing the default
+        recompile cost (:func:`schedule.recompile_time_s`; None: 1, the figure the replay
+        charges every method alike).
     """
 
     def __init__(self, config: PlannerConfig, model: CostModel, num_experts: int,
                  rank_device: Optional[Sequence[int]] = None, top_k: Optional[int] = None,
-                 tokens_per_step: Optional[int] = None, check_rows: int = 1, stride: int = 1):
+                 tokens_per_step: Optional[int] = None, check_rows: int = 1, stride: int = 1,
+                 num_layers: Optional[int] = None):
         if check_rows < 1 or stride < 1:
             raise ValueError(f"'check_rows' and 'stride' must be >= 1, but got {check_rows} "
                              f"and {stride}.")
@@ -170,7 +177,8 @@ class EfficientMoEPlanner:
                                          dispatch=config.dispatch,
                                          buffer_drop_target=config.buffer_drop_target)
         self.check_rows, self.stride = check_rows, stride
-        self.costs = ReplanCosts(config.recompile_s, config.bytes_per_param,
+        self.costs = ReplanCosts(recompile_time_s(num_layers or 1, config.recompile_s),
+                                 config.bytes_per_param,
                                  check_rows * stride, config.max_drop_rate,
                                  config.optimizer_states)
         self.forecaster = Forecaster(config.predictor, config.residual_window)
@@ -383,14 +391,17 @@ def planner_config(em) -> PlannerConfig:
 
 
 def one_device_planner(em, cluster, hidden: int, ffn_hidden: int, num_experts: int,
-                       top_k: int, tokens_per_step: int) -> EfficientMoEPlanner:
+                       top_k: int, tokens_per_step: int,
+                       num_layers: Optional[int] = None) -> EfficientMoEPlanner:
     """The planner of a network whose MoE layers run on one device (the trainer, the
     callback and the pass): every expert one slot on device 0, capacities only, scored on
     ``cluster`` (a ClusterSpec; fp32, as MindSpore's CPU kernels compute); a check every
-    ``em.replan_every`` steps."""
+    ``em.replan_every`` steps. num_layers: the network's MoE layers, which size the default
+    recompile cost (``em.recompile_cost_s`` unset)."""
     model = CostModel(cluster, hidden, ffn_hidden, "fp32")
     return EfficientMoEPlanner(planner_config(em), model, num_experts, [0], top_k,
-                               tokens_per_step, check_rows=em.replan_every)
+                               tokens_per_step, check_rows=em.replan_every,
+                               num_layers=num_layers)
 
 
 def one_device_counts(load_TLE: np.ndarray) -> np.ndarray:

@@ -144,7 +144,7 @@ class ReplayConfig:
     ffn_hidden: Optional[int] = None
     dtype: str = "bf16"
     predictor: str = "ar-ridge"
-    recompile_s: float = 1.2
+    recompile_s: Optional[float] = None     # None: schedule.recompile_time_s (PlannerConfig)
     max_forecast_error: float = 0.75
     static_blocks: str = "exact"
     sync_replica_grads: bool = True

@@ -106,7 +106,7 @@ class Trainer:
         self.tokens_per_step = tokens
         self.planner = (one_device_planner(em, cfg.cluster_spec(), mc.hidden_size,
                                            mc.ffn_hidden_size, cfg.moe.num_experts,
-                                           cfg.moe.top_k, tokens)
+                                           cfg.moe.top_k, tokens, len(self.moe_layers))
                         if em.enabled else None)
         self.replan_loop = ReplanLoop(self.planner, em.monitor_steps) if self.planner else None
         self.history_LE = self._load_history(tokens) if self.planner else None
