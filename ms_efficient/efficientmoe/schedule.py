@@ -44,11 +44,14 @@ while other jobs kept its load average at 4-6, so it takes each L's least conten
 L = 1, 2, 4, 8 gave minima of 1.13, 1.45, 2.18, 3.39 s over 5 runs (medians 1.53, 1.71, 3.95,
 6.50 s), a line of 0.82 s + 0.32 s * L; a second, busier batch of 3 runs gave 2.05 s + 0.24 s
 * L. The constants take the first fit to one decimal, the per-layer part rounded up (0.8 s +
-0.4 s * L), which gives L = 1 the 1.2 s used before this model (an earlier, quieter measurement of that one layer: 0.84-0.97 s). The
-reference 4-layer GPT-MoE (``configs/gpt_moe_tiny.yaml``: H=256, attention and AdamWeightDecay
-in its graph too) logs 4.5-9.5 s per recompile on this machine against the model's 2.4 s:
-whole blocks cost more than bare MoE layers, so for a real model set the measured figure (the
-trainer logs its first compile as ``compile_s``).
+0.4 s * L), which gives L = 1 the 1.2 s used before this model (an earlier, quieter
+measurement of that one layer: 0.84-0.97 s). The reference 4-layer GPT-MoE
+(``configs/gpt_moe_tiny.yaml``: H=256, attention and AdamWeightDecay in its graph too) logs
+4.5-9.5 s per recompile on this machine against the model's 2.4 s: whole blocks cost more
+than bare MoE layers, so for a real model set the measured figure (the trainer logs its first
+compile as ``compile_s``). Who passes L: the trainer, the ``EfficientMoECallback`` and the
+``efficientmoe`` pass (their networks' MoE layers), ``bench mpipe`` (its workloads' layers);
+the trace replay of ``bench moe`` / ``plan moe`` charges every method L = 1 for now.
 """
 from __future__ import annotations
 
@@ -62,8 +65,9 @@ from ms_efficient.efficientmoe.cost import CostModel, uneven_alltoall_time_s
 from ms_efficient.moe.ep_migration import migration_bytes_WW, plan_migration
 from ms_efficient.moe.plan import ExpertPlan
 
-__all__ = ["RECOMPILE_FIXED_S", "RECOMPILE_PER_LAYER_S", "recompile_time_s", "ReplanCosts", "ReplanDecision", "migration_bytes_DD", "migration_time_s",
-           "plans_equal", "recompiles", "decide_replan", "DropMonitor", "choose_horizon"]
+__all__ = ["RECOMPILE_FIXED_S", "RECOMPILE_PER_LAYER_S", "recompile_time_s", "ReplanCosts",
+           "ReplanDecision", "migration_bytes_DD", "migration_time_s", "plans_equal",
+           "recompiles", "decide_replan", "DropMonitor", "choose_horizon"]
 
 logger = logging.getLogger(__name__)
 

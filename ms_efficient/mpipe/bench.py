@@ -23,8 +23,8 @@ Rows: {"evidence": "simulated", "workload", "method", "layer_time_s" (mean over 
 forward + backward of one layer), "speedup_vs_no_pipeline", "exposed_comm_fraction",
 "chunk_changes", "recompile_s" (seconds: changes x
 :func:`~ms_efficient.efficientmoe.schedule.recompile_time_s` of the workload's layers),
-"memory_bytes" (keep strategy, at the mean chunk count), "chunks_mean"}; reuse rows: {"method": "reuse", "budget_bytes", "chunks", "strategy",
-"layer_time_s", "memory_bytes"}.
+"memory_bytes" (keep strategy, at the mean chunk count), "chunks_mean"}; reuse rows:
+{"method": "reuse", "budget_bytes", "chunks", "strategy", "layer_time_s", "memory_bytes"}.
 """
 from __future__ import annotations
 
