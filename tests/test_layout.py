@@ -154,10 +154,19 @@ def test_each_capability_has_the_common_roles(capability):
     assert {"planner", "bench", "commands"} <= names
 
 
-def test_no_package_folder_holds_more_than_eleven_modules():
+# Modules a package folder may hold (``__init__`` not counted): 11 unless listed. Each
+# capability holds its five roles (planner, baselines, apply/layer, bench, commands) plus one
+# module per planning concept; EfficientMoE has ten concepts (sampler, predictor, forecaster,
+# capacity, levels, cost, placement, schedule, replan_loop, replay), the MoE runtime twelve
+# modules (the README's Architecture section lists both).
+MAX_MODULES = 11
+MAX_MODULES_OF = {"efficientmoe": 15, "moe": 12}
+
+
+def test_no_package_folder_holds_more_modules_than_its_limit():
     for folder in sorted(p for p in PKG.iterdir() if p.is_dir() and p.name != "__pycache__"):
         count = len([p for p in folder.glob("*.py") if p.name != "__init__.py"])
-        assert count <= 11, (folder.name, count)
+        assert count <= MAX_MODULES_OF.get(folder.name, MAX_MODULES), (folder.name, count)
 
 
 def test_builtin_pass_names_match_the_passes_that_register():

@@ -3,9 +3,11 @@ import numpy as np
 import pytest
 
 from ms_efficient.core.config import EfficientMoEConfig, RunConfig
-from ms_efficient.efficientmoe.planner import (ReplanLoop, RoutingSampler, capacities_LE,
-                                               one_device_counts, one_device_planner,
-                                               quantize_levels, single_device_plans)
+from ms_efficient.efficientmoe.levels import quantize_levels
+from ms_efficient.efficientmoe.planner import (capacities_LE, one_device_counts,
+                                               one_device_planner, single_device_plans)
+from ms_efficient.efficientmoe.replan_loop import ReplanLoop
+from ms_efficient.efficientmoe.sampler import RoutingSampler
 
 
 @pytest.mark.parametrize("caps, levels, expected", [
@@ -118,3 +120,18 @@ def test_replan_loop_checks_on_schedule_and_when_drops_are_observed():
     out = loop.poll(5, counts, plans)          # off schedule: the monitor asked
     assert out is not None and not out[0].replan     # nothing better than the current plan
     assert loop.poll(6, counts, plans) is None            # monitor was reset
+
+
+def test_recompile_cost_has_one_home_scaled_to_the_layers_and_a_given_value_wins():
+    from ms_efficient.efficientmoe.schedule import ReplanCosts, recompile_time_s
+
+    # 0.8 s + 0.4 s per MoE layer (schedule's module docstring: measured on this CPU)
+    assert [recompile_time_s(n) for n in (1, 2, 4)] == [1.2, 1.6, 2.4]
+    assert ReplanCosts().recompile_s == recompile_time_s(1)
+    assert recompile_time_s(4, given_s=0.5) == 0.5
+    cfg = EfficientMoEConfig(enabled=True)
+    assert cfg.recompile_cost_s is None
+    planner = one_device_planner(cfg, RunConfig().cluster_spec(), 64, 128, 4, 1, 256,
+                                 num_layers=4)
+    assert planner.costs.recompile_s == 2.4
+    assert _planner(recompile_cost_s=3.0).costs.recompile_s == 3.0

@@ -167,10 +167,12 @@ class EfficientMoEConfig:
     # At most this many distinct capacities per layer: experts of equal capacity share one
     # batched matmul, so fewer levels mean fewer kernels (at the price of a little padding).
     capacity_levels: int = 2
-    # Seconds one recompilation costs, weighed against the compute a new plan saves. A config
-    # value rather than a live measurement so that the same seed gives the same plans; the
-    # trainer logs the measured first-step compile time (`compile_s`) to set it from.
-    recompile_cost_s: float = 2.0
+    # Seconds one recompilation costs, weighed against the compute a new plan saves. Unset
+    # (null): efficientmoe.schedule.recompile_time_s, 0.8 s + 0.4 s per MoE layer (measured for
+    # small CPU layers; see its module docstring). A config value rather than a live
+    # measurement so that the same seed gives the same plans; the trainer logs the measured
+    # first-step compile time (`compile_s`) to set it from.
+    recompile_cost_s: Optional[float] = None
     # A layer whose recent one-step load forecasts erred by more than this (rms, relative) is
     # planned dropless until its loads settle (chosen on held-out traces:
     # scripts/tune_efficientmoe.py).
@@ -201,7 +203,7 @@ class EfficientMoEConfig:
             _fail(f"{path}.predictor", self.predictor, f"one of {list(PREDICTOR_NAMES)}")
         if not 0.0 <= self.drop_target < 1.0:
             _fail(f"{path}.drop_target", self.drop_target, "in [0, 1)")
-        if not 0 <= self.recompile_cost_s < math.inf:
+        if self.recompile_cost_s is not None and not 0 <= self.recompile_cost_s < math.inf:
             _fail(f"{path}.recompile_cost_s", self.recompile_cost_s, "a finite number >= 0")
         if not 0 < self.max_forecast_error < math.inf:
             _fail(f"{path}.max_forecast_error", self.max_forecast_error, "a finite number > 0")

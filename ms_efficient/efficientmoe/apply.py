@@ -24,7 +24,7 @@ several ``Model.train`` calls, the callback keeps numbering steps upwards.
 
 :class:`EfficientMoECallback` is the whole online EfficientMoE for a user's ``Model.train``
 loop: it samples like the trace callback and, from ``warmup_steps`` on, polls the
-:class:`~ms_efficient.efficientmoe.planner.ReplanLoop` and ``EfficientMoEPlanner`` the
+:class:`~ms_efficient.efficientmoe.replan_loop.ReplanLoop` and ``EfficientMoEPlanner`` the
 package's trainer and the trace replay use (a check every ``replan_every`` steps, and as soon
 as the drop monitor fires: each step's drops are each expert's count beyond its capacity,
 exactly the layer's rule). When the planner adopts new per-expert capacities it sets them on
@@ -44,9 +44,11 @@ from mindspore.train import Callback
 from ms_efficient.core import backend
 from ms_efficient.core.config import EfficientMoEConfig, RunConfig, history_trace_path
 from ms_efficient.core.registry import register_pass
-from ms_efficient.efficientmoe.planner import (EfficientMoEPlanner, ReplanLoop, RoutingSampler,
-                                               capacities_LE, one_device_counts,
-                                               one_device_planner, single_device_plans)
+from ms_efficient.efficientmoe.planner import (EfficientMoEPlanner, capacities_LE,
+                                               one_device_counts, one_device_planner,
+                                               single_device_plans)
+from ms_efficient.efficientmoe.replan_loop import ReplanLoop
+from ms_efficient.efficientmoe.sampler import RoutingSampler
 from ms_efficient.moe.layer import ROUTING_COUNTS
 from ms_efficient.moe.trace import RoutingTrace, load_trace, save_trace
 
@@ -166,7 +168,7 @@ class EfficientMoECallback(RoutingTraceCallback):
         first = self.layers[0]
         return one_device_planner(self.cfg, self.cluster, int(first.hidden_size),
                                   int(first.w1.shape[2]), int(first.num_experts),
-                                  int(first.top_k), tokens)
+                                  int(first.top_k), tokens, len(self.layers))
 
     def on_train_step_end(self, run_context) -> None:
         super().on_train_step_end(run_context)
@@ -241,7 +243,7 @@ def efficientmoe_pass(network: nn.Cell, context) -> tuple:
     tokens = int(load[-1, 0].sum()) // int(first.top_k)
     cluster = context.config.cluster_spec()
     planner = one_device_planner(em, cluster, int(first.hidden_size), int(first.w1.shape[2]),
-                                 int(first.num_experts), int(first.top_k), tokens)
+                                 int(first.num_experts), int(first.top_k), tokens, len(layers))
     cand = planner.propose(one_device_counts(load))
     caps_LE = capacities_LE(cand.plans, want[1])
     current = np.array([c.capacities for _, c in layers], np.int64)

@@ -16,14 +16,20 @@ source rank, expert]):
        the history holds (the offline dropless baseline's rule on the rows seen so far);
     3. every other layer: replication + placement + per-rank, per-slot capacities
        (:func:`placement.plan_layer`), optionally raised to ``capacity_levels`` distinct
-       values per device (:func:`quantize_levels`, fewer batched matmuls);
+       values per device (:func:`levels.quantize_levels`, fewer batched matmuls);
     4. lifetimes of ``horizon_multiples`` check intervals are sized and the least amortised
        one is kept (:func:`schedule.choose_horizon`);
     5. adopted only when it pays for migration + recompilation over its lifetime, or when the
        current plan is predicted or observed to drop more than ``max_drop_rate``
        (:func:`schedule.decide_replan`).
-:class:`ReplanLoop` says when to check: the first plan (free: before the first compile),
-then every ``check_rows`` rows, and as soon as the drop monitor fires.
+
+Its neighbours, one concept each: :mod:`~ms_efficient.efficientmoe.sampler` records the
+history, :mod:`~ms_efficient.efficientmoe.forecaster` forecasts it (step 1),
+:mod:`~ms_efficient.efficientmoe.levels` quantizes capacities (step 3),
+:mod:`~ms_efficient.efficientmoe.schedule` prices a re-plan (steps 4-5) and
+:class:`~ms_efficient.efficientmoe.replan_loop.ReplanLoop` says when to check: the first plan
+(free: before the first compile), then every ``check_rows`` rows, and as soon as the drop
+monitor fires.
 
 No MindSpore here: the trainer and the callback turn a one-device plan into
 ``MoEFeedForward.set_capacities`` (:func:`capacities_LE`) and recompile.
@@ -39,102 +45,21 @@ import numpy as np
 
 from ms_efficient.efficientmoe.capacity import expected_expert_drop_rate, expected_pair_drop_rate
 from ms_efficient.efficientmoe.cost import CostModel, check_rank_device, layer_cost
+from ms_efficient.efficientmoe.forecaster import Forecaster
+from ms_efficient.efficientmoe.levels import quantize_levels
 from ms_efficient.efficientmoe.placement import (PlacementConfig, default_slots_per_device,
                                                  device_bound, plan_layer)
-from ms_efficient.efficientmoe.predictor import (PREDICTOR_NAMES, PerRank, get_predictor,
-                                                 predict_counts, relative_residuals)
-from ms_efficient.efficientmoe.schedule import (DropMonitor, ReplanCosts, ReplanDecision,
-                                                choose_horizon, decide_replan,
-                                                migration_time_s, recompiles)
+from ms_efficient.efficientmoe.predictor import PREDICTOR_NAMES
+from ms_efficient.efficientmoe.schedule import (ReplanCosts, ReplanDecision, choose_horizon,
+                                                decide_replan, migration_time_s,
+                                                recompile_time_s, recompiles)
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import source_rows
-from ms_efficient.moe.trace import RoutingTrace
 
-__all__ = ["RoutingSampler", "quantize_levels", "PlannerConfig", "Forecaster", "Proposal",
-           "EfficientMoEPlanner", "ReplanLoop", "single_device_plans", "capacities_LE",
-           "planner_config", "one_device_planner", "one_device_counts"]
+__all__ = ["PlannerConfig", "Proposal", "EfficientMoEPlanner", "single_device_plans",
+           "capacities_LE", "planner_config", "one_device_planner", "one_device_counts"]
 
 logger = logging.getLogger(__name__)
-
-
-class RoutingSampler:
-    """Per-step routing counts, the input of every MoE planner.
-
-    ``record(counts_LRE)`` appends one step (int [layer, src_rank, expert], tokens sent by each
-    source rank to each expert, top-k counted k times); ``trace()`` returns the history in the
-    routing-trace format. Recording is one small host copy per step: the trainer reports its
-    measured cost as ``sampler_overhead_s``.
-    """
-
-    def __init__(self) -> None:
-        self._rows: List[np.ndarray] = []
-
-    def record(self, counts_LRE: np.ndarray) -> None:
-        counts = np.asarray(counts_LRE, dtype=np.int64)
-        if counts.ndim != 3:
-            raise ValueError(f"counts must be [layer, src_rank, expert], but got shape "
-                             f"{counts.shape}.")
-        if self._rows and counts.shape != self._rows[0].shape:
-            raise ValueError(f"counts shape changed from {self._rows[0].shape} to "
-                             f"{counts.shape}.")
-        self._rows.append(counts)
-
-    def truncate(self, steps: int) -> None:
-        """Keep the first ``steps`` rows (used when a run resumes from a checkpoint)."""
-        del self._rows[steps:]
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def counts(self) -> np.ndarray:
-        """int64 [step, layer, src_rank, expert]."""
-        return np.stack(self._rows)
-
-    def expert_load(self) -> np.ndarray:
-        """int64 [step, layer, expert], tokens per expert summed over source ranks."""
-        return self.counts().sum(axis=2)
-
-    def trace(self, **meta) -> RoutingTrace:
-        return RoutingTrace(counts=self.counts(), steps=np.arange(1, len(self) + 1), **meta)
-
-
-def quantize_levels(capacity_E: np.ndarray, levels: int) -> np.ndarray:
-    """Raise capacities to at most ``levels`` distinct values with the fewest added rows.
-
-    Experts of equal capacity run as one batched matmul (``MoEFeedForward`` groups them), so
-    few distinct values mean few kernels. Sorted descending, the values split into ``levels``
-    contiguous groups, each raised to its largest member; dynamic programming over the split
-    points gives the minimum total (O(E^2 * levels)). Only raises, so it never adds drops.
-
-    capacity_E: int [E] >= 1. Returns int64 [E].
-    """
-    caps = np.asarray(capacity_E, dtype=np.int64)
-    if levels < 1:
-        raise ValueError(f"'levels' must be a positive integer, but got {levels}.")
-    order = np.argsort(-caps, kind="stable")
-    v = caps[order]                                            # descending
-    n = len(v)
-    levels = min(levels, len(np.unique(v)))
-    # best[g][i]: fewest rows covering v[:i] with g groups; a group v[j:i] costs v[j] * (i - j)
-    inf = np.iinfo(np.int64).max // 4
-    best = np.full((levels + 1, n + 1), inf, dtype=np.int64)
-    cut = np.zeros((levels + 1, n + 1), dtype=np.int64)
-    best[0, 0] = 0
-    for g in range(1, levels + 1):
-        for i in range(1, n + 1):
-            for j in range(g - 1, i):
-                cost = best[g - 1, j] + v[j] * (i - j)
-                if cost < best[g, i]:
-                    best[g, i], cut[g, i] = cost, j
-    out_sorted = np.empty(n, dtype=np.int64)
-    i, g = n, levels
-    while g > 0:
-        j = cut[g, i]
-        out_sorted[j:i] = v[j]
-        i, g = j, g - 1
-    out = np.empty(n, dtype=np.int64)
-    out[order] = out_sorted
-    return out
 
 
 @dataclass(frozen=True)
@@ -156,8 +81,9 @@ class PlannerConfig:
     horizon_multiples: plan lifetimes considered, in check intervals.
     capacity_levels: at most this many distinct capacities per device (None: no limit);
         equal capacities run as one batched matmul in ``MoEFeedForward``.
-    recompile_s, bytes_per_param, max_drop_rate, optimizer_states: see
-        :class:`schedule.ReplanCosts`.
+    recompile_s: seconds one recompilation costs (None: :func:`schedule.recompile_time_s` of
+        the planner's ``num_layers``, the measured model; a value overrides it).
+    bytes_per_param, max_drop_rate, optimizer_states: see :class:`schedule.ReplanCosts`.
     dispatch: "static" (per-rank, per-slot capacities, padded) or "grouped" (padding-free
         grouped expert compute over one row buffer per device; the capacity model sizes the
         buffers, ``capacity_levels`` does not apply).
@@ -174,7 +100,7 @@ class PlannerConfig:
     max_forecast_error: float = 0.75
     horizon_multiples: Tuple[int, ...] = (1, 2, 4, 8)
     capacity_levels: Optional[int] = None
-    recompile_s: float = 1.2
+    recompile_s: Optional[float] = None
     bytes_per_param: float = 4.0
     max_drop_rate: Optional[float] = 0.01
     dispatch: str = "static"
@@ -193,7 +119,8 @@ class PlannerConfig:
              and all(int(m) >= 1 for m in self.horizon_multiples), "positive integers"),
             ("capacity_levels", self.capacity_levels is None or self.capacity_levels >= 1,
              "None or >= 1"),
-            ("recompile_s", self.recompile_s >= 0, ">= 0"),
+            ("recompile_s", self.recompile_s is None or self.recompile_s >= 0,
+             "None or >= 0"),
             ("optimizer_states", self.optimizer_states >= 0, ">= 0"),
             ("dispatch", self.dispatch in ("static", "grouped"), "'static' or 'grouped'"),
         ]
@@ -201,32 +128,6 @@ class PlannerConfig:
             if not ok:
                 raise ValueError(f"planner '{name}' must be {allowed}, but got "
                                  f"{getattr(self, name)!r}.")
-
-
-class Forecaster:
-    """The forecast a plan is sized from: next-row per-rank counts and their relative errors.
-
-    Replaced by a foresight object in the replay's oracle-static method (same interface)."""
-
-    def __init__(self, predictor_name: str, residual_window: int):
-        self.predictor = get_predictor(predictor_name)
-        self.residual_window = residual_window
-
-    def forecast(self, counts_TLRE: np.ndarray, horizon_rows: int):
-        """(predicted counts float64 [L, R, E], relative errors [K, L, R, E] of per-rank
-        forecasts over the next ``horizon_rows`` rows)."""
-        counts = np.asarray(counts_TLRE)
-        pred = predict_counts(counts, self.predictor)
-        steps, layers, ranks, experts = counts.shape
-        rel = relative_residuals(counts.reshape(steps, layers, ranks * experts),
-                                 PerRank(self.predictor, ranks), self.residual_window,
-                                 horizon_rows)
-        return pred, rel.reshape(-1, layers, ranks, experts)
-
-    def one_step_errors(self, counts_TLRE: np.ndarray) -> np.ndarray:
-        """Relative one-step errors of the expert totals, [K, L, E] (K = 0: none yet)."""
-        load = np.asarray(counts_TLRE).sum(axis=2)
-        return relative_residuals(load, self.predictor, self.residual_window, 1)
 
 
 @dataclass
@@ -253,11 +154,15 @@ class EfficientMoEPlanner:
         (before top-k; None: unknown, then no dropless fallback).
     check_rows: trace rows between periodic checks (a plan lives >= this long).
     stride: training steps per trace row (1 when every step is sampled).
+    num_layers: MoE layers of the network whose recompile a re-plan pays, sizing the default
+        recompile cost (:func:`schedule.recompile_time_s`; None: 1, the figure the replay
+        charges every method alike).
     """
 
     def __init__(self, config: PlannerConfig, model: CostModel, num_experts: int,
                  rank_device: Optional[Sequence[int]] = None, top_k: Optional[int] = None,
-                 tokens_per_step: Optional[int] = None, check_rows: int = 1, stride: int = 1):
+                 tokens_per_step: Optional[int] = None, check_rows: int = 1, stride: int = 1,
+                 num_layers: Optional[int] = None):
         if check_rows < 1 or stride < 1:
             raise ValueError(f"'check_rows' and 'stride' must be >= 1, but got {check_rows} "
                              f"and {stride}.")
@@ -272,7 +177,8 @@ class EfficientMoEPlanner:
                                          dispatch=config.dispatch,
                                          buffer_drop_target=config.buffer_drop_target)
         self.check_rows, self.stride = check_rows, stride
-        self.costs = ReplanCosts(config.recompile_s, config.bytes_per_param,
+        self.costs = ReplanCosts(recompile_time_s(num_layers or 1, config.recompile_s),
+                                 config.bytes_per_param,
                                  check_rows * stride, config.max_drop_rate,
                                  config.optimizer_states)
         self.forecaster = Forecaster(config.predictor, config.residual_window)
@@ -458,44 +364,6 @@ class EfficientMoEPlanner:
         return np.array(out)
 
 
-class ReplanLoop:
-    """When the planner is asked: the first plan (free, nothing compiled yet), then a check
-    every ``check_rows`` rows after it, and as soon as the drop monitor fires (the current
-    plan dropped more than ``max_drop_rate`` of the tokens over >= ``monitor_rows`` rows)."""
-
-    def __init__(self, planner: EfficientMoEPlanner, monitor_rows: int):
-        self.planner = planner
-        self.monitor = DropMonitor(max(1, monitor_rows), planner.config.max_drop_rate)
-        self.first_row: Optional[int] = None
-
-    def observe(self, dropped, routed) -> None:
-        """Drops the current plan had on one row: per layer (int [L]) or summed."""
-        self.monitor.record(dropped, routed)
-
-    def poll(self, row: int, counts_TLRE: np.ndarray, current: Optional[Sequence[ExpertPlan]],
-             compiled: bool = True, forecaster: Optional[Forecaster] = None,
-             max_horizon_steps: Optional[int] = None
-             ) -> Optional[Tuple[Optional[ReplanDecision], Proposal]]:
-        """At ``row`` (before it runs): None when no check is due; else (decision, candidate),
-        decision None for a first plan (``current`` None or not ``compiled``), which is
-        adopted as is. The first poll of a network already compiled with ``current`` (e.g.
-        after warm-up steps at a static capacity) checks at once."""
-        first = self.first_row is None
-        if first or current is None or not compiled:
-            self.first_row = row
-        if current is None or not compiled:
-            self.monitor.reset()
-            return None, self.planner.propose(counts_TLRE, None, forecaster, max_horizon_steps)
-        fired = self.monitor.fired()
-        due = first or (row - self.first_row) % self.planner.check_rows == 0
-        if not (due or fired):
-            return None
-        observed = self.monitor.rate() if fired else None
-        self.monitor.reset()
-        return self.planner.check(counts_TLRE, current, observed, forecaster,
-                                  max_horizon_steps)
-
-
 def single_device_plans(capacity_LE: np.ndarray, top_k: Optional[int] = None,
                         tokens_per_step: Optional[int] = None) -> List[ExpertPlan]:
     """The plans of a one-device network whose layers have per-expert ``capacity_LE``
@@ -523,14 +391,17 @@ def planner_config(em) -> PlannerConfig:
 
 
 def one_device_planner(em, cluster, hidden: int, ffn_hidden: int, num_experts: int,
-                       top_k: int, tokens_per_step: int) -> EfficientMoEPlanner:
+                       top_k: int, tokens_per_step: int,
+                       num_layers: Optional[int] = None) -> EfficientMoEPlanner:
     """The planner of a network whose MoE layers run on one device (the trainer, the
     callback and the pass): every expert one slot on device 0, capacities only, scored on
     ``cluster`` (a ClusterSpec; fp32, as MindSpore's CPU kernels compute); a check every
-    ``em.replan_every`` steps."""
+    ``em.replan_every`` steps. num_layers: the network's MoE layers, which size the default
+    recompile cost (``em.recompile_cost_s`` unset)."""
     model = CostModel(cluster, hidden, ffn_hidden, "fp32")
     return EfficientMoEPlanner(planner_config(em), model, num_experts, [0], top_k,
-                               tokens_per_step, check_rows=em.replan_every)
+                               tokens_per_step, check_rows=em.replan_every,
+                               num_layers=num_layers)
 
 
 def one_device_counts(load_TLE: np.ndarray) -> np.ndarray:

@@ -63,7 +63,7 @@ one static row buffer per device, after a routing-count exchange (``dispatch="gr
 Re-plan checks happen every ``check_every_steps`` training steps, and as soon as the current
 plan dropped more than 1 % of the tokens over ``monitor_steps`` (the drop monitor, what the
 trainer sees from the layer's drop counter). Ours runs
-:class:`ms_efficient.efficientmoe.planner.ReplanLoop` and ``EfficientMoEPlanner``, the loop
+:class:`ms_efficient.efficientmoe.replan_loop.ReplanLoop` and ``EfficientMoEPlanner``, the loop
 and planner of the trainer and the callback: at a check it sizes candidate plans for lifetimes
 of 1, 2, 4 or 8 check intervals and keeps the one with the least amortised step time; the
 re-planned baselines make the same choice (:meth:`_Context.baseline_candidate`). Every
@@ -86,9 +86,10 @@ import numpy as np
 from ms_efficient.core.cluster import PRESETS, ClusterSpec, get_cluster
 from ms_efficient.efficientmoe import baselines
 from ms_efficient.efficientmoe.cost import CostModel, layer_cost
-from ms_efficient.efficientmoe.planner import (EfficientMoEPlanner, Forecaster, PlannerConfig,
-                                               ReplanLoop)
+from ms_efficient.efficientmoe.forecaster import Forecaster
+from ms_efficient.efficientmoe.planner import EfficientMoEPlanner, PlannerConfig
 from ms_efficient.efficientmoe.predictor import FLOOR_FRACTION, error_floor
+from ms_efficient.efficientmoe.replan_loop import ReplanLoop
 from ms_efficient.efficientmoe.schedule import (DropMonitor, ReplanDecision, choose_horizon,
                                                 decide_replan, migration_time_s, plans_equal,
                                                 recompiles)
@@ -154,7 +155,7 @@ class ReplayConfig:
     ffn_hidden: Optional[int] = None
     dtype: str = "bf16"
     predictor: str = "ar-ridge"
-    recompile_s: float = 1.2
+    recompile_s: Optional[float] = None     # None: schedule.recompile_time_s (PlannerConfig)
     max_forecast_error: float = 0.75
     static_blocks: str = "exact"
     sync_replica_grads: bool = True
@@ -296,7 +297,7 @@ class _Context:
             dispatch: EfficientMoEPlanner(
                 dataclasses.replace(config, dispatch=dispatch).planner_config(), self.model,
                 trace.num_experts, self.rank_device, self.top_k, self.tokens_per_step,
-                self.check_rows, self.stride)
+                self.check_rows, self.stride, trace.num_layers)
             for dispatch in ("static", "grouped")}
         # the static one also evaluates the baselines (its evaluations follow each plan's
         # own dispatch)

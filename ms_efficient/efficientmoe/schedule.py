@@ -26,6 +26,32 @@ How long should a plan live? Capacities sized for a longer horizon need more hea
 load drifts further), but recompilation is paid less often. :func:`choose_horizon` picks,
 among candidate plans made for different horizons, the one with the least
     step_time_s + (migration_s + recompile_s) / horizon_steps.
+
+The recompile cost's one home is :func:`recompile_time_s` (a user-given figure, the
+``efficientmoe.recompile_cost_s`` config key or ``PlannerConfig.recompile_s``, overrides it):
+
+    recompile_time_s(L) = RECOMPILE_FIXED_S + RECOMPILE_PER_LAYER_S * L = 0.8 s + 0.4 s * L
+
+for a network of L MoE layers. A recompile compiles the whole graph, so its cost grows with
+the graph: a fixed part (graph pipeline, loss and gradient wiring, what any graph pays) plus a
+part per layer. Source: ``scripts/measure_recompile.py`` compiles the forward+backward graph
+of L stacked ``MoEFeedForward`` layers (H=64, F=128, 8 experts, top-2, capacity 16, MindSpore
+2.10 GRAPH_MODE, CPU) in fresh processes after a warm-up compile, on this 2-core build machine
+while other jobs kept its load average at 4-6, so it takes each L's least contended run:
+
+    cd /tmp && python <repo>/scripts/measure_recompile.py 1 2 4 8 --repeats 5
+
+L = 1, 2, 4, 8 gave minima of 1.13, 1.45, 2.18, 3.39 s over 5 runs (medians 1.53, 1.71, 3.95,
+6.50 s), a line of 0.82 s + 0.32 s * L; a second, busier batch of 3 runs gave 2.05 s + 0.24 s
+* L. The constants take the first fit to one decimal, the per-layer part rounded up (0.8 s +
+0.4 s * L), which gives L = 1 the 1.2 s used before this model (an earlier, quieter
+measurement of that one layer: 0.84-0.97 s). The reference 4-layer GPT-MoE
+(``configs/gpt_moe_tiny.yaml``: H=256, attention and AdamWeightDecay in its graph too) logs
+4.5-9.5 s per recompile on this machine against the model's 2.4 s: whole blocks cost more
+than bare MoE layers, so for a real model set the measured figure (the trainer logs its first
+compile as ``compile_s``). Who passes L: the trainer, the ``EfficientMoECallback`` and the
+``efficientmoe`` pass (their networks' MoE layers), ``bench mpipe`` (its workloads' layers);
+the trace replay of ``bench moe`` / ``plan moe`` charges every method L = 1 for now.
 """
 from __future__ import annotations
 
@@ -39,18 +65,38 @@ from ms_efficient.efficientmoe.cost import CostModel, uneven_alltoall_time_s
 from ms_efficient.moe.ep_migration import migration_bytes_WW, plan_migration
 from ms_efficient.moe.plan import ExpertPlan
 
-__all__ = ["ReplanCosts", "ReplanDecision", "migration_bytes_DD", "migration_time_s",
-           "plans_equal", "recompiles", "decide_replan", "DropMonitor", "choose_horizon"]
+__all__ = ["RECOMPILE_FIXED_S", "RECOMPILE_PER_LAYER_S", "recompile_time_s", "ReplanCosts",
+           "ReplanDecision", "migration_bytes_DD", "migration_time_s", "plans_equal",
+           "recompiles", "decide_replan", "DropMonitor", "choose_horizon"]
 
 logger = logging.getLogger(__name__)
+
+# Seconds one recompile of a network of L MoE layers costs: RECOMPILE_FIXED_S +
+# RECOMPILE_PER_LAYER_S * L (the fit and its measurement: module docstring).
+RECOMPILE_FIXED_S = 0.8
+RECOMPILE_PER_LAYER_S = 0.4
+
+
+def recompile_time_s(num_layers: int = 1, given_s: Optional[float] = None) -> float:
+    """Seconds one recompilation of a network of ``num_layers`` MoE layers costs:
+    ``given_s`` when the user gave a figure (config key ``efficientmoe.recompile_cost_s``,
+    ``PlannerConfig.recompile_s``), else RECOMPILE_FIXED_S + RECOMPILE_PER_LAYER_S *
+    num_layers (module docstring: measured on one 2-core CPU, MindSpore 2.10)."""
+    if given_s is not None:
+        if given_s < 0:
+            raise ValueError(f"a recompile cost must be >= 0 seconds, but got {given_s}.")
+        return float(given_s)
+    if num_layers < 1:
+        raise ValueError(f"'num_layers' must be >= 1, but got {num_layers}.")
+    # rounded to the nanosecond: 0.8 + 0.4 is 1.2000000000000002 in binary floats
+    return round(RECOMPILE_FIXED_S + RECOMPILE_PER_LAYER_S * num_layers, 9)
 
 
 @dataclass(frozen=True)
 class ReplanCosts:
-    """recompile_s: seconds to recompile the graph after a plan change. Default 1.2 s: compiling
-        the forward+backward graph of one MoE layer (H=64, 8 experts, MindSpore 2.10 GRAPH_MODE)
-        measured 0.84-0.97 s on this 2-core CPU build machine; 1.2 s rounds it up. A full model
-        on Ascend compiles for longer: set the measured figure.
+    """recompile_s: seconds to recompile the graph after a plan change (all its layers).
+        Default: :func:`recompile_time_s` of one MoE layer (1.2 s); the planner passes the
+        figure of the layers it plans (module docstring for the model and its measurement).
     bytes_per_param: bytes of one element of a migrated expert's weights, and of each of its
         optimizer state tensors: 4 (float32, what ``ExpertParallelMoE`` trains in).
     horizon_steps: training steps a new plan is expected to serve, >= 1.
@@ -63,7 +109,7 @@ class ReplanCosts:
         parameter: bytes_per_param=3.5, optimizer_states=3.)
     """
 
-    recompile_s: float = 1.2
+    recompile_s: float = recompile_time_s(1)
     bytes_per_param: float = 4.0
     horizon_steps: int = 200
     max_drop_rate: Optional[float] = 0.01

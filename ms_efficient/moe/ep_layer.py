@@ -2,9 +2,11 @@
 
 Shapes (names carry their dimensions): T local tokens, H hidden, F expert FFN width, E logical
 experts, K top-k, A = K*T assignments, W ranks, S slots, S_l slots on this rank, M rows this
-rank sends (the rows it reserves on all slots), N rows computed by the local slots (= rows
-received; grouped: the device buffer B_r), I = sum_src C[src, r] rows received (grouped), S_b the slot
-budget per device and V = W * S_b budget slots (grouped).
+rank sends, N rows its local slots compute. Static: M = the rows it reserves on all slots,
+N = the rows received. Grouped: C[r, d] = ``plan.send_rows(W)[r, d]`` the planned block rank r
+sends device d, M = sum_d C[r, d], I = sum_src C[src, r] rows received, N = B_r =
+``plan.device_rows(W)[r]`` the row buffer, S_b the slot budget per device and V = W * S_b
+budget slots.
 
 An :class:`~ms_efficient.moe.plan.ExpertPlan` maps every slot to a logical expert, a device
 (= rank in the expert-parallel group) and a static capacity. Each rank holds the weights of its
@@ -34,8 +36,8 @@ Grouped dispatch (``plan.dispatch == "grouped"``, padding-free experts) runs the
 :func:`~ms_efficient.moe.split.grouped_assignments` in the graph, on the step's counts:
 
     arrival p of (this rank, e) -> replica v of e by the fixed integer split (c_e local
-            assignments cut at c_e * W_j // SPLIT_UNITS, int32: the same cuts as numpy),
-            index q within (rank, slot)
+            assignments cut at c_e * cut_v // SPLIT_UNITS, cut_v the cumulative split
+            weight through v; int32, the same cuts as numpy), index q within (rank, slot)
          -> per-slot counts [V], each device's slots cut at this rank's block C[r, d]
             (slots ascending) -> AllGather -> [W, V] on every rank (alltoall.CountExchange)
          -> kept_WV: device d keeps the first B_d rows in ascending source rank, slot-minor
@@ -50,13 +52,14 @@ Grouped dispatch (``plan.dispatch == "grouped"``, padding-free experts) runs the
          -> the same combine as above; dropped assignments read zeros.
 
 All shapes stay static (C from ``plan.send_rows()``, B_d from ``plan.device_rows()``);
-which rows are real is data. Slot
-capacities only set the buffers and the split weights. The plan itself is data too: the graph
+which rows are real is data. Slot capacities only set the split weights
+(:func:`~ms_efficient.moe.split.grouped_split_weights`) and, for a plan without
+``send_block`` / ``device_buffer``, the buffers. The plan itself is data too: the graph
 reads its tables (expert of every budget slot, split cuts, replica-sync rows) from
 non-trainable Parameters, and every device has weights for S_b slots (``slots_per_device``),
 the unused ones empty groups (no rows, zero gradient). So :meth:`ExpertParallelMoE.set_plan`
-switches to any plan with the same blocks C and buffers B_d, the same experts and at most S_b slots per
-device without recompiling (the assumption of ``efficientmoe.schedule.recompiles``).
+switches to any plan with the same blocks C and buffers B_d, the same experts and at most S_b
+slots per device without recompiling (the assumption of ``efficientmoe.schedule.recompiles``).
 
 Gradient sync of replicas: replicas of a logical expert start identical (initialised from a
 seed and the logical expert id) and get the same gradient, the sum over all replicas, so any
@@ -168,8 +171,9 @@ class ExpertParallelMoE(nn.Cell):
             :class:`~ms_efficient.moe.layer.MoEFeedForward`; average it over ranks).
         counts_RE: int32 [R, E], assignments each group of local tokens routed to each expert.
         dropped: int32 scalar, local assignments beyond the rows this rank owns (static), or
-            beyond the device buffers (grouped: :func:`~ms_efficient.moe.split.
-            grouped_assignments`, this rank's part of its drop count).
+            beyond this rank's send blocks C[r, d] or the device buffers B_d (grouped:
+            :func:`~ms_efficient.moe.split.grouped_assignments`, this rank's part of its drop
+            count).
 
     Parameters: ``router.weight`` [E, H] (data-parallel), ``w1`` [S_b, H, F], ``b1``
     [S_b, 1, F], ``w2`` [S_b, F, H], ``b2`` [S_b, 1, H]: row i < S_l holds the local slot
@@ -282,9 +286,11 @@ class ExpertParallelMoE(nn.Cell):
 
     def _init_grouped(self, group, slots_per_device):
         """Grouped tables (:func:`~ms_efficient.moe.ep_routing.grouped_tables`): the plan's
-        in Parameters, the layout's (fixed by W, S_b and the buffers) as constants; the count
-        exchange and the two AlltoAllVs: block d of the send buffer has B_d rows, and this
-        rank receives W blocks of its own B_r rows. Returns the replica-sync tables."""
+        in Parameters, the layout's (fixed by W, S_b, the blocks C and the buffers B) as
+        constants; the count exchange and the two AlltoAllVs: block d of the send buffer has
+        C[r, d] rows (M = sum_d C[r, d]), and this rank receives W blocks of C[src, r] rows
+        (I in all), which it compacts into its buffer of N = B_r rows. Returns the
+        replica-sync tables."""
         tables, sync = grouped_tables(self.plan, self.num_experts, self.rank, self.world,
                                       self.devices_per_node, slots_per_device)
         self.tables = tables
@@ -500,11 +506,12 @@ class ExpertParallelMoE(nn.Cell):
     def _grouped_experts(self, send_MH, kept_WV):
         """Exchange, compact, grouped expert FFNs, exchange back: [M, H] -> [M, H].
 
-        Received row i = (source r, row j of r's block, I = sum_r C[r, me] rows): in r's block the
-        kept rows of the local budget slots follow in slot order, so j's slot l and index q
-        follow from kept_WV; it goes to buffer row goff[l] + (rows of l from earlier sources)
-        + q of the [B_r, H] buffer grouped by local slot (group sizes g_L, data), the rest to
-        none. L = S_b local budget slots; an empty slot is an empty group.
+        Received row i of I = sum_src C[src, me] (source r, row j of r's block): in r's block
+        the kept rows of the local budget slots follow in slot order, so j's slot l and index
+        q follow from kept_WV; it goes to buffer row goff[l] + (rows of l from earlier
+        sources) + q of the [N = B_r, H] buffer grouped by local slot (group sizes size_L,
+        data), the rest of r's block (unfilled rows) to none. L = S_b local budget slots; an
+        empty slot is an empty group.
         """
         n, num_local = self.num_rows, self.budget
         recv_IH = self.dispatch(send_MH)
@@ -536,11 +543,11 @@ class ExpertParallelMoE(nn.Cell):
         return tuple(self.sync(w, *tables) for w in weights)
 
     def _grouped_ffn(self, x_NH, size_L):
-        """Local slot FFNs on the grouped buffer [N, H] as two grouped matmuls (slot l owns
-        the rows after the first l groups, size_L int32 [S_l]; rows past their sum, and an
-        empty group, compute nothing and give zeros) -> [N, H]."""
+        """Local slot FFNs on the grouped buffer [N, H] as two grouped matmuls (budget slot
+        l owns the rows after the first l groups, size_L int32 [S_b]; rows past their sum, and
+        an empty group, compute nothing and give zeros) -> [N, H]."""
         w1, b1, w2, b2 = self._synced_weights()
-        group_N = row_groups(size_L, x_NH.shape[0])            # S_l for the unused tail
+        group_N = row_groups(size_L, x_NH.shape[0])            # S_b for the unused tail
         b1_pad = ops.concat((b1.reshape(b1.shape[0], -1), ops.zeros((1, b1.shape[2]), b1.dtype)))
         b2_pad = ops.concat((b2.reshape(b2.shape[0], -1), ops.zeros((1, b2.shape[2]), b2.dtype)))
         hid = self.gelu(self.gmm(x_NH, w1, size_L) + ops.gather(b1_pad, group_N, 0))

@@ -3,12 +3,15 @@ compilation or a re-plan).
 
 Notation: W ranks in the expert-parallel group (rank = device id of the plan), E logical
 experts, S physical slots of an :class:`~ms_efficient.moe.plan.ExpertPlan`, J the most
-replicas of one expert a rank sends to, C_send rows per destination block of the send buffer.
+replicas of one expert a rank sends to, C_send the largest static block any rank sends any
+rank; grouped: C[r, d] = ``plan.send_rows(W)[r, d]`` the planned block rank r sends device d,
+B_d = ``plan.device_rows(W)[d]`` device d's row buffer, S_b the slot budget per device.
 
 Static dispatch, in three tables:
 
 1. ``rows_RS`` (:func:`~ms_efficient.moe.split.source_rows`), int64 [W, S]: the rows of slot s
-   reserved for the tokens of source rank r, so ``rows_RS[:, s].sum() == slot_capacity[s]``. Each expert's capacity
+   reserved for the tokens of source rank r, so ``rows_RS[:, s].sum() == slot_capacity[s]``.
+   Each expert's capacity
    (summed over its replicas) is first shared among the source ranks, equally by default or in
    proportion to a per-rank load forecast; every rank's share is then attributed to the
    expert's replicas with the package's dispatch rule :func:`~ms_efficient.moe.split.split_tokens`
@@ -37,9 +40,12 @@ e's replicas (ascending slot) at the cumulative integer weights of
 :func:`~ms_efficient.moe.split.grouped_split_weights`, keeps its rows of device d's slots
 (ascending slot) up to its planned block C[r, d] = ``plan.send_rows(W)[r, d]``, and device
 d keeps, out of what all ranks send it (rank-major, slot-minor), the first
-B_d = ``plan.device_rows()[d]`` rows. The send buffer has one block of C[r, d] rows per
-device d (:func:`~ms_efficient.moe.exchange.exchange_rows`), holding this rank's kept rows of
-d's slots in ascending slot order; the receive buffer one block of C[src, r] rows per source.
+B_d = ``plan.device_rows()[d]`` rows; which of its rows a device keeps, every rank
+derives from the per-budget-slot counts each rank sends after its block cut, all-gathered
+([W, V] int32, :class:`~ms_efficient.moe.alltoall.CountExchange`). The send buffer has one
+block of C[r, d] rows per device d (:func:`~ms_efficient.moe.exchange.exchange_rows`),
+holding this rank's kept rows of d's slots in ascending slot order, full or not (unfilled
+rows are zeros); the receive buffer one block of C[src, r] rows per source.
 The tables are laid out over a slot budget of S_b slots per device (V = W * S_b budget slots,
 device-major), so their shapes depend on (W, S_b, C, B_d) only: a new plan with the same
 blocks and buffers and at most S_b slots per device changes their values, not their shapes
@@ -55,7 +61,7 @@ Slot weights: :func:`init_expert_weights` seeds every expert's initial weights b
 replicas start identical without communication), :func:`pad_rows` fills the empty budget
 slots with zeros, :func:`expert_sources` names the one rank and row each expert is read from
 when the layer rebuilds the logical [E, ...] table, and :func:`check_replan` says whether a
-new plan fits a compiled grouped layer (same buffers, budget and experts).
+new plan fits a compiled grouped layer (same send blocks, buffers, budget and experts).
 No MindSpore import here.
 """
 from __future__ import annotations
@@ -226,7 +232,8 @@ class GroupedDispatch:
     device d (V = W * S_b); the plan's slots on d fill d's first budget slots in ascending slot
     id, the others are empty (expert E, cuts 0: no token, no row).
 
-    Fixed by (W, S_b, buffers), the same for every plan with these buffers:
+    Fixed by (W, S_b, blocks C, buffers B), the same for every plan with these blocks and
+    buffers:
     buffer_D: int64 [W], row buffer B_d of every device (``plan.device_rows(W)``).
     block_WD: int64 [W, W], rows rank r sends device d, C[r, d]
         (:func:`~ms_efficient.moe.exchange.exchange_rows`).
@@ -295,7 +302,7 @@ def grouped_dispatch(plan: ExpertPlan, num_experts: int, rank: int, world: int,
                          f"plan ({most}, per device "
                          f"{np.bincount(plan.slot_device, minlength=world).tolist()}), but got "
                          f"{budget}.")
-    # Step 1: the fixed layout: device-major budget slots, blocks of B_d rows.
+    # Step 1: the fixed layout: device-major budget slots, send blocks of C[rank, d] rows.
     num_v = world * budget
     device_V = np.arange(num_v) // budget
     device_onehot_VD = np.zeros((num_v, world), dtype=np.int64)

@@ -16,8 +16,9 @@ tokens are dropped and what the All-to-All carries:
                  ``ms_efficient.moe.ep_layer``, and GShard / Switch / MindFormers): every
                  source rank owns, before compilation, a fixed number of rows of every slot
                  (:func:`~ms_efficient.moe.split.source_rows`: each expert's capacity shared
-                 among the ranks, equally or in proportion to ``rank_share``, then attributed to the expert's
-                 replicas own device first, same node next, then by remaining room). A rank
+                 among the ranks, equally or in proportion to ``rank_share``, then attributed
+                 to the expert's replicas: own device first, same node next, then by
+                 remaining room). A rank
                  fills its rows in arrival order and drops what does not fit, even when another
                  rank left rows of the same slot empty. Every owned row travels, full or
                  empty (zero rows included): GShard / Switch send equal blocks of a
@@ -31,7 +32,8 @@ tokens are dropped and what the All-to-All carries:
                  all ranks, so one rank's overflow can use another's unused rows. What
                  dynamic-shape systems run (FasterMoE's count exchange then token exchange); the
                  default, because ``split_tokens`` is also the rule that attributes static
-                 rows to replicas.
+                 rows to replicas. The cost model charges it as such; ``ep_layer`` has static
+                 shapes, so it runs an "alltoallv" plan's slots as a "static" plan.
     "grouped"    padding-free expert compute over one static row buffer per device
                  (MegaBlocks-style grouped matmul, group sizes are data) fed by a static
                  exchange of planned send blocks: rank r sends device d a block of exactly
@@ -43,14 +45,18 @@ tokens are dropped and what the All-to-All carries:
                  communication decides the split), keeps its rows for d's slots (ascending
                  slot) up to C[r, d], and device d keeps, in ascending source rank, up to B_d
                  of them (:func:`~ms_efficient.moe.split.grouped_assignments`). A planned
-                 plan has B_d = sum_r C[r, d], so drops happen only where a pair's block
-                 overflows; a plan without ``send_block`` lets every rank fill a whole
-                 buffer (C[r, d] = B_d), which cannot drop more than the buffer but sends
-                 R x B_d rows to every device. The kept counts are exchanged (an AllGather
-                 of R x S integers) so that every receiver knows its group sizes, and the
-                 experts compute exactly the kept rows (no per-expert padding). What the
-                 exchange carries, per (rank, device) block, is
-                 :func:`~ms_efficient.moe.exchange.exchange_rows` for every mode.
+                 plan (``send_block`` set, no ``device_buffer``) has B_d = sum_r C[r, d],
+                 so drops happen only where a pair's block overflows; a plan without
+                 ``send_block`` lets every rank fill a whole buffer (C[r, d] = B_d), which
+                 cannot drop more than the buffer but sends R x B_d rows to every device.
+                 Counts are exchanged before the rows: in ``ep_layer`` every rank
+                 all-gathers its per-slot counts after the block cut over the slot budget
+                 (int32 [R, R * S_b], S_b slots per device), from which every rank derives
+                 what each device keeps (so senders know their drops and receivers their
+                 group sizes), and the experts compute exactly the kept rows (no per-expert
+                 padding). What the token exchange carries, per (rank, device) block, is
+                 :func:`~ms_efficient.moe.exchange.exchange_rows` for every mode: for
+                 "grouped" the planned blocks C[r, d] = ``send_rows()``.
 
 ``ms_efficient.moe.split`` holds the dispatch rule both the planners and the MoE layer follow:
 it turns per-rank routing counts ``counts_RE`` into per-slot assignments ``assigned_RS``.
@@ -187,9 +193,10 @@ class ExpertPlan:
         return self
 
     def device_rows(self, num_devices: Optional[int] = None) -> np.ndarray:
-        """int64 [D]: the row buffer of every device of a ``"grouped"`` plan: ``device_buffer``
-        when given, else the rows of the device's slots summed; D = ``num_devices`` or the
-        largest device id + 1."""
+        """int64 [D]: the row buffer B_d of every device of a ``"grouped"`` plan:
+        ``device_buffer`` when given, else the column sums of ``send_block`` when given
+        (B_d = sum_r C[r, d]), else the capacities of the device's slots summed; D =
+        ``num_devices`` or the largest device id + 1."""
         size = int(self.slot_device.max()) + 1 if num_devices is None else int(num_devices)
         if self.device_buffer is None and self.send_block is not None:
             out = np.zeros(max(size, self.send_block.shape[1]), dtype=np.int64)

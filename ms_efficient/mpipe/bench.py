@@ -21,9 +21,10 @@ recompile each time its chunk count changes (a static graph compiles its chunks)
 
 Rows: {"evidence": "simulated", "workload", "method", "layer_time_s" (mean over rows,
 forward + backward of one layer), "speedup_vs_no_pipeline", "exposed_comm_fraction",
-"chunk_changes", "recompile_s", "memory_bytes" (keep strategy, at the mean chunk count),
-"chunks_mean"}; reuse rows: {"method": "reuse", "budget_bytes", "chunks", "strategy",
-"layer_time_s", "memory_bytes"}.
+"chunk_changes", "recompile_s" (seconds: changes x
+:func:`~ms_efficient.efficientmoe.schedule.recompile_time_s` of the workload's layers),
+"memory_bytes" (keep strategy, at the mean chunk count), "chunks_mean"}; reuse rows:
+{"method": "reuse", "budget_bytes", "chunks", "strategy", "layer_time_s", "memory_bytes"}.
 """
 from __future__ import annotations
 
@@ -33,16 +34,16 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from ms_efficient.core.cluster import ClusterSpec, get_cluster
+from ms_efficient.efficientmoe.schedule import recompile_time_s
 from ms_efficient.mpipe.planner import (CHUNK_CANDIDATES, ChunkSelector, MoELayerShape,
                                         choose_chunks, choose_reuse, reuse_memory_bytes,
                                         rows_per_step, simulate_layer)
 
 __all__ = ["MPipeWorkload", "WORKLOADS", "POLICIES", "policy_rows", "reuse_rows",
-           "RECOMPILE_S", "STEPS_PER_ROW"]
+           "STEPS_PER_ROW"]
 
 POLICIES = ("no-pipeline", "fixed-2", "fixed-4", "fixed-8", "tutel-adaptive", "mpipe-online",
             "oracle")
-RECOMPILE_S = 1.2   # seconds per recompile (as in efficientmoe.replay.ReplayConfig.recompile_s)
 STEPS_PER_ROW = 50  # training steps each synthetic trace row stands for
 
 
@@ -129,7 +130,7 @@ def policy_rows(w: MPipeWorkload, steps: int = 64, seed: int = 0,
         times = np.array([timing(int(r), n) for r, n in zip(rows, ns)])
         hidden = np.array([exposed[int(r), n] for r, n in zip(rows, ns)])
         changes = int(np.sum(np.diff(ns) != 0)) if policy != "oracle" else 0
-        recompile = changes * RECOMPILE_S
+        recompile = changes * recompile_time_s(w.layers)     # the whole w.layers-layer graph
         # mean per training step: w.layers layers, plus recompiles spread over the steps
         layer_time = float(times.mean() + recompile / (len(rows) * STEPS_PER_ROW * w.layers))
         base = layer_time if policy == "no-pipeline" else base

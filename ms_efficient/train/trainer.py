@@ -34,9 +34,10 @@ from mindspore import Tensor, nn, ops
 from ms_efficient.core import backend
 from ms_efficient.core.config import RunConfig, history_trace_path, load_config, save_config
 from ms_efficient.core.fileio import atomic_write_text
-from ms_efficient.efficientmoe.planner import (ReplanLoop, RoutingSampler, capacities_LE,
-                                               one_device_counts, one_device_planner,
-                                               single_device_plans)
+from ms_efficient.efficientmoe.planner import (capacities_LE, one_device_counts,
+                                               one_device_planner, single_device_plans)
+from ms_efficient.efficientmoe.replan_loop import ReplanLoop
+from ms_efficient.efficientmoe.sampler import RoutingSampler
 from ms_efficient.models.gpt_moe import build_model
 from ms_efficient.moe.layer import ROUTING_COUNTS, MoEFeedForward
 from ms_efficient.moe.trace import load_trace, save_trace
@@ -115,7 +116,7 @@ class Trainer:
         self.tokens_per_step = tokens
         self.planner = (one_device_planner(em, cfg.cluster_spec(), mc.hidden_size,
                                            mc.ffn_hidden_size, cfg.moe.num_experts,
-                                           cfg.moe.top_k, tokens)
+                                           cfg.moe.top_k, tokens, len(self.moe_layers))
                         if em.enabled else None)
         self.replan_loop = ReplanLoop(self.planner, em.monitor_steps) if self.planner else None
         self.history_LE = self._load_history(tokens) if self.planner else None
