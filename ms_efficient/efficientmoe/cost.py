@@ -5,7 +5,9 @@ For a layer with plan ``plan`` (:class:`ms_efficient.moe.plan.ExpertPlan`) and r
 ``counts_RE`` (tokens each source rank sends to each expert, top-k counted k times):
 
     time      = exchange + a2a_passes * A2A(dispatch bytes) + max_d compute_d + max_d sync_d
-    exchange  = AllGather of the [R, E] int32 counts ("alltoallv" and "grouped" plans, once per step)
+    exchange  = AllGather of the int32 counts, once per step: [R, E] routing counts ("alltoallv");
+                [R, R * S_b] per-slot block counts ("grouped", S_b the most slots a device
+                holds: what the grouped layer's CountExchange gathers)
     dispatch  = rows device r sends to device d (:func:`~ms_efficient.moe.exchange.exchange_rows`,
                 what the expert-parallel layer's AlltoAllV Cells are built from): the
                 kept tokens ("alltoallv"); the planned block C[r, d], full or empty
@@ -194,13 +196,16 @@ def check_rank_device(rank_device: Optional[Sequence[int]], num_ranks: int,
     return rd
 
 
-def count_exchange_time_s(num_ranks: int, num_experts: int, model: CostModel,
+def count_exchange_time_s(num_ranks: int, counts_per_rank: int, model: CostModel,
                           rank_device: Sequence[int]) -> float:
-    """Seconds of the AllGather of the [R, E] int32 routing counts among the ranks' devices
-    (what "alltoallv" dispatch needs before it can size its messages); 0 for one rank."""
+    """Seconds of the AllGather of ``counts_per_rank`` int32 counts from every rank among the
+    ranks' devices (what count-driven dispatch needs before it can size or place its
+    messages: E routing counts for "alltoallv", the W x S_b per-slot block counts the
+    grouped layer gathers); 0 for one rank."""
     if num_ranks < 2:
         return 0.0
-    return model.cluster.collective_time_s("allgather", num_ranks * num_experts * COUNT_BYTES,
+    return model.cluster.collective_time_s("allgather",
+                                           num_ranks * counts_per_rank * COUNT_BYTES,
                                            [int(d) for d in rank_device])
 
 
@@ -236,7 +241,11 @@ def _dispatch(plan: ExpertPlan, counts_RE: np.ndarray, model: CostModel, rd: np.
             sent_DD[np.ix_(rd, rd)] = sent_DD.max()            # C_send rows, every pair
         return assigned_RS, dropped, sent_DD, 0.0
     assigned_RS, dropped = split_tokens(plan, counts_RE, rd, dpn)
-    return assigned_RS, dropped, sent_DD, count_exchange_time_s(*counts_RE.shape, model, rd)
+    num_ranks = counts_RE.shape[0]
+    counts_per_rank = (num_ranks * int(np.bincount(plan.slot_device).max())   # [W * S_b]
+                       if plan.dispatch == "grouped" else num_experts)
+    return assigned_RS, dropped, sent_DD, count_exchange_time_s(num_ranks, counts_per_rank,
+                                                                model, rd)
 
 
 def computed_rows_D(plan: ExpertPlan, assigned_RS: np.ndarray, model: CostModel) -> np.ndarray:
