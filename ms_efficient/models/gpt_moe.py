@@ -3,6 +3,9 @@
 Pre-LayerNorm blocks (Radford et al. 2019): x + Attn(LN(x)), then x + FFN(LN(x)), where FFN is
 a :class:`~ms_efficient.moe.layer.MoEFeedForward` in every ``moe_every``-th block and a dense
 FFN elsewhere. Learned positions, tied input/output embeddings, byte-level vocabulary.
+With ``plans`` (one :class:`~ms_efficient.moe.plan.ExpertPlan` per MoE block) the MoE FFNs are
+:class:`~ms_efficient.moe.ep_layer.ExpertParallelMoE` layers instead, each holding this rank's
+experts (an expert-parallel run: ``ms_efficient.train.expert_parallel``).
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from ms_efficient.core.config import ModelConfig, MoEConfig
+from ms_efficient.moe.ep_layer import ExpertParallelMoE
 from ms_efficient.moe.layer import MoEFeedForward, expert_capacity, make_gelu
 
 __all__ = ["GPTMoE", "CausalSelfAttention", "DenseFeedForward", "Block", "build_model"]
@@ -95,7 +99,7 @@ class GPTMoE(nn.Cell):
     """
 
     def __init__(self, model: ModelConfig, moe: MoEConfig, batch_size: int,
-                 trace_ranks: int = 1):
+                 trace_ranks: int = 1, plans=None, slots_per_device=None):
         super().__init__()
         if batch_size % trace_ranks:
             raise ValueError(f"'train.batch_size' ({batch_size}) must be a multiple of "
@@ -111,8 +115,18 @@ class GPTMoE(nn.Cell):
                                    moe.capacity_multiple)
         blocks = []
         moe_layers = []
+        num_moe = sum((i + 1) % moe.moe_every == 0 for i in range(model.num_layers))
+        if plans is not None and len(plans) != num_moe:
+            raise ValueError(f"'plans' must give one expert plan per MoE block ({num_moe}), "
+                             f"but got {len(plans)}.")
         for i in range(model.num_layers):
-            if (i + 1) % moe.moe_every == 0:
+            if (i + 1) % moe.moe_every == 0 and plans is not None:
+                ffn = ExpertParallelMoE(h, model.ffn_hidden_size, moe.num_experts, moe.top_k,
+                                        plans[len(moe_layers)], trace_ranks=trace_ranks,
+                                        init_std=std, seed=len(moe_layers),
+                                        slots_per_device=slots_per_device)
+                moe_layers.append(i)
+            elif (i + 1) % moe.moe_every == 0:
                 ffn = MoEFeedForward(h, model.ffn_hidden_size, moe.num_experts, moe.top_k,
                                      capacity, trace_ranks, std, dispatch=moe.dispatch)
                 moe_layers.append(i)
@@ -150,6 +164,16 @@ class GPTMoE(nn.Cell):
         return loss, ce, counts, dropped
 
 
-def build_model(model: ModelConfig, moe: MoEConfig, batch_size: int) -> GPTMoE:
-    """The reference network for a config (float32 master weights)."""
-    return GPTMoE(model, moe, batch_size, moe.trace_ranks)
+def build_model(model: ModelConfig, moe: MoEConfig, batch_size: int, plans=None,
+                slots_per_device=None) -> GPTMoE:
+    """The reference network for a config (float32 master weights).
+
+    plans: None for the one-process network (``MoEFeedForward``, ``moe.trace_ranks`` trace
+    groups); else one "grouped" ExpertPlan per MoE block: ``ExpertParallelMoE`` layers over
+    the initialised world group (``batch_size`` is then this rank's batch, one trace group
+    per rank) with ``slots_per_device`` weight slots each. Their initial weights come from
+    ``init_expert_weights``; load the one-process network's with ``set_weights`` to start
+    from the same point (``ms_efficient.train.expert_parallel`` does)."""
+    if plans is None:
+        return GPTMoE(model, moe, batch_size, moe.trace_ranks)
+    return GPTMoE(model, moe, batch_size, 1, plans, slots_per_device)
