@@ -191,7 +191,7 @@ class ExpertParallelTrainer:
             if world > 1:
                 stats = all_reduce(stats) / world
                 counts = all_gather(counts)                        # [W, layers, 1, E]
-                dropped = all_reduce(dropped)
+                dropped = all_reduce(dropped.astype(ms.float32)).astype(ms.int32)
             return stats, counts, dropped
 
         @ms.jit
