@@ -25,7 +25,9 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from ms_efficient.efficientmoe.cost import CostModel
-from ms_efficient.efficientmoe.placement import default_slots_per_device, uniform_placement
+from ms_efficient.efficientmoe.placement import (default_slots_per_device, levelled_shares,
+                                                 place_replicas, replica_counts_greedy,
+                                                 uniform_placement)
 from ms_efficient.efficientmoe.planner import (EfficientMoEPlanner, ReplanLoop, RoutingSampler,
                                                planner_config)
 from ms_efficient.efficientmoe.schedule import plans_equal
@@ -212,11 +214,36 @@ class ExpertParallelReplanner:
                             polled[0].reason if polled[0] else "first plan")
             return None
         plans = [self._within_buffers(p, now) for p, now in zip(cand.plans, current)]
+        if forced and all(np.array_equal(p.slot_expert, now.slot_expert)
+                          and np.array_equal(p.slot_device, now.slot_device)
+                          for p, now in zip(plans, current)):
+            load_LRE = counts[-em.window:].mean(axis=0)
+            plans = [self._within_buffers(self._spread(load_RE), now)
+                     for load_RE, now in zip(load_LRE, current)]
+            reason += " (the planner kept the placement: spare slots filled with replicas)"
         if plans_equal(plans, current):
             logger.info("step %d: EfficientMoE proposes the current placement (%s); nothing "
                         "to move", step, reason)
             return None
         return self._apply(step, plans, optimizer, reason)
+
+    def _spread(self, load_RE: np.ndarray) -> ExpertPlan:
+        """The placement that fills every slot of the budget: the hottest experts replicated
+        (:func:`~ms_efficient.efficientmoe.placement.replica_counts_greedy`, at most one
+        copy per device) and placed by :func:`~ms_efficient.efficientmoe.placement.
+        place_replicas` on ``load_RE`` (float [W, E]); slot capacities are the levelled
+        shares. What a forced re-plan adopts when the planner's candidate moves nothing."""
+        planner, budget = self.planner, int(self.layers[0].budget)
+        load_E = load_RE.sum(axis=0)
+        replicas = np.minimum(replica_counts_greedy(load_E, budget * self.world), self.world)
+        rank_device = np.arange(self.world)
+        slot_expert, slot_device = place_replicas(load_RE, replicas, planner.model, budget,
+                                                  rank_device)
+        rows = levelled_shares(slot_expert, slot_device, load_E, self.world)
+        caps = np.maximum(np.ceil(rows - 1e-9), 1).astype(np.int64)
+        return ExpertPlan(slot_expert, slot_device, caps, planner.top_k,
+                          planner.tokens_per_step, "efficientmoe-spread", "grouped",
+                          rank_share=load_RE)
 
     def _within_buffers(self, plan: ExpertPlan, now: ExpertPlan) -> ExpertPlan:
         """``plan`` with the compiled buffers: the layer's graph stays as it is."""
