@@ -34,7 +34,7 @@ from ms_efficient.efficientmoe.schedule import plans_equal
 from ms_efficient.moe.plan import ExpertPlan
 
 __all__ = ["dropless_plans", "slot_budget", "moved_slots", "expert_bytes", "apply_plan",
-           "ExpertParallelReplanner"]
+           "compiled_graphs", "rank_counts", "ExpertParallelReplanner", "load_plans_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +144,33 @@ def apply_plan(layer, plan: ExpertPlan, optimizer=None) -> Dict[str, int]:
                 "moved_bytes": int(recorded["moved_bytes"])}
     slots = moved_slots(old_plan, plan, layer.world)
     return {"moved_slots": slots, "moved_bytes": slots * expert_bytes(layer)}
+
+
+def compiled_graphs(cell=None) -> Optional[int]:
+    """Graphs this process has compiled so far: MindSpore's cache of ``jit`` phases (one entry
+    per fresh compile, none on a cache hit), plus ``cell``'s own cache of compiled phases
+    (a ``Model.train`` network); None when MindSpore has no such cache."""
+    import importlib
+
+    cache = getattr(importlib.import_module("mindspore.graph.api"), "ms_compile_cache", None)
+    if cache is None:
+        return None
+    return len(cache) + (len(getattr(cell, "compile_cache", ())) if cell is not None else 0)
+
+
+def rank_counts(layers: Sequence) -> np.ndarray:
+    """int64 [L, W, E]: the routing counts of every rank's last forward (each layer's
+    ``routing_counts`` buffer summed over its trace groups), the same on every rank: an
+    AllReduce of a zero-padded table (float32, exact for counts < 2^24). Collective."""
+    from mindspore import Tensor
+
+    first = layers[0]
+    local = np.stack([layer.routing_counts.asnumpy().sum(axis=0) for layer in layers])
+    table = np.zeros((len(layers), first.world, local.shape[1]), np.float32)
+    table[:, first.rank] = local
+    if first.world > 1:
+        table = first.sum_over_ranks(Tensor(table)).asnumpy()
+    return np.rint(table).astype(np.int64)
 
 
 class ExpertParallelReplanner:

@@ -55,22 +55,13 @@ from ms_efficient.models.gpt_moe import build_model
 from ms_efficient.moe.ep_layer import ExpertParallelMoE
 from ms_efficient.moe.trace import load_trace, save_trace
 from ms_efficient.train.data import load_corpus
-from ms_efficient.train.ep_replan import (ExpertParallelReplanner, dropless_plans,
-                                          load_plans_state, slot_budget)
+from ms_efficient.train.ep_replan import (ExpertParallelReplanner, compiled_graphs,
+                                          dropless_plans, load_plans_state, slot_budget)
 from ms_efficient.train.trainer import _fmt_eta, _is_scratch, make_optimizer
 
-__all__ = ["ExpertParallelTrainer", "GradReducer", "worker_main", "compiled_graphs"]
+__all__ = ["ExpertParallelTrainer", "GradReducer", "worker_main"]
 
 logger = logging.getLogger(__name__)
-
-
-def compiled_graphs() -> Optional[int]:
-    """Graphs this process has compiled (MindSpore's ``ms_compile_cache`` of phases, which
-    grows by one per fresh compile and never on a cache hit); None if unavailable."""
-    import importlib
-
-    cache = getattr(importlib.import_module("mindspore.graph.api"), "ms_compile_cache", None)
-    return None if cache is None else len(cache)
 
 
 class GradReducer(nn.Cell):
