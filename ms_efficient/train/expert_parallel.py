@@ -231,6 +231,8 @@ class ExpertParallelTrainer:
                  "plans": [layer.plan.to_dict() for layer in self.layers]}
         if self.replanner is not None:
             state["replan"] = self.replanner.state()
+        if self.pending is not None:        # applied, its next step not run yet
+            state["pending_replan"] = self.pending
         atomic_write_text(os.path.join(self.out_dir, "state.json"), json.dumps(state) + "\n")
 
     def _restore(self) -> None:
@@ -268,6 +270,8 @@ class ExpertParallelTrainer:
             with open(metrics, encoding="utf-8") as fh:
                 rows = [json.loads(line) for line in fh if line.strip()]
             self.metrics = [m for m in rows if m["step"] <= self.step]
+        if "pending_replan" in state:      # a restarted process compiles anyway: unknown
+            self.metrics.append(dict(state["pending_replan"], recompiled=None))
         logger.info("rank %d: resumed %s at step %d", self.rank, self.out_dir, self.step)
 
     # ------------------------------------------------------------------ loop
