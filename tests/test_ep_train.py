@@ -25,6 +25,7 @@ needs_msrun = pytest.mark.skipif(MSRUN is None, reason="msrun is not on PATH")
 STEPS = 20          # steps compared with the one-process run
 REPLAN_AT = 6       # efficientmoe.force_replan_step
 KILL_AFTER = 10     # the interrupted run is killed once its state.json reaches this step
+FORCE_STEP = 4      # tests/dist/check_ep_callback.py's FORCE_AT
 
 
 def _config(tmp_path, text_dir, **sections):
@@ -228,3 +229,50 @@ def test_resume_after_kill_9_continues_with_the_same_losses(two_workers, tmp_pat
         [(r["step"], r["moved_slots"]) for r in _rows(ep, "replan")]
     assert json.loads(state_path.read_text())["plans"] == \
         json.loads((ep / "state.json").read_text())["plans"]
+
+
+@pytest.mark.slow
+@needs_msrun
+def test_efficientmoe_callback_replaces_expert_parallel_layers_in_model_train(tmp_path):
+    """Model.train on 2 ranks (tests/dist/check_ep_callback.py): the callback's forced re-plan
+    moves fewer bytes than the expert table, compiles nothing, and the replicas it creates
+    gives every slot the optimizer moments its (new) expert had before the switch."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist",
+                          "check_ep_callback.py")
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([os.path.dirname(MSRUN), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in [os.path.dirname(os.path.dirname(script)), env.get("PYTHONPATH")] if p)
+    out, logs = tmp_path / "out", tmp_path / "log"
+    port = __import__("ms_efficient.train.ep_launch", fromlist=["_free_port"])._free_port()
+    proc = subprocess.run([MSRUN, "--worker_num=2", "--local_worker_num=2",
+                           "--master_addr=127.0.0.1", f"--master_port={port}", "--join=True",
+                           "--cluster_time_out=60", f"--log_dir={logs}", script, str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    results = [out / f"callback_rank{r}.json" for r in range(2)]
+    assert proc.returncode == 0 and all(p.is_file() for p in results), proc.stdout[-2000:]
+    ranks = [json.loads(p.read_text()) for p in results]
+    assert ranks[0]["plans"] == ranks[1]["plans"]
+    records = ranks[0]["plans"]
+    assert FORCE_STEP in [r["step"] for r in records]
+    assert len(ranks[0]["state_names"]) == 8          # Adam's m and v of w1, b1, w2, b2
+    for record in records:
+        assert record["recompiled"] is False
+        assert 0 <= record["moved_bytes"] < record["expert_table_bytes"]
+        assert (record["moved_slots"] > 0) == (record["moved_bytes"] > 0)
+        step = record["step"] - 1                     # index of that step's logs
+        before = {}                                   # expert -> its state rows before
+        for r in ranks:
+            log = r["moments"]["before"][step]
+            for i, expert in enumerate(log["experts"]):
+                before.setdefault(expert, [np.array(t[i]) for t in log["state"]])
+        for r in ranks:
+            log = r["moments"]["after"][step]
+            for i, expert in enumerate(log["experts"]):
+                for table, old in zip(log["state"], before[expert]):
+                    np.testing.assert_array_equal(np.array(table[i]), old)
+    assert any(r["moved_slots"] > 0 for r in records)
+    moved = [r for r in records if r["moved_slots"] > 0][0]["step"] - 1
+    assert any(ranks[k]["moments"]["before"][moved]["experts"]
+               != ranks[k]["moments"]["after"][moved]["experts"] for k in range(2))
+    assert all(np.isfinite(r["losses"]).all() and len(r["losses"]) == 10 for r in ranks)

@@ -245,8 +245,11 @@ class EfficientMoECallback(RoutingTraceCallback):
         # the layers keep no drop counter for callbacks: the drop monitor sees none (a plan
         # built on the dropless buffers of train.ep_replan.dropless_plans drops nothing)
         self._replanner.observe(counts_LWE, np.zeros(len(self.layers)))
-        record = self._replanner.maybe_replan(len(self.steps),
-                                              getattr(args, "optimizer", None))
+        optimizer = getattr(args, "optimizer", None)
+        if optimizer is None and network is not None:     # Model(train_cell): find it there
+            optimizer = next((c for _, c in network.cells_and_names()
+                              if isinstance(c, nn.Optimizer)), None)
+        record = self._replanner.maybe_replan(len(self.steps), optimizer)
         if record is not None:
             record["step"] = self.steps[-1]
             self.plans.append(record)

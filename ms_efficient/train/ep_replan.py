@@ -84,14 +84,20 @@ def expert_bytes(layer) -> int:
 
 def _state_rows(layer, optimizer) -> List:
     """The optimizer's per-slot state Parameters of the layer's expert tables (e.g. Adam's
-    ``adam_m.<name>``, ``adam_v.<name>``): same shape as a table, named ``<prefix>.<name>``."""
+    first and second moments): element i of every ParameterTuple attribute of the optimizer
+    aligned with ``optimizer.parameters`` (moments1/moments2, moment1/moment2, moments, ...),
+    where parameter i is one of the layer's w1, b1, w2, b2 (by identity: names change when a
+    network is wrapped after the optimizer is built)."""
+    from mindspore import ParameterTuple
+
+    params = list(optimizer.parameters)
     tables = (layer.w1, layer.b1, layer.w2, layer.b2)
-    names = {p.name: p for p in tables}
+    index = [i for i, p in enumerate(params) if any(p is t for t in tables)]
     out = []
-    for param in optimizer.get_parameters():
-        prefix, _, base = param.name.partition(".")
-        if base in names and prefix and param.shape == names[base].shape:
-            out.append(param)
+    for name, value in vars(optimizer).items():
+        if (isinstance(value, ParameterTuple) and name not in ("parameters", "_parameters")
+                and len(value) == len(params)):
+            out += [value[i] for i in index if tuple(value[i].shape) == tuple(params[i].shape)]
     return out
 
 
@@ -136,6 +142,8 @@ def apply_plan(layer, plan: ExpertPlan, optimizer=None) -> Dict[str, int]:
     else:
         layer.set_plan(plan)
     new_local = np.asarray(layer.local_experts)
+    logger.debug("set_plan: %d optimizer state tables moved with the experts %s -> %s",
+                 len(state), old_local.tolist(), new_local.tolist())
     for param, table in zip(state, logical):
         param.set_data(Tensor(pad_rows(table[new_local], param.shape[0]).astype(np.float32)))
     recorded = getattr(layer, "last_migration", None)
@@ -240,12 +248,14 @@ class ExpertParallelReplanner:
                 logger.info("step %d: EfficientMoE keeps the placement: %s", step,
                             polled[0].reason if polled[0] else "first plan")
             return None
-        plans = [self._within_buffers(p, now) for p, now in zip(cand.plans, current)]
+        load_LRE = counts[-em.window:].mean(axis=0)
+        plans = [self._within_buffers(self._least_moving(p, now, load), now)
+                 for p, now, load in zip(cand.plans, current, load_LRE)]
         if forced and all(np.array_equal(p.slot_expert, now.slot_expert)
                           and np.array_equal(p.slot_device, now.slot_device)
                           for p, now in zip(plans, current)):
-            load_LRE = counts[-em.window:].mean(axis=0)
-            plans = [self._within_buffers(self._spread(load_RE), now)
+            plans = [self._within_buffers(self._least_moving(self._spread(load_RE), now,
+                                                             load_RE), now)
                      for load_RE, now in zip(load_LRE, current)]
             reason += " (the planner kept the placement: spare slots filled with replicas)"
         if plans_equal(plans, current):
@@ -253,6 +263,40 @@ class ExpertParallelReplanner:
                         "to move", step, reason)
             return None
         return self._apply(step, plans, optimizer, reason)
+
+    def _least_moving(self, plan: ExpertPlan, now: ExpertPlan, load_RE: np.ndarray,
+                      tolerance: float = 0.01) -> ExpertPlan:
+        """``plan`` with its devices renamed (new device d' -> the old device whose experts it
+        shares most, greedily) when that moves fewer expert copies and its modelled step time
+        on ``load_RE`` is within ``tolerance`` of ``plan``'s: the planner places replicas
+        heaviest first without regard to where experts are, so two ranks may just swap."""
+        world = self.world
+        overlap = np.zeros((world, world))
+        for d_new in range(world):
+            for d_old in range(world):
+                a = np.bincount(plan.slot_expert[plan.slot_device == d_new], minlength=1)
+                b = np.bincount(now.slot_expert[now.slot_device == d_old], minlength=1)
+                size = max(a.size, b.size)
+                overlap[d_new, d_old] = np.minimum(np.pad(a, (0, size - a.size)),
+                                                   np.pad(b, (0, size - b.size))).sum()
+        rename, free = np.full(world, -1), set(range(world))
+        for flat in np.argsort(-overlap, axis=None, kind="stable"):
+            d_new, d_old = divmod(int(flat), world)
+            if rename[d_new] < 0 and d_old in free:
+                rename[d_new] = d_old
+                free.discard(d_old)
+        if np.array_equal(rename, np.arange(world)):
+            return plan
+        order = np.lexsort((plan.slot_expert, rename[plan.slot_device]))
+        renamed = dataclasses.replace(
+            plan, slot_expert=plan.slot_expert[order],
+            slot_device=rename[plan.slot_device][order], slot_capacity=plan.slot_capacity[order])
+        if moved_slots(now, renamed, world) >= moved_slots(now, plan, world):
+            return plan
+        step = self.planner.step_time_s
+        if step([renamed], load_RE[None]) > (1 + tolerance) * step([plan], load_RE[None]):
+            return plan
+        return renamed
 
     def _spread(self, load_RE: np.ndarray) -> ExpertPlan:
         """The placement that fills every slot of the budget: the hottest experts replicated
