@@ -70,7 +70,9 @@ class GradReducer(nn.Cell):
     W, then all clipped by the global norm ``clip`` (0: no clipping) as
     ``ops.clip_by_global_norm`` clips the one-process gradients. ``norm_weight_{j}`` float32
     [S_b] of MoE layer j: 1 / replicas of the slot's expert, 0 for empty slots; data
-    (Parameters), refreshed by :meth:`set_plans` after a re-plan."""
+    (Parameters): call :meth:`set_plans` after every re-plan (the trainer does; in a
+    ``Model.train`` loop with ``EfficientMoECallback``, do it when its ``plans`` grows).
+    ``grads``: the tuple of gradients, one per parameter, each of its parameter's shape."""
 
     def __init__(self, params, layers: List[ExpertParallelMoE], world: int, clip: float):
         super().__init__()

@@ -25,7 +25,7 @@ def main():
     os.makedirs(out_dir, exist_ok=True)
     import mindspore as ms
     import mindspore.dataset as ds
-    from mindspore import Tensor, nn, ops
+    from mindspore import nn
     from mindspore.communication import get_group_size, get_rank, init
     from mindspore.train import Model
 
