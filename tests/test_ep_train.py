@@ -148,17 +148,16 @@ def two_workers(tmp_path_factory):
 @pytest.mark.slow
 @needs_msrun
 def test_two_workers_match_the_one_process_loss_per_step(two_workers):
-    """Loss and cross-entropy per step within 1e-3 relative for 20 steps, re-plans included.
-    The router's load-balancing term differs by design (each rank's layer returns the aux
-    loss of its own tokens; the mean over ranks differs from the global batch's by a
-    covariance over ranks): loss - ce is held to 1e-3 of the loss as well."""
+    """Loss and cross-entropy per step within 1e-3 relative for 20 steps, re-plans included;
+    the load-balancing term (loss - ce) is that of all ranks' tokens (GlobalRouterAux), so it
+    agrees too (to 1e-4 absolute, against ~1e-2 for the term itself)."""
     config, ep, one, seconds = two_workers
     a, b = _losses(ep), _losses(one)
     assert sorted(a) == list(range(1, STEPS + 1)) and sorted(b) == sorted(a)
     for step in a:
         np.testing.assert_allclose(a[step], b[step], rtol=1e-3, err_msg=f"step {step}")
     aux_gap = max(abs((a[s][0] - a[s][1]) - (b[s][0] - b[s][1])) for s in a)
-    assert aux_gap <= 1e-3 * min(v[0] for v in b.values())
+    assert aux_gap <= 1e-4
     worst = max(abs(a[s][0] - b[s][0]) / b[s][0] for s in a)
     print(f"\n2 workers vs 1 process: worst relative loss gap {worst:.2e} over {STEPS} steps, "
           f"aux term gap {aux_gap:.2e}; runs took {seconds[0]:.0f} s and {seconds[1]:.0f} s")

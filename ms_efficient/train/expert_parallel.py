@@ -17,11 +17,14 @@ on the rank, everything else is replicated (data-parallel):
 The initial weights are the one-process model's (the same seed builds it on every rank, its
 values are copied in: dense by name, experts through ``set_weights``), so with the dropless
 initial plan (:func:`~ms_efficient.train.ep_replan.dropless_plans`) the run computes what the
-one-process run with a dropless MoE computes on the same global batch. One term differs by
-design: each ``ExpertParallelMoE`` returns the router's load-balancing loss of its own
-tokens, so the logged ``loss`` holds ``aux_loss_coef`` x the mean over ranks of per-rank
-aux losses (E sum_e f_e p_e over the rank's tokens), not that of the global batch; ``ce`` is
-the same quantity as the one-process run's.
+one-process run with a dropless MoE computes on the same global batch. Each
+``ExpertParallelMoE`` returns the router's load-balancing loss of its own tokens; the model
+replaces it by that of every rank's tokens (``models.gpt_moe.GlobalRouterAux``, one AllReduce
+of the [2, E] routing fractions and mean probabilities per MoE block), so ``loss`` and its
+gradient are the one-process run's too. (With the per-rank term instead, the mean over ranks
+differs from the global one by E x a covariance over ranks, at most ``aux_loss_coef`` x E / 2
+for W = 2; on ``configs/gpt_moe_ep2.yaml`` that alone let the trajectories drift apart by 1 %
+after 10 steps at learning rate 2e-3.)
 
 Run folder (``out_dir``) as the one-process trainer's, plus per-rank checkpoints::
 
