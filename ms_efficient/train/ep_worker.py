@@ -17,4 +17,4 @@ if __name__ == "__main__":
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     from ms_efficient.train.expert_parallel import worker_main
 
-    sys.exit(worker_main(sys.argv[1:]))
+    sys.exit(worker_main(sys.argv[1:], configure_logging=True))

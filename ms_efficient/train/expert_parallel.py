@@ -379,10 +379,11 @@ def _trace(counts: List[np.ndarray], top_k: int, hidden: int, tokens_per_rank: i
                         steps=np.arange(1, len(rows) + 1))
 
 
-def worker_main(argv: Optional[List[str]] = None) -> int:
+def worker_main(argv: Optional[List[str]] = None, configure_logging: bool = False) -> int:
     """One rank of ``train --workers W``: ``CONFIG --out DIR [--steps N] [--efficientmoe
     on|off]`` or ``--resume DIR [--steps N]``. Initialises the communication when started
-    by msrun (``MS_ROLE`` set), else runs as the only rank."""
+    by msrun (``MS_ROLE`` set), else runs as the only rank; ``configure_logging``: INFO
+    records to stderr with the rank in each line (the msrun entry sets it)."""
     parser = argparse.ArgumentParser(prog="ms_efficient.train.ep_worker")
     parser.add_argument("config", nargs="?")
     parser.add_argument("--out")
@@ -394,8 +395,9 @@ def worker_main(argv: Optional[List[str]] = None) -> int:
         from mindspore.communication import init
 
         init()
-    logging.basicConfig(level=logging.INFO, datefmt="%H:%M:%S", format=(
-        f"%(asctime)s rank {backend.group_rank()} %(levelname)s %(name)s: %(message)s"))
+    if configure_logging:
+        logging.basicConfig(level=logging.INFO, datefmt="%H:%M:%S", format=(
+            f"%(asctime)s rank {backend.group_rank()} %(levelname)s %(name)s: %(message)s"))
     overrides = {}
     if args.steps is not None:
         overrides["train.steps"] = args.steps
