@@ -99,7 +99,7 @@ def test_one_rank_expert_parallel_run_equals_the_one_process_trainer(tmp_path, t
     """W = 1 (no msrun): the EP model, its gradient reducer and clipping against the
     one-process trainer with grouped (dropless) experts, same seed and batches."""
     from ms_efficient.core.config import load_config
-    from ms_efficient.train.expert_parallel import worker_main
+    from ms_efficient.train.ep_worker import worker_main
     from ms_efficient.train.trainer import Trainer
 
     config = _config(tmp_path, text_dir, train={"steps": 4, "save_every": 4})

@@ -1,7 +1,7 @@
 """Expert-parallel training of the reference GPT-MoE over W ranks (``train --workers W``).
 
 Every rank runs this module's :class:`ExpertParallelTrainer` (started by msrun, see
-:mod:`ms_efficient.train.ep_launch`); the MoE FFNs are
+:mod:`ms_efficient.train.ep_launch` and :mod:`ms_efficient.train.ep_worker`); the MoE FFNs are
 :class:`~ms_efficient.moe.ep_layer.ExpertParallelMoE` layers holding the experts the plan puts
 on the rank, everything else is replicated (data-parallel):
 
@@ -39,7 +39,6 @@ Rank 0 writes the shared files after every rank has written its checkpoint.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -52,7 +51,7 @@ import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from ms_efficient.core import backend
-from ms_efficient.core.config import RunConfig, load_config, save_config
+from ms_efficient.core.config import RunConfig, save_config
 from ms_efficient.core.fileio import atomic_write_text, atomic_write_with
 from ms_efficient.models.gpt_moe import build_model
 from ms_efficient.moe.ep_layer import ExpertParallelMoE
@@ -62,7 +61,7 @@ from ms_efficient.train.ep_replan import (ExpertParallelReplanner, compiled_grap
                                           dropless_plans, load_plans_state, slot_budget)
 from ms_efficient.train.trainer import _fmt_eta, _is_scratch, make_optimizer
 
-__all__ = ["ExpertParallelTrainer", "GradReducer", "worker_main"]
+__all__ = ["ExpertParallelTrainer", "GradReducer"]
 
 logger = logging.getLogger(__name__)
 
@@ -377,38 +376,3 @@ def _trace(counts: List[np.ndarray], top_k: int, hidden: int, tokens_per_rank: i
     rows = np.stack(counts)
     return RoutingTrace(counts=rows, top_k=top_k, hidden=hidden, tokens_per_rank=tokens_per_rank,
                         steps=np.arange(1, len(rows) + 1))
-
-
-def worker_main(argv: Optional[List[str]] = None, configure_logging: bool = False) -> int:
-    """One rank of ``train --workers W``: ``CONFIG --out DIR [--steps N] [--efficientmoe
-    on|off]`` or ``--resume DIR [--steps N]``. Initialises the communication when started
-    by msrun (``MS_ROLE`` set), else runs as the only rank; ``configure_logging``: INFO
-    records to stderr with the rank in each line (the msrun entry sets it)."""
-    parser = argparse.ArgumentParser(prog="ms_efficient.train.ep_worker")
-    parser.add_argument("config", nargs="?")
-    parser.add_argument("--out")
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--resume")
-    parser.add_argument("--efficientmoe", choices=("on", "off"))
-    args = parser.parse_args(argv)
-    if os.environ.get("MS_ROLE"):
-        from mindspore.communication import init
-
-        init()
-    if configure_logging:
-        logging.basicConfig(level=logging.INFO, datefmt="%H:%M:%S", format=(
-            f"%(asctime)s rank {backend.group_rank()} %(levelname)s %(name)s: %(message)s"))
-    overrides = {}
-    if args.steps is not None:
-        overrides["train.steps"] = args.steps
-    if args.efficientmoe is not None:
-        overrides["efficientmoe.enabled"] = args.efficientmoe == "on"
-    if args.resume:
-        cfg, out = load_config(os.path.join(args.resume, "config.yaml"), overrides), args.resume
-    else:
-        if args.out:
-            overrides["train.out_dir"] = args.out
-        cfg = load_config(args.config, overrides)
-        out = cfg.train.out_dir
-    ExpertParallelTrainer(cfg, out, resume=bool(args.resume)).run()
-    return 0
