@@ -3,6 +3,7 @@
     ms-efficient train CONFIG [--steps N] [--out DIR] [--overwrite]
                                                          train the reference MoE model
     ms-efficient train --resume DIR [--steps N]          continue a run from its checkpoint
+    ms-efficient train CONFIG --workers W [--out DIR]    expert-parallel over W msrun ranks
     ms-efficient graph CONFIG_OR_FILE [--mode M] [--out graph.json]
     ms-efficient report RUN_DIR                          rebuild a run's report.md and plots
     ms-efficient plan KIND ...                           run a planner, write plan YAML
@@ -53,6 +54,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
     overrides = {}
     if args.efficientmoe is not None:
         overrides["efficientmoe.enabled"] = args.efficientmoe == "on"
+    workers = args.workers
+    if args.resume:
+        from ms_efficient.train.ep_launch import saved_world_size
+
+        saved = saved_world_size(args.resume)
+        if workers is not None and workers != saved:
+            raise ValueError(f"--resume: '{args.resume}' was trained with world_size {saved}, "
+                             f"but --workers is {workers}; resume it with --workers {saved}.")
+        workers = saved
+    if (workers or 1) > 1:
+        return _train_expert_parallel(args, workers)
     result = train(args.config, out_dir=args.out, steps=args.steps, resume=args.resume,
                    overrides=overrides, overwrite=args.overwrite)
     drop = result.first_val_loss - result.final_val_loss
@@ -62,6 +74,30 @@ def _cmd_train(args: argparse.Namespace) -> int:
     print(f"measured step time {result.step_time_s * 1e3:.1f} ms "
           f"({result.tokens_per_s:.0f} tokens/s, MindSpore GRAPH_MODE on CPU)")
     print(f"report: {os.path.join(result.out_dir, 'report.md')}")
+    return 0
+
+
+def _train_expert_parallel(args: argparse.Namespace, workers: int) -> int:
+    """``train --workers W``: W msrun ranks on this machine (ms_efficient.train.ep_launch)."""
+    import json
+
+    from ms_efficient.train.ep_launch import launch
+    from ms_efficient.train.report import write_report
+
+    out = launch(workers, args.config, out=args.out, steps=args.steps, resume=args.resume,
+                 efficientmoe=args.efficientmoe)
+    with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as fh:
+        rows = [json.loads(line) for line in fh if line.strip()]
+    vals = [r for r in rows if r["kind"] == "val"]
+    replans = [r for r in rows if r["kind"] == "replan"]
+    print(f"run folder: {out} ({workers} expert-parallel ranks)")
+    if vals:
+        print(f"validation loss: {vals[0]['val_loss']:.4f} -> {vals[-1]['val_loss']:.4f} "
+              f"nats/byte after {vals[-1]['step']} steps")
+    print(f"re-plans: {len(replans)}" + "".join(
+        f"; step {r['step']}: {r['moved_slots']} slots, {r['moved_bytes']} bytes moved, "
+        f"recompiled {str(r.get('recompiled')).lower()}" for r in replans))
+    print(f"report: {write_report(out)}")
     return 0
 
 
@@ -161,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "non-empty folder is refused)")
     p.add_argument("--efficientmoe", choices=("on", "off"),
                    help="override efficientmoe.enabled: online per-expert capacities")
+    p.add_argument("--workers", type=_positive_int,
+                   help="expert-parallel ranks started with msrun on this machine (>= 2); "
+                        "default one process, or the world size of a resumed run")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("graph", help="extract or read an OpGraph and print its summary")

@@ -126,8 +126,14 @@ class MoEConfig:
     # permuted by expert, every expert on its own rows: no capacity, no padding, no drops;
     # moe.layer module doc).
     dispatch: str = "static"
+    # Expert-parallel runs (`ms-efficient train --workers W`): weight slots every rank compiles
+    # for its experts (ExpertParallelMoE's slots_per_device); 0 = ceil(num_experts / W) + 1,
+    # one spare slot for a replica an online re-plan may add.
+    slots_per_device: int = 0
 
     def validate(self, path: str) -> None:
+        if self.slots_per_device < 0:
+            _fail(f"{path}.slots_per_device", self.slots_per_device, ">= 0 (0 = automatic)")
         if self.dispatch not in ("static", "grouped"):
             _fail(f"{path}.dispatch", self.dispatch, "one of ['static', 'grouped']")
         if self.num_experts < 1:
@@ -185,8 +191,13 @@ class EfficientMoEConfig:
     # >= 3 rows the first plan is made before the first compilation (no warm-up steps at the
     # static `capacity_factor`); "" = none.
     history: str = ""
+    # Expert-parallel runs: adopt the planner's placement after this many steps even when the
+    # re-plan rule finds no gain worth it (0 = never force), so a short run shows a re-plan.
+    force_replan_step: int = 0
 
     def validate(self, path: str) -> None:
+        if self.force_replan_step < 0:
+            _fail(f"{path}.force_replan_step", self.force_replan_step, ">= 0 (0 = never)")
         if not isinstance(self.history, str):
             _fail(f"{path}.history", self.history, "a path string or ''")
         if self.history and not os.path.isfile(history_trace_path(self.history)):

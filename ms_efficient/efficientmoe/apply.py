@@ -29,7 +29,11 @@ package's trainer and the trace replay use (a check every ``replan_every`` steps
 as the drop monitor fires: each step's drops are each expert's count beyond its capacity,
 exactly the layer's rule). When the planner adopts new per-expert capacities it sets them on
 every ``MoEFeedForward`` and makes the running train network compile a new graph on its next
-step (``backend.recompile_on_next_call``).
+step (``backend.recompile_on_next_call``). On a network of expert-parallel layers
+(``ExpertParallelMoE`` with grouped dispatch, every rank running the callback) it re-places
+the experts instead, through ``set_plan`` within the compiled row buffers: no recompilation
+(:class:`~ms_efficient.train.ep_replan.ExpertParallelReplanner`, the expert-parallel trainer's
+loop).
 """
 from __future__ import annotations
 
@@ -132,8 +136,10 @@ class EfficientMoECallback(RoutingTraceCallback):
         path, save_every: as for :class:`RoutingTraceCallback` (the trace is kept too).
 
     ``plans`` lists every adopted plan: ``{"step", "capacities" [layer][expert],
-    "rows_before", "rows_after", "expected_drop_rate"}``. Raises ValueError when the network
-    has no layer whose capacities can be set.
+    "rows_before", "rows_after", "expected_drop_rate"}``; on a network of grouped
+    ``ExpertParallelMoE`` layers (every rank runs the callback) the re-placements instead:
+    ``{"kind": "replan", "step", "moved_slots", "moved_bytes", "recompiled"}``. Raises
+    ValueError when the network has no layer whose capacities or placement can be set.
     """
 
     def __init__(self, network: nn.Cell, config, path: Optional[str] = None,
@@ -148,6 +154,18 @@ class EfficientMoECallback(RoutingTraceCallback):
         else:
             raise TypeError(f"'config' must be a RunConfig or an EfficientMoEConfig, but got "
                             f"{type(config).__name__}.")
+        self.cfg, self.cluster = em, cluster
+        self.planner: Optional[EfficientMoEPlanner] = None
+        self.loop: Optional[ReplanLoop] = None
+        self.plans: List[dict] = []
+        # expert-parallel layers (grouped ExpertParallelMoE): placements through set_plan
+        ep_layers = [c for c in self.layers if getattr(c, "grouped", False)
+                     and hasattr(c, "set_plan")]
+        self.expert_parallel = bool(ep_layers)
+        self._replanner, self._pending = None, None
+        if ep_layers:
+            self.layers = ep_layers
+            return
         self.layers = [c for c in self.layers if hasattr(c, "set_capacities")
                        and getattr(c, "dispatch", "static") == "static"]
         if not self.layers:
@@ -155,10 +173,6 @@ class EfficientMoECallback(RoutingTraceCallback):
                              "(MoEFeedForward with dispatch 'static') to re-plan; a grouped "
                              "layer on one device computes only its routed rows and has no "
                              "capacity to plan.")
-        self.cfg, self.cluster = em, cluster
-        self.planner: Optional[EfficientMoEPlanner] = None
-        self.loop: Optional[ReplanLoop] = None
-        self.plans: List[dict] = []
 
     def capacities(self) -> np.ndarray:
         """int64 [layer, expert] capacities the layers are set to."""
@@ -172,6 +186,9 @@ class EfficientMoECallback(RoutingTraceCallback):
 
     def on_train_step_end(self, run_context) -> None:
         super().on_train_step_end(run_context)
+        if self.expert_parallel:
+            self._expert_parallel_step(run_context)
+            return
         seen = len(self.steps)
         em = self.cfg
         if seen < max(em.warmup_steps, 3):
@@ -205,6 +222,40 @@ class EfficientMoECallback(RoutingTraceCallback):
                            "reason": decision.reason if decision else "first plan"})
         logger.info("step %d: EfficientMoE re-planned capacities %d -> %d slot rows; the "
                     "next step recompiles", self.steps[-1], int(current.sum()), int(caps.sum()))
+
+    def _expert_parallel_step(self, run_context) -> None:
+        """ExpertParallelMoE layers: every rank's counts (a host AllReduce: every rank's
+        callback calls it at every step), then the re-planner of the package's expert-parallel
+        trainer; an adopted plan is applied through ``set_plan`` on every layer, the
+        optimizer's slot state moved with it, and its record (``moved_slots``,
+        ``moved_bytes``, ``recompiled`` measured on the next step) appended to ``plans``."""
+        from ms_efficient.train.ep_replan import (ExpertParallelReplanner, compiled_graphs,
+                                                  rank_counts)
+
+        args = run_context.original_args()
+        network = getattr(args, "train_network", None)
+        if self._pending is not None:
+            record, before = self._pending
+            after = compiled_graphs(network)
+            record["recompiled"] = None if before is None else after != before
+            self._pending = None
+        counts_LWE = rank_counts(self.layers)
+        if self._replanner is None:
+            tokens = int(counts_LWE[0].sum()) // int(self.layers[0].top_k)
+            self._replanner = ExpertParallelReplanner(self.layers, self.cfg, self.cluster,
+                                                      tokens)
+        # the layers keep no drop counter for callbacks: the drop monitor sees none (a plan
+        # built on the dropless buffers of train.ep_replan.dropless_plans drops nothing)
+        self._replanner.observe(counts_LWE, np.zeros(len(self.layers)))
+        optimizer = getattr(args, "optimizer", None)
+        if optimizer is None and network is not None:     # Model(train_cell): find it there
+            optimizer = next((c for _, c in network.cells_and_names()
+                              if isinstance(c, nn.Optimizer)), None)
+        record = self._replanner.maybe_replan(len(self.steps), optimizer)
+        if record is not None:
+            record["step"] = self.steps[-1]
+            self.plans.append(record)
+            self._pending = (record, compiled_graphs(network))
 
 
 @register_pass("efficientmoe")

@@ -3,6 +3,10 @@
 Pre-LayerNorm blocks (Radford et al. 2019): x + Attn(LN(x)), then x + FFN(LN(x)), where FFN is
 a :class:`~ms_efficient.moe.layer.MoEFeedForward` in every ``moe_every``-th block and a dense
 FFN elsewhere. Learned positions, tied input/output embeddings, byte-level vocabulary.
+With ``plans`` (one :class:`~ms_efficient.moe.plan.ExpertPlan` per MoE block) the MoE FFNs are
+:class:`~ms_efficient.moe.ep_layer.ExpertParallelMoE` layers instead, each holding this rank's
+experts (an expert-parallel run: ``ms_efficient.train.expert_parallel``), and the
+load-balancing loss is that of every rank's tokens (:class:`GlobalRouterAux`), as in one process.
 """
 from __future__ import annotations
 
@@ -14,9 +18,11 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from ms_efficient.core.config import ModelConfig, MoEConfig
-from ms_efficient.moe.layer import MoEFeedForward, expert_capacity, make_gelu
+from ms_efficient.moe.ep_layer import ExpertParallelMoE
+from ms_efficient.moe.layer import MoEFeedForward, TopKArrival, expert_capacity, make_gelu
 
-__all__ = ["GPTMoE", "CausalSelfAttention", "DenseFeedForward", "Block", "build_model"]
+__all__ = ["GPTMoE", "CausalSelfAttention", "DenseFeedForward", "Block", "GlobalRouterAux",
+           "build_model"]
 
 
 class CausalSelfAttention(nn.Cell):
@@ -67,21 +73,51 @@ class DenseFeedForward(nn.Cell):
         return y, ops.zeros((), ms.float32), self.zero_counts, ops.zeros((), ms.int32)
 
 
+class GlobalRouterAux(nn.Cell):
+    """``construct(x_BSH, router_EH) -> aux``: the Switch load-balancing loss E sum_e f_e p_e
+    of the tokens of ALL ranks (f_e: fraction of the top-k assignments to e, p_e: mean router
+    probability of e, both averaged over the W ranks' equal token counts by one AllReduce of
+    [2, E]), recomputed from this rank's tokens and router weights as the MoE layer routes
+    them. An expert-parallel layer returns the loss of its own tokens; this makes the
+    expert-parallel run optimise the one-process objective. Its backward AllReduces the
+    gradient of the mean probabilities, so every rank's router gets the global term's
+    gradient through its own tokens."""
+
+    def __init__(self, num_experts: int, top_k: int, world: int):
+        super().__init__()
+        self.num_experts, self.world = num_experts, world
+        self.arrival = TopKArrival(num_experts, top_k)
+        self.all_reduce = ops.AllReduce(op=ops.ReduceOp.SUM)
+
+    def construct(self, x, router):
+        b, s, h = x.shape
+        probs_TE, _, _, onehot_AE, _ = self.arrival(ops.matmul(x.reshape(b * s, h),
+                                                               router.transpose(1, 0)))
+        fp = ops.stack((ops.stop_gradient(onehot_AE.mean(axis=0)), probs_TE.mean(axis=0)))
+        fp = self.all_reduce(fp) / self.world
+        return self.num_experts * (fp[0] * fp[1]).sum()
+
+
 class Block(nn.Cell):
-    """Pre-LN transformer block: ``construct(x) -> (x, aux_loss, counts_RE, dropped)``."""
+    """Pre-LN transformer block: ``construct(x) -> (x, aux_loss, counts_RE, dropped)``;
+    ``aux`` (a :class:`GlobalRouterAux`) replaces the FFN's load-balancing loss."""
 
     def __init__(self, hidden_size: int, num_heads: int, seq_length: int, ffn: nn.Cell,
-                 init_std: float, dropout: float):
+                 init_std: float, dropout: float, aux=None):
         super().__init__()
         self.ln1 = nn.LayerNorm((hidden_size,))
         self.attn = CausalSelfAttention(hidden_size, num_heads, seq_length, init_std)
         self.ln2 = nn.LayerNorm((hidden_size,))
         self.ffn = ffn
+        self.aux = aux
         self.dropout = nn.Dropout(p=dropout) if dropout > 0 else nn.Identity()
 
     def construct(self, x):
         x = x + self.dropout(self.attn(self.ln1(x)))
-        y, aux, counts, dropped = self.ffn(self.ln2(x))
+        h = self.ln2(x)
+        y, aux, counts, dropped = self.ffn(h)
+        if self.aux is not None:
+            aux = self.aux(h, self.ffn.router.weight)
         return x + self.dropout(y), aux, counts, dropped
 
 
@@ -95,7 +131,7 @@ class GPTMoE(nn.Cell):
     """
 
     def __init__(self, model: ModelConfig, moe: MoEConfig, batch_size: int,
-                 trace_ranks: int = 1):
+                 trace_ranks: int = 1, plans=None, slots_per_device=None):
         super().__init__()
         if batch_size % trace_ranks:
             raise ValueError(f"'train.batch_size' ({batch_size}) must be a multiple of "
@@ -111,15 +147,28 @@ class GPTMoE(nn.Cell):
                                    moe.capacity_multiple)
         blocks = []
         moe_layers = []
+        num_moe = sum((i + 1) % moe.moe_every == 0 for i in range(model.num_layers))
+        if plans is not None and len(plans) != num_moe:
+            raise ValueError(f"'plans' must give one expert plan per MoE block ({num_moe}), "
+                             f"but got {len(plans)}.")
         for i in range(model.num_layers):
-            if (i + 1) % moe.moe_every == 0:
+            if (i + 1) % moe.moe_every == 0 and plans is not None:
+                ffn = ExpertParallelMoE(h, model.ffn_hidden_size, moe.num_experts, moe.top_k,
+                                        plans[len(moe_layers)], trace_ranks=trace_ranks,
+                                        init_std=std, seed=len(moe_layers),
+                                        slots_per_device=slots_per_device)
+                moe_layers.append(i)
+            elif (i + 1) % moe.moe_every == 0:
                 ffn = MoEFeedForward(h, model.ffn_hidden_size, moe.num_experts, moe.top_k,
                                      capacity, trace_ranks, std, dispatch=moe.dispatch)
                 moe_layers.append(i)
             else:
                 ffn = DenseFeedForward(h, model.ffn_hidden_size, moe.num_experts, trace_ranks,
                                        std)
-            blocks.append(Block(h, model.num_heads, model.seq_length, ffn, std, model.dropout))
+            aux = (GlobalRouterAux(moe.num_experts, moe.top_k, ffn.world)
+                   if isinstance(ffn, ExpertParallelMoE) and ffn.world > 1 else None)
+            blocks.append(Block(h, model.num_heads, model.seq_length, ffn, std, model.dropout,
+                                aux))
         self.blocks = nn.CellList(blocks)
         self.moe_index = tuple(moe_layers)
         self.num_moe = max(1, len(moe_layers))
@@ -150,6 +199,16 @@ class GPTMoE(nn.Cell):
         return loss, ce, counts, dropped
 
 
-def build_model(model: ModelConfig, moe: MoEConfig, batch_size: int) -> GPTMoE:
-    """The reference network for a config (float32 master weights)."""
-    return GPTMoE(model, moe, batch_size, moe.trace_ranks)
+def build_model(model: ModelConfig, moe: MoEConfig, batch_size: int, plans=None,
+                slots_per_device=None) -> GPTMoE:
+    """The reference network for a config (float32 master weights).
+
+    plans: None for the one-process network (``MoEFeedForward``, ``moe.trace_ranks`` trace
+    groups); else one "grouped" ExpertPlan per MoE block: ``ExpertParallelMoE`` layers over
+    the initialised world group (``batch_size`` is then this rank's batch, one trace group
+    per rank) with ``slots_per_device`` weight slots each. Their initial weights come from
+    ``init_expert_weights``; load the one-process network's with ``set_weights`` to start
+    from the same point (``ms_efficient.train.expert_parallel`` does)."""
+    if plans is None:
+        return GPTMoE(model, moe, batch_size, moe.trace_ranks)
+    return GPTMoE(model, moe, batch_size, 1, plans, slots_per_device)

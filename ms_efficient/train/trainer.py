@@ -45,7 +45,7 @@ from ms_efficient.train import checkpoint as run_ckpt
 from ms_efficient.train.data import Corpus, load_corpus
 from ms_efficient.train.footprint import check_fits_machine
 
-__all__ = ["Trainer", "TrainResult", "lr_schedule", "train"]
+__all__ = ["Trainer", "TrainResult", "lr_schedule", "make_optimizer", "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,20 @@ def lr_schedule(peak: float, warmup: int, total: int, floor: float = 0.1) -> Lis
             progress = (step - warmup) / max(1, total - warmup)
             rates.append(peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))))
     return rates
+
+
+def make_optimizer(net: nn.Cell, tr) -> nn.AdamWeightDecay:
+    """AdamWeightDecay of the reference runs over ``net``'s trainable parameters: weight decay
+    ``tr.weight_decay`` on matrices (ndim >= 2) except embeddings, none elsewhere; the
+    learning rate of :func:`lr_schedule` per step (``tr``: the ``train`` config section)."""
+    params = net.trainable_params()
+    decay = [p for p in params if p.ndim >= 2 and "embedding" not in p.name]
+    no_decay = [p for p in params if not (p.ndim >= 2 and "embedding" not in p.name)]
+    return nn.AdamWeightDecay(
+        [{"params": decay, "weight_decay": tr.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        learning_rate=lr_schedule(tr.learning_rate, tr.warmup_steps, tr.steps),
+        beta1=0.9, beta2=0.95, eps=1e-8)
 
 
 @dataclass
@@ -92,14 +106,7 @@ class Trainer:
         self.corpus: Corpus = load_corpus(cfg.data, cfg.model.seq_length)
         tr = cfg.train
         self.net = build_model(cfg.model, cfg.moe, tr.batch_size)
-        params = self.net.trainable_params()
-        decay = [p for p in params if p.ndim >= 2 and "embedding" not in p.name]
-        no_decay = [p for p in params if not (p.ndim >= 2 and "embedding" not in p.name)]
-        self.optimizer = nn.AdamWeightDecay(
-            [{"params": decay, "weight_decay": tr.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
-            learning_rate=lr_schedule(tr.learning_rate, tr.warmup_steps, tr.steps),
-            beta1=0.9, beta2=0.95, eps=1e-8)
+        self.optimizer = make_optimizer(self.net, tr)
         self.moe_layers = [c for _, c in self.net.cells_and_names()
                            if isinstance(c, MoEFeedForward)]
         self._build_steps()

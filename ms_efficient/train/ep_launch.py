@@ -1,0 +1,112 @@
+"""``ms-efficient train --workers W``: start W expert-parallel ranks on this machine with msrun.
+
+The command runs ``msrun --worker_num=W --local_worker_num=W`` on 127.0.0.1 (a free port) with
+:mod:`ms_efficient.train.ep_worker` as the task, waits for it, and returns its status; msrun's
+logs go to ``<run folder>/msrun_log``. The workers run the ``python`` beside this interpreter
+(its folder is put first on PATH) with this package's parent folder on PYTHONPATH. No
+MindSpore import here: the parent process only checks the config and launches.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from typing import List, Optional
+
+from ms_efficient.core.config import load_config
+
+__all__ = ["launch", "saved_world_size", "worker_command"]
+
+logger = logging.getLogger(__name__)
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ep_worker.py")
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def saved_world_size(run_dir: str) -> int:
+    """``world_size`` of a run folder's state.json (1 for a one-process run or none)."""
+    path = os.path.join(run_dir, "state.json")
+    if not os.path.isfile(path):
+        return 1
+    with open(path, encoding="utf-8") as fh:
+        return int(json.load(fh).get("world_size", 1))
+
+
+def worker_command(config: Optional[str], out: Optional[str], steps: Optional[int],
+                   resume: Optional[str], efficientmoe: Optional[str]) -> List[str]:
+    """The worker script and its arguments (absolute paths)."""
+    cmd = [WORKER]
+    if resume:
+        cmd += ["--resume", os.path.abspath(resume)]
+    else:
+        cmd.append(os.path.abspath(config))
+        if out:
+            cmd += ["--out", os.path.abspath(out)]
+    if steps is not None:
+        cmd += ["--steps", str(steps)]
+    if efficientmoe is not None:
+        cmd += ["--efficientmoe", efficientmoe]
+    return cmd
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(workers: int, config: Optional[str], out: Optional[str] = None,
+           steps: Optional[int] = None, resume: Optional[str] = None,
+           efficientmoe: Optional[str] = None, timeout_s: int = 120) -> str:
+    """Run the expert-parallel training on ``workers`` local ranks; returns the run folder.
+
+    Checks first (ValueError naming the field): the config loads, ``train.batch_size`` is
+    divisible by ``workers``, and a resumed run was trained with as many ranks.
+    ``timeout_s``: msrun's ``--cluster_time_out`` (seconds for every rank to join).
+    Raises RuntimeError when msrun fails, with the tail of the rank logs."""
+    if workers < 2:
+        raise ValueError(f"'--workers' must be >= 2 for an expert-parallel run, but got "
+                         f"{workers}; without --workers the run uses one process.")
+    if resume:
+        cfg = load_config(os.path.join(resume, "config.yaml"))
+        run_dir, saved = resume, saved_world_size(resume)
+        if saved != workers:
+            raise ValueError(f"--resume: '{resume}' was trained with world_size {saved}, but "
+                             f"--workers is {workers}; resume it with --workers {saved}.")
+    else:
+        cfg = load_config(config)
+        run_dir = out or cfg.train.out_dir
+    if cfg.train.batch_size % workers:
+        raise ValueError(f"'train.batch_size' ({cfg.train.batch_size}) must be divisible by "
+                         f"--workers ({workers}).")
+    msrun = shutil.which("msrun") or shutil.which("msrun", path=os.path.dirname(sys.executable))
+    if msrun is None:
+        raise ValueError("'msrun' is not on PATH; put the environment that has MindSpore "
+                         "first on PATH (e.g. PATH=.venv/bin:$PATH).")
+    log_dir = os.path.join(os.path.abspath(run_dir), "msrun_log")
+    os.makedirs(log_dir, exist_ok=True)
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.path.dirname(msrun),
+                                   env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [PACKAGE_PARENT, env.get("PYTHONPATH")] if p)
+    cmd = [msrun, f"--worker_num={workers}", f"--local_worker_num={workers}",
+           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "--join=True",
+           f"--cluster_time_out={timeout_s}", f"--log_dir={log_dir}"]
+    cmd += worker_command(config, out, (steps if steps is not None else None), resume,
+                          efficientmoe)
+    logger.info("launching %d expert-parallel ranks: %s", workers, " ".join(cmd))
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    if proc.returncode != 0:
+        tails = []
+        for name in sorted(os.listdir(log_dir)):
+            with open(os.path.join(log_dir, name), errors="replace") as fh:
+                lines = [line for line in fh if not line.startswith(("[WARNING]", "[INFO]"))]
+            tails.append(f"--- {name} ---\n{''.join(lines[-25:])}")
+        raise RuntimeError(f"msrun exited with status {proc.returncode}; rank logs in "
+                           f"{log_dir}:\n" + "\n".join(tails))
+    return run_dir

@@ -1,0 +1,378 @@
+"""Expert-parallel training of the reference GPT-MoE over W ranks (``train --workers W``).
+
+Every rank runs this module's :class:`ExpertParallelTrainer` (started by msrun, see
+:mod:`ms_efficient.train.ep_launch` and :mod:`ms_efficient.train.ep_worker`); the MoE FFNs are
+:class:`~ms_efficient.moe.ep_layer.ExpertParallelMoE` layers holding the experts the plan puts
+on the rank, everything else is replicated (data-parallel):
+
+    global batch [B, S] (train.batch_size rows)  -> rank r takes rows [r B/W, (r+1) B/W)
+    forward/backward on the local rows            -> local loss_r, grads
+    dense + router grads: one flat AllReduce, / W (the gradient of the mean of the ranks'
+        losses); expert grads: / W only (the All-to-All's backward already summed every
+        rank's contribution: ep_layer's "Gradient scale");
+    clipping by the global norm: dense norm^2 + AllReduce of the local expert norm^2, every
+        slot weighted by 1 / (replicas of its expert), so replicas count once;
+    AdamWeightDecay (as the one-process trainer), logged loss = mean over ranks.
+
+The initial weights are the one-process model's (the same seed builds it on every rank, its
+values are copied in: dense by name, experts through ``set_weights``), so with the dropless
+initial plan (:func:`~ms_efficient.train.ep_replan.dropless_plans`) the run computes what the
+one-process run with a dropless MoE computes on the same global batch. Each
+``ExpertParallelMoE`` returns the router's load-balancing loss of its own tokens; the model
+replaces it by that of every rank's tokens (``models.gpt_moe.GlobalRouterAux``, one AllReduce
+of the [2, E] routing fractions and mean probabilities per MoE block), so ``loss`` and its
+gradient are the one-process run's too. (With the per-rank term instead, the mean over ranks
+differs from the global one by E x a covariance over ranks, at most ``aux_loss_coef`` x E / 2
+for W = 2; on ``configs/gpt_moe_ep2.yaml`` that alone let the trajectories drift apart by 1 %
+after 10 steps at learning rate 2e-3.)
+
+Run folder (``out_dir``) as the one-process trainer's, plus per-rank checkpoints::
+
+    ckpt/rank_{r}/step_N.ckpt   rank r's network (its experts and plan tables) + optimizer
+    state.json                  {"step", "world_size": W, "checkpoint": "ckpt/rank_{rank}/...",
+                                 "plans": [ExpertPlan dict per MoE layer], "replan": {...}}
+    metrics.jsonl               train / val rows, and {"kind": "replan", "step", "moved_slots",
+                                 "moved_bytes", "recompiled": false, ...} per re-plan
+    trace.npz                   routing counts [step, MoE layer, rank, expert] of every rank
+
+Rank 0 writes the shared files after every rank has written its checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+
+from ms_efficient.core import backend
+from ms_efficient.core.config import RunConfig, save_config
+from ms_efficient.core.fileio import atomic_write_text, atomic_write_with
+from ms_efficient.models.gpt_moe import build_model
+from ms_efficient.moe.ep_layer import ExpertParallelMoE
+from ms_efficient.moe.trace import load_trace, save_trace
+from ms_efficient.train.data import load_corpus
+from ms_efficient.train.ep_replan import (ExpertParallelReplanner, compiled_graphs,
+                                          dropless_plans, load_plans_state, slot_budget)
+from ms_efficient.train.trainer import _fmt_eta, _is_scratch, make_optimizer
+
+__all__ = ["ExpertParallelTrainer", "GradReducer"]
+
+logger = logging.getLogger(__name__)
+
+
+class GradReducer(nn.Cell):
+    """``construct(grads) -> grads`` for ``params`` (the optimizer's order): dense gradients
+    averaged over the W ranks (one AllReduce of them flattened), expert gradients divided by
+    W, then all clipped by the global norm ``clip`` (0: no clipping) as
+    ``ops.clip_by_global_norm`` clips the one-process gradients. ``norm_weight_{j}`` float32
+    [S_b] of MoE layer j: 1 / replicas of the slot's expert, 0 for empty slots; data
+    (Parameters): call :meth:`set_plans` after every re-plan (the trainer does; in a
+    ``Model.train`` loop with ``EfficientMoECallback``, do it when its ``plans`` grows).
+    ``grads``: the tuple of gradients, one per parameter, each of its parameter's shape."""
+
+    def __init__(self, params, layers: List[ExpertParallelMoE], world: int, clip: float):
+        super().__init__()
+        owner = {}
+        for j, layer in enumerate(layers):
+            for p in (layer.w1, layer.b1, layer.w2, layer.b2):
+                owner[id(p)] = j
+        self.kind = tuple(owner.get(id(p), -1) for p in params)   # -1: dense
+        self.dense = tuple(i for i, k in enumerate(self.kind) if k < 0)
+        self.sizes = tuple(int(np.prod(params[i].shape)) for i in self.dense)
+        self.shapes = tuple(tuple(params[i].shape) for i in self.dense)
+        self.world, self.clip = world, float(clip)
+        self.weights = ParameterTuple([Parameter(Tensor(np.zeros(layer.budget, np.float32)),
+                                                 name=f"norm_weight_{j}", requires_grad=False)
+                                       for j, layer in enumerate(layers)])
+        self.set_plans(layers)
+        if world > 1:
+            self.all_reduce = ops.AllReduce(op=ops.ReduceOp.SUM)
+
+    def set_plans(self, layers: List[ExpertParallelMoE]) -> None:
+        """Slot weights of the layers' current plans (call after every ``set_plan``)."""
+        for layer, weight in zip(layers, self.weights):
+            local = np.asarray(layer.local_experts)
+            replicas = layer.plan.replica_counts(layer.num_experts)
+            values = np.zeros(layer.budget, np.float32)
+            values[:local.size] = 1.0 / replicas[local]
+            weight.set_data(Tensor(values))
+
+    def construct(self, grads):
+        n = len(self.kind)
+        dense = ops.concat([grads[i].reshape(-1) for i in self.dense])
+        if self.world > 1:
+            dense = self.all_reduce(dense) / self.world
+        parts = ops.split(dense, self.sizes)
+        sq = (dense * dense).sum()
+        expert_sq = ops.zeros((), ms.float32)
+        out = ()
+        d = 0
+        for i in range(n):
+            j = self.kind[i]
+            if j < 0:
+                out = out + (parts[d].reshape(self.shapes[d]),)
+                d += 1
+            else:
+                g = grads[i] / self.world
+                rows = (g * g).reshape(g.shape[0], -1).sum(axis=1)
+                expert_sq = expert_sq + (rows * self.weights[j]).sum()
+                out = out + (g,)
+        if self.clip <= 0:
+            return out
+        if self.world > 1:
+            expert_sq = self.all_reduce(expert_sq)
+        norm = ops.sqrt(sq + expert_sq)
+        norm = ops.select(norm >= self.clip, norm, ops.fill(ms.float32, (), self.clip))
+        scale = self.clip / norm
+        return tuple(g * scale for g in out)
+
+
+class ExpertParallelTrainer:
+    """Trains ``GPTMoE`` with expert-parallel MoE layers on this rank, per ``cfg``, into
+    ``out_dir``; ``resume=True`` continues from state.json. ``init()`` must have run when
+    the job has several ranks (without it: one rank, W = 1, no collectives)."""
+
+    def __init__(self, cfg: RunConfig, out_dir: str, resume: bool = False):
+        self.cfg, self.out_dir, self.resume = cfg, out_dir, resume
+        ms.set_context(mode=getattr(ms, cfg.context.mode))
+        backend.use_device(cfg.context.device_target)
+        self.world, self.rank = backend.group_size(), backend.group_rank()
+        tr, mc, moe = cfg.train, cfg.model, cfg.moe
+        if tr.batch_size % self.world:
+            raise ValueError(f"'train.batch_size' ({tr.batch_size}) must be divisible by "
+                             f"--workers ({self.world}).")
+        self.local_batch = tr.batch_size // self.world
+        self.tokens_per_step = tr.batch_size * mc.seq_length
+        ms.set_seed(cfg.context.seed)
+        self.corpus = load_corpus(cfg.data, mc.seq_length)
+        initial = {p.name: p.asnumpy() for p in
+                   build_model(mc, moe, tr.batch_size).get_parameters()}  # one-process init
+        num_moe = sum((i + 1) % moe.moe_every == 0 for i in range(mc.num_layers))
+        plans = dropless_plans(num_moe, moe.num_experts, self.world, moe.top_k,
+                               self.tokens_per_step)
+        budget = slot_budget(moe.num_experts, self.world, moe.slots_per_device)
+        self.net = build_model(mc, moe, self.local_batch, plans, budget)
+        self.layers = [c for _, c in self.net.cells_and_names()
+                       if isinstance(c, ExpertParallelMoE)]
+        _load_initial(self.net, self.layers, initial)
+        self.optimizer = make_optimizer(self.net, tr)
+        params = self.optimizer.parameters
+        self.reducer = GradReducer(params, self.layers, self.world, tr.grad_clip)
+        self.replanner = (ExpertParallelReplanner(self.layers, cfg.efficientmoe,
+                                                  cfg.cluster_spec(), self.tokens_per_step)
+                          if cfg.efficientmoe.enabled else None)
+        self._build_steps()
+        self.step, self.metrics, self.counts = 0, [], []
+        self.pending: Optional[Dict] = None          # a re-plan waiting for its next step
+
+    def _build_steps(self) -> None:
+        net, optimizer, reducer, world = self.net, self.optimizer, self.reducer, self.world
+        grad_fn = ms.value_and_grad(net, None, optimizer.parameters, has_aux=True)
+        all_reduce = ops.AllReduce(op=ops.ReduceOp.SUM) if world > 1 else None
+        all_gather = ops.AllGather() if world > 1 else None
+
+        @ms.jit
+        def train_step(tokens, targets):
+            (loss, ce, counts, dropped), grads = grad_fn(tokens, targets)
+            optimizer(reducer(grads))
+            stats = ops.stack((loss, ce))
+            counts = counts.reshape((1,) + counts.shape)          # [1, layers, 1, E]
+            if world > 1:
+                stats = all_reduce(stats) / world
+                counts = all_gather(counts)                        # [W, layers, 1, E]
+                dropped = all_reduce(dropped.astype(ms.float32)).astype(ms.int32)
+            return stats, counts, dropped
+
+        @ms.jit
+        def eval_step(tokens, targets):
+            ce = net(tokens, targets)[1]
+            if world > 1:
+                ce = all_reduce(ce) / world
+            return ce
+
+        self.train_step, self.eval_step = train_step, eval_step
+        self.barrier_op = all_reduce
+
+    def _rows(self, a: np.ndarray) -> Tensor:
+        return Tensor(a[self.rank * self.local_batch:(self.rank + 1) * self.local_batch])
+
+    def _barrier(self) -> None:
+        if self.barrier_op is not None:
+            self.barrier_op(Tensor(np.ones(1, np.float32))).asnumpy()
+
+    # ------------------------------------------------------------------ state
+    def save(self) -> None:
+        """Every rank its checkpoint; then rank 0 the trace, metrics and state.json (last)."""
+        rel = os.path.join("ckpt", "rank_{rank}", f"step_{self.step:06d}.ckpt")
+        path = os.path.join(self.out_dir, rel.format(rank=self.rank))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        seen, tensors = set(), []
+        for p in list(self.net.get_parameters()) + list(self.optimizer.get_parameters()):
+            if p.name not in seen and not _is_scratch(p.name):
+                seen.add(p.name)
+                tensors.append({"name": p.name, "data": p})
+        atomic_write_with(path, lambda tmp: ms.save_checkpoint(tensors, tmp), suffix=".ckpt")
+        folder = os.path.dirname(path)
+        for name in sorted(f for f in os.listdir(folder) if f.startswith("step_"))[:-2]:
+            os.unlink(os.path.join(folder, name))
+        self._barrier()
+        if self.rank != 0:
+            return
+        if self.counts:
+            moe = self.cfg.moe
+            save_trace(_trace(self.counts, moe.top_k, self.cfg.model.hidden_size,
+                              self.local_batch * self.cfg.model.seq_length),
+                       os.path.join(self.out_dir, "trace.npz"))
+        atomic_write_text(os.path.join(self.out_dir, "metrics.jsonl"),
+                          "".join(json.dumps(m) + "\n" for m in self.metrics))
+        state = {"step": self.step, "world_size": self.world, "checkpoint": rel,
+                 "plans": [layer.plan.to_dict() for layer in self.layers]}
+        if self.replanner is not None:
+            state["replan"] = self.replanner.state()
+        if self.pending is not None:        # applied, its next step not run yet
+            state["pending_replan"] = self.pending
+        atomic_write_text(os.path.join(self.out_dir, "state.json"), json.dumps(state) + "\n")
+
+    def _restore(self) -> None:
+        path = os.path.join(self.out_dir, "state.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"--resume: '{self.out_dir}' has no state.json; nothing to resume.")
+        with open(path, encoding="utf-8") as fh:
+            state = json.load(fh)
+        saved = int(state.get("world_size", 1))
+        if saved != self.world or "plans" not in state:
+            raise ValueError(f"--resume: '{self.out_dir}' was trained with world_size {saved} "
+                             f"{'' if 'plans' in state else '(one process) '}but this job "
+                             f"has {self.world} ranks; resume it with --workers {saved}.")
+        for layer, plan in zip(self.layers, load_plans_state(state["plans"])):
+            if plan.to_dict() != layer.plan.to_dict():
+                layer.set_plan(plan)          # layout first; the checkpoint has the values
+        ckpt = os.path.join(self.out_dir, state["checkpoint"].format(rank=self.rank))
+        params = ms.load_checkpoint(ckpt)
+        params.pop("learning_rate", None)
+        for cell in (self.net, self.optimizer):
+            missing, _ = ms.load_param_into_net(cell, params, strict_load=True)
+            missing = [n for n in missing if n != "learning_rate" and not _is_scratch(n)]
+            if missing:
+                raise ValueError(f"checkpoint '{ckpt}' does not match the model: it lacks "
+                                 f"{missing[:5]}.")
+        self.reducer.set_plans(self.layers)
+        self.step = int(state["step"])
+        trace_path = os.path.join(self.out_dir, "trace.npz")
+        if os.path.isfile(trace_path):
+            self.counts = list(load_trace(trace_path).counts[:self.step])
+        if self.replanner is not None:
+            self.replanner.load_state(state.get("replan", {}), np.array(self.counts))
+        metrics = os.path.join(self.out_dir, "metrics.jsonl")
+        if os.path.isfile(metrics):
+            with open(metrics, encoding="utf-8") as fh:
+                rows = [json.loads(line) for line in fh if line.strip()]
+            self.metrics = [m for m in rows if m["step"] <= self.step]
+        if "pending_replan" in state:      # a restarted process compiles anyway: unknown
+            self.metrics.append(dict(state["pending_replan"], recompiled=None))
+        logger.info("rank %d: resumed %s at step %d", self.rank, self.out_dir, self.step)
+
+    # ------------------------------------------------------------------ loop
+    def evaluate(self) -> float:
+        """Mean validation cross-entropy (nats per byte) over the fixed global batches."""
+        tr, mc = self.cfg.train, self.cfg.model
+        return float(np.mean([float(self.eval_step(self._rows(x), self._rows(y)).asnumpy())
+                              for x, y in self.corpus.val_batches(
+                                  tr.eval_batches, tr.batch_size, mc.seq_length)]))
+
+    def _log_val(self) -> None:
+        val = self.evaluate()
+        self.metrics.append({"kind": "val", "step": self.step, "val_loss": round(val, 5)})
+        logger.info("step %d/%d  val_loss %.4f", self.step, self.cfg.train.steps, val)
+
+    def run(self) -> int:
+        """Train until ``train.steps``; returns the step reached."""
+        tr, mc = self.cfg.train, self.cfg.model
+        os.makedirs(self.out_dir, exist_ok=True)
+        if self.resume:
+            self._restore()
+        if self.rank == 0:
+            save_config(self.cfg, os.path.join(self.out_dir, "config.yaml"))
+        if not any(m["kind"] == "val" and m["step"] == 0 for m in self.metrics):
+            self._log_val()
+        moe_index = list(self.net.moe_index)
+        window_start, window_steps, assigned, kept = time.perf_counter(), 0, 0, 0
+        while self.step < tr.steps:
+            x, y = self.corpus.train_batch(self.step, tr.batch_size, mc.seq_length,
+                                           self.cfg.context.seed)
+            before = compiled_graphs()
+            stats, counts, dropped = self.train_step(self._rows(x), self._rows(y))
+            loss, ce = (float(v) for v in stats.asnumpy())
+            if self.pending is not None:
+                after = compiled_graphs()
+                self.pending["recompiled"] = None if before is None else after != before
+                self.metrics.append(self.pending)
+                self.pending = None
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at step {self.step + 1}; lower "
+                                         f"'train.learning_rate' ({tr.learning_rate}).")
+            counts_LWE = counts.asnumpy()[:, moe_index, 0].transpose(1, 0, 2)
+            dropped_L = dropped.asnumpy()[moe_index]
+            self.counts.append(counts_LWE.astype(np.int64))
+            if self.replanner is not None:
+                self.replanner.observe(counts_LWE, dropped_L)
+            assigned += int(counts_LWE.sum())
+            kept += int(counts_LWE.sum()) - int(dropped_L.sum())
+            self.step += 1
+            window_steps += 1
+            if self.step % tr.log_every == 0 or self.step == tr.steps:
+                elapsed = time.perf_counter() - window_start
+                tps = window_steps * self.tokens_per_step / max(elapsed, 1e-9)
+                self.metrics.append({"kind": "train", "step": self.step, "loss": round(loss, 5),
+                                     "ce": round(ce, 5), "tokens_per_s": round(tps, 1),
+                                     "drop_rate": round(1.0 - kept / max(1, assigned), 5)})
+                logger.info("step %d/%d  loss %.4f  ce %.4f  %.0f tok/s  ETA %s", self.step,
+                            tr.steps, loss, ce, tps, _fmt_eta((tr.steps - self.step) * elapsed
+                                                              / window_steps))
+                window_start, window_steps, assigned, kept = time.perf_counter(), 0, 0, 0
+            if self.step % tr.eval_every == 0 or self.step == tr.steps:
+                self._log_val()
+            if self.replanner is not None and self.step < tr.steps:
+                record = self.replanner.maybe_replan(self.step, self.optimizer,
+                                                     tr.steps - self.step)
+                if record is not None:
+                    self.reducer.set_plans(self.layers)
+                    self.pending = record
+            if self.step % tr.save_every == 0 or self.step == tr.steps:
+                self.save()
+        return self.step
+
+
+def _load_initial(net, layers: List[ExpertParallelMoE], initial: Dict[str, np.ndarray]) -> None:
+    """The one-process network's initial values: dense parameters by name, every MoE layer's
+    router and experts through ``set_weights`` (each rank keeps its own slots)."""
+    prefixes = {}
+    for name, cell in net.cells_and_names():
+        if isinstance(cell, ExpertParallelMoE):
+            prefixes[id(cell)] = name + "."
+    for layer in layers:
+        pre = prefixes[id(layer)]
+        layer.set_weights(*(initial[pre + n] for n in ("router.weight", "w1", "b1", "w2", "b2")))
+    expert_names = {prefixes[id(layer)] + n for layer in layers for n in ("w1", "b1", "w2", "b2")}
+    for p in net.trainable_params():
+        if p.name in expert_names or p.name.endswith("router.weight") and any(
+                p.name.startswith(v) for v in prefixes.values()):
+            continue
+        if p.name not in initial or initial[p.name].shape != tuple(p.shape):
+            raise ValueError(f"parameter '{p.name}' {tuple(p.shape)} has no counterpart in the "
+                             f"one-process model; cannot start from its initial weights.")
+        p.set_data(Tensor(initial[p.name]))
+
+
+def _trace(counts: List[np.ndarray], top_k: int, hidden: int, tokens_per_rank: int):
+    from ms_efficient.moe.trace import RoutingTrace
+
+    rows = np.stack(counts)
+    return RoutingTrace(counts=rows, top_k=top_k, hidden=hidden, tokens_per_rank=tokens_per_rank,
+                        steps=np.arange(1, len(rows) + 1))
