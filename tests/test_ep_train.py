@@ -18,7 +18,7 @@ import yaml
 from conftest import tiny_config_dict
 from ms_efficient.cli import main
 from ms_efficient.moe.plan import ExpertPlan
-from ms_efficient.train.ep_replan import dropless_plans, moved_slots, slot_budget
+from ms_efficient.efficientmoe.ep_replanner import dropless_plans, moved_slots, slot_budget
 
 MSRUN = shutil.which("msrun") or shutil.which("msrun", path=os.path.dirname(sys.executable))
 needs_msrun = pytest.mark.skipif(MSRUN is None, reason="msrun is not on PATH")

@@ -32,7 +32,7 @@ every ``MoEFeedForward`` and makes the running train network compile a new graph
 step (``backend.recompile_on_next_call``). On a network of expert-parallel layers
 (``ExpertParallelMoE`` with grouped dispatch, every rank running the callback) it re-places
 the experts instead, through ``set_plan`` within the compiled row buffers: no recompilation
-(:class:`~ms_efficient.train.ep_replan.ExpertParallelReplanner`, the expert-parallel trainer's
+(:class:`~ms_efficient.efficientmoe.ep_replanner.ExpertParallelReplanner`, the expert-parallel trainer's
 loop).
 """
 from __future__ import annotations
@@ -229,7 +229,7 @@ class EfficientMoECallback(RoutingTraceCallback):
         trainer; an adopted plan is applied through ``set_plan`` on every layer, the
         optimizer's slot state moved with it, and its record (``moved_slots``,
         ``moved_bytes``, ``recompiled`` measured on the next step) appended to ``plans``."""
-        from ms_efficient.train.ep_replan import (ExpertParallelReplanner, compiled_graphs,
+        from ms_efficient.efficientmoe.ep_replanner import (ExpertParallelReplanner, compiled_graphs,
                                                   rank_counts)
 
         args = run_context.original_args()
@@ -245,7 +245,7 @@ class EfficientMoECallback(RoutingTraceCallback):
             self._replanner = ExpertParallelReplanner(self.layers, self.cfg, self.cluster,
                                                       tokens)
         # the layers keep no drop counter for callbacks: the drop monitor sees none (a plan
-        # built on the dropless buffers of train.ep_replan.dropless_plans drops nothing)
+        # built on the dropless buffers of efficientmoe.ep_replanner.dropless_plans drops nothing)
         self._replanner.observe(counts_LWE, np.zeros(len(self.layers)))
         optimizer = getattr(args, "optimizer", None)
         if optimizer is None and network is not None:     # Model(train_cell): find it there

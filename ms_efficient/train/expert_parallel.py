@@ -16,7 +16,7 @@ on the rank, everything else is replicated (data-parallel):
 
 The initial weights are the one-process model's (the same seed builds it on every rank, its
 values are copied in: dense by name, experts through ``set_weights``), so with the dropless
-initial plan (:func:`~ms_efficient.train.ep_replan.dropless_plans`) the run computes what the
+initial plan (:func:`~ms_efficient.efficientmoe.ep_replanner.dropless_plans`) the run computes what the
 one-process run with a dropless MoE computes on the same global batch. Each
 ``ExpertParallelMoE`` returns the router's load-balancing loss of its own tokens; the model
 replaces it by that of every rank's tokens (``models.gpt_moe.GlobalRouterAux``, one AllReduce
@@ -57,7 +57,7 @@ from ms_efficient.models.gpt_moe import build_model
 from ms_efficient.moe.ep_layer import ExpertParallelMoE
 from ms_efficient.moe.trace import load_trace, save_trace
 from ms_efficient.train.data import load_corpus
-from ms_efficient.train.ep_replan import (ExpertParallelReplanner, compiled_graphs,
+from ms_efficient.efficientmoe.ep_replanner import (ExpertParallelReplanner, compiled_graphs,
                                           dropless_plans, load_plans_state, slot_budget)
 from ms_efficient.train.trainer import _fmt_eta, _is_scratch, make_optimizer
 

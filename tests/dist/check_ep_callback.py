@@ -32,7 +32,7 @@ def main():
     from ms_efficient.core.config import EfficientMoEConfig
     from ms_efficient.efficientmoe.apply import EfficientMoECallback
     from ms_efficient.moe.ep_layer import ExpertParallelMoE
-    from ms_efficient.train.ep_replan import _state_rows, dropless_plans
+    from ms_efficient.efficientmoe.ep_replanner import _state_rows, dropless_plans
     from ms_efficient.train.expert_parallel import GradReducer
 
     import logging

@@ -28,8 +28,9 @@ from ms_efficient.efficientmoe.cost import CostModel
 from ms_efficient.efficientmoe.placement import (default_slots_per_device, levelled_shares,
                                                  place_replicas, replica_counts_greedy,
                                                  uniform_placement)
-from ms_efficient.efficientmoe.planner import (EfficientMoEPlanner, ReplanLoop, RoutingSampler,
-                                               planner_config)
+from ms_efficient.efficientmoe.planner import EfficientMoEPlanner, planner_config
+from ms_efficient.efficientmoe.replan_loop import ReplanLoop
+from ms_efficient.efficientmoe.sampler import RoutingSampler
 from ms_efficient.efficientmoe.schedule import plans_equal
 from ms_efficient.moe.plan import ExpertPlan
 
@@ -52,14 +53,16 @@ def slot_budget(num_experts: int, world: int, configured: int = 0) -> int:
 def dropless_plans(num_layers: int, num_experts: int, world: int, top_k: int,
                    tokens_per_step: int) -> List[ExpertPlan]:
     """The initial plan of every MoE layer: experts split evenly over the W ranks (expert e on
-    rank floor(e W / E)), ``dispatch="grouped"``, every device's row buffer at tokens_per_step
-    (all ranks, before top-k) x K rows, every assignment of the step: no assignment can be
-    dropped under this plan or any later placement, which keeps the same buffers."""
+    rank floor(e W / E)), ``dispatch="grouped"``, every (rank, device) send block at the
+    rank's assignments, tokens_per_step / W x K rows (a token reaches at most K experts, so
+    a rank can never send more to one device), and every device's row buffer the sum of its
+    blocks, tokens_per_step x K: no assignment can be dropped under this plan or any later
+    placement, which keeps the same blocks and buffers."""
     experts, devices = uniform_placement(num_experts, np.arange(world))
-    buffer_D = np.full(world, tokens_per_step * top_k, np.int64)
+    block_WD = np.full((world, world), -(-tokens_per_step // world) * top_k, np.int64)
     caps = np.full(num_experts, -(-top_k * tokens_per_step // num_experts), np.int64)
     plan = ExpertPlan(experts, devices, caps, top_k, tokens_per_step, "uniform-dropless",
-                      "grouped", device_buffer=buffer_D)
+                      "grouped", device_buffer=block_WD.sum(axis=0), send_block=block_WD)
     return [dataclasses.replace(plan) for _ in range(num_layers)]
 
 
@@ -213,7 +216,8 @@ class ExpertParallelReplanner:
         model = CostModel(cluster, int(first.hidden_size), int(first.w1.shape[2]), "fp32")
         self.planner = EfficientMoEPlanner(config, model, int(first.num_experts),
                                            list(range(self.world)), int(first.top_k),
-                                           tokens_per_step, check_rows=em.replan_every)
+                                           tokens_per_step, check_rows=em.replan_every,
+                                           num_layers=len(self.layers))
         self.loop = ReplanLoop(self.planner, em.monitor_steps)
         self.sampler = RoutingSampler()
 
@@ -317,7 +321,8 @@ class ExpertParallelReplanner:
                           rank_share=load_RE)
 
     def _within_buffers(self, plan: ExpertPlan, now: ExpertPlan) -> ExpertPlan:
-        """``plan`` with the compiled buffers: the layer's graph stays as it is."""
+        """``plan`` with the compiled send blocks and buffers: the layer's graph stays as it
+        is."""
         compiled = now.device_rows(self.world)
         wanted = plan.device_rows(self.world)
         if (wanted > compiled).any():
@@ -325,7 +330,8 @@ class ExpertParallelReplanner:
                            "kept the compiled ones (no recompilation in an expert-parallel "
                            "run: restart with larger buffers for more room)", wanted.tolist(),
                            compiled.tolist())
-        return dataclasses.replace(plan, device_buffer=compiled)
+        return dataclasses.replace(plan, device_buffer=compiled,
+                                   send_block=now.send_rows(self.world, self.world))
 
     def _apply(self, step: int, plans: List[ExpertPlan], optimizer, reason: str) -> Dict:
         moved = [apply_plan(layer, plan, optimizer) for layer, plan in zip(self.layers, plans)]
