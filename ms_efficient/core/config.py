@@ -271,8 +271,8 @@ class OptimizeConfig:
     # "model.layers.*.mlp"]; [] = the repeated blocks of every CellList / SequentialCell.
     memopt_cells: List[str] = field(default_factory=list)
     # GPipe micro-batches per step the place pass plans pipeline stages for (MindSpore's
-    # micro_batch_num); with 1, splitting a chain only adds transfers, so it rarely pays.
-    micro_batches: int = 1
+    # micro_batch_num); 0 = the pass chooses among the divisors of the batch (simulated).
+    micro_batches: int = 0
     # Device mesh of the shard pass, "DPxMP" (dp strided over nodes, mp inside a node);
     # "" = 1 x the cluster's devices.
     shard_mesh: str = ""
@@ -299,8 +299,9 @@ class OptimizeConfig:
                 parse_budget(self.memory_budget, f"{path}.memory_budget")
             except ValueError as err:
                 raise ValueError(str(err)) from None
-        if self.micro_batches < 1:
-            _fail(f"{path}.micro_batches", self.micro_batches, "a positive integer")
+        if self.micro_batches < 0:
+            _fail(f"{path}.micro_batches", self.micro_batches,
+                  "a positive integer, or 0 to let the place pass choose")
         for i, pattern in enumerate(self.memopt_cells):
             if not pattern.strip():
                 _fail(f"{path}.memopt_cells[{i}]", pattern, "a non-empty glob pattern")
