@@ -274,11 +274,12 @@ class OptimizeConfig:
     # micro_batch_num); 0 = the pass chooses among the divisors of the batch (simulated).
     micro_batches: int = 0
     # Device mesh of the shard pass, "DPxMP" (dp strided over nodes, mp inside a node);
-    # "" = 1 x the cluster's devices.
+    # "" = the pass tries every factorisation of the cluster's devices and chooses.
     shard_mesh: str = ""
-    # Communication budget of the shard pass: this many times Megatron-TP's communication on
-    # the same graph and mesh; 0 = unconstrained (the least memory whatever it costs).
-    shard_comm_ratio: float = 1.2
+    # Communication budget of the shard pass: this many times the communication of data
+    # parallelism with ZeRO-1 on the same graph and mesh (half the unoptimised simulated step
+    # where the batch does not divide the devices); 0 = unconstrained (the least memory).
+    shard_comm_ratio: float = 1.0
     # Where the shard pass writes MindSpore's strategy JSON (keyed by your Cells' primitives
     # and parameter names); "" = only in the returned plan.
     shard_strategy_file: str = ""

@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ms_efficient.core.fileio import atomic_write_text
 from ms_efficient.core.registry import register_pass
+from ms_efficient.graph.cells import scope_path
 
 __all__ = ["apply_shard_plan", "strategy_json", "write_strategy_json", "shard_pass"]
 
@@ -171,24 +172,28 @@ def apply_graph_plan(network: Any, doc: Dict[str, Any]
     MindSpore's sharding propagation (their strategies are in the plan). Returns
     ``({"<cell path>.<attribute>": in_strategy}, {same key: [(parameter name, input index)]})``.
     """
-    owner: Dict[str, Tuple[str, Any]] = {}
+    holders: Dict[str, List[Tuple[str, Any]]] = {}      # a tied parameter has several
     for path, cell in network.cells_and_names():
         for _, p in cell.parameters_and_names(expand=False):
-            owner.setdefault(p.name, (path, cell))
+            holders.setdefault(p.name, []).append((path, cell))
     applied: Dict[str, Tuple] = {}
     params: Dict[str, List[Tuple[str, int]]] = {}
-    for entry in doc["operators"].values():
+    for op_name, entry in doc["operators"].items():
         if not entry["params"]:
             continue
         index, name = entry["params"][0]
-        if name not in owner:
+        found = []
+        for path, cell in holders.get(name, []):
+            prims = [(attr, prim) for attr, prim in getattr(cell, "_primitives", {}).items()
+                     if prim is not None and getattr(prim, "name", None) == entry["prim"]]
+            if len(prims) == 1:
+                found.append((path, prims[0]))
+        if len(found) > 1:       # a tied parameter: the holder the operator's scope names
+            scope = scope_path(op_name)
+            found = [f for f in found if scope == f[0] or scope.endswith("." + f[0])]
+        if len(found) != 1:
             continue
-        path, cell = owner[name]
-        prims = [(attr, prim) for attr, prim in getattr(cell, "_primitives", {}).items()
-                 if prim is not None and getattr(prim, "name", None) == entry["prim"]]
-        if len(prims) != 1:
-            continue
-        attr, prim = prims[0]
+        path, (attr, prim) = found[0]
         strategy = tuple(tuple(int(f) for f in t) for t in entry["in_strategy"])
         key = f"{path}.{attr}" if path else attr
         if key in applied and applied[key] != strategy:
@@ -202,24 +207,32 @@ def apply_graph_plan(network: Any, doc: Dict[str, Any]
 
 @register_pass("shard")
 def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
-    """Pass: the minimal-redundancy ILP over the forward operators of the network's own
-    train-step graph (``shard.graph_ops``), on ``optimize.shard_mesh`` (default 1 x the
-    cluster's devices) within ``optimize.shard_comm_ratio`` x Megatron-TP's communication;
-    sets ``shard()`` on the primitives it can name and writes the strategy JSON to
+    """Pass: the mesh and the strategies of the network's own train-step graph, chosen
+    together (``shard.mesh_search``): every dp x mp factorisation of the cluster's devices
+    (or ``optimize.shard_mesh``), the minimal-memory ILP within ``optimize.shard_comm_ratio``
+    x ZeRO-1's communication on that mesh (half the unoptimised simulated step where ZeRO-1
+    cannot run), never more memory per device than the best baseline within that budget.
+    Sets ``shard()`` on the primitives it can name and writes the strategy JSON to
     ``optimize.shard_strategy_file`` when set. Raises ValueError when no primitive of the
     network takes a strategy (nothing to set)."""
     from ms_efficient.graph.cells import assign_units, cell_tree_from_graph, repeated_blocks
+    from ms_efficient.shard.graph_ops import specs_from_graph
     from ms_efficient.shard.ilp import ShardOptions
-    from ms_efficient.shard.planner import graph_plan_to_dict, plan_graph
+    from ms_efficient.shard.mesh_search import search_meshes
+    from ms_efficient.shard.planner import graph_plan_to_dict
     from ms_efficient.shard.strategies import parse_mesh
+    from ms_efficient.shard.tied import split_at_uses
 
     config = context.config
     cluster = config.cluster_spec()
     opt = config.optimize
-    mesh = parse_mesh(opt.shard_mesh or f"1x{cluster.num_devices}", dp_model_split=False)
-    if mesh.devices > cluster.num_devices:
-        raise ValueError(f"'optimize.shard_mesh' {opt.shard_mesh!r} needs {mesh.devices} "
-                         f"devices; cluster {cluster.name!r} has {cluster.num_devices}.")
+    meshes = None
+    if opt.shard_mesh:
+        mesh = parse_mesh(opt.shard_mesh, dp_model_split=False)
+        if mesh.devices > cluster.num_devices:
+            raise ValueError(f"'optimize.shard_mesh' {opt.shard_mesh!r} needs {mesh.devices} "
+                             f"devices; cluster {cluster.name!r} has {cluster.num_devices}.")
+        meshes = [mesh]
     graph = context.graph("the shard pass")
     tie_units = None
     blocks = repeated_blocks(cell_tree_from_graph(graph))
@@ -230,9 +243,30 @@ def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
             tie_units = [[names[i] for i in units.members(u)] for u in range(len(units.units))]
         except ValueError:
             tie_units = None
-    result = plan_graph(graph, mesh, cluster, ShardOptions(tie="layer", time_limit_s=60.0),
-                        budget_ratio=float(opt.shard_comm_ratio) or None, tie_units=tie_units)
-    doc = graph_plan_to_dict(graph, result)
+    price = context.unoptimised("the shard pass")
+    ops = specs_from_graph(graph, tie_units)
+    found = search_meshes(ops.specs, cluster, ShardOptions(tie="layer", time_limit_s=30.0),
+                          price.step_time_s, float(opt.shard_comm_ratio), meshes,
+                          same_split=list(ops.tied.values()))
+    best = found["best"]
+    doc = graph_plan_to_dict(graph, {"ops": ops, "solution": best.solution,
+                                     "baselines": best.baselines, "model": best.model,
+                                     "options": best.options})
+    doc["comm_budget_s"] = best.budget_s
+    doc["budget"] = {"comm_s": best.budget_s, "from": best.budget_from,
+                     "ratio": float(opt.shard_comm_ratio)}
+    doc["fallback"] = best.fallback
+    if best.fallback:
+        doc["note"] = (f"the ILP's answer kept more memory per device than the "
+                       f"{best.fallback} baseline within the same budget; the plan is "
+                       f"{best.fallback}'s strategies")
+    doc["meshes"] = found["meshes"]
+    doc["tied"] = {}
+    for name, uses in ops.tied.items():
+        splits = split_at_uses(ops.specs, best.solution.strategies, best.mesh, uses)
+        doc["tied"][name] = {"uses": [op for op, _ in uses], "in_strategy": splits,
+                             "consistent": all(t == splits[0] for t in splits)}
+    doc["unoptimised"] = price.to_dict()
     applied, params = apply_graph_plan(network, doc)
     if not applied:
         raise ValueError(f"shard: no primitive of {type(network).__name__} takes a strategy "
@@ -248,5 +282,5 @@ def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
         cells.setdefault(path, {}).setdefault("shard", {})[attr] = [list(t) for t in st]
     doc["cells"] = cells
     doc["strategy_json"] = strategy
-    logger.info("shard: set %d primitives on mesh %s", len(applied), mesh)
+    logger.info("shard: set %d primitives on mesh %s", len(applied), best.mesh)
     return network, doc
