@@ -36,6 +36,7 @@ __all__ = ["CONTAINER_CLASSES", "scope_segments", "scope_path", "strip_train_roo
 CONTAINER_CLASSES = ("CellList", "SequentialCell")
 # Root levels of a train-step export: TrainOneStepCell's attribute for the trained network.
 _TRAIN_ROOT_ATTRS = ("network",)
+_RECOMPUTE_PREFIX = "recompute_"
 
 
 def scope_segments(scope: str) -> List[Tuple[str, str]]:
@@ -44,7 +45,7 @@ def scope_segments(scope: str) -> List[Tuple[str, str]]:
     The attribute is everything before the LAST ``-`` (attribute names may not hold one,
     class names may not either), so ``0-Block`` is attribute ``0`` of class ``Block``.
     """
-    parts = [p for p in scope.split("/") if p]
+    parts = [p for p in _plain_scope(scope).split("/") if p]
     if parts and parts[0] == "Default":
         parts = parts[1:]
     out = []
@@ -56,6 +57,12 @@ def scope_segments(scope: str) -> List[Tuple[str, str]]:
     return out
 
 
+def _plain_scope(scope: str) -> str:
+    """``scope`` without the ``recompute_`` prefix MindSpore gives the operators of a Cell
+    whose ``recompute()`` is set (``recompute_Default/...``): the same Cell path."""
+    return scope[len(_RECOMPUTE_PREFIX):] if scope.startswith(_RECOMPUTE_PREFIX) else scope
+
+
 def scope_path(scope: str) -> str:
     """``Default/b0-Block/d1-Dense/MatMul-op0`` -> ``b0.d1``: the Cell path of a scope, rooted
     at the exported Cell."""
@@ -65,7 +72,7 @@ def scope_path(scope: str) -> str:
 def strip_train_root(graph: OpGraph, scope: str) -> str:
     """``scope`` without the one-step Cell's ``network-...`` level when ``graph`` is a
     train-step export, so its Cell path is relative to the network the user trains."""
-    parts = [p for p in scope.split("/") if p]
+    parts = [p for p in _plain_scope(scope).split("/") if p]
     if _is_train_graph(graph) and len(parts) > 1 and parts[0] == "Default" and \
             parts[1].rpartition("-")[0] in _TRAIN_ROOT_ATTRS:
         parts = [parts[0]] + parts[2:]

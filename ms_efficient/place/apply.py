@@ -40,7 +40,7 @@ from ms_efficient.place.cost import simulate_placement
 from ms_efficient.place.problem import PlacementProblem
 
 __all__ = ["PlacementPlan", "make_plan", "save_plan", "load_plan", "apply_pipeline_stages",
-           "place_pass", "user_cell_path"]
+           "apply_block_stages", "place_pass", "user_cell_path"]
 
 PLAN_VERSION = 1
 # The place pass's search: TGA's distinct evaluations (as `bench place --quick`) and its
@@ -234,6 +234,35 @@ def _batch_size(sample_inputs) -> int:
     return int(shape[0])
 
 
+def apply_block_stages(network: Any, block_stage: Dict[str, int],
+                       op_stages: List[Tuple[str, int]]) -> Dict[str, int]:
+    """Set ``cell.pipeline_stage`` from a block plan (``place.stages``).
+
+    block_stage: {block Cell path: stage}; a block and every Cell inside it (MindSpore's
+    ``_recompute_cell`` wrappers included) get the block's stage. op_stages: (Cell path, stage)
+    of every planned operator; any other Cell gets the most common stage of the operators
+    scoped directly to it (ties: the lower stage; operator scopes inside repeated blocks may
+    name an earlier twin, so blocks are never decided by them), else its parent's stage.
+    Returns {cell path: stage} ("" is the root)."""
+    blocks = sorted(block_stage, key=len, reverse=True)
+    direct: Dict[str, Counter] = {}
+    for path, stage in op_stages:
+        direct.setdefault(path, Counter())[stage] += 1
+    out: Dict[str, int] = {}
+    for name, cell in network.cells_and_names():
+        owner = next((b for b in blocks if name == b or name.startswith(b + ".")), None)
+        if owner is not None:
+            stage = block_stage[owner]
+        elif name in direct:
+            top = max(direct[name].values())
+            stage = min(s for s, c in direct[name].items() if c == top)
+        else:
+            stage = out.get(name.rsplit(".", 1)[0] if "." in name else "", 0)
+        cell.pipeline_stage = int(stage)
+        out[name] = int(stage)
+    return out
+
+
 @register_pass("place")
 def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     """The ``place`` pass: pipeline stages as contiguous groups of the network's repeated
@@ -244,8 +273,8 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     ``optimize.micro_batches`` fixes M; 0 lets the pass choose among the divisors of the
     batch. Raises ValueError on a one-device cluster, a network with fewer than two repeated
     blocks, or when no pipeline beats one stage (saying by how much)."""
-    from ms_efficient.graph.cells import (assign_units, forward_subgraph, repeated_blocks,
-                                          strip_train_root)
+    from ms_efficient.graph.cells import (assign_units, forward_subgraph, node_cell_path,
+                                          repeated_blocks, strip_train_root)
     from ms_efficient.place.planner import TGAConfig
     from ms_efficient.place.stages import group_of_ops, micro_batch_candidates, plan_stages
 
@@ -284,7 +313,11 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
               "evaluations": stage_plan.evaluations, "one_stage_s": stage_plan.one_stage_s,
               "speedup": stage_plan.one_stage_s / stage_plan.step_time_s,
               "micro_batches_tried": {int(k): float(v) for k, v in stage_plan.tried.items()}})
-    stages = apply_pipeline_stages(network, plan)
+    stage_of_block = {b: s["stage"] for s in stage_plan.stages for b in s["blocks"]}
+    stage_of_op = {name: plan.stage_of_node(name) for name in assignment}
+    stages = apply_block_stages(network, stage_of_block, [
+        (node_cell_path(full, n.scope), stage_of_op[n.name]) for n in graph
+        if n.name in stage_of_op])
     doc = plan.to_dict()
     del doc["assignment"], doc["scopes"]          # per operator: in the PlacementPlan only
     doc["stage_time_s"] = stage_plan.stage_time_s
