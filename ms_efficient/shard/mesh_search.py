@@ -15,8 +15,9 @@ For every factorisation ``dp x mp`` of the cluster's devices (:func:`mesh_factor
    baseline (CBC's time limit, an infeasible budget), the baseline's strategies are the plan
    and ``fallback`` names it.
 
-The chosen mesh keeps the least memory per device (within ``_TIE_RTOL``, 1%), then has the
-larger dp (data parallelism needs no operator splitting), then the least communication.
+The chosen mesh keeps the least memory per device, where plans within 1% of the device's
+memory of the least count as equal (``_TIE_SHARE_OF_DEVICE``), then has the larger dp (data
+parallelism needs no operator splitting), then the least communication.
 """
 from __future__ import annotations
 
@@ -38,9 +39,10 @@ logger = logging.getLogger(__name__)
 # Share of the unoptimised simulated step time the communication may take where ZeRO-1 cannot
 # run on a mesh (half: collectives at most double the step, before any overlap).
 STEP_SHARE = 0.5
-# Memory per device within 1% of the least counts as a tie: then the larger dp wins (data
+# Memory per device within 1% of the device's memory of the least counts as a tie (a few MiB
+# on a 64 GiB device are not worth splitting operators for): then the larger dp wins (data
 # parallelism splits no operator), then the least communication.
-_TIE_RTOL = 0.01
+_TIE_SHARE_OF_DEVICE = 0.01
 
 
 def mesh_factorisations(devices: int, dp_model_split: bool = False) -> List[Mesh]:
@@ -155,6 +157,7 @@ def search_meshes(specs, cluster: ClusterSpec, options: ShardOptions, step_time_
         raise ValueError(f"shard: no mesh of {cluster.num_devices} devices has a plan within "
                          f"its communication budget ({rows}).")
     low = min(r.solution.cost.memory for r in results)
-    near = [r for r in results if r.solution.cost.memory <= low * (1 + _TIE_RTOL)]
+    tie = _TIE_SHARE_OF_DEVICE * float(cluster.device_memory_bytes)
+    near = [r for r in results if r.solution.cost.memory <= low + tie]
     best = min(near, key=lambda r: (-r.mesh.dp, r.solution.cost.comm_s))
     return {"best": best, "meshes": rows}
