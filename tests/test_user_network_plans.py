@@ -102,6 +102,9 @@ def _check_shard(plan, names):
         assert fits
     assert plan["summary"]["comm_time_s"] <= budget * (1 + 1e-6)
     assert not fits or plan["summary"]["memory_per_device_bytes"] <= min(fits) * (1 + 1e-9)
+    # ... and no more than a baseline within its budget on any other mesh
+    assert plan["summary"]["memory_per_device_bytes"] <= \
+        plan["baseline_bound_bytes"] * (1 + 1e-9) + 1          # the summary rounds to bytes
 
 
 def test_place_plans_block_stages_on_a_deeper_llama_and_both_passes_price_it_alike():

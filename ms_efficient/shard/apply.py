@@ -261,6 +261,7 @@ def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
                        f"{best.fallback} baseline within the same budget; the plan is "
                        f"{best.fallback}'s strategies")
     doc["meshes"] = found["meshes"]
+    doc["baseline_bound_bytes"] = found["baseline_bound_bytes"]   # best baseline, any mesh
     doc["tied"] = {}
     for name, uses in ops.tied.items():
         splits = split_at_uses(ops.specs, best.solution.strategies, best.mesh, uses)

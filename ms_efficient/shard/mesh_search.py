@@ -16,7 +16,8 @@ For every factorisation ``dp x mp`` of the cluster's devices (:func:`mesh_factor
    and ``fallback`` names it.
 
 The chosen mesh keeps the least memory per device, where plans within 1% of the device's
-memory of the least count as equal (``_TIE_SHARE_OF_DEVICE``), then has the larger dp (data
+memory of the least count as equal (``_TIE_SHARE_OF_DEVICE``) as long as they keep no more
+than the best baseline within its budget on any mesh; then it has the larger dp (data
 parallelism needs no operator splitting), then the least communication.
 """
 from __future__ import annotations
@@ -138,7 +139,9 @@ def search_meshes(specs, cluster: ClusterSpec, options: ShardOptions, step_time_
                   same_split: Sequence[Sequence] = ()) -> Dict[str, Any]:
     """Plan every mesh (default: :func:`mesh_factorisations` of the cluster) and choose one.
 
-    Returns ``{"best": MeshResult, "meshes": [MeshResult.summary() ...]}``; raises ValueError
+    Returns ``{"best": MeshResult, "meshes": [MeshResult.summary() ...],
+    "baseline_bound_bytes": the least memory of a baseline within its budget on any mesh}``;
+    raises ValueError
     when no mesh has a plan within its budget."""
     meshes = list(meshes or mesh_factorisations(cluster.num_devices))
     results: List[MeshResult] = []
@@ -158,6 +161,10 @@ def search_meshes(specs, cluster: ClusterSpec, options: ShardOptions, step_time_
                          f"its communication budget ({rows}).")
     low = min(r.solution.cost.memory for r in results)
     tie = _TIE_SHARE_OF_DEVICE * float(cluster.device_memory_bytes)
-    near = [r for r in results if r.solution.cost.memory <= low + tie]
+    # never more than a baseline within its budget on ANY mesh (the least-memory plan is not)
+    bound = min([r.best_baseline()[1].memory for r in results if r.best_baseline()] or
+                [float("inf")])
+    near = [r for r in results if r.solution.cost.memory <= low + tie and
+            r.solution.cost.memory <= bound * (1 + 1e-9)]
     best = min(near, key=lambda r: (-r.mesh.dp, r.solution.cost.comm_s))
-    return {"best": best, "meshes": rows}
+    return {"best": best, "meshes": rows, "baseline_bound_bytes": bound}
