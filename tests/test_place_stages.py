@@ -105,6 +105,21 @@ def test_pipelining_that_does_not_pay_is_refused_with_the_gap():
         plan_stages(g, order, group_of_ops(unit_of), names, cluster, [0], FAST)
 
 
+def test_a_network_too_big_for_one_device_gets_stages_even_when_they_cost_time():
+    from ms_efficient.core.cluster import Link
+
+    # 4 blocks of 4096 parameter bytes (x4 for weights, grads, Adam) + 1 KiB activations
+    # each, 2 KiB of glue: 71680 B against 0.9 x 50000 = 45000 B usable per device
+    cluster = _cluster(4, intra_link=Link(latency_s=1e-3, bandwidth_Bps=1e6),
+                       device_memory_bytes=50000)
+    g, unit_of, names = _chain([1e3] * 4)
+    order = [list(g.nodes).index(n) for n in g.topological_order()]
+    plan = plan_stages(g, order, group_of_ops(unit_of), names, cluster, [1, 2], FAST)
+    assert not plan.one_stage_fits and len(plan.stages) >= 2
+    assert all(s["memory_bytes"] <= 45000 for s in plan.stages)
+    assert plan.step_time_s > plan.one_stage_s              # slower, but the only fit
+
+
 def test_micro_batch_candidates_divide_the_batch():
     assert micro_batch_candidates(12) == [1, 2, 3, 4, 6, 12]
     assert micro_batch_candidates(64, limit=16) == [1, 2, 4, 8, 16]

@@ -311,6 +311,7 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
         scopes={n.name: strip_train_root(full, n.scope) for n in graph if n.scope},
         meta={"evidence": "simulated", "pipeline": True, "seed": 0,
               "evaluations": stage_plan.evaluations, "one_stage_s": stage_plan.one_stage_s,
+              "one_stage_fits": stage_plan.one_stage_fits,
               "speedup": stage_plan.one_stage_s / stage_plan.step_time_s,
               "micro_batches_tried": {int(k): float(v) for k, v in stage_plan.tried.items()}})
     stage_of_block = {b: s["stage"] for s in stage_plan.stages for b in s["blocks"]}

@@ -119,6 +119,7 @@ class StagePlan:
     stages: one dict per stage in dataflow order: ``stage``, ``device``, ``blocks`` (paths),
         ``stage_time_s`` (simulated busy seconds of the stage's device per step) and
         ``memory_bytes`` (simulated peak). tried: {M: best simulated step at M, seconds}.
+    one_stage_fits: False when only a pipeline fits the devices' memory.
     """
 
     blocks: List[str]
@@ -129,6 +130,7 @@ class StagePlan:
     stages: List[Dict[str, Any]]
     tried: Dict[int, float] = field(default_factory=dict)
     evaluations: int = 0
+    one_stage_fits: bool = True      # the whole network fits one device's usable memory
 
     @property
     def stage_time_s(self) -> List[float]:
@@ -145,8 +147,9 @@ def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
     """Place the block groups on ``cluster`` as pipeline stages (see module docstring).
 
     micro_batches: the M values to try (e.g. :func:`micro_batch_candidates` of the batch).
-    Raises ValueError when the cluster has one device, there are fewer than two blocks, or
-    the best pipeline is not faster than one stage (naming both times and the gap).
+    Plans within device memory win over plans beyond it. Raises ValueError when the cluster
+    has one device, there are fewer than two blocks, or the best pipeline is not faster than
+    one stage (naming both times and the gap) while the network fits one device.
     """
     if cluster.num_devices < 2:
         raise ValueError(f"place: cluster {cluster.name!r} has {cluster.num_devices} device; "
@@ -160,7 +163,8 @@ def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
     cfg = tga_config or TGAConfig(seed=0, max_evaluations=300, time_budget_s=60.0)
     one = build_problem(group_graph(graph, order, groups, names, cluster, 1), cluster,
                         PlacementOptions(micro_batches=1, contiguous=True))
-    one_stage_s = simulate_placement(one, np.zeros(len(names), dtype=np.int64)).step_time_s
+    one_cost = simulate_placement(one, np.zeros(len(names), dtype=np.int64))
+    one_stage_s = one_cost.step_time_s
     best = None
     tried: Dict[int, float] = {}
     evaluations = 0
@@ -180,11 +184,14 @@ def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
             cost = simulate_placement(problem, assign, order=prog)
             if cost.step_time_s < tried.get(m, np.inf):
                 tried[m] = cost.step_time_s
-            if best is None or cost.step_time_s < best[1].step_time_s:
+            if best is None or (not cost.feasible, cost.step_time_s) < \
+                    (not best[1].feasible, best[1].step_time_s):
                 best = (m, cost, np.asarray(assign), problem)
         logger.info("place: %d micro-batches -> best pipeline simulated %.4g ms", m,
                     tried.get(m, np.nan) * 1e3)
-    if best is None or best[1].step_time_s >= one_stage_s:
+    # a network that does not fit one device needs the stages whatever they cost
+    if best is None or (one_cost.feasible or not best[1].feasible) and \
+            best[1].step_time_s >= one_stage_s:
         detail = "no split into >= 2 stages fits the devices" if best is None else (
             f"the best pipeline ({len(set(best[2].tolist()))} stages of the {len(names)} "
             f"blocks, {best[0]} micro-batches) simulates {best[1].step_time_s * 1e3:.4g} ms "
@@ -208,4 +215,4 @@ def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
     return StagePlan(blocks=list(names), device_of_block=[int(d) for d in assign],
                      micro_batches=m, step_time_s=float(cost.step_time_s),
                      one_stage_s=float(one_stage_s), stages=stages, tried=tried,
-                     evaluations=evaluations)
+                     evaluations=evaluations, one_stage_fits=bool(one_cost.feasible))
