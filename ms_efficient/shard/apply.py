@@ -215,7 +215,8 @@ def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     Sets ``shard()`` on the primitives it can name and writes the strategy JSON to
     ``optimize.shard_strategy_file`` when set. Raises ValueError when no primitive of the
     network takes a strategy (nothing to set)."""
-    from ms_efficient.graph.cells import assign_units, cell_tree_from_graph, repeated_blocks
+    from ms_efficient.graph.cells import (assign_units, cell_tree_from_graph, node_cell_path,
+                                          repeated_blocks)
     from ms_efficient.shard.graph_ops import specs_from_graph
     from ms_efficient.shard.ilp import ShardOptions
     from ms_efficient.shard.mesh_search import search_meshes
@@ -265,7 +266,8 @@ def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     doc["tied"] = {}
     for name, uses in ops.tied.items():
         splits = split_at_uses(ops.specs, best.solution.strategies, best.mesh, uses)
-        doc["tied"][name] = {"uses": [op for op, _ in uses], "in_strategy": splits,
+        doc["tied"][name] = {"uses": [node_cell_path(graph, graph[op].scope) for op, _ in uses],
+                             "in_strategy": splits,
                              "consistent": all(t == splits[0] for t in splits)}
     doc["unoptimised"] = price.to_dict()
     applied, params = apply_graph_plan(network, doc)
