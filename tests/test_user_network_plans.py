@@ -197,13 +197,14 @@ def test_a_tied_embedding_and_head_get_one_strategy_on_both_primitives():
     labels = ms.Tensor(rng.integers(0, 64, (128,)).astype(np.int32))
     names = {n for n, _ in net.cells_and_names()}
     net, plans = ms_efficient.optimize(net, _config({"preset": "ascend910b-1x8"},
-                                                    passes=["shard"]),
+                                                    passes=["shard"], shard_mesh="1x8"),
                                        sample_inputs=(ids, labels))
     plan = plans["shard"]
+    assert plan["meshes"][0]["mesh"] == "1x8" and len(plan["meshes"]) == 1
     tied = plan["tied"]["embed.embedding_table"]
     assert tied["uses"] == ["_backbone.embed", "_backbone.head"] and tied["consistent"]
     cells = plan["cells"]
     table_at_gather = cells["_backbone.embed"]["shard"]["gather"][0]
     table_at_head = cells["_backbone.head"]["shard"]["matmul"][1]
-    assert table_at_gather == table_at_head == tied["in_strategy"][0]
+    assert table_at_gather == table_at_head == tied["in_strategy"][0] != [1, 1]   # split
     _check_shard(plan, names)

@@ -37,6 +37,7 @@ CONTAINER_CLASSES = ("CellList", "SequentialCell")
 # Root levels of a train-step export: TrainOneStepCell's attribute for the trained network.
 _TRAIN_ROOT_ATTRS = ("network",)
 _RECOMPUTE_PREFIX = "recompute_"
+_RECOMPUTE_CELL = "_recompute_cell"
 
 
 def scope_segments(scope: str) -> List[Tuple[str, str]]:
@@ -61,6 +62,13 @@ def _plain_scope(scope: str) -> str:
     """``scope`` without the ``recompute_`` prefix MindSpore gives the operators of a Cell
     whose ``recompute()`` is set (``recompute_Default/...``): the same Cell path."""
     return scope[len(_RECOMPUTE_PREFIX):] if scope.startswith(_RECOMPUTE_PREFIX) else scope
+
+
+def user_cell_path(path: str) -> bool:
+    """True when ``path`` (as in ``cells_and_names()``) is a Cell of the user's network, not
+    one of MindSpore's wrappers (``Cell.recompute()`` adds ``<cell>._recompute_cell`` and its
+    ``wrap_cell``)."""
+    return bool(path) and _RECOMPUTE_CELL not in path.split(".")
 
 
 def scope_path(scope: str) -> str:
@@ -292,4 +300,4 @@ def forward_flops_ratio(graph: OpGraph) -> Optional[float]:
     return bwd / fwd
 
 
-__all__ += ["node_cell_path", "forward_flops_ratio"]
+__all__ += ["node_cell_path", "forward_flops_ratio", "user_cell_path"]

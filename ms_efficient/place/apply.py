@@ -35,7 +35,7 @@ import numpy as np
 
 from ms_efficient.core.fileio import atomic_write_text
 from ms_efficient.core.registry import register_pass
-from ms_efficient.graph.cells import scope_path
+from ms_efficient.graph.cells import scope_path, user_cell_path
 from ms_efficient.place.cost import simulate_placement
 from ms_efficient.place.problem import PlacementProblem
 
@@ -214,16 +214,6 @@ def apply_pipeline_stages(network: Any, plan: PlacementPlan) -> Dict[str, int]:
         cell.pipeline_stage = int(stage)
         out[name] = int(stage)
     return out
-
-
-# MindSpore's own wrapper Cells (``Cell.recompute()`` adds ``<cell>._recompute_cell`` and its
-# ``wrap_cell``): listed by ``cells_and_names()`` but not Cells of the user's network.
-_INTERNAL_SEGMENTS = ("_recompute_cell",)
-
-
-def user_cell_path(path: str) -> bool:
-    """True when ``path`` is a Cell of the user's network, not one of MindSpore's wrappers."""
-    return bool(path) and not any(seg in _INTERNAL_SEGMENTS for seg in path.split("."))
 
 
 def _batch_size(sample_inputs) -> int:

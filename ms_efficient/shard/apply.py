@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ms_efficient.core.fileio import atomic_write_text
 from ms_efficient.core.registry import register_pass
-from ms_efficient.graph.cells import scope_path
+from ms_efficient.graph.cells import scope_path, user_cell_path
 
 __all__ = ["apply_shard_plan", "strategy_json", "write_strategy_json", "shard_pass"]
 
@@ -174,6 +174,8 @@ def apply_graph_plan(network: Any, doc: Dict[str, Any]
     """
     holders: Dict[str, List[Tuple[str, Any]]] = {}      # a tied parameter has several
     for path, cell in network.cells_and_names():
+        if path and not user_cell_path(path):         # MindSpore's recompute wrappers
+            continue
         for _, p in cell.parameters_and_names(expand=False):
             holders.setdefault(p.name, []).append((path, cell))
     applied: Dict[str, Tuple] = {}
