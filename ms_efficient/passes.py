@@ -84,9 +84,9 @@ class PassContext:
 
     def unoptimised(self, needed_by: str = "this pass"):
         """The network's unoptimised step on one device of the config's cluster, priced once
-        for every pass (``ms_efficient.sim.network.price_network``; a ``NetworkPrice``)."""
+        for every pass (``ms_efficient.place.stages.price_network``; a ``NetworkPrice``)."""
         if self._price is None:
-            from ms_efficient.sim.network import price_network
+            from ms_efficient.place.stages import price_network
 
             self._price = price_network(self.graph(needed_by), self.config.cluster_spec())
         return self._price

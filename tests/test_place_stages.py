@@ -11,7 +11,7 @@ from ms_efficient.place.planner import TGAConfig
 from ms_efficient.place.problem import PlacementOptions
 from ms_efficient.place.stages import (group_graph, group_of_ops, micro_batch_candidates,
                                        plan_stages)
-from ms_efficient.sim.network import price_network
+from ms_efficient.place.stages import price_network
 
 OVERHEAD = PlacementOptions().op_overhead_s
 FAST = TGAConfig(seed=0, max_evaluations=200, time_budget_s=20.0)

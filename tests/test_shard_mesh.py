@@ -13,7 +13,7 @@ from ms_efficient.shard.ilp import ShardOptions, ShardSolution, solve_sharding
 from ms_efficient.shard.mesh_search import (STEP_SHARE, mesh_factorisations, plan_on_mesh,
                                             search_meshes)
 from ms_efficient.shard.strategies import Mesh
-from ms_efficient.shard.tied import split_at_uses
+from ms_efficient.shard.strategies import split_at_uses
 from tests.test_shard_graph import _mlp_graph, _node
 
 CLUSTER = get_cluster("ascend910b-1x8")

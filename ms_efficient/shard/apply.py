@@ -224,7 +224,7 @@ def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     from ms_efficient.shard.mesh_search import search_meshes
     from ms_efficient.shard.planner import graph_plan_to_dict
     from ms_efficient.shard.strategies import parse_mesh
-    from ms_efficient.shard.tied import split_at_uses
+    from ms_efficient.shard.strategies import split_at_uses
 
     config = context.config
     cluster = config.cluster_spec()

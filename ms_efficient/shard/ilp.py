@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ms_efficient.shard.cost import Cost, CostModel
 from ms_efficient.shard.strategies import Layout, OpSpec, Strategy, candidate_strategies
-from ms_efficient.shard.tied import add_same_split as _add_same_split
+from ms_efficient.shard.strategies import add_same_split as _add_same_split
 
 try:
     import pulp
@@ -210,7 +210,7 @@ def solve_sharding(specs: Sequence[OpSpec], model: CostModel,
         good as the start (an op group takes its first member's strategy; a strategy pruned
         as dominated is replaced by the kept candidate of its layout with the least memory).
 
-    same_split: groups of (op name, input index) uses of one tensor (``GraphOps.tied``: a
+    same_split: groups of (op name, input index) uses of one tensor (``GraphOps.tied``, a
         tied embedding / LM head) that must be split identically at every use.
     specs: operators in topological order; every "act" input's source must be in ``specs``.
     Returns a :class:`ShardSolution`; an infeasible budget raises ValueError with the minimum.

@@ -8,7 +8,7 @@ For every factorisation ``dp x mp`` of the cluster's devices (:func:`mesh_factor
 2. the communication budget is ``comm_ratio`` x ZeRO-1's communication on that mesh (data
    parallelism with the optimizer states sharded: what any user can run); where ZeRO-1 cannot
    run (the batch does not divide the devices) it is ``comm_ratio x STEP_SHARE`` x the
-   network's unoptimised simulated step time (``ms_efficient.sim.network``); a ratio of 0
+   network's unoptimised simulated step time (``place.stages.price_network``); a ratio of 0
    leaves the communication unconstrained;
 3. the minimal-memory ILP (``shard.ilp``) solves within that budget, started from the
    least-memory baseline that fits it; when its answer keeps more memory per device than that
