@@ -149,6 +149,10 @@ def test_place_says_by_how_much_pipelining_loses_on_a_small_llama():
                                          r"on one stage \(\+\d+\.\d%, .* ms slower"):
         ms_efficient.optimize(net, _config({"preset": "ascend910b-1x8"}, passes=["place"]),
                               sample_inputs=inputs)
+    with pytest.raises(ValueError, match=r"'optimize.micro_batches' must divide the batch size "
+                                         r"2 \(or be 0 to let the place pass choose\), but got 3"):
+        ms_efficient.optimize(net, _config({"preset": "ascend910b-1x8"}, passes=["place"],
+                                           micro_batches=3), sample_inputs=inputs)
 
 
 def test_shard_picks_a_data_parallel_mesh_for_a_cnn_and_place_says_it_has_no_blocks():

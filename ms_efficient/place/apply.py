@@ -283,7 +283,11 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     units = assign_units(graph, blocks)
     groups = group_of_ops(units.unit_of)
     micro = context.config.optimize.micro_batches
-    candidates = [micro] if micro else micro_batch_candidates(_batch_size(context.sample_inputs))
+    batch = _batch_size(context.sample_inputs)
+    if micro and batch % micro:
+        raise ValueError(f"'optimize.micro_batches' must divide the batch size {batch} (or be 0 "
+                         f"to let the place pass choose), but got {micro}.")
+    candidates = [micro] if micro else micro_batch_candidates(batch)
     stage_plan = plan_stages(graph, units.order, groups, units.units, cluster, candidates,
                              TGAConfig(seed=0, max_evaluations=PLACE_PASS_EVALUATIONS,
                                        time_budget_s=PLACE_PASS_TIME_S))
