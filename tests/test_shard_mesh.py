@@ -114,3 +114,21 @@ def test_a_tied_parameter_gets_one_split_at_every_use():
     sol = solve_sharding(ops.specs, model, OPTIONS, same_split=list(ops.tied.values()))
     splits = split_at_uses(ops.specs, sol.strategies, model.mesh, ops.tied["w"])
     assert splits[0] == splits[1] and splits[0] != [1, 1]    # split, and alike
+
+
+def test_plan_shard_on_a_graph_searches_the_meshes_as_the_pass_does(tmp_path):
+    import yaml
+
+    from ms_efficient.cli import main
+
+    path, out = str(tmp_path / "mlp.json"), str(tmp_path / "plan.yaml")
+    _mlp_graph(batch=16, hidden=64, ffn=256).save_json(path)
+    assert main(["plan", "shard", path, "--out", out]) == 0
+    with open(out, encoding="utf-8") as fh:
+        doc = yaml.safe_load(fh)
+    assert [r["mesh"] for r in doc["meshes"]] == ["8x1", "4x2", "2x4", "1x8"]
+    assert (doc["mesh"]["dp"], doc["mesh"]["mp"]) == (4, 2)      # as search_meshes chose
+    assert doc["budget"]["from"] == "zero1"
+    assert doc["baselines"]["zero1"]["comm_time_s"] == pytest.approx(doc["comm_budget_s"])
+    assert doc["summary"]["memory_per_device_bytes"] <= doc["baseline_bound_bytes"] + 1
+    assert doc["unoptimised"]["forward_ops"] == 4

@@ -217,14 +217,8 @@ def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     Sets ``shard()`` on the primitives it can name and writes the strategy JSON to
     ``optimize.shard_strategy_file`` when set. Raises ValueError when no primitive of the
     network takes a strategy (nothing to set)."""
-    from ms_efficient.graph.cells import (assign_units, cell_tree_from_graph, node_cell_path,
-                                          repeated_blocks)
-    from ms_efficient.shard.graph_ops import specs_from_graph
-    from ms_efficient.shard.ilp import ShardOptions
-    from ms_efficient.shard.mesh_search import search_meshes
-    from ms_efficient.shard.planner import graph_plan_to_dict
+    from ms_efficient.shard.mesh_search import plan_graph_doc
     from ms_efficient.shard.strategies import parse_mesh
-    from ms_efficient.shard.strategies import split_at_uses
 
     config = context.config
     cluster = config.cluster_spec()
@@ -237,40 +231,8 @@ def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
                              f"devices; cluster {cluster.name!r} has {cluster.num_devices}.")
         meshes = [mesh]
     graph = context.graph("the shard pass")
-    tie_units = None
-    blocks = repeated_blocks(cell_tree_from_graph(graph))
-    if blocks:
-        try:
-            units = assign_units(graph, blocks)
-            names = [n.name for n in graph]
-            tie_units = [[names[i] for i in units.members(u)] for u in range(len(units.units))]
-        except ValueError:
-            tie_units = None
     price = context.unoptimised("the shard pass")
-    ops = specs_from_graph(graph, tie_units)
-    found = search_meshes(ops.specs, cluster, ShardOptions(tie="layer", time_limit_s=30.0),
-                          price.step_time_s, float(opt.shard_comm_ratio), meshes,
-                          same_split=list(ops.tied.values()))
-    best = found["best"]
-    doc = graph_plan_to_dict(graph, {"ops": ops, "solution": best.solution,
-                                     "baselines": best.baselines, "model": best.model,
-                                     "options": best.options})
-    doc["comm_budget_s"] = best.budget_s
-    doc["budget"] = {"comm_s": best.budget_s, "from": best.budget_from,
-                     "ratio": float(opt.shard_comm_ratio)}
-    doc["fallback"] = best.fallback
-    if best.fallback:
-        doc["note"] = (f"the ILP's answer kept more memory per device than the "
-                       f"{best.fallback} baseline within the same budget; the plan is "
-                       f"{best.fallback}'s strategies")
-    doc["meshes"] = found["meshes"]
-    doc["baseline_bound_bytes"] = found["baseline_bound_bytes"]   # best baseline, any mesh
-    doc["tied"] = {}
-    for name, uses in ops.tied.items():
-        splits = split_at_uses(ops.specs, best.solution.strategies, best.mesh, uses)
-        doc["tied"][name] = {"uses": [node_cell_path(graph, graph[op].scope) for op, _ in uses],
-                             "in_strategy": splits,
-                             "consistent": all(t == splits[0] for t in splits)}
+    doc = plan_graph_doc(graph, cluster, price.step_time_s, float(opt.shard_comm_ratio), meshes)
     doc["unoptimised"] = price.to_dict()
     applied, params = apply_graph_plan(network, doc)
     if not applied:
@@ -287,5 +249,6 @@ def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
         cells.setdefault(path, {}).setdefault("shard", {})[attr] = [list(t) for t in st]
     doc["cells"] = cells
     doc["strategy_json"] = strategy
-    logger.info("shard: set %d primitives on mesh %s", len(applied), best.mesh)
+    logger.info("shard: set %d primitives on mesh %dx%d", len(applied), doc["mesh"]["dp"],
+                doc["mesh"]["mp"])
     return network, doc

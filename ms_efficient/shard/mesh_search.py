@@ -33,7 +33,8 @@ from ms_efficient.shard.cost import Cost, CostModel
 from ms_efficient.shard.ilp import ShardOptions, ShardSolution, solve_sharding
 from ms_efficient.shard.strategies import Mesh
 
-__all__ = ["STEP_SHARE", "mesh_factorisations", "MeshResult", "plan_on_mesh", "search_meshes"]
+__all__ = ["STEP_SHARE", "mesh_factorisations", "MeshResult", "plan_on_mesh", "search_meshes",
+           "plan_graph_doc"]
 
 logger = logging.getLogger(__name__)
 
@@ -168,3 +169,58 @@ def search_meshes(specs, cluster: ClusterSpec, options: ShardOptions, step_time_
             r.solution.cost.memory <= bound * (1 + 1e-9)]
     best = min(near, key=lambda r: (-r.mesh.dp, r.solution.cost.comm_s))
     return {"best": best, "meshes": rows, "baseline_bound_bytes": bound}
+
+
+def _tie_units(graph) -> Optional[List[List[str]]]:
+    """Node-name groups of the graph's repeated blocks (``specs_from_graph``'s tie_units)."""
+    from ms_efficient.graph.cells import assign_units, cell_tree_from_graph, repeated_blocks
+
+    try:
+        blocks = repeated_blocks(cell_tree_from_graph(graph))
+        if not blocks:
+            return None
+        units = assign_units(graph, blocks)
+    except ValueError:              # no Cell scopes, or a block without parameter operators
+        return None
+    names = [n.name for n in graph]
+    return [[names[i] for i in units.members(u)] for u in range(len(units.units))]
+
+
+def plan_graph_doc(graph, cluster: ClusterSpec, step_time_s: float, comm_ratio: float = 1.0,
+                   meshes: Optional[Sequence[Mesh]] = None, time_limit_s: float = 30.0
+                   ) -> Dict[str, Any]:
+    """The shard plan of a graph (an ``OpGraph``, train-step or forward) as the shard pass and
+    ``ms-efficient plan shard GRAPH`` write it: :func:`search_meshes` over the operators of
+    ``shard.graph_ops`` (repeated blocks tied to one strategy, tied parameters split alike),
+    then ``shard.planner.graph_plan_to_dict`` of the chosen mesh plus ``budget``,
+    ``fallback`` (and a ``note`` when set), ``meshes``, ``baseline_bound_bytes`` and ``tied``
+    (each tied parameter's uses by Cell path and their splits). step_time_s: the unoptimised
+    simulated step (``place.stages.price_network``), seconds."""
+    from ms_efficient.graph.cells import node_cell_path
+    from ms_efficient.shard.graph_ops import specs_from_graph
+    from ms_efficient.shard.planner import graph_plan_to_dict
+    from ms_efficient.shard.strategies import split_at_uses
+
+    ops = specs_from_graph(graph, _tie_units(graph))
+    found = search_meshes(ops.specs, cluster, ShardOptions(tie="layer", time_limit_s=time_limit_s),
+                          step_time_s, comm_ratio, meshes, same_split=list(ops.tied.values()))
+    best = found["best"]
+    doc = graph_plan_to_dict(graph, {"ops": ops, "solution": best.solution,
+                                     "baselines": best.baselines, "model": best.model,
+                                     "options": best.options})
+    doc["comm_budget_s"] = best.budget_s
+    doc["budget"] = {"comm_s": best.budget_s, "from": best.budget_from, "ratio": comm_ratio}
+    doc["fallback"] = best.fallback
+    if best.fallback:
+        doc["note"] = (f"the ILP's answer kept more memory per device than the "
+                       f"{best.fallback} baseline within the same budget; the plan is "
+                       f"{best.fallback}'s strategies")
+    doc["meshes"] = found["meshes"]
+    doc["baseline_bound_bytes"] = found["baseline_bound_bytes"]   # best baseline, any mesh
+    doc["tied"] = {}
+    for name, uses in ops.tied.items():
+        splits = split_at_uses(ops.specs, best.solution.strategies, best.mesh, uses)
+        doc["tied"][name] = {"uses": [node_cell_path(graph, graph[op].scope) for op, _ in uses],
+                             "in_strategy": splits,
+                             "consistent": all(t == splits[0] for t in splits)}
+    return doc
