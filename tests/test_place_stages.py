@@ -120,6 +120,17 @@ def test_a_network_too_big_for_one_device_gets_stages_even_when_they_cost_time()
     assert plan.step_time_s > plan.one_stage_s              # slower, but the only fit
 
 
+def test_no_pipeline_within_memory_is_refused_with_the_need():
+    # two devices of 35900 usable bytes: each half of the 71680 B fits only without the
+    # 1 KiB activation it receives from the other stage
+    cluster = _cluster(2, device_memory_bytes=int(35900 / 0.9) + 1)
+    g, unit_of, names = _chain([1e3] * 4)
+    order = [list(g.nodes).index(n) for n in g.topological_order()]
+    with pytest.raises(ValueError, match=r"no pipeline of the 4 blocks fits the usable memory "
+                                         r"of 'test-1x2' \(3\.59e\+04 bytes per device"):
+        plan_stages(g, order, group_of_ops(unit_of), names, cluster, [1], FAST)
+
+
 def test_micro_batch_candidates_divide_the_batch():
     assert micro_batch_candidates(12) == [1, 2, 3, 4, 6, 12]
     assert micro_batch_candidates(64, limit=16) == [1, 2, 4, 8, 16]

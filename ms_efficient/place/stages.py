@@ -203,9 +203,14 @@ def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
                 best = (m, cost, np.asarray(assign), problem)
         logger.info("place: %d micro-batches -> best pipeline simulated %.4g ms", m,
                     tried.get(m, np.nan) * 1e3)
+    if best is not None and not best[1].feasible and not one_cost.feasible:
+        raise ValueError(
+            f"place: no pipeline of the {len(names)} blocks fits the usable memory of "
+            f"{cluster.name!r} ({best[3].capacity_bytes[0]:.4g} bytes per device; the best "
+            f"needs {best[1].peak_memory_bytes.max():.4g}); shard or recompute first.")
     # a network that does not fit one device needs the stages whatever they cost
-    if best is None or (one_cost.feasible or not best[1].feasible) and \
-            best[1].step_time_s >= one_stage_s:
+    if best is None or one_cost.feasible and (not best[1].feasible or
+                                              best[1].step_time_s >= one_stage_s):
         detail = "no split into >= 2 stages fits the devices" if best is None else (
             f"the best pipeline ({len(set(best[2].tolist()))} stages of the {len(names)} "
             f"blocks, {best[0]} micro-batches) simulates {best[1].step_time_s * 1e3:.4g} ms "
