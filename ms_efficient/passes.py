@@ -66,6 +66,7 @@ class PassContext:
         self.sample_inputs = None if sample_inputs is None else tuple(sample_inputs)
         self._graph = None
         self._tree = None
+        self._price = None
 
     def graph(self, needed_by: str = "this pass"):
         """The train-step OpGraph of the network (forward, backward and optimizer ops)."""
@@ -80,6 +81,15 @@ class PassContext:
             logger.info("extracted the train-step graph of %s: %d ops",
                         type(self.network).__name__, len(self._graph))
         return self._graph
+
+    def unoptimised(self, needed_by: str = "this pass"):
+        """The network's unoptimised step on one device of the config's cluster, priced once
+        for every pass (``ms_efficient.place.stages.price_network``; a ``NetworkPrice``)."""
+        if self._price is None:
+            from ms_efficient.place.stages import price_network
+
+            self._price = price_network(self.graph(needed_by), self.config.cluster_spec())
+        return self._price
 
     def invalidate(self) -> None:
         """Forget the Cell tree (a pass changed the network's Cells). The graph stays: a

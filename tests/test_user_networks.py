@@ -37,10 +37,11 @@ def _graph_mode():
 
 
 @pytest.mark.parametrize("moe", [None, MOE], ids=["dense", "moe"])
-def test_shard_memopt_and_place_plan_a_llama_decoder_by_its_own_cell_names(moe):
+def test_shard_and_memopt_plan_a_llama_decoder_by_its_own_cell_names(moe):
+    # place on this small decoder does not pay (tests/test_user_network_plans.py)
     net, inputs = llama_with_loss(moe=moe, num_layers=3)
     names = {n for n, _ in net.cells_and_names()}
-    net, plans = ms_efficient.optimize(net, _config(passes=["shard", "memopt", "place"],
+    net, plans = ms_efficient.optimize(net, _config(passes=["shard", "memopt"],
                                                     memory_budget="92%"),
                                        sample_inputs=inputs)
     sharded = set(plans["shard"]["cells"])       # the user's projections, by their paths
@@ -54,15 +55,6 @@ def test_shard_memopt_and_place_plan_a_llama_decoder_by_its_own_cell_names(moe):
     # the plan fits its budget (92% of the unoptimised simulated peak) and needed to change
     assert mem["budget_bytes"] == pytest.approx(0.92 * mem["unoptimised_peak_bytes"], rel=1e-6)
     assert mem["simulated"]["fits"] and mem["simulated"]["peak_bytes"] <= mem["budget_bytes"]
-    place = plans["place"]["cells"]
-    assert set(place) <= names | {f"{b}._recompute_cell" for b in BLOCKS} | \
-        {f"{b}._recompute_cell.wrap_cell" for b in BLOCKS}
-    stages = [place[b]["pipeline_stage"] for b in BLOCKS]
-    assert stages == sorted(stages)                       # stages follow the layers
-    for block, stage in zip(BLOCKS, stages):               # a block stays on one stage
-        inner = [c for c in place if c.startswith(block + ".")]
-        assert inner and all(place[c]["pipeline_stage"] == stage for c in inner)
-    assert len(plans["place"]["stages"]) >= 2
     losses = _train_steps(net, inputs)
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
 
@@ -137,7 +129,7 @@ def test_shard_plans_the_llama_graphs_own_operators_and_sets_its_primitives(moe,
     summary, base = plan["summary"], plan["baselines"]
     fits = [b["memory_per_device_bytes"] for b in base.values()
             if "error" not in b and b["comm_time_s"] <= plan["comm_budget_s"] * (1 + 1e-9)]
-    assert base["megatron-tp"]["comm_time_s"] * 1.2 == pytest.approx(plan["comm_budget_s"])
+    assert base["zero1"]["comm_time_s"] == pytest.approx(plan["comm_budget_s"])
     assert summary["memory_per_device_bytes"] <= min(fits) * (1 + 1e-4)
     # ... and, unconstrained, than the best of DP / ZeRO-3 / Megatron-TP on the same graph
     free = plan_graph(graph, Mesh(2, 4, dp_model_split=False), get_cluster("ascend910b-1x8"),
@@ -178,16 +170,24 @@ net = nn.WithLossCell(mindcv.create_model("resnet18", pretrained=False, num_clas
                       nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
 x = ms.Tensor(np.random.default_rng(0).standard_normal((8, 3, 64, 64)).astype(np.float32))
 y = ms.Tensor(np.arange(8, dtype=np.int32) % 10)
-cfg = config_from_dict({"optimize": {"passes": ["shard", "memopt", "place"],
+cfg = config_from_dict({"optimize": {"passes": ["shard", "memopt"],
                                      "memory_budget": "99%", "micro_batches": 8},
                         "cluster": {"preset": "ascend910b-1x8"}})
 net, plans = ms_efficient.optimize(net, cfg, sample_inputs=(x, y))
+cfg.optimize.passes = ["place"]
+try:
+    plans["place"] = ms_efficient.optimize(net, cfg, sample_inputs=(x, y))[1]["place"]
+except ValueError as err:
+    plans["place"] = {"error": str(err), "cells": {}, "stages": []}
 step = nn.TrainOneStepCell(net, nn.Momentum(net.trainable_params(), 0.01, 0.9))
 losses = [float(step(x, y).asnumpy()) for _ in range(2)]
 names = [n for n, _ in net.cells_and_names()]
 print(json.dumps({"units": [l["name"] for l in plans["memopt"]["layers"]],
                   "memopt": plans["memopt"]["cells"], "fits": plans["memopt"]["simulated"]["fits"],
                   "stages": {k: v["pipeline_stage"] for k, v in plans["place"]["cells"].items()},
+                  "place_error": plans["place"].get("error"),
+                  "place_blocks": [s["blocks"] for s in plans["place"]["stages"]],
+                  "mesh": plans["shard"]["mesh"],
                   "names": names, "losses": losses, "shard": plans["shard"]["cells"],
                   "shard_summary": plans["shard"]["summary"],
                   "shard_budget": plans["shard"]["comm_budget_s"],
@@ -201,9 +201,14 @@ print(json.dumps({"units": [l["name"] for l in plans["memopt"]["layers"]],
     blocks = [f"_backbone.layer{i}.{j}" for i in range(1, 5) for j in range(2)]
     assert got["units"] == blocks
     assert got["memopt"] and set(got["memopt"]) <= set(blocks) and got["fits"]
-    stages = [got["stages"][b] for b in blocks]
-    assert stages == sorted(stages) and len(set(got["stages"].values())) >= 2
-    assert set(got["stages"]) <= set(got["names"])
+    if got["place_error"]:          # place plans block stages or says by how much it loses
+        assert "pipelining does not pay" in got["place_error"] and "%" in got["place_error"]
+    else:
+        stages = [got["stages"][b] for b in blocks]
+        assert stages == sorted(stages) and len(got["place_blocks"]) >= 2
+        assert [b for held in got["place_blocks"] for b in held] == blocks
+        assert set(got["stages"]) <= set(got["names"])
+    assert got["mesh"]["dp"] > got["mesh"]["mp"]          # a CNN at batch 8: data parallel
     assert all(np.isfinite(got["losses"]))
     # shard: the convolutions and the classifier by their own paths, within budget no more
     # memory than any baseline that fits it
@@ -263,7 +268,7 @@ def test_all_passes_together_plan_a_llama_moe_then_it_still_trains(tmp_path):
     experts = [f"{b}.mlp.experts" for b in BLOCKS]
     # a cluster whose links are slow enough that overlapping the All-to-All pays
     cfg = config_from_dict({
-        "optimize": {"passes": ["efficientmoe", "mpipe", "shard", "memopt", "place"],
+        "optimize": {"passes": ["efficientmoe", "mpipe", "shard", "memopt"],
                      "memory_budget": "95%"},
         "efficientmoe": {"history": str(tmp_path / "trace.npz"), "capacity_multiple": 1},
         "cluster": {"preset": "ascend910b-1x8",
@@ -288,7 +293,6 @@ def test_all_passes_together_plan_a_llama_moe_then_it_still_trains(tmp_path):
     assert plans["mpipe"]["cells"]
     assert "_backbone.model.layers.0.self_attn.q_proj" in plans["shard"]["cells"]
     assert set(plans["memopt"]["cells"]) <= set(BLOCKS) and plans["memopt"]["simulated"]["fits"]
-    assert len(plans["place"]["stages"]) >= 2
     losses = _train_steps(net, inputs)
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
 

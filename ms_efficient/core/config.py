@@ -286,14 +286,15 @@ class OptimizeConfig:
     # "model.layers.*.mlp"]; [] = the repeated blocks of every CellList / SequentialCell.
     memopt_cells: List[str] = field(default_factory=list)
     # GPipe micro-batches per step the place pass plans pipeline stages for (MindSpore's
-    # micro_batch_num); with 1, splitting a chain only adds transfers, so it rarely pays.
-    micro_batches: int = 1
+    # micro_batch_num); 0 = the pass chooses among the divisors of the batch (simulated).
+    micro_batches: int = 0
     # Device mesh of the shard pass, "DPxMP" (dp strided over nodes, mp inside a node);
-    # "" = 1 x the cluster's devices.
+    # "" = the pass tries every factorisation of the cluster's devices and chooses.
     shard_mesh: str = ""
-    # Communication budget of the shard pass: this many times Megatron-TP's communication on
-    # the same graph and mesh; 0 = unconstrained (the least memory whatever it costs).
-    shard_comm_ratio: float = 1.2
+    # Communication budget of the shard pass: this many times the communication of data
+    # parallelism with ZeRO-1 on the same graph and mesh (half the unoptimised simulated step
+    # where the batch does not divide the devices); 0 = unconstrained (the least memory).
+    shard_comm_ratio: float = 1.0
     # Where the shard pass writes MindSpore's strategy JSON (keyed by your Cells' primitives
     # and parameter names); "" = only in the returned plan.
     shard_strategy_file: str = ""
@@ -314,8 +315,9 @@ class OptimizeConfig:
                 parse_budget(self.memory_budget, f"{path}.memory_budget")
             except ValueError as err:
                 raise ValueError(str(err)) from None
-        if self.micro_batches < 1:
-            _fail(f"{path}.micro_batches", self.micro_batches, "a positive integer")
+        if self.micro_batches < 0:
+            _fail(f"{path}.micro_batches", self.micro_batches,
+                  "a positive integer, or 0 to let the place pass choose")
         for i, pattern in enumerate(self.memopt_cells):
             if not pattern.strip():
                 _fail(f"{path}.memopt_cells[{i}]", pattern, "a non-empty glob pattern")

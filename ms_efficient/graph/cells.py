@@ -36,6 +36,8 @@ __all__ = ["CONTAINER_CLASSES", "scope_segments", "scope_path", "strip_train_roo
 CONTAINER_CLASSES = ("CellList", "SequentialCell")
 # Root levels of a train-step export: TrainOneStepCell's attribute for the trained network.
 _TRAIN_ROOT_ATTRS = ("network",)
+_RECOMPUTE_PREFIX = "recompute_"
+_RECOMPUTE_CELL = "_recompute_cell"
 
 
 def scope_segments(scope: str) -> List[Tuple[str, str]]:
@@ -44,7 +46,7 @@ def scope_segments(scope: str) -> List[Tuple[str, str]]:
     The attribute is everything before the LAST ``-`` (attribute names may not hold one,
     class names may not either), so ``0-Block`` is attribute ``0`` of class ``Block``.
     """
-    parts = [p for p in scope.split("/") if p]
+    parts = [p for p in _plain_scope(scope).split("/") if p]
     if parts and parts[0] == "Default":
         parts = parts[1:]
     out = []
@@ -56,6 +58,19 @@ def scope_segments(scope: str) -> List[Tuple[str, str]]:
     return out
 
 
+def _plain_scope(scope: str) -> str:
+    """``scope`` without the ``recompute_`` prefix MindSpore gives the operators of a Cell
+    whose ``recompute()`` is set (``recompute_Default/...``): the same Cell path."""
+    return scope[len(_RECOMPUTE_PREFIX):] if scope.startswith(_RECOMPUTE_PREFIX) else scope
+
+
+def user_cell_path(path: str) -> bool:
+    """True when ``path`` (as in ``cells_and_names()``) is a Cell of the user's network, not
+    one of MindSpore's wrappers (``Cell.recompute()`` adds ``<cell>._recompute_cell`` and its
+    ``wrap_cell``)."""
+    return bool(path) and _RECOMPUTE_CELL not in path.split(".")
+
+
 def scope_path(scope: str) -> str:
     """``Default/b0-Block/d1-Dense/MatMul-op0`` -> ``b0.d1``: the Cell path of a scope, rooted
     at the exported Cell."""
@@ -65,7 +80,7 @@ def scope_path(scope: str) -> str:
 def strip_train_root(graph: OpGraph, scope: str) -> str:
     """``scope`` without the one-step Cell's ``network-...`` level when ``graph`` is a
     train-step export, so its Cell path is relative to the network the user trains."""
-    parts = [p for p in scope.split("/") if p]
+    parts = [p for p in _plain_scope(scope).split("/") if p]
     if _is_train_graph(graph) and len(parts) > 1 and parts[0] == "Default" and \
             parts[1].rpartition("-")[0] in _TRAIN_ROOT_ATTRS:
         parts = [parts[0]] + parts[2:]
@@ -285,4 +300,4 @@ def forward_flops_ratio(graph: OpGraph) -> Optional[float]:
     return bwd / fwd
 
 
-__all__ += ["node_cell_path", "forward_flops_ratio"]
+__all__ += ["node_cell_path", "forward_flops_ratio", "user_cell_path"]

@@ -36,12 +36,12 @@ import numpy as np
 
 from ms_efficient.core.fileio import atomic_write_text
 from ms_efficient.core.registry import register_pass
-from ms_efficient.graph.cells import scope_path
+from ms_efficient.graph.cells import scope_path, user_cell_path
 from ms_efficient.place.cost import simulate_placement
 from ms_efficient.place.problem import PlacementProblem
 
 __all__ = ["PlacementPlan", "make_plan", "save_plan", "load_plan", "apply_pipeline_stages",
-           "place_pass"]
+           "apply_block_stages", "place_pass", "user_cell_path"]
 
 PLAN_VERSION = 1
 # The place pass's search: TGA's distinct evaluations (as `bench place --quick`) and its
@@ -217,17 +217,57 @@ def apply_pipeline_stages(network: Any, plan: PlacementPlan) -> Dict[str, int]:
     return out
 
 
+def _batch_size(sample_inputs) -> int:
+    shape = getattr((sample_inputs or [None])[0], "shape", None)
+    if not shape:
+        raise ValueError("place: the first sample input has no batch dimension to split "
+                         "into micro-batches.")
+    return int(shape[0])
+
+
+def apply_block_stages(network: Any, block_stage: Dict[str, int],
+                       op_stages: List[Tuple[str, int]]) -> Dict[str, int]:
+    """Set ``cell.pipeline_stage`` from a block plan (``place.stages``).
+
+    block_stage: {block Cell path: stage}; a block and every Cell inside it (MindSpore's
+    ``_recompute_cell`` wrappers included) get the block's stage. op_stages: (Cell path, stage)
+    of every planned operator; any other Cell gets the most common stage of the operators
+    scoped directly to it (ties: the lower stage; operator scopes inside repeated blocks may
+    name an earlier twin, so blocks are never decided by them), else its parent's stage.
+    Returns {cell path: stage} ("" is the root)."""
+    blocks = sorted(block_stage, key=len, reverse=True)
+    direct: Dict[str, Counter] = {}
+    for path, stage in op_stages:
+        direct.setdefault(path, Counter())[stage] += 1
+    out: Dict[str, int] = {}
+    for name, cell in network.cells_and_names():
+        owner = next((b for b in blocks if name == b or name.startswith(b + ".")), None)
+        if owner is not None:
+            stage = block_stage[owner]
+        elif name in direct:
+            top = max(direct[name].values())
+            stage = min(s for s, c in direct[name].items() if c == top)
+        else:
+            stage = out.get(name.rsplit(".", 1)[0] if "." in name else "", 0)
+        cell.pipeline_stage = int(stage)
+        out[name] = int(stage)
+    return out
+
+
 @register_pass("place")
 def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
-    """The ``place`` pass: TGA partitions the forward operators of the network's train-step
-    graph into contiguous pipeline stages on the config's cluster (``optimize.micro_batches``
-    micro-batches; each repeated block of the network kept on one stage) and sets ``pipeline_stage`` on the
-    network's Cells. Raises ValueError on a one-device cluster or when the best plan keeps every Cell
-    on one stage (nothing to set)."""
-    from ms_efficient.graph.cells import (assign_units, forward_subgraph, repeated_blocks,
-                                          strip_train_root)
-    from ms_efficient.place.planner import TGAConfig, tga
-    from ms_efficient.place.problem import PlacementOptions, build_problem
+    """The ``place`` pass: pipeline stages as contiguous groups of the network's repeated
+    blocks (``place.stages``: each block with the glue around it is one unit, TGA places the
+    units on the config's cluster, every candidate micro-batch count is simulated with the
+    bubble and the transfers) and ``pipeline_stage`` set on the network's Cells.
+
+    ``optimize.micro_batches`` fixes M; 0 lets the pass choose among the divisors of the
+    batch. Raises ValueError on a one-device cluster, a network with fewer than two repeated
+    blocks, or when no pipeline beats one stage (saying by how much)."""
+    from ms_efficient.graph.cells import (assign_units, forward_subgraph, node_cell_path,
+                                          repeated_blocks, strip_train_root)
+    from ms_efficient.place.planner import TGAConfig
+    from ms_efficient.place.stages import group_of_ops, micro_batch_candidates, plan_stages
 
     cluster = context.config.cluster_spec()
     if cluster.num_devices < 2:
@@ -236,28 +276,48 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
                          "{preset: ascend910b-1x8}).")
     full = context.graph("the place pass")
     graph = forward_subgraph(full)
-    # each repeated block (decoder layer, residual block) stays on one stage
     blocks = repeated_blocks(context.cell_tree())
-    colocate = []
-    if blocks:
-        assignment = assign_units(full, blocks)
-        names = [n.name for n in full]
-        colocate = [[names[i] for i in assignment.members(u)]
-                    for u in range(len(assignment.units))]
+    if len(blocks) < 2:
+        raise ValueError(f"place: found {len(blocks)} repeated blocks in "
+                         f"{type(network).__name__} (children of one class in a CellList / "
+                         "SequentialCell); every pipeline stage holds one, so it needs >= 2.")
+    units = assign_units(graph, blocks)
+    groups = group_of_ops(units.unit_of)
     micro = context.config.optimize.micro_batches
-    problem = build_problem(graph, cluster, PlacementOptions(
-        micro_batches=micro, contiguous=True, colocate=colocate))
-    result = tga(problem, TGAConfig(seed=0, max_evaluations=PLACE_PASS_EVALUATIONS,
-                                    time_budget_s=PLACE_PASS_TIME_S))
-    plan = make_plan(problem, result.assign, "tga",
-                     scopes={n.name: strip_train_root(full, n.scope) for n in graph if n.scope},
-                     meta={"evaluations": result.evaluations, "seed": 0,
-                           "stopped_by": result.stopped_by}, order=result.order)
-    if len(plan.stages) < 2:
-        raise ValueError(f"place: TGA's best plan for the network on {cluster.name!r} keeps "
-                         f"every operator on one device (simulated {plan.step_time_s * 1e3:.3f} "
-                         "ms); no pipeline stage to set.")
-    stages = apply_pipeline_stages(network, plan)
+    batch = _batch_size(context.sample_inputs)
+    if micro and batch % micro:
+        raise ValueError(f"'optimize.micro_batches' must divide the batch size {batch} (or be 0 "
+                         f"to let the place pass choose), but got {micro}.")
+    candidates = [micro] if micro else micro_batch_candidates(batch)
+    stage_plan = plan_stages(graph, units.order, groups, units.units, cluster, candidates,
+                             TGAConfig(seed=0, max_evaluations=PLACE_PASS_EVALUATIONS,
+                                       time_budget_s=PLACE_PASS_TIME_S))
+    nodes = list(graph)
+    device_of = np.asarray(stage_plan.device_of_block)[groups]
+    assignment = {nodes[i].name: int(d) for i, d in zip(units.order.tolist(), device_of)}
+    price = context.unoptimised("the place pass")
+    plan = PlacementPlan(
+        method="tga-blocks", graph=full.name, cluster=cluster.name,
+        devices=cluster.num_devices, micro_batches=stage_plan.micro_batches,
+        step_time_s=stage_plan.step_time_s,
+        peak_memory_bytes=[s["memory_bytes"] for s in stage_plan.stages],
+        assignment=assignment, stage_of_device=stage_plan.stage_of_device,
+        stages=stage_plan.stages,
+        scopes={n.name: strip_train_root(full, n.scope) for n in graph if n.scope},
+        meta={"evidence": "simulated", "pipeline": True, "seed": 0,
+              "evaluations": stage_plan.evaluations, "one_stage_s": stage_plan.one_stage_s,
+              "one_stage_fits": stage_plan.one_stage_fits,
+              "speedup": stage_plan.one_stage_s / stage_plan.step_time_s,
+              "micro_batches_tried": {int(k): float(v) for k, v in stage_plan.tried.items()}})
+    stage_of_block = {b: s["stage"] for s in stage_plan.stages for b in s["blocks"]}
+    stage_of_op = {name: plan.stage_of_node(name) for name in assignment}
+    stages = apply_block_stages(network, stage_of_block, [
+        (node_cell_path(full, n.scope), stage_of_op[n.name]) for n in graph
+        if n.name in stage_of_op])
     doc = plan.to_dict()
-    doc["cells"] = {path: {"pipeline_stage": s} for path, s in stages.items() if path}
+    del doc["assignment"], doc["scopes"]          # per operator: in the PlacementPlan only
+    doc["stage_time_s"] = stage_plan.stage_time_s
+    doc["unoptimised"] = price.to_dict()
+    doc["cells"] = {path: {"pipeline_stage": s} for path, s in stages.items()
+                    if user_cell_path(path)}
     return network, doc

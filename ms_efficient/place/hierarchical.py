@@ -29,8 +29,7 @@ import numpy as np
 
 from ms_efficient.place.cost import Evaluator, SearchResult, TracePoint
 from ms_efficient.place.operators import repair
-from ms_efficient.place.local import local_search
-from ms_efficient.place.operators import is_monotone
+from ms_efficient.place.operators import is_monotone, local_search
 from ms_efficient.place.planner import TGAConfig, order_finals, seeded_start
 from ms_efficient.place.problem import PlacementProblem
 

@@ -4,7 +4,7 @@ Two populations with different roles search the same chromosome space ([U] devic
 
 - exploit (``pop_exploit`` individuals) refines: tournaments of size 4 (strong pressure),
   (mu + lambda) survival of the best distinct individuals, and a local search
-  (place.local) on its champion every ``local_search_every`` generations until the
+  (place.operators.local_search) on its champion every ``local_search_every`` generations until the
   champion is a local optimum. A child stays in its parents' class: pipelines (monotone
   placements, see place.operators) get stage-boundary or two-point crossover, boundary
   moves and sibling spreads inside a stage range, and are repaired into pipeline order;
@@ -52,11 +52,11 @@ from typing import List, Optional
 import numpy as np
 
 from ms_efficient.place.cost import Evaluator, SearchResult, TracePoint
-from ms_efficient.place.local import local_search
 from ms_efficient.place.operators import (balanced_contiguous, crossover_stages,
-                                          crossover_two_point, is_monotone, mutate_block,
-                                          mutate_boundary, mutate_neighbours, mutate_points,
-                                          mutate_spread, random_contiguous, repair, spread_all)
+                                          crossover_two_point, is_monotone, local_search,
+                                          mutate_block, mutate_boundary, mutate_neighbours,
+                                          mutate_points, mutate_spread, random_contiguous,
+                                          repair, spread_all)
 from ms_efficient.place.problem import PlacementProblem
 
 __all__ = ["TGAConfig", "SearchResult", "TracePoint", "tga", "ga_single", "seeded_start",

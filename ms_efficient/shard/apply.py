@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ms_efficient.core.fileio import atomic_write_text
 from ms_efficient.core.registry import register_pass
+from ms_efficient.graph.cells import scope_path, user_cell_path
 
 __all__ = ["apply_shard_plan", "strategy_json", "write_strategy_json", "shard_pass"]
 
@@ -171,24 +172,30 @@ def apply_graph_plan(network: Any, doc: Dict[str, Any]
     MindSpore's sharding propagation (their strategies are in the plan). Returns
     ``({"<cell path>.<attribute>": in_strategy}, {same key: [(parameter name, input index)]})``.
     """
-    owner: Dict[str, Tuple[str, Any]] = {}
+    holders: Dict[str, List[Tuple[str, Any]]] = {}      # a tied parameter has several
     for path, cell in network.cells_and_names():
+        if path and not user_cell_path(path):         # MindSpore's recompute wrappers
+            continue
         for _, p in cell.parameters_and_names(expand=False):
-            owner.setdefault(p.name, (path, cell))
+            holders.setdefault(p.name, []).append((path, cell))
     applied: Dict[str, Tuple] = {}
     params: Dict[str, List[Tuple[str, int]]] = {}
-    for entry in doc["operators"].values():
+    for op_name, entry in doc["operators"].items():
         if not entry["params"]:
             continue
         index, name = entry["params"][0]
-        if name not in owner:
+        found = []
+        for path, cell in holders.get(name, []):
+            prims = [(attr, prim) for attr, prim in getattr(cell, "_primitives", {}).items()
+                     if prim is not None and getattr(prim, "name", None) == entry["prim"]]
+            if len(prims) == 1:
+                found.append((path, prims[0]))
+        if len(found) > 1:       # a tied parameter: the holder the operator's scope names
+            scope = scope_path(op_name)
+            found = [f for f in found if scope == f[0] or scope.endswith("." + f[0])]
+        if len(found) != 1:
             continue
-        path, cell = owner[name]
-        prims = [(attr, prim) for attr, prim in getattr(cell, "_primitives", {}).items()
-                 if prim is not None and getattr(prim, "name", None) == entry["prim"]]
-        if len(prims) != 1:
-            continue
-        attr, prim = prims[0]
+        path, (attr, prim) = found[0]
         strategy = tuple(tuple(int(f) for f in t) for t in entry["in_strategy"])
         key = f"{path}.{attr}" if path else attr
         if key in applied and applied[key] != strategy:
@@ -202,37 +209,31 @@ def apply_graph_plan(network: Any, doc: Dict[str, Any]
 
 @register_pass("shard")
 def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
-    """Pass: the minimal-redundancy ILP over the forward operators of the network's own
-    train-step graph (``shard.graph_ops``), on ``optimize.shard_mesh`` (default 1 x the
-    cluster's devices) within ``optimize.shard_comm_ratio`` x Megatron-TP's communication;
-    sets ``shard()`` on the primitives it can name and writes the strategy JSON to
+    """Pass: the mesh and the strategies of the network's own train-step graph, chosen
+    together (``shard.mesh_search``): every dp x mp factorisation of the cluster's devices
+    (or ``optimize.shard_mesh``), the minimal-memory ILP within ``optimize.shard_comm_ratio``
+    x ZeRO-1's communication on that mesh (half the unoptimised simulated step where ZeRO-1
+    cannot run), never more memory per device than the best baseline within that budget.
+    Sets ``shard()`` on the primitives it can name and writes the strategy JSON to
     ``optimize.shard_strategy_file`` when set. Raises ValueError when no primitive of the
     network takes a strategy (nothing to set)."""
-    from ms_efficient.graph.cells import assign_units, cell_tree_from_graph, repeated_blocks
-    from ms_efficient.shard.ilp import ShardOptions
-    from ms_efficient.shard.planner import graph_plan_to_dict, plan_graph
+    from ms_efficient.shard.mesh_search import plan_graph_doc
     from ms_efficient.shard.strategies import parse_mesh
 
     config = context.config
     cluster = config.cluster_spec()
     opt = config.optimize
-    mesh = parse_mesh(opt.shard_mesh or f"1x{cluster.num_devices}", dp_model_split=False)
-    if mesh.devices > cluster.num_devices:
-        raise ValueError(f"'optimize.shard_mesh' {opt.shard_mesh!r} needs {mesh.devices} "
-                         f"devices; cluster {cluster.name!r} has {cluster.num_devices}.")
+    meshes = None
+    if opt.shard_mesh:
+        mesh = parse_mesh(opt.shard_mesh, dp_model_split=False)
+        if mesh.devices > cluster.num_devices:
+            raise ValueError(f"'optimize.shard_mesh' {opt.shard_mesh!r} needs {mesh.devices} "
+                             f"devices; cluster {cluster.name!r} has {cluster.num_devices}.")
+        meshes = [mesh]
     graph = context.graph("the shard pass")
-    tie_units = None
-    blocks = repeated_blocks(cell_tree_from_graph(graph))
-    if blocks:
-        try:
-            units = assign_units(graph, blocks)
-            names = [n.name for n in graph]
-            tie_units = [[names[i] for i in units.members(u)] for u in range(len(units.units))]
-        except ValueError:
-            tie_units = None
-    result = plan_graph(graph, mesh, cluster, ShardOptions(tie="layer", time_limit_s=60.0),
-                        budget_ratio=float(opt.shard_comm_ratio) or None, tie_units=tie_units)
-    doc = graph_plan_to_dict(graph, result)
+    price = context.unoptimised("the shard pass")
+    doc = plan_graph_doc(graph, cluster, price.step_time_s, float(opt.shard_comm_ratio), meshes)
+    doc["unoptimised"] = price.to_dict()
     applied, params = apply_graph_plan(network, doc)
     if not applied:
         raise ValueError(f"shard: no primitive of {type(network).__name__} takes a strategy "
@@ -248,5 +249,6 @@ def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
         cells.setdefault(path, {}).setdefault("shard", {})[attr] = [list(t) for t in st]
     doc["cells"] = cells
     doc["strategy_json"] = strategy
-    logger.info("shard: set %d primitives on mesh %s", len(applied), mesh)
+    logger.info("shard: set %d primitives on mesh %dx%d", len(applied), doc["mesh"]["dp"],
+                doc["mesh"]["mp"])
     return network, doc

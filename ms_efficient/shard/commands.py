@@ -1,7 +1,7 @@
 """Minimal-redundancy sharding (ILP) plans and benchmark against Megatron/ZeRO baselines.
 
     ms-efficient plan shard CONFIG [--mesh 4x8] [--out plan.yaml] [--strategy-json s.json]
-    ms-efficient plan shard GRAPH [--mesh 2x4] [--cluster PRESET] [--comm-ratio 1.2]
+    ms-efficient plan shard GRAPH [--mesh 2x4] [--cluster PRESET] [--comm-ratio 1.0]
     ms-efficient bench shard [--quick] --json OUT
 
 CONFIG is a shard config (``configs/shard_*.yaml``, a ``shard:`` section) or a training
@@ -30,12 +30,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="shard config (shard: section), training config YAML, "
                                        "or a graph (.json OpGraph, .mindir)")
     parser.add_argument("--mesh", help="DPxMP device mesh, e.g. 4x8 (overrides the config; "
-                                       "graphs: default 1x8)")
+                                       "graphs: default every factorisation of the cluster's "
+                                       "devices, as optimize.shard_mesh)")
     parser.add_argument("--cluster", help="graphs: cluster preset (default: the smallest "
                                           "Ascend 910B preset with the mesh's devices)")
-    parser.add_argument("--comm-ratio", type=non_negative_float, default=1.2,
-                        help="graphs: communication budget as a multiple of Megatron-TP's on "
-                             "the same graph (0 = unconstrained; default 1.2)")
+    parser.add_argument("--comm-ratio", type=non_negative_float, default=1.0,
+                        help="graphs: communication budget as a multiple of ZeRO-1's on the "
+                             "same graph and mesh, as optimize.shard_comm_ratio (0 = "
+                             "unconstrained; default 1.0)")
     parser.add_argument("--out", default="shard_plan.yaml", help="plan YAML to write")
     parser.add_argument("--strategy-json", help="also write a MindSpore strategy JSON here")
 
@@ -86,8 +88,9 @@ def _run_graph_plan(args: argparse.Namespace) -> int:
     from ms_efficient.core.benchio import markdown_table
     from ms_efficient.core.cluster import get_cluster
     from ms_efficient.graph.load import load_graph
-    from ms_efficient.shard.planner import (default_cluster, graph_plan_to_dict, plan_graph,
-                                            save_plan)
+    from ms_efficient.place.stages import price_network
+    from ms_efficient.shard.mesh_search import plan_graph_doc
+    from ms_efficient.shard.planner import default_cluster, save_plan
     from ms_efficient.shard.strategies import parse_mesh
 
     if args.strategy_json:
@@ -95,14 +98,18 @@ def _run_graph_plan(args: argparse.Namespace) -> int:
                          "graph use optimize() with optimize.shard_strategy_file.")
     if not args.comm_ratio >= 0:
         raise ValueError(f"'--comm-ratio' must be >= 0, but got {args.comm_ratio}.")
-    mesh = parse_mesh(args.mesh or "1x8", dp_model_split=False)
-    cluster = get_cluster(args.cluster) if args.cluster else default_cluster(mesh.devices)
-    if cluster.num_devices < mesh.devices:
+    mesh = parse_mesh(args.mesh, dp_model_split=False) if args.mesh else None
+    cluster = get_cluster(args.cluster) if args.cluster else default_cluster(
+        mesh.devices if mesh else 8)
+    if mesh and cluster.num_devices < mesh.devices:
         raise ValueError(f"'--mesh' {mesh} needs {mesh.devices} devices; cluster "
                          f"'{cluster.name}' has {cluster.num_devices}.")
     graph = load_graph(args.config)
-    doc = graph_plan_to_dict(graph, plan_graph(graph, mesh, cluster,
-                                               budget_ratio=args.comm_ratio or None))
+    price = price_network(graph, cluster)
+    doc = plan_graph_doc(graph, cluster, price.step_time_s, args.comm_ratio,
+                         [mesh] if mesh else None)
+    doc["unoptimised"] = price.to_dict()
+    mesh = f"{doc['mesh']['dp']}x{doc['mesh']['mp']}"
     save_plan(args.out, doc)
     rows = [{"method": m, "memory_MiB": c["memory_per_device_bytes"] / 2**20,
              "comm_time_s": c["comm_time_s"]} for m, c in doc["baselines"].items()

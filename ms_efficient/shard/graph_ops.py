@@ -44,7 +44,7 @@ inputs, carried through the renames; data-parallel baselines split them.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ms_efficient.shard.strategies import OpSpec, TensorRef
@@ -90,6 +90,10 @@ class GraphOps:
     params: Dict[str, List[Tuple[int, str]]]
     kept_whole: Dict[str, int]
     shardable: List[str]
+    # {parameter name: [(spec name, input index), ...]} of parameters read by >= 2 ops (a
+    # tied embedding / LM head), first use first; later uses read it as an "input" (its
+    # memory counts once) and the ILP gives every use the same split (``same_split``)
+    tied: Dict[str, List[Tuple[str, int]]] = field(default_factory=dict)
 
     def by_name(self) -> Dict[str, OpSpec]:
         return {s.name: s for s in self.specs}
@@ -502,6 +506,8 @@ def specs_from_graph(graph, tie_units: Optional[Sequence[Sequence[str]]] = None)
     order: List[str] = []
     params: Dict[str, List[Tuple[int, str]]] = {}
     seen_params: set = set()
+    first_use: Dict[str, Tuple[str, int]] = {}
+    tied: Dict[str, List[Tuple[str, int]]] = {}
     kept_whole: Dict[str, int] = {}
     shardable: List[str] = []
     batch_of: Dict[str, set] = {}                     # spec name -> its batch dim names
@@ -531,9 +537,13 @@ def specs_from_graph(graph, tie_units: Optional[Sequence[Sequence[str]]] = None)
                 batch |= {c for c, p in rename if p in batch_of[source]}
             elif kind == "param" and source not in seen_params:
                 seen_params.add(source)
+                first_use[source] = (node.name, i)
                 owned.append((i, source))
                 refs.append(TensorRef(names, "param", dtype_bytes=nbytes))
             else:
+                if kind == "param":           # a tied parameter's later use
+                    tied.setdefault(source, [first_use[source]]).append((node.name, i))
+                    owned.append((i, source))
                 refs.append(TensorRef(names, "input", dtype_bytes=nbytes))
                 if kind == "input" and names and size[names[0]] > 1:
                     batch.add(names[0])
@@ -556,7 +566,7 @@ def specs_from_graph(graph, tie_units: Optional[Sequence[Sequence[str]]] = None)
         _tie(specs, tie_units)
     if kept_whole:
         logger.info("sharding keeps whole (replicated) the op types %s", kept_whole)
-    return GraphOps([specs[n] for n in order], params, kept_whole, shardable)
+    return GraphOps([specs[n] for n in order], params, kept_whole, shardable, tied)
 
 
 def _tie(specs: Dict[str, OpSpec], units: Sequence[Sequence[str]]) -> None:

@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ms_efficient.shard.cost import Cost, CostModel
 from ms_efficient.shard.strategies import Layout, OpSpec, Strategy, candidate_strategies
+from ms_efficient.shard.strategies import add_same_split as _add_same_split
 
 try:
     import pulp
@@ -199,7 +200,8 @@ def _edge_groups(specs: Sequence[OpSpec], key_of: Dict[str, str]) -> "OrderedDic
 
 def solve_sharding(specs: Sequence[OpSpec], model: CostModel,
                    options: ShardOptions = ShardOptions(),
-                   start: Optional[Dict[str, Strategy]] = None) -> ShardSolution:
+                   start: Optional[Dict[str, Strategy]] = None,
+                   same_split: Sequence[Sequence[Tuple[str, int]]] = ()) -> ShardSolution:
     """Pick one strategy per operator minimising per-device memory (see module docstring).
 
     start: an optional known assignment ``{op name: Strategy}`` (e.g. the budget's reference
@@ -208,6 +210,8 @@ def solve_sharding(specs: Sequence[OpSpec], model: CostModel,
         good as the start (an op group takes its first member's strategy; a strategy pruned
         as dominated is replaced by the kept candidate of its layout with the least memory).
 
+    same_split: groups of (op name, input index) uses of one tensor (``GraphOps.tied``, a
+        tied embedding / LM head) that must be split identically at every use.
     specs: operators in topological order; every "act" input's source must be in ``specs``.
     Returns a :class:`ShardSolution`; an infeasible budget raises ValueError with the minimum.
     """
@@ -243,11 +247,13 @@ def solve_sharding(specs: Sequence[OpSpec], model: CostModel,
         else:
             edge_costs[(gu, gv, i)] = table
     build = _Build(groups, edge_costs, self_costs, options)
+    _add_same_split(build, groups, key_of, specs, model.mesh, same_split)
     if start is not None:
         build.warm_start(start)
     status = build.solve(options, minimise_comm=False)
     if status == "Infeasible":
         floor = _Build(groups, edge_costs, self_costs, options)
+        _add_same_split(floor, groups, key_of, specs, model.mesh, same_split)
         floor.solve(options, minimise_comm=True)
         minimum = floor.comm_value()
         raise ValueError(f"communication budget {options.comm_budget_s:.6g} s per step is below "

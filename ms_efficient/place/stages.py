@@ -1,0 +1,273 @@
+"""Pipeline stages as contiguous groups of a network's repeated blocks (no MindSpore import).
+
+The ``place`` pass does not place single operators: it places *block groups*. A block group is
+one repeated block of the network (a decoder layer, a residual block) together with the glue
+operators around it (embedding lookups, reshapes, the final norm and head, the loss): glue
+goes with the block before it, glue ahead of the first block with the first block, so no glue
+operator can become a stage of its own and every stage holds at least one repeated block.
+
+:func:`group_graph` contracts a forward graph to one node per block group (its forward and
+backward seconds and bytes are the sums of its operators' costs under the placement cost
+model, ``place.problem``), :func:`plan_stages` searches the placement of those groups on the
+cluster's devices with TGA (``place.planner``; its starting population holds the min-max
+contiguous splits of ``place.baselines.contiguous``, a linear partition of the blocks by
+compute), for every candidate number of micro-batches, scores each plan with the shared
+simulator (``place.cost.simulate_placement``: the pipeline bubble and the stage-to-stage
+transfers included) and keeps the fastest. When no pipeline beats one stage it raises
+ValueError saying by how much.
+
+Micro-batching cost: every operator of a FLOP-costed graph pays its launch overhead
+(``PlacementOptions.op_overhead_s``) once per micro-batch, so a group's whole-step seconds at
+M micro-batches are ``flops / peak + M * ops * overhead`` (forward; backward likewise at twice
+the FLOPs). With M = 1 the group costs are exactly the per-operator costs of
+:func:`price_network`, so one stage at M = 1 is the unoptimised step.
+
+The unoptimised price of a network (:func:`price_network`): one step of its graph on one
+device, simulated once.
+
+Every pass of ``ms_efficient.optimize`` reports the network's unoptimised step time and peak
+from this one function (``PassContext.unoptimised``), so the figures agree across passes for
+the same network, cluster and batch. The model is the placement cost model
+(``ms_efficient.place.problem`` / ``place.cost``) run by the shared event simulator
+(``ms_efficient.sim.Simulator``): the forward operators of the train-step graph, each costing
+``flops / (peak * compute_efficiency) + op_overhead_s`` seconds forward and twice the FLOPs
+(plus the overhead) backward, all on device 0 with one micro-batch; the peak is the parameter
+state (weights, gradients, two Adam moments: 4 x parameter bytes) plus every forward output
+stashed for backward, bytes. No MindSpore import.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ms_efficient.core.cluster import ClusterSpec
+from ms_efficient.graph.opgraph import OpGraph, OpNode
+from ms_efficient.place.baselines import contiguous
+from ms_efficient.place.cost import simulate_placement
+from ms_efficient.place.planner import TGAConfig, tga
+from ms_efficient.place.problem import PlacementOptions, _node_costs, build_problem
+
+__all__ = ["group_of_ops", "group_graph", "micro_batch_candidates", "StagePlan", "plan_stages",
+           "NetworkPrice", "price_network"]
+
+logger = logging.getLogger(__name__)
+
+
+def group_of_ops(unit_of: np.ndarray) -> np.ndarray:
+    """Block group of each forward op, from ``UnitAssignment.unit_of`` (topological order,
+    -1 = glue outside every block): glue joins the block before it, leading glue the first
+    block; the result is non-decreasing (a running maximum), so every edge goes from a group
+    to the same or a later one. Raises ValueError when no op belongs to a block."""
+    unit_of = np.asarray(unit_of, dtype=np.int64)
+    if unit_of.size == 0 or unit_of.max() < 0:
+        raise ValueError("group_of_ops: no forward operator belongs to a repeated block.")
+    first = int(unit_of[unit_of >= 0][0])
+    out = np.maximum.accumulate(np.where(unit_of >= 0, unit_of, -1))
+    return np.where(out < 0, first, out)
+
+
+def group_graph(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names: Sequence[str],
+                cluster: ClusterSpec, micro_batches: int = 1,
+                options: Optional[PlacementOptions] = None) -> OpGraph:
+    """A graph with one node per block group.
+
+    graph: the forward graph; order: [n] indices (into ``graph`` node order) of its ops in
+    topological order; groups: [n] group of each of them (:func:`group_of_ops`); names: [B]
+    block Cell paths. Node ``g`` (named ``names[g]``) carries the group's forward and backward
+    seconds per step at ``micro_batches`` (module docstring), its parameter bytes and its
+    stashed activation bytes; an edge carries the bytes of every tensor one group sends to a
+    later one (each tensor once per receiving group)."""
+    opts = options or PlacementOptions()
+    arr, fwd, bwd, _, params, acts = _node_costs(graph, cluster, opts)
+    flop_costed = np.isnan(arr.forward_time_s)
+    extra = (micro_batches - 1) * opts.op_overhead_s * flop_costed
+    fwd, bwd = fwd + extra, np.where(bwd > 0, bwd + extra, bwd)
+    nodes = list(graph)
+    pos_group = np.full(len(nodes), -1, dtype=np.int64)
+    pos_group[np.asarray(order, dtype=np.int64)] = groups
+    count = len(names)
+
+    def total(values: np.ndarray) -> np.ndarray:
+        keep = pos_group >= 0
+        return np.bincount(pos_group[keep], weights=values[keep], minlength=count)
+
+    g_fwd, g_bwd, g_par, g_act = total(fwd), total(bwd), total(params), total(acts)
+    out = OpGraph(name=f"{graph.name}-blocks", meta=dict(graph.meta))
+    for g in range(count):
+        out.add_node(OpNode(name=names[g], op_type="BlockGroup", phase="forward",
+                            forward_time_s=float(g_fwd[g]), backward_time_s=float(g_bwd[g]),
+                            param_bytes=int(round(g_par[g])), output_bytes=int(round(g_act[g]))))
+    sent: Dict[tuple, float] = {}
+    for src, dst, nbytes in graph.edges:
+        gs, gd = pos_group[arr.index[src]], pos_group[arr.index[dst]]
+        if gs < 0 or gd < 0 or gs == gd:
+            continue
+        key = (src, int(gd))
+        sent[key] = max(sent.get(key, 0.0), float(nbytes or 0))
+    pairs: Dict[tuple, float] = {}
+    for (src, gd), nbytes in sent.items():
+        gs = int(pos_group[arr.index[src]])
+        pairs[gs, gd] = pairs.get((gs, gd), 0.0) + nbytes
+    for (gs, gd), nbytes in sorted(pairs.items()):
+        out.add_edge(names[gs], names[gd], int(round(nbytes)))
+    return out
+
+
+def micro_batch_candidates(batch: int, limit: int = 32) -> List[int]:
+    """Micro-batch counts to try for a global ``batch``: its divisors up to ``limit``."""
+    if batch < 1:
+        raise ValueError(f"'batch' must be >= 1, but got {batch}.")
+    return [m for m in range(1, min(batch, limit) + 1) if batch % m == 0]
+
+
+@dataclass
+class StagePlan:
+    """The chosen pipeline.
+
+    blocks: [B] block Cell paths; device_of_block: [B] device of each block group.
+    micro_batches: M. step_time_s: simulated step (bubble and transfers included), seconds.
+    one_stage_s: simulated step of every group on one device (M = 1), seconds.
+    stages: one dict per stage in dataflow order: ``stage``, ``device``, ``blocks`` (paths),
+        ``stage_time_s`` (simulated busy seconds of the stage's device per step) and
+        ``memory_bytes`` (simulated peak). tried: {M: best simulated step at M, seconds}.
+    one_stage_fits: False when only a pipeline fits the devices' memory.
+    """
+
+    blocks: List[str]
+    device_of_block: List[int]
+    micro_batches: int
+    step_time_s: float
+    one_stage_s: float
+    stages: List[Dict[str, Any]]
+    tried: Dict[int, float] = field(default_factory=dict)
+    evaluations: int = 0
+    one_stage_fits: bool = True      # the whole network fits one device's usable memory
+
+    @property
+    def stage_time_s(self) -> List[float]:
+        return [s["stage_time_s"] for s in self.stages]
+
+    @property
+    def stage_of_device(self) -> Dict[int, int]:
+        return {s["device"]: s["stage"] for s in self.stages}
+
+
+def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names: Sequence[str],
+                cluster: ClusterSpec, micro_batches: Sequence[int],
+                tga_config: Optional[TGAConfig] = None) -> StagePlan:
+    """Place the block groups on ``cluster`` as pipeline stages (see module docstring).
+
+    micro_batches: the M values to try (e.g. :func:`micro_batch_candidates` of the batch).
+    Plans within device memory win over plans beyond it. Raises ValueError when the cluster
+    has one device, there are fewer than two blocks, or the best pipeline is not faster than
+    one stage (naming both times and the gap) while the network fits one device.
+    """
+    if cluster.num_devices < 2:
+        raise ValueError(f"place: cluster {cluster.name!r} has {cluster.num_devices} device; "
+                         "pipeline stages need >= 2.")
+    if len(names) < 2:
+        raise ValueError(f"place: the network has {len(names)} repeated block; pipeline "
+                         "stages each hold a repeated block, so they need >= 2.")
+    if not micro_batches or min(micro_batches) < 1:
+        raise ValueError(f"'micro_batches' must be positive integers, but got "
+                         f"{list(micro_batches)}.")
+    cfg = tga_config or TGAConfig(seed=0, max_evaluations=300, time_budget_s=60.0)
+    one = build_problem(group_graph(graph, order, groups, names, cluster, 1), cluster,
+                        PlacementOptions(micro_batches=1, contiguous=True))
+    one_cost = simulate_placement(one, np.zeros(len(names), dtype=np.int64))
+    one_stage_s = one_cost.step_time_s
+    best = None
+    tried: Dict[int, float] = {}
+    evaluations = 0
+    for m in sorted(set(int(v) for v in micro_batches)):
+        problem = build_problem(group_graph(graph, order, groups, names, cluster, m), cluster,
+                                PlacementOptions(micro_batches=m, contiguous=True))
+        result = tga(problem, cfg)
+        evaluations += result.evaluations
+        # TGA's answer, and the min-max contiguous splits over 2..D stages: the best plan
+        # with >= 2 stages is compared with one stage even when TGA prefers one device
+        candidates = [(result.assign, result.order)] + [
+            (contiguous(problem, k), None) for k in range(2, min(cluster.num_devices,
+                                                                 len(names)) + 1)]
+        for assign, prog in candidates:
+            if len(set(assign.tolist())) < 2:
+                continue
+            cost = simulate_placement(problem, assign, order=prog)
+            if cost.step_time_s < tried.get(m, np.inf):
+                tried[m] = cost.step_time_s
+            if best is None or (not cost.feasible, cost.step_time_s) < \
+                    (not best[1].feasible, best[1].step_time_s):
+                best = (m, cost, np.asarray(assign), problem)
+        logger.info("place: %d micro-batches -> best pipeline simulated %.4g ms", m,
+                    tried.get(m, np.nan) * 1e3)
+    if best is not None and not best[1].feasible and not one_cost.feasible:
+        raise ValueError(
+            f"place: no pipeline of the {len(names)} blocks fits the usable memory of "
+            f"{cluster.name!r} ({best[3].capacity_bytes[0]:.4g} bytes per device; the best "
+            f"needs {best[1].peak_memory_bytes.max():.4g}); shard or recompute first.")
+    # a network that does not fit one device needs the stages whatever they cost
+    if best is None or one_cost.feasible and (not best[1].feasible or
+                                              best[1].step_time_s >= one_stage_s):
+        detail = "no split into >= 2 stages fits the devices" if best is None else (
+            f"the best pipeline ({len(set(best[2].tolist()))} stages of the {len(names)} "
+            f"blocks, {best[0]} micro-batches) simulates {best[1].step_time_s * 1e3:.4g} ms "
+            f"per step against {one_stage_s * 1e3:.4g} ms on one stage "
+            f"({(best[1].step_time_s / one_stage_s - 1) * 100:+.1f}%, "
+            f"{(best[1].step_time_s - one_stage_s) * 1e3:.4g} ms slower; bubble and "
+            f"stage-to-stage transfers included)")
+        raise ValueError(f"place: pipelining does not pay on {cluster.name!r}: {detail}; "
+                         f"no pipeline stage to set.")
+    m, cost, assign, problem = best
+    used: List[int] = []
+    for d in assign.tolist():
+        if d not in used:
+            used.append(d)
+    stages = []
+    for s, d in enumerate(used):
+        stages.append({"stage": s, "device": int(d),
+                       "blocks": [names[g] for g in np.flatnonzero(assign == d)],
+                       "stage_time_s": float(cost.busy_s.get(f"dev{d}.compute", 0.0)),
+                       "memory_bytes": float(cost.peak_memory_bytes[d])})
+    return StagePlan(blocks=list(names), device_of_block=[int(d) for d in assign],
+                     micro_batches=m, step_time_s=float(cost.step_time_s),
+                     one_stage_s=float(one_stage_s), stages=stages, tried=tried,
+                     evaluations=evaluations, one_stage_fits=bool(one_cost.feasible))
+
+
+@dataclass(frozen=True)
+class NetworkPrice:
+    """step_time_s: simulated seconds of one unoptimised training step. peak_memory_bytes:
+    its simulated peak on the one device. forward_ops: operators priced. cluster: its name."""
+
+    step_time_s: float
+    peak_memory_bytes: float
+    forward_ops: int
+    cluster: str
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"step_time_s": float(self.step_time_s),
+                "peak_memory_bytes": int(round(self.peak_memory_bytes)),
+                "forward_ops": int(self.forward_ops), "cluster": self.cluster,
+                "evidence": "simulated", "simulator": "ms_efficient.place.stages.price_network"}
+
+
+def price_network(graph: OpGraph, cluster: ClusterSpec) -> NetworkPrice:
+    """Simulate one unoptimised step of ``graph`` (a train-step or forward graph) on one
+    device of ``cluster`` (module docstring). Raises ValueError for a graph without
+    forward operators."""
+    from ms_efficient.graph.cells import forward_subgraph
+
+    fwd = forward_subgraph(graph)
+    if len(fwd) == 0:
+        raise ValueError(f"graph {graph.name!r} has no forward operator to price.")
+    one = cluster.with_overrides(nodes=1, devices_per_node=1, name=cluster.name)
+    # the whole network on one device: its memory is reported, not enforced
+    big = one.with_overrides(device_memory_bytes=max(int(one.device_memory_bytes), 1 << 62))
+    problem = build_problem(fwd, big, PlacementOptions(micro_batches=1))
+    cost = simulate_placement(problem, np.zeros(problem.num_units, dtype=np.int64))
+    return NetworkPrice(step_time_s=float(cost.step_time_s),
+                        peak_memory_bytes=float(cost.peak_memory_bytes[0]),
+                        forward_ops=len(fwd), cluster=cluster.name)

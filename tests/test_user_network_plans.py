@@ -1,0 +1,214 @@
+"""place and shard on networks the package did not write: a deeper LLaMA (tests.user_models),
+an encoder built from MindSpore's own ``nn.TransformerEncoder``, a small conv net and a
+decoder with a tied embedding / LM head. Every pass plans something real or raises saying why
+it does not pay; both price the unoptimised network with the same simulator."""
+import numpy as np
+import pytest
+
+import mindspore as ms
+from mindspore import nn, ops
+
+import ms_efficient
+from ms_efficient.core.config import config_from_dict
+from tests.user_models import LlamaForCausalLM, llama_with_loss
+
+pytestmark = pytest.mark.mindspore
+# 4 CPU workers: compute dominates the launch overhead at these sizes, so pipelining can pay
+CPU4 = {"preset": "cpu-local", "devices_per_node": 4}
+
+
+@pytest.fixture(autouse=True)
+def _graph_mode():
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+
+
+def _config(cluster, **optimize):
+    return config_from_dict({"optimize": optimize, "cluster": cluster})
+
+
+def _deep_llama(layers=6, batch=8, seq=32):
+    ms.set_seed(0)
+    net = LlamaForCausalLM(vocab_size=64, hidden_size=128, num_heads=4, intermediate_size=256,
+                           num_layers=layers)
+    rng = np.random.default_rng(0)
+    ids = ms.Tensor(rng.integers(0, 64, (batch, seq)).astype(np.int32))
+    labels = ms.Tensor(rng.integers(0, 64, (batch * seq,)).astype(np.int32))
+    return nn.WithLossCell(net, nn.CrossEntropyLoss()), (ids, labels)
+
+
+class PatchEncoder(nn.Cell):
+    """ViT-like: patches [B, P, 48] -> Dense -> nn.TransformerEncoder -> mean -> classifier."""
+
+    def __init__(self, dim=64, layers=4):
+        super().__init__()
+        self.patch_embed = nn.Dense(48, dim)
+        layer = nn.TransformerEncoderLayer(dim, 4, dim_feedforward=2 * dim, dropout=0.0,
+                                           batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers)
+        self.head = nn.Dense(dim, 10)
+
+    def construct(self, x):
+        return self.head(ops.mean(self.encoder(self.patch_embed(x)), 1))
+
+
+class ConvNet(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.SequentialCell([
+            nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2), nn.ReLU(),
+            nn.Conv2d(32, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3, stride=2), nn.ReLU()])
+        self.flatten = nn.Flatten()
+        self.classifier = nn.Dense(64 * 8 * 8, 10)
+
+    def construct(self, x):
+        return self.classifier(self.flatten(self.features(x)))
+
+
+class TiedLM(nn.Cell):
+    """Embedding and LM head share one Parameter (``head.weight = embed.embedding_table``)."""
+
+    def __init__(self, vocab=64, hidden=32, layers=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.CellList([nn.SequentialCell([nn.Dense(hidden, 2 * hidden), nn.GELU(),
+                                                      nn.Dense(2 * hidden, hidden)])
+                                   for _ in range(layers)])
+        self.head = nn.Dense(hidden, vocab, has_bias=False)
+        self.head.weight = self.embed.embedding_table
+        self.vocab = vocab
+
+    def construct(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return ops.reshape(self.head(x), (-1, self.vocab))
+
+
+def _classifier(backbone, x, classes=10):
+    y = ms.Tensor(np.arange(x.shape[0], dtype=np.int32) % classes)
+    loss = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+    return nn.WithLossCell(backbone, loss), (x, y)
+
+
+def _check_shard(plan, names):
+    """Memory per device at most the best baseline within the budget; the budget admits
+    ZeRO-1 (or, where ZeRO-1 cannot run, is the documented share of the step)."""
+    assert plan["cells"] and set(plan["cells"]) <= names
+    base, budget = plan["baselines"], plan["comm_budget_s"]
+    fits = [b["memory_per_device_bytes"] for b in base.values()
+            if "error" not in b and b["comm_time_s"] <= budget * (1 + 1e-9)]
+    if plan["budget"]["from"] == "zero1":
+        assert base["zero1"]["comm_time_s"] == pytest.approx(budget, rel=1e-12)
+        assert fits
+    assert plan["summary"]["comm_time_s"] <= budget * (1 + 1e-6)
+    assert not fits or plan["summary"]["memory_per_device_bytes"] <= min(fits) * (1 + 1e-9)
+    # ... and no more than a baseline within its budget on any other mesh
+    assert plan["summary"]["memory_per_device_bytes"] <= \
+        plan["baseline_bound_bytes"] * (1 + 1e-9) + 1          # the summary rounds to bytes
+
+
+def test_place_plans_block_stages_on_a_deeper_llama_and_both_passes_price_it_alike():
+    net, inputs = _deep_llama()
+    backbone = net._backbone
+    for i in (0, 1):                      # a user's (or memopt's) recompute: MindSpore wrappers
+        backbone.model.layers[i].recompute()
+    names = {n for n, _ in net.cells_and_names()}
+    net, plans = ms_efficient.optimize(net, _config(CPU4, passes=["shard", "place"]),
+                                       sample_inputs=inputs)
+    place, shard = plans["place"], plans["shard"]
+    blocks = [f"_backbone.model.layers.{i}" for i in range(6)]
+    assert len(place["stages"]) >= 2
+    assert [b for s in place["stages"] for b in s["blocks"]] == blocks   # contiguous, all
+    assert all(s["blocks"] for s in place["stages"])                    # a block per stage
+    assert len(place["stage_time_s"]) == len(place["stages"])
+    assert 8 % place["micro_batches"] == 0
+    assert place["step_time_s"] < place["meta"]["one_stage_s"]          # pipelining pays
+    assert max(place["stage_time_s"]) <= place["step_time_s"]
+    cells = place["cells"]
+    assert set(cells) <= names and not any("_recompute_cell" in c for c in cells)
+    for stage in place["stages"]:
+        for block in stage["blocks"]:
+            assert cells[block]["pipeline_stage"] == stage["stage"]
+            assert all(v["pipeline_stage"] == stage["stage"] for c, v in cells.items()
+                       if c.startswith(block + "."))
+    # one simulator: the same unoptimised figures in both plans, and place's one stage is it
+    assert place["unoptimised"] == shard["unoptimised"]
+    assert place["meta"]["one_stage_s"] == pytest.approx(
+        place["unoptimised"]["step_time_s"], rel=1e-9)
+    _check_shard(shard, names)
+    step = nn.TrainOneStepCell(net, nn.Adam(net.trainable_params(), 1e-3))
+    losses = [float(step(*inputs).asnumpy()) for _ in range(2)]
+    assert all(np.isfinite(losses))
+
+
+def test_place_says_by_how_much_pipelining_loses_on_a_small_llama():
+    net, inputs = llama_with_loss(num_layers=3)
+    with pytest.raises(ValueError, match=r"place: pipelining does not pay on 'ascend910b-1x8': "
+                                         r"the best pipeline \(\d stages of the 3 blocks, \d+ "
+                                         r"micro-batches\) simulates .* ms per step against .* "
+                                         r"on one stage \(\+\d+\.\d%, .* ms slower"):
+        ms_efficient.optimize(net, _config({"preset": "ascend910b-1x8"}, passes=["place"]),
+                              sample_inputs=inputs)
+    with pytest.raises(ValueError, match=r"'optimize.micro_batches' must divide the batch size "
+                                         r"2 \(or be 0 to let the place pass choose\), but got 3"):
+        ms_efficient.optimize(net, _config({"preset": "ascend910b-1x8"}, passes=["place"],
+                                           micro_batches=3), sample_inputs=inputs)
+
+
+def test_shard_picks_a_data_parallel_mesh_for_a_cnn_and_place_says_it_has_no_blocks():
+    rng = np.random.default_rng(0)
+    ms.set_seed(0)
+    net, inputs = _classifier(ConvNet(), ms.Tensor(
+        rng.standard_normal((8, 3, 32, 32)).astype(np.float32)))
+    names = {n for n, _ in net.cells_and_names()}
+    cfg = _config({"preset": "ascend910b-1x8"}, passes=["shard"])
+    net, plans = ms_efficient.optimize(net, cfg, sample_inputs=inputs)
+    plan = plans["shard"]
+    assert plan["mesh"]["dp"] > plan["mesh"]["mp"]                    # not 1x8 model-parallel
+    assert {r["mesh"] for r in plan["meshes"]} == {"8x1", "4x2", "2x4", "1x8"}
+    _check_shard(plan, names)
+    assert plan["budget"]["from"] == "zero1"
+    with pytest.raises(ValueError, match="place: found 0 repeated blocks in WithLossCell"):
+        ms_efficient.optimize(net, _config({"preset": "ascend910b-1x8"}, passes=["place"]),
+                              sample_inputs=inputs)
+
+
+def test_an_nn_transformer_encoder_is_sharded_and_staged_by_its_layers():
+    rng = np.random.default_rng(0)
+    ms.set_seed(0)
+    net, inputs = _classifier(PatchEncoder(), ms.Tensor(
+        rng.standard_normal((8, 16, 48)).astype(np.float32)))
+    names = {n for n, _ in net.cells_and_names()}
+    net, plans = ms_efficient.optimize(net, _config({"preset": "ascend910b-1x8"},
+                                                    passes=["shard"]), sample_inputs=inputs)
+    _check_shard(plans["shard"], names)
+    layers = [f"_backbone.encoder.layers.{i}" for i in range(4)]
+    try:
+        _, placed = ms_efficient.optimize(net, _config(CPU4, passes=["place"]),
+                                          sample_inputs=inputs)
+    except ValueError as err:     # a plan, or the figures saying why it does not pay
+        assert "pipelining does not pay" in str(err) and "% " in str(err) or "%," in str(err)
+        return
+    stages = placed["place"]["stages"]
+    assert len(stages) >= 2 and [b for s in stages for b in s["blocks"]] == layers
+
+
+def test_a_tied_embedding_and_head_get_one_strategy_on_both_primitives():
+    ms.set_seed(0)
+    rng = np.random.default_rng(0)
+    net = nn.WithLossCell(TiedLM(), nn.CrossEntropyLoss())
+    ids = ms.Tensor(rng.integers(0, 64, (8, 16)).astype(np.int32))
+    labels = ms.Tensor(rng.integers(0, 64, (128,)).astype(np.int32))
+    names = {n for n, _ in net.cells_and_names()}
+    net, plans = ms_efficient.optimize(net, _config({"preset": "ascend910b-1x8"},
+                                                    passes=["shard"], shard_mesh="1x8"),
+                                       sample_inputs=(ids, labels))
+    plan = plans["shard"]
+    assert plan["meshes"][0]["mesh"] == "1x8" and len(plan["meshes"]) == 1
+    tied = plan["tied"]["embed.embedding_table"]
+    assert tied["uses"] == ["_backbone.embed", "_backbone.head"] and tied["consistent"]
+    cells = plan["cells"]
+    table_at_gather = cells["_backbone.embed"]["shard"]["gather"][0]
+    table_at_head = cells["_backbone.head"]["shard"]["matmul"][1]
+    assert table_at_gather == table_at_head == tied["in_strategy"][0] != [1, 1]   # split
+    _check_shard(plan, names)
