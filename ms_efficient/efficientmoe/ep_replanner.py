@@ -18,7 +18,6 @@ Shapes: L MoE layers, W ranks (= devices), E experts, K top-k, S_b slots per dev
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 from typing import Dict, List, Optional, Sequence
 
@@ -104,57 +103,20 @@ def _state_rows(layer, optimizer) -> List:
     return out
 
 
-def _logical(layer, values, plan: ExpertPlan, local_experts: np.ndarray, sum_over_ranks):
-    """[E, ...] logical table of per-slot ``values`` [S_b, ...] under ``plan``: each expert
-    from the lowest rank holding it (replicas hold equal rows). Collective when W > 1."""
-    from mindspore import Tensor
-
-    num_experts = layer.num_experts
-    table = np.zeros((num_experts,) + values.shape[1:], np.float32)
-    for e in range(num_experts):
-        holders = plan.slot_device[plan.slot_expert == e]
-        rows = np.flatnonzero(local_experts == e)
-        if holders.size and holders.min() == layer.rank and rows.size:
-            table[e] = values[rows[0]]
-    if sum_over_ranks is not None:
-        table = sum_over_ranks(Tensor(table)).asnumpy()
-    return table
-
-
 def apply_plan(layer, plan: ExpertPlan, optimizer=None) -> Dict[str, int]:
-    """Switch ``layer`` to ``plan`` (:meth:`ExpertParallelMoE.set_plan`, no recompile) and move
-    the optimizer state of its expert slots with the weights (every slot's moments become
-    those of its new expert; empty slots zeros). Collective: every rank calls it with the same
-    plan. Returns ``{"moved_slots", "moved_bytes"}``: expert copies brought to a rank
-    (:func:`moved_slots`) x :func:`expert_bytes` (the layer's own ``last_migration`` when it
-    records one)."""
-    from mindspore import Tensor
-    from ms_efficient.moe.ep_routing import pad_rows
-
-    old_plan, old_local = layer.plan, np.asarray(layer.local_experts).copy()
-    # A set_plan that takes the optimizer moves the moved slots' state itself; this one
-    # (set_plan(plan) only) does not, so the state is moved here. Once set_plan accepts
-    # ``optimizer`` everywhere, this branch is the one-line call.
-    takes_optimizer = "optimizer" in inspect.signature(layer.set_plan).parameters
-    sum_over_ranks = getattr(layer, "sum_over_ranks", None) if layer.world > 1 else None
-    state = [] if (optimizer is None or takes_optimizer) else _state_rows(layer, optimizer)
-    logical = [_logical(layer, p.asnumpy(), old_plan, old_local, sum_over_ranks)
-               for p in state]
-    if takes_optimizer and optimizer is not None:
-        layer.set_plan(plan, optimizer=optimizer)
-    else:
-        layer.set_plan(plan)
-    new_local = np.asarray(layer.local_experts)
-    logger.debug("set_plan: %d optimizer state tables moved with the experts %s -> %s",
-                 len(state), old_local.tolist(), new_local.tolist())
-    for param, table in zip(state, logical):
-        param.set_data(Tensor(pad_rows(table[new_local], param.shape[0]).astype(np.float32)))
-    recorded = getattr(layer, "last_migration", None)
-    if recorded:
-        return {"moved_slots": int(recorded["moved_slots"]),
-                "moved_bytes": int(recorded["moved_bytes"])}
-    slots = moved_slots(old_plan, plan, layer.world)
-    return {"moved_slots": slots, "moved_bytes": slots * expert_bytes(layer)}
+    """Switch ``layer`` to ``plan`` (:meth:`ExpertParallelMoE.set_plan`, no recompile): the
+    slots whose expert changed get its weights and, with ``optimizer``, its optimizer state
+    (one AlltoAllV of the rows that cross ranks, :mod:`ms_efficient.moe.ep_migration`).
+    Collective: every rank calls it with the same plan. Returns ``{"moved_slots",
+    "moved_bytes", "state_bytes"}`` from the layer's ``last_migration``: slots that received
+    an expert (local copies included), the weight bytes the exchange carried (compare with
+    the expert tables' size) and the optimizer-state bytes that travelled with them (the
+    schedule charges both: :func:`~ms_efficient.moe.ep_migration.migration_bytes_WW`)."""
+    layer.set_plan(plan, optimizer=optimizer)
+    record = layer.last_migration
+    weights = int(record.sent_rows) * int(record.row_bytes)
+    return {"moved_slots": int(record.moved_slots), "moved_bytes": weights,
+            "state_bytes": weights * int(record.optimizer_states)}
 
 
 def compiled_graphs(cell=None) -> Optional[int]:
@@ -338,6 +300,7 @@ class ExpertParallelReplanner:
         record = {"kind": "replan", "step": int(step),
                   "moved_slots": sum(m["moved_slots"] for m in moved),
                   "moved_bytes": sum(m["moved_bytes"] for m in moved),
+                  "state_bytes": sum(m["state_bytes"] for m in moved),
                   "expert_table_bytes": sum(expert_bytes(layer) * layer.num_experts
                                             for layer in self.layers),
                   "slots": [int(p.num_slots) for p in plans], "reason": reason}
