@@ -193,8 +193,8 @@ def levelled_shares(slot_expert: np.ndarray, slot_device: np.ndarray, rows_E: np
     their remaining room), so an expert's load need not be split equally: a sweep visits the
     replicated experts, heaviest first, and water-fills each one's rows over its replicas'
     devices given everything else on them (the replica on the lighter device takes more).
-    ``sweeps`` passes; un-replicated experts keep all their rows. Replicas of one expert must
-    be on distinct devices.
+    ``sweeps`` passes; un-replicated experts keep all their rows, and an expert with two
+    replicas on one device (EPLB's packing allows it) keeps equal shares.
     """
     slot_expert = np.asarray(slot_expert)
     rows_E = np.asarray(rows_E, dtype=np.float64)
@@ -206,7 +206,8 @@ def levelled_shares(slot_expert: np.ndarray, slot_device: np.ndarray, rows_E: np
         for e in replicated:
             slots = np.flatnonzero(slot_expert == e)
             devices = slot_device[slots]
-            assert np.unique(devices).size == devices.size, "replicas share a device"
+            if np.unique(devices).size < devices.size:
+                continue                                      # equal shares, see above
             new = _water_fill(rows_D[devices] - share[slots], float(rows_E[e]))
             rows_D[devices] += new - share[slots]
             share[slots] = new
