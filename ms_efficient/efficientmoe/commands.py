@@ -51,9 +51,15 @@ def run_plan(args: argparse.Namespace) -> int:
     save_plans(args.out, plans, trace.num_experts,
                extra={"trace": os.path.basename(args.trace), "cluster": args.cluster or "auto"})
     for layer, plan in enumerate(plans):
-        rows = (f"row buffers {sorted(set(plan.device_rows()[plan.slot_device].tolist()))}"
-                if plan.dispatch == "grouped" else
-                f"{int(plan.slot_capacity.sum())} capacity rows")
+        if plan.dispatch == "grouped":
+            sent_R = plan.send_rows(trace.num_ranks).sum(axis=1)
+            routed = trace.counts[-1, layer].sum(axis=1)
+            rows = (f"each rank sends {int(sent_R.min())}-{int(sent_R.max())} rows per "
+                    f"exchange (it routed {int(routed.min())}-{int(routed.max())} in the "
+                    f"trace's last step), device buffers "
+                    f"{sorted(set(plan.device_rows()[plan.slot_device].tolist()))}")
+        else:
+            rows = f"{int(plan.slot_capacity.sum())} capacity rows"
         print(f"layer {layer}: {plan.num_slots} slots for {trace.num_experts} experts, {rows}")
     print(f"plan written to {args.out}")
     return 0
