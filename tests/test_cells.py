@@ -79,11 +79,17 @@ def test_a_unit_without_parameters_in_the_graph_is_refused():
 
 def test_cell_patterns_match_in_network_order_and_name_a_pattern_that_matches_nothing():
     tree = cell_tree_from_graph(_train_graph())
-    assert match_cells(tree, ["*.fc"]) == ["_backbone.layers.0.fc", "_backbone.layers.1.fc"]
+    assert match_cells(tree, ["_backbone.layers.*.fc"]) == ["_backbone.layers.0.fc",
+                                                            "_backbone.layers.1.fc"]
     with pytest.raises(ValueError, match="'blocks.\\*' matches no Cell"):
         match_cells(tree, ["blocks.*"])
+    with pytest.raises(ValueError, match="'\\*.fc' matches no Cell"):
+        match_cells(tree, ["*.fc"])                 # '*' is one level: no top-level fc
+    # '*' stays at its level: the blocks, not their fc (today's fnmatch took both and nested)
+    assert match_cells(tree, ["_backbone.layers.*"]) == ["_backbone.layers.0",
+                                                         "_backbone.layers.1"]
     with pytest.raises(ValueError, match="may not nest"):
-        match_cells(tree, ["_backbone.layers.*"])          # '*' crosses dots: blocks and fc
+        match_cells(tree, ["_backbone.layers.*", "_backbone.layers.*.fc"])
 
 
 def test_forward_subgraph_drops_backward_ops_and_their_edges():

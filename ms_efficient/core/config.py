@@ -283,7 +283,9 @@ class OptimizeConfig:
     # of the cluster (a network that fits it has nothing to plan, and the pass says so).
     memory_budget: Any = ""
     # Glob patterns of the Cells memopt plans, e.g. ["model.layers.*.self_attn",
-    # "model.layers.*.mlp"]; [] = the repeated blocks of every CellList / SequentialCell.
+    # "model.layers.*.mlp"]; a glob matches within one level ("blocks.*" = blocks.0, blocks.1,
+    # not blocks.0.attn); [] = the repeated blocks of every CellList / SequentialCell, or else
+    # the Cells holding parameters of the network's largest CellList / SequentialCell.
     memopt_cells: List[str] = field(default_factory=list)
     # GPipe micro-batches per step the place pass plans pipeline stages for (MindSpore's
     # micro_batch_num); 0 = the pass chooses among the divisors of the batch (simulated).
