@@ -202,6 +202,21 @@ def glob_matches(path: str, pattern: str) -> bool:
     return len(segs) == len(pats) and all(fnmatch.fnmatchcase(s, p) for s, p in zip(segs, pats))
 
 
+def sequence_units(tree: CellTree) -> List[str]:
+    """Units of a network without repeated blocks: the children of its largest ``CellList`` /
+    ``SequentialCell`` (most children holding parameters, outermost first on a tie) that hold
+    parameters, in the network's order (a parameter-free child, an activation, is priced
+    outside the units). [] when no container has >= 2 children holding parameters."""
+    best: List[str] = []
+    for path in tree.paths:
+        if tree.classes.get(path) not in CONTAINER_CLASSES:
+            continue
+        kids = [k for k in tree.children(path) if tree.param_bytes.get(k, 0) > 0]
+        if len(kids) >= 2 and len(kids) > len(best):
+            best = kids
+    return best
+
+
 def match_cells(tree: CellTree, patterns: Sequence[str]) -> List[str]:
     """Cell paths matching any glob pattern (``model.layers.*.mlp``), in the network's order;
     a pattern matches Cells at its own depth only (see :func:`glob_matches`).
@@ -309,4 +324,5 @@ def forward_flops_ratio(graph: OpGraph) -> Optional[float]:
     return bwd / fwd
 
 
-__all__ += ["node_cell_path", "forward_flops_ratio", "user_cell_path", "glob_matches"]
+__all__ += ["node_cell_path", "forward_flops_ratio", "user_cell_path", "glob_matches",
+            "sequence_units"]

@@ -26,7 +26,7 @@ from ms_efficient.memopt.env import (ALL_ACTIONS, OFFLOAD, RECOMPUTE_ALL, SWAP, 
 from ms_efficient.memopt.milp import checkmate_milp, checkmate_min_peak, exact_milp
 from ms_efficient.memopt.profile import LayerProfile
 
-__all__ = ["METHODS", "WARM_START_METHODS", "plan_memory", "plan_with", "max_batch",
+__all__ = ["METHODS", "WARM_START_METHODS", "budget_floor", "plan_memory", "plan_with", "max_batch",
            "max_batches", "max_batch_bound", "max_batch_link_estimate"]
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,23 @@ METHODS = ("memopt", "none", "full-recompute", "chen-sqrt", "checkmate-milp",
            "capuchin-greedy", "exact-milp")
 # baselines MemOpt warm-starts from (it returns a plan at least as fast as the best fitting one)
 WARM_START_METHODS = ("capuchin-greedy", "full-recompute", "chen-sqrt", "checkmate-milp")
+
+
+def budget_floor(profile: LayerProfile, host_link, actions: Sequence[int] = ALL_ACTIONS
+                 ) -> Tuple[float, Optional[MemoryPlan]]:
+    """(least budget in bytes a plan of ``actions`` can meet, the plan meeting it or None).
+
+    With host actions (swap, offload) the floor is ``min_budget_bytes`` (static + the largest
+    working set of one layer). Recompute-only targets cannot go below the least-peak
+    recompute plan (``checkmate_min_peak``), which is returned: ``plan_memory`` at a budget
+    at or above the floor can fall back on it, so a budget at the floor never fails."""
+    codes = check_actions(actions)
+    low = min_budget_bytes(profile)
+    if SWAP in codes or OFFLOAD in codes:
+        return low, None
+    least = checkmate_min_peak(profile, host_link, allow_drop=RECOMPUTE_ALL in codes)
+    peak = evaluate(profile, least, float("inf"), host_link).peak_bytes
+    return max(low, peak), least
 
 
 def plan_memory(profile: LayerProfile, budget_bytes: float, host_link,
