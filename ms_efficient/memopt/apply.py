@@ -172,23 +172,28 @@ def floor_percent(floor: float, peak: float) -> float:
 
 
 def check_budget_floor(value, what: str, budget: float, peak: float, floor: float,
-                       actions) -> None:
+                       safe: float, actions) -> None:
     """ValueError when ``budget`` is below ``floor``: one message naming ``what``, the value,
-    and the floor as a share of the unoptimised ``peak`` and in bytes."""
+    the floor as a share of the unoptimised ``peak`` and in bytes, and a share at or above
+    ``safe`` (where a recompute plan fits) to set instead."""
     from ms_efficient.core.units import format_size
 
     if budget >= floor:
         return
     shown = f"{value}, {format_size(budget)}" if str(value) != str(int(budget)) \
         else f"{int(budget)} bytes"
-    pct = floor_percent(floor, peak)
-    how = ("static bytes plus the largest single-layer working set"
-           if set(actions) & set(HOST_ACTIONS) else
+    pct, ok = floor_percent(floor, peak), floor_percent(safe, peak)
+    host = bool(set(actions) & set(HOST_ACTIONS))
+    how = ("static bytes plus the largest single-layer working set" if host else
            "the least peak any plan of " + "/".join(ACTION_NAMES[a] for a in actions)
            + " reaches")
-    advice = (f"set it to at least '{pct:g}%' ({int(math.ceil(floor))} bytes)" if pct < 100
-              else "no recompute plan lowers the peak below itself on this network; "
-                   "lower the batch size or leave memopt out")
+    if ok >= 100:
+        advice = ("no recompute plan lowers the peak on this network; lower the batch size "
+                  "or leave memopt out")
+    else:
+        advice = (f"set it to at least '{ok:g}%' ({int(math.ceil(safe))} bytes)"
+                  + (", where a recompute plan fits (below, only swapping can)"
+                     if ok > pct else ""))
     raise ValueError(f"'{what}' ({shown}) is below the feasible floor {pct:.1f}% "
                      f"({format_size(floor)}) of the unoptimised peak {format_size(peak)}: "
                      f"{how}; {advice}.")
@@ -231,24 +236,24 @@ def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
     actions = ALL_ACTIONS if target == "Ascend" else CELL_RECOMPUTE_ACTIONS
     value = config.optimize.memory_budget
     budget, peak = resolve_budget(value, profile, cluster)
-    floor, least = budget_floor(profile, cluster.host_link, actions)
-    if floor_percent(floor, peak) >= 100.0:
+    floor, safe, least = budget_floor(profile, cluster.host_link, actions)
+    if floor_percent(safe, peak) >= 100.0:
         raise ValueError(
             f"memopt: no plan of {len(units)} Cells ({units[0]} ...) lowers the unoptimised "
             f"simulated peak {format_size(peak)} by 0.1% or more (its floor is "
-            f"{format_size(floor)}): recompute does not pay on this network; leave memopt out.")
+            f"{format_size(safe)}): recompute does not pay on this network; leave memopt out.")
     check_budget_floor(value if value != "" else int(budget), "optimize.memory_budget",
-                       budget, peak, floor, actions)
+                       budget, peak, floor, safe, actions)
     if peak <= budget:
         raise ValueError(
             f"memopt: the unoptimised simulated peak {format_size(peak)} of the "
             f"{len(units)} planned Cells ({units[0]} ...) already fits 'optimize.memory_budget' "
             f"{format_size(budget)}; nothing to recompute or swap. Set it between the "
-            f"feasible floor and the peak, e.g. '{floor_percent(floor, peak):g}%'.")
+            f"feasible floor and the peak, e.g. '{floor_percent(safe, peak):g}%'.")
     try:
         plan, result = plan_memory(profile, budget, cluster.host_link, actions=actions)
     except ValueError:
-        if least is None:
+        if budget < safe:
             raise
         plan, result = plan_memory(profile, budget, cluster.host_link, actions=actions,
                                    candidates={"checkmate-milp": least})

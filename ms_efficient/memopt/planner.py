@@ -38,20 +38,19 @@ WARM_START_METHODS = ("capuchin-greedy", "full-recompute", "chen-sqrt", "checkma
 
 
 def budget_floor(profile: LayerProfile, host_link, actions: Sequence[int] = ALL_ACTIONS
-                 ) -> Tuple[float, Optional[MemoryPlan]]:
-    """(least budget in bytes a plan of ``actions`` can meet, the plan meeting it or None).
+                 ) -> Tuple[float, float, MemoryPlan]:
+    """(floor, safe, plan): no plan of ``actions`` fits below ``floor`` bytes; ``plan``, the
+    least-peak recompute plan of ``actions`` (``checkmate_min_peak``), fits in ``safe`` bytes.
 
-    With host actions (swap, offload) the floor is ``min_budget_bytes`` (static + the largest
-    working set of one layer). Recompute-only targets cannot go below the least-peak
-    recompute plan (``checkmate_min_peak``), which is returned: ``plan_memory`` at a budget
-    at or above the floor can fall back on it, so a budget at the floor never fails."""
+    Recompute-only targets: floor = safe = that plan's peak. With host actions (swap,
+    offload) the floor is ``min_budget_bytes`` (static + the largest working set of one
+    layer); between it and ``safe`` only swapping can fit, if the host link keeps up.
+    ``plan_memory`` at a budget >= ``safe`` can fall back on ``plan``, so it never fails."""
     codes = check_actions(actions)
     low = min_budget_bytes(profile)
-    if SWAP in codes or OFFLOAD in codes:
-        return low, None
     least = checkmate_min_peak(profile, host_link, allow_drop=RECOMPUTE_ALL in codes)
-    peak = evaluate(profile, least, float("inf"), host_link).peak_bytes
-    return max(low, peak), least
+    safe = max(low, evaluate(profile, least, float("inf"), host_link).peak_bytes)
+    return (low if SWAP in codes or OFFLOAD in codes else safe), safe, least
 
 
 def plan_memory(profile: LayerProfile, budget_bytes: float, host_link,
