@@ -109,3 +109,34 @@ def test_a_sequential_network_without_repeated_blocks_plans_its_layers():
     assert [layer["name"] for layer in mem["layers"]] == units
     assert mem["cells"] and set(mem["cells"]) <= set(units)
     assert mem["simulated"]["fits"] and mem["simulated"]["peak_bytes"] <= mem["budget_bytes"]
+
+
+def test_the_readme_optimize_example_runs_as_written(capsys):
+    """The README's first Python block, executed with the smallest fill-ins: a 2-layer LLaMA
+    with the package's MoE layer as its MLP, one batch, one epoch."""
+    import os
+    import re
+
+    from mindspore.dataset import GeneratorDataset
+
+    from tests.user_models import LlamaForCausalLM
+
+    readme = os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")
+    with open(readme, encoding="utf-8") as fh:
+        block = re.search(r"```python\n(.*?)```", fh.read(), re.S).group(1)
+    assert "ms_efficient.optimize(network, cfg" in block
+    ms.set_seed(0)
+    backbone = LlamaForCausalLM(num_layers=2,
+                                moe={"num_experts": 4, "top_k": 2, "capacity": 16})
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 64, (2, 16)).astype(np.int32)
+    labels = rng.integers(0, 64, (32,)).astype(np.int32)
+    scope = {"backbone": backbone, "loss_fn": nn.CrossEntropyLoss(),
+             "ids": ms.Tensor(ids), "labels": ms.Tensor(labels),
+             "opt": nn.Adam(backbone.trainable_params(), 1e-3), "epochs": 1,
+             "dataset": GeneratorDataset(lambda: iter([(ids, labels)] * 2),
+                                         ["ids", "labels"], shuffle=False)}
+    exec(compile(block, "README.md", "exec"), scope)          # noqa: S102 - the README's code
+    plans = scope["plans"]
+    assert plans["memopt"]["cells"] and plans["memopt"]["simulated"]["fits"]
+    assert str(plans["memopt"]["cells"]) in capsys.readouterr().out
