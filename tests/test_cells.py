@@ -4,7 +4,7 @@ import pytest
 from ms_efficient.graph import OpGraph, OpNode
 from ms_efficient.graph.cells import (CellTree, assign_units, cell_tree_from_graph,
                                       forward_subgraph, match_cells, node_cell_path,
-                                      repeated_blocks, scope_segments)
+                                      repeated_blocks, scope_segments, sequence_units)
 
 ROOT = "Default/network-WithLossCell/_backbone-Net"
 
@@ -58,6 +58,26 @@ def test_repeated_blocks_are_the_children_of_a_list_of_one_class():
     tree = CellTree.from_cells([("", "Net", 10), ("down", "SequentialCell", 10),
                                 ("down.0", "Conv2d", 8), ("down.1", "BatchNorm2d", 2)])
     assert repeated_blocks(tree) == []
+
+
+def test_a_network_without_repeated_blocks_is_cut_at_its_largest_sequence():
+    # a Sequential of Dense/ReLU (no two children of one class all holding parameters) and a
+    # smaller head Sequential: the units are the larger one's Cells holding parameters
+    tree = CellTree.from_cells([("", "Net", 30), ("body", "SequentialCell", 24),
+                                ("body.0", "Dense", 8), ("body.1", "ReLU", 0),
+                                ("body.2", "Conv2d", 8), ("body.3", "ReLU", 0),
+                                ("body.4", "Dense", 8),
+                                ("head", "SequentialCell", 6), ("head.0", "Dense", 3),
+                                ("head.1", "Dense", 3)])
+    assert repeated_blocks(tree) == ["head.0", "head.1"]
+    del tree.classes["head"]                               # head as a plain Cell
+    tree.paths.remove("head")
+    assert repeated_blocks(tree) == []
+    assert sequence_units(tree) == ["body.0", "body.2", "body.4"]
+    # one Cell holding parameters is no sequence to cut
+    lone = CellTree.from_cells([("", "Net", 8), ("seq", "SequentialCell", 8),
+                                ("seq.0", "Dense", 8), ("seq.1", "ReLU", 0)])
+    assert sequence_units(lone) == []
 
 
 def test_mis_scoped_ops_go_to_the_block_that_runs_them():
