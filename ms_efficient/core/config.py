@@ -279,8 +279,9 @@ class OptimizeConfig:
     # Names of passes to run, in order: the built-in ones or any registered with register_pass.
     passes: List[str] = field(default_factory=list)
     # Peak-memory budget per device for the memopt pass: bytes, a size such as "12GiB", or a
-    # share such as "50%" of the network's unoptimised simulated peak. "" = the device memory
-    # of the cluster (a network that fits it has nothing to plan, and the pass says so).
+    # share such as "90%" of the network's unoptimised simulated peak. "" = the device memory
+    # of the cluster (a network that fits it has nothing to plan, and the pass says so). Below
+    # the feasible floor (often 65-95% of the peak) the pass raises naming the floor.
     memory_budget: Any = ""
     # Glob patterns of the Cells memopt plans, e.g. ["model.layers.*.self_attn",
     # "model.layers.*.mlp"]; a glob matches within one level ("blocks.*" = blocks.0, blocks.1,

@@ -34,7 +34,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", required=True,
                         help="device memory the step may use, as optimize.memory_budget: "
                              "a size (12GiB, 800MB), bytes, or a share of the unoptimised "
-                             "simulated peak (50%%); below the feasible floor is refused "
+                             "simulated peak (95%%); below the feasible floor is refused "
                              "with the floor named")
     parser.add_argument("--batch", type=positive_int,
                         help="batch size (default: train.batch_size)")
