@@ -167,8 +167,8 @@ def budget_bytes(value, profile: LayerProfile, host_link, device_bytes: float,
 
 def floor_percent(floor: float, peak: float) -> float:
     """The floor as a percentage of ``peak``, rounded UP to 0.1 (a budget of that share is
-    at or above the floor)."""
-    return math.ceil(floor / peak * 1000.0 - 1e-9) / 10.0 if peak > 0 else 100.0
+    at or above the floor, float rounding of the share included)."""
+    return math.ceil(floor / peak * 1000.0 * (1.0 + 1e-9)) / 10.0 if peak > 0 else 100.0
 
 
 def check_budget_floor(value, what: str, budget: float, peak: float, floor: float,
