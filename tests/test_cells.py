@@ -4,7 +4,7 @@ import pytest
 from ms_efficient.graph import OpGraph, OpNode
 from ms_efficient.graph.cells import (CellTree, assign_units, cell_tree_from_graph,
                                       forward_subgraph, match_cells, node_cell_path,
-                                      repeated_blocks, scope_segments)
+                                      repeated_blocks, scope_segments, sequence_units)
 
 ROOT = "Default/network-WithLossCell/_backbone-Net"
 
@@ -60,6 +60,26 @@ def test_repeated_blocks_are_the_children_of_a_list_of_one_class():
     assert repeated_blocks(tree) == []
 
 
+def test_a_network_without_repeated_blocks_is_cut_at_its_largest_sequence():
+    # a Sequential of Dense/ReLU (no two children of one class all holding parameters) and a
+    # smaller head Sequential: the units are the larger one's Cells holding parameters
+    tree = CellTree.from_cells([("", "Net", 30), ("body", "SequentialCell", 24),
+                                ("body.0", "Dense", 8), ("body.1", "ReLU", 0),
+                                ("body.2", "Conv2d", 8), ("body.3", "ReLU", 0),
+                                ("body.4", "Dense", 8),
+                                ("head", "SequentialCell", 6), ("head.0", "Dense", 3),
+                                ("head.1", "Dense", 3)])
+    assert repeated_blocks(tree) == ["head.0", "head.1"]
+    del tree.classes["head"]                               # head as a plain Cell
+    tree.paths.remove("head")
+    assert repeated_blocks(tree) == []
+    assert sequence_units(tree) == ["body.0", "body.2", "body.4"]
+    # one Cell holding parameters is no sequence to cut
+    lone = CellTree.from_cells([("", "Net", 8), ("seq", "SequentialCell", 8),
+                                ("seq.0", "Dense", 8), ("seq.1", "ReLU", 0)])
+    assert sequence_units(lone) == []
+
+
 def test_mis_scoped_ops_go_to_the_block_that_runs_them():
     g = _train_graph()
     a = assign_units(g, ["_backbone.layers.0", "_backbone.layers.1"])
@@ -79,11 +99,17 @@ def test_a_unit_without_parameters_in_the_graph_is_refused():
 
 def test_cell_patterns_match_in_network_order_and_name_a_pattern_that_matches_nothing():
     tree = cell_tree_from_graph(_train_graph())
-    assert match_cells(tree, ["*.fc"]) == ["_backbone.layers.0.fc", "_backbone.layers.1.fc"]
+    assert match_cells(tree, ["_backbone.layers.*.fc"]) == ["_backbone.layers.0.fc",
+                                                            "_backbone.layers.1.fc"]
     with pytest.raises(ValueError, match="'blocks.\\*' matches no Cell"):
         match_cells(tree, ["blocks.*"])
+    with pytest.raises(ValueError, match="'\\*.fc' matches no Cell"):
+        match_cells(tree, ["*.fc"])                 # '*' is one level: no top-level fc
+    # '*' stays at its level: the blocks, not their fc (today's fnmatch took both and nested)
+    assert match_cells(tree, ["_backbone.layers.*"]) == ["_backbone.layers.0",
+                                                         "_backbone.layers.1"]
     with pytest.raises(ValueError, match="may not nest"):
-        match_cells(tree, ["_backbone.layers.*"])          # '*' crosses dots: blocks and fc
+        match_cells(tree, ["_backbone.layers.*", "_backbone.layers.*.fc"])
 
 
 def test_forward_subgraph_drops_backward_ops_and_their_edges():

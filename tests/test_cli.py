@@ -92,7 +92,7 @@ def test_graph_command_on_a_missing_file_is_an_error(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["plan", "memory", "configs/gpt_moe_tiny.yaml", "--budget", "1KiB"],
-     "is below the minimum feasible budget"),
+     "'--budget' (1KiB, 1.00 KiB) is below the feasible floor"),
     (["plan", "shard", "configs/gpt_moe_tiny.yaml", "--mesh", "3x0"],
      "'mesh' must look like DPxMP"),
     (["plan", "moe", "--trace", "/nonexistent/trace.npz"], "cannot be read as .npz"),

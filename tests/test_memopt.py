@@ -215,7 +215,8 @@ def test_cli_plan_memory_budget_below_minimum_exits_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "ms_efficient.cli", "plan", "memory", str(cfg),
                            "--budget", "1KB", "--out", str(tmp_path / "p.yaml")],
                           capture_output=True, text=True)
-    assert proc.returncode == 2 and "minimum feasible budget" in proc.stderr
+    assert proc.returncode == 2 and "'--budget' (1KB, 1000 B) is below the feasible floor" \
+        in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "ms_efficient.cli", "plan", "memory", str(cfg),
                            "--budget", "1GiB", "--out", str(tmp_path / "p.yaml")],
                           capture_output=True, text=True)

@@ -279,11 +279,14 @@ class OptimizeConfig:
     # Names of passes to run, in order: the built-in ones or any registered with register_pass.
     passes: List[str] = field(default_factory=list)
     # Peak-memory budget per device for the memopt pass: bytes, a size such as "12GiB", or a
-    # share such as "50%" of the network's unoptimised simulated peak. "" = the device memory
-    # of the cluster (a network that fits it has nothing to plan, and the pass says so).
+    # share such as "90%" of the network's unoptimised simulated peak. "" = the device memory
+    # of the cluster (a network that fits it has nothing to plan, and the pass says so). Below
+    # the feasible floor (often 65-95% of the peak) the pass raises naming the floor.
     memory_budget: Any = ""
     # Glob patterns of the Cells memopt plans, e.g. ["model.layers.*.self_attn",
-    # "model.layers.*.mlp"]; [] = the repeated blocks of every CellList / SequentialCell.
+    # "model.layers.*.mlp"]; a glob matches within one level ("blocks.*" = blocks.0, blocks.1,
+    # not blocks.0.attn); [] = the repeated blocks of every CellList / SequentialCell, or else
+    # the Cells holding parameters of the network's largest CellList / SequentialCell.
     memopt_cells: List[str] = field(default_factory=list)
     # GPipe micro-batches per step the place pass plans pipeline stages for (MindSpore's
     # micro_batch_num); 0 = the pass chooses among the divisors of the batch (simulated).

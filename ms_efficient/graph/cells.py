@@ -194,12 +194,36 @@ def repeated_blocks(tree: CellTree) -> List[str]:
     return taken
 
 
+def glob_matches(path: str, pattern: str) -> bool:
+    """True when Cell ``path`` matches ``pattern`` one dot-separated level at a time: a glob
+    (``*``, ``?``, ``[..]``) stays inside its level, so ``blocks.*`` matches ``blocks.0`` but
+    not ``blocks.0.attn``, and ``blocks.*.attn`` matches only the ``attn`` of each block."""
+    segs, pats = path.split("."), pattern.split(".")
+    return len(segs) == len(pats) and all(fnmatch.fnmatchcase(s, p) for s, p in zip(segs, pats))
+
+
+def sequence_units(tree: CellTree) -> List[str]:
+    """Units of a network without repeated blocks: the children of its largest ``CellList`` /
+    ``SequentialCell`` (most children holding parameters, outermost first on a tie) that hold
+    parameters, in the network's order (a parameter-free child, an activation, is priced
+    outside the units). [] when no container has >= 2 children holding parameters."""
+    best: List[str] = []
+    for path in tree.paths:
+        if tree.classes.get(path) not in CONTAINER_CLASSES:
+            continue
+        kids = [k for k in tree.children(path) if tree.param_bytes.get(k, 0) > 0]
+        if len(kids) >= 2 and len(kids) > len(best):
+            best = kids
+    return best
+
+
 def match_cells(tree: CellTree, patterns: Sequence[str]) -> List[str]:
-    """Cell paths matching any glob pattern (``model.layers.*.mlp``), in the network's order.
+    """Cell paths matching any glob pattern (``model.layers.*.mlp``), in the network's order;
+    a pattern matches Cells at its own depth only (see :func:`glob_matches`).
     Raises ValueError naming a pattern that matches nothing, with a few paths it could."""
     out = []
     for pat in patterns:
-        hits = [p for p in tree.paths if p and fnmatch.fnmatchcase(p, pat)]
+        hits = [p for p in tree.paths if p and glob_matches(p, pat)]
         if not hits:
             raise ValueError(f"Cell pattern {pat!r} matches no Cell of the network; it has "
                              f"e.g. {[p for p in tree.paths if p][:8]}.")
@@ -300,4 +324,5 @@ def forward_flops_ratio(graph: OpGraph) -> Optional[float]:
     return bwd / fwd
 
 
-__all__ += ["node_cell_path", "forward_flops_ratio", "user_cell_path"]
+__all__ += ["node_cell_path", "forward_flops_ratio", "user_cell_path", "glob_matches",
+            "sequence_units"]

@@ -11,6 +11,7 @@ activations, so the output swap stays a tag for an op-level swap (MindFormers ``
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -24,7 +25,8 @@ from ms_efficient.memopt.env import (ACTION_NAMES, ALL_ACTIONS, CELL_RECOMPUTE_A
 from ms_efficient.memopt.profile import LayerProfile
 
 __all__ = ["plan_to_dict", "plan_from_dict", "save_plan", "load_plan", "apply_plan",
-           "recompute_config", "swap_config", "resolve_budget", "memopt_pass"]
+           "recompute_config", "swap_config", "resolve_budget", "budget_bytes", "floor_percent",
+           "check_budget_floor", "memopt_pass"]
 
 logger = logging.getLogger(__name__)
 
@@ -143,58 +145,122 @@ def apply_plan(network, names: List[str], plan: MemoryPlan,
 def resolve_budget(value, profile: LayerProfile, cluster) -> Tuple[float, float]:
     """(budget bytes, unoptimised simulated peak bytes) for ``optimize.memory_budget``: bytes
     or a size as given, a share of the unoptimised peak, or "" = the cluster's device memory."""
+    return budget_bytes(value, profile, cluster.host_link, cluster.device_memory_bytes,
+                        "optimize.memory_budget")
+
+
+def budget_bytes(value, profile: LayerProfile, host_link, device_bytes: float,
+                 what: str) -> Tuple[float, float]:
+    """(budget bytes, unoptimised simulated peak bytes) for a budget ``value`` given as
+    ``what`` (a config field or a CLI option): bytes or a size, a share such as "50%" of the
+    unoptimised peak, or "" = ``device_bytes``. ValueError names ``what`` for a bad value."""
     from ms_efficient.core.units import parse_budget
     from ms_efficient.memopt.env import evaluate
 
     keep = MemoryPlan(np.full(profile.num_layers, KEEP))
-    peak = evaluate(profile, keep, float("inf"), cluster.host_link).peak_bytes
-    if value == "":
-        return float(cluster.device_memory_bytes), peak
-    nbytes, share = parse_budget(value, "optimize.memory_budget")
+    peak = evaluate(profile, keep, float("inf"), host_link).peak_bytes
+    if value == "" or value is None:
+        return float(device_bytes), peak
+    nbytes, share = parse_budget(value, what)
     return (float(nbytes) if nbytes is not None else share * peak), peak
+
+
+def floor_percent(floor: float, peak: float) -> float:
+    """The floor as a percentage of ``peak``, rounded UP to 0.1 (a budget of that share is
+    at or above the floor, float rounding of the share included)."""
+    return math.ceil(floor / peak * 1000.0 * (1.0 + 1e-9)) / 10.0 if peak > 0 else 100.0
+
+
+def check_budget_floor(value, what: str, budget: float, peak: float, floor: float,
+                       safe: float, actions) -> None:
+    """ValueError when ``budget`` is below ``floor``: one message naming ``what``, the value,
+    the floor as a share of the unoptimised ``peak`` and in bytes, and a share at or above
+    ``safe`` (where a recompute plan fits) to set instead."""
+    from ms_efficient.core.units import format_size
+
+    if budget >= floor:
+        return
+    shown = f"{value}, {format_size(budget)}" if str(value) != str(int(budget)) \
+        else f"{int(budget)} bytes"
+    pct, ok = floor_percent(floor, peak), floor_percent(safe, peak)
+    host = bool(set(actions) & set(HOST_ACTIONS))
+    how = ("static bytes plus the largest single-layer working set" if host else
+           "the least peak any plan of " + "/".join(ACTION_NAMES[a] for a in actions)
+           + " reaches")
+    if ok >= 100:
+        advice = ("no recompute plan lowers the peak on this network; lower the batch size "
+                  "or leave memopt out")
+    else:
+        advice = (f"set it to at least '{ok:g}%' ({int(math.ceil(safe))} bytes)"
+                  + (", where a recompute plan fits (below, only swapping can)"
+                     if ok > pct else ""))
+    raise ValueError(f"'{what}' ({shown}) is below the feasible floor {pct:.1f}% "
+                     f"({format_size(floor)}) of the unoptimised peak {format_size(peak)}: "
+                     f"{how}; {advice}.")
 
 
 @register_pass("memopt")
 def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
     """The ``memopt`` pass on the user's network: units are its repeated blocks (or the Cells
-    ``optimize.memopt_cells`` names), profiled from its train-step graph on the config's
-    cluster and planned within ``optimize.memory_budget`` with the actions the device target
-    realises; the plan is applied by Cell path. Returns (network, plan dict with ``cells``).
-    Raises ValueError when the network has no Cell to plan or its unoptimised peak already
-    fits the budget (nothing to change)."""
+    ``optimize.memopt_cells`` names; without repeated blocks, the Cells holding parameters of
+    its largest CellList / SequentialCell), profiled from its train-step graph on the config's
+    cluster and planned within ``optimize.memory_budget`` (default: the device memory) with
+    the actions the device target realises; the plan is applied by Cell path. Returns
+    (network, plan dict with ``cells``). Raises ValueError when the network has no Cell to
+    plan, the budget is below the feasible floor (named as a share of the unoptimised peak and
+    in bytes) or the unoptimised peak already fits it (nothing to change)."""
     from ms_efficient.core.units import format_size
-    from ms_efficient.graph.cells import assign_units, match_cells, repeated_blocks
-    from ms_efficient.memopt.planner import plan_memory
+    from ms_efficient.graph.cells import (assign_units, match_cells, repeated_blocks,
+                                          sequence_units)
+    from ms_efficient.memopt.planner import budget_floor, plan_memory
     from ms_efficient.memopt.profile import profile_from_units
 
     config = context.config
     tree = context.cell_tree()
     patterns = config.optimize.memopt_cells
-    units = match_cells(tree, patterns) if patterns else repeated_blocks(tree)
+    units = match_cells(tree, patterns) if patterns else (repeated_blocks(tree)
+                                                          or sequence_units(tree))
     if not units:
         raise ValueError(
-            "memopt: found no repeated blocks in the network (children of a CellList or "
-            "SequentialCell, >= 2 of one class, holding parameters); name the Cells to plan "
-            "with optimize.memopt_cells, e.g. ['layers.*'].")
+            "memopt: found no repeated blocks (children of a CellList or SequentialCell, >= 2 "
+            "of one class, holding parameters) and no CellList / SequentialCell with >= 2 "
+            "Cells holding parameters; name the Cells to plan with optimize.memopt_cells, "
+            "e.g. ['layers.*'].")
     graph = context.graph("the memopt pass")
     assignment = assign_units(graph, units)
     cluster = config.cluster_spec()
     first = context.sample_inputs[0]
     batch = int(first.shape[0]) if getattr(first, "shape", None) else 1
     profile = profile_from_units(graph, assignment, cluster, batch_size=batch)
-    budget, peak = resolve_budget(config.optimize.memory_budget, profile, cluster)
+    target = config.context.device_target
+    actions = ALL_ACTIONS if target == "Ascend" else CELL_RECOMPUTE_ACTIONS
+    value = config.optimize.memory_budget
+    budget, peak = resolve_budget(value, profile, cluster)
+    floor, safe, least = budget_floor(profile, cluster.host_link, actions)
+    if floor_percent(safe, peak) >= 100.0:
+        raise ValueError(
+            f"memopt: no plan of {len(units)} Cells ({units[0]} ...) lowers the unoptimised "
+            f"simulated peak {format_size(peak)} by 0.1% or more (its floor is "
+            f"{format_size(safe)}): recompute does not pay on this network; leave memopt out.")
+    check_budget_floor(value if value != "" else int(budget), "optimize.memory_budget",
+                       budget, peak, floor, safe, actions)
     if peak <= budget:
         raise ValueError(
             f"memopt: the unoptimised simulated peak {format_size(peak)} of the "
-            f"{len(units)} planned Cells ({units[0]} ...) already fits the budget "
-            f"{format_size(budget)}; nothing to recompute or swap. Set "
-            f"optimize.memory_budget below the peak (e.g. '50%').")
-    target = config.context.device_target
-    actions = ALL_ACTIONS if target == "Ascend" else CELL_RECOMPUTE_ACTIONS
-    plan, result = plan_memory(profile, budget, cluster.host_link, actions=actions)
+            f"{len(units)} planned Cells ({units[0]} ...) already fits 'optimize.memory_budget' "
+            f"{format_size(budget)}; nothing to recompute or swap. Set it between the "
+            f"feasible floor and the peak, e.g. '{floor_percent(safe, peak):g}%'.")
+    try:
+        plan, result = plan_memory(profile, budget, cluster.host_link, actions=actions)
+    except ValueError:
+        if budget < safe:
+            raise
+        plan, result = plan_memory(profile, budget, cluster.host_link, actions=actions,
+                                   candidates={"checkmate-milp": least})
     applied = apply_plan(network, profile.names, plan, target)
     doc = plan_to_dict(profile, plan, result, budget,
                        extra={"unoptimised_peak_bytes": int(peak),
+                              "floor_bytes": int(math.ceil(floor)),
                               "outside_time_s": profile.meta["outside_time_s"],
                               "optimizer_time_s": profile.meta["optimizer_time_s"]})
     action_of = dict(zip(profile.names, plan.actions))

@@ -32,7 +32,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="run config YAML (model/moe/train/cluster sections), "
                                        "or a graph file (MINDIR, OpGraph JSON, PipeDream)")
     parser.add_argument("--budget", required=True,
-                        help="device memory the step may use, e.g. 12GiB, 800MB, bytes")
+                        help="device memory the step may use, as optimize.memory_budget: "
+                             "a size (12GiB, 800MB), bytes, or a share of the unoptimised "
+                             "simulated peak (95%%); below the feasible floor is refused "
+                             "with the floor named")
     parser.add_argument("--batch", type=positive_int,
                         help="batch size (default: train.batch_size)")
     parser.add_argument("--cluster", help="cluster preset (default: the config's cluster)")
@@ -86,18 +89,31 @@ def _profile_for(args):
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from ms_efficient.core.units import format_size, parse_size
+    from ms_efficient.core.units import format_size, parse_budget
     from ms_efficient.memopt.agents import RLConfig
-    from ms_efficient.memopt.apply import plan_to_dict, save_plan
-    from ms_efficient.memopt.planner import METHODS, plan_with
+    from ms_efficient.memopt.apply import (budget_bytes, check_budget_floor, plan_to_dict,
+                                           save_plan)
+    from ms_efficient.memopt.env import ALL_ACTIONS
+    from ms_efficient.memopt.planner import METHODS, budget_floor, plan_with
 
     if args.method not in METHODS:
         raise ValueError(f"'--method' must be one of {list(METHODS)}, but got {args.method!r}.")
-    budget = parse_size(args.budget, "--budget")
+    parse_budget(args.budget, "--budget")          # a bad value fails before profiling
     profile, cluster = _profile_for(args)
+    budget, peak = budget_bytes(args.budget, profile, cluster.host_link,
+                                cluster.device_memory_bytes, "--budget")
+    floor, safe, least = budget_floor(profile, cluster.host_link, ALL_ACTIONS)
+    check_budget_floor(args.budget, "--budget", budget, peak, floor, safe, ALL_ACTIONS)
     rl = RLConfig(seed=args.seed, time_limit_s=args.time_limit or math.inf)
     start = time.perf_counter()
-    plan, result = plan_with(args.method, profile, budget, cluster.host_link, rl)
+    try:
+        plan, result = plan_with(args.method, profile, budget, cluster.host_link, rl)
+    except ValueError:
+        if args.method != "memopt" or budget < safe:
+            raise
+        # at or above the safe floor the least-peak recompute plan fits: start from it
+        plan, result = plan_with(args.method, profile, budget, cluster.host_link, rl,
+                                 candidates={"checkmate-milp": least})
     if not result.fits:
         raise ValueError(f"the {args.method} plan needs {format_size(result.peak_bytes)}, above "
                          f"the budget {format_size(budget)}; use --method memopt or raise it.")

@@ -26,7 +26,7 @@ from ms_efficient.memopt.env import (ALL_ACTIONS, OFFLOAD, RECOMPUTE_ALL, SWAP, 
 from ms_efficient.memopt.milp import checkmate_milp, checkmate_min_peak, exact_milp
 from ms_efficient.memopt.profile import LayerProfile
 
-__all__ = ["METHODS", "WARM_START_METHODS", "plan_memory", "plan_with", "max_batch",
+__all__ = ["METHODS", "WARM_START_METHODS", "budget_floor", "plan_memory", "plan_with", "max_batch",
            "max_batches", "max_batch_bound", "max_batch_link_estimate"]
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,22 @@ METHODS = ("memopt", "none", "full-recompute", "chen-sqrt", "checkmate-milp",
            "capuchin-greedy", "exact-milp")
 # baselines MemOpt warm-starts from (it returns a plan at least as fast as the best fitting one)
 WARM_START_METHODS = ("capuchin-greedy", "full-recompute", "chen-sqrt", "checkmate-milp")
+
+
+def budget_floor(profile: LayerProfile, host_link, actions: Sequence[int] = ALL_ACTIONS
+                 ) -> Tuple[float, float, MemoryPlan]:
+    """(floor, safe, plan): no plan of ``actions`` fits below ``floor`` bytes; ``plan``, the
+    least-peak recompute plan of ``actions`` (``checkmate_min_peak``), fits in ``safe`` bytes.
+
+    Recompute-only targets: floor = safe = that plan's peak. With host actions (swap,
+    offload) the floor is ``min_budget_bytes`` (static + the largest working set of one
+    layer); between it and ``safe`` only swapping can fit, if the host link keeps up.
+    ``plan_memory`` at a budget >= ``safe`` can fall back on ``plan``, so it never fails."""
+    codes = check_actions(actions)
+    low = min_budget_bytes(profile)
+    least = checkmate_min_peak(profile, host_link, allow_drop=RECOMPUTE_ALL in codes)
+    safe = max(low, evaluate(profile, least, float("inf"), host_link).peak_bytes)
+    return (low if SWAP in codes or OFFLOAD in codes else safe), safe, least
 
 
 def plan_memory(profile: LayerProfile, budget_bytes: float, host_link,
