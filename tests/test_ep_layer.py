@@ -7,13 +7,6 @@ launches tests/dist/check_ep_moe.py on 2 CPU workers through scripts/msrun_launc
 35-45 s on 2 shared cores) and compares with MoEFeedForward on the whole batch here.
 """
 import dataclasses
-import importlib.util
-import os
-import shutil
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +14,7 @@ import pytest
 import mindspore as ms
 from mindspore import ParameterTuple, Tensor, nn, ops
 
+from tests import workers
 from ms_efficient.core.cluster import get_cluster
 from ms_efficient.efficientmoe.cost import CostModel, layer_cost, uneven_alltoall_time_s
 from ms_efficient.moe.ep_layer import ExpertParallelMoE, init_expert_weights
@@ -468,7 +462,7 @@ class ForwardAndGrads(nn.Cell):
 def count_compiles(monkeypatch):
     """The worker script's compile recorder (tests/dist/check_ep_moe.py), undone after the
     test."""
-    return _worker_module().count_compiles(monkeypatch.setattr)
+    return workers.load_script("check_ep_moe").count_compiles(monkeypatch.setattr)
 
 
 # Both plans keep one buffer of K*T - 5 rows, so rows are dropped and WHICH ones depends on the
@@ -554,55 +548,9 @@ def test_set_plan_refuses_plans_that_need_new_shapes():
 
 # --- 2 workers (msrun) ------------------------------------------------------------------------
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER_SCRIPT = REPO / "tests" / "dist" / "check_ep_moe.py"
-LAUNCHER = REPO / "scripts" / "msrun_launcher.sh"
-MSRUN = shutil.which("msrun") or shutil.which("msrun", path=os.path.dirname(sys.executable))
-
-
-def _worker_module():
-    spec = importlib.util.spec_from_file_location("check_ep_moe", WORKER_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_workers(run_dir, world):
-    """Launch the workers (msrun, non-blocking): (process, out_dir, log_dir)."""
-    out_dir, log_dir = run_dir / "out", run_dir / "log"
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([os.path.dirname(MSRUN), env.get("PATH", "")])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)
-    command = ["bash", str(LAUNCHER), f"python {WORKER_SCRIPT} {out_dir}", str(world),
-               str(world), "127.0.0.1", str(_free_port()), "0", str(log_dir), "True", "60"]
-    proc = subprocess.Popen(command, cwd=run_dir, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    return proc, out_dir, log_dir
-
-
-def _finish_workers(proc, out_dir, log_dir, world):
-    """Wait for the workers; fail with their logs unless every rank wrote its results."""
-    try:
-        stdout, stderr = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
-    if proc.returncode != 0 or not all((out_dir / f"done_rank{r}.json").exists()
-                                       for r in range(world)):
-        logs = "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-3000:]}"
-                         for p in sorted(log_dir.glob("*.log")))
-        pytest.fail(f"msrun failed (rc={proc.returncode}).\n{stdout[-2000:]}\n"
-                    f"{stderr[-2000:]}\n{logs}")
-
 
 @pytest.mark.slow
-@pytest.mark.skipif(MSRUN is None, reason="msrun is not on PATH (e.g. PATH=.venv/bin:$PATH)")
+@workers.needs_msrun
 def test_two_workers_match_one_process_on_the_whole_batch(tmp_path):
     """Each rank feeds half the batch: outputs, counts, input gradients and every slot's
     gradient (= its logical expert's, summed over replicas) equal MoEFeedForward on the whole
@@ -613,8 +561,8 @@ def test_two_workers_match_one_process_on_the_whole_batch(tmp_path):
     split.grouped_assignments drops and its outputs equal a numpy MoE without those; after
     Adam steps the hot expert's replicas are
     identical on both ranks and every weight matches the one-process run."""
-    wk = _worker_module()
-    workers = _start_workers(tmp_path, wk.WORLD)
+    wk = workers.load_script("check_ep_moe")
+    launched = workers.start("check_ep_moe", tmp_path, wk.WORLD)
     # the single-process reference, computed while the workers start up
     w = wk.logical_weights()
     x_np, dy_np = wk.global_batch()
@@ -646,8 +594,8 @@ def test_two_workers_match_one_process_on_the_whole_batch(tmp_path):
         step(*(Tensor(a) for a in wk.global_batch(i)))
     trained_ref = {name: p.asnumpy() for name, p in zip(wk.PARAM_NAMES, params)}
 
-    _finish_workers(*workers, wk.WORLD)
-    out_dir = workers[1]
+    workers.finish(*launched, wk.WORLD)
+    out_dir = launched[1]
     for plan in (p for p in wk.PLANS if p not in wk.DROPPING):
         res = [np.load(out_dir / f"{plan}_rank{r}.npz") for r in range(wk.WORLD)]
         router_sum = sum(r["grad_router"] for r in res)

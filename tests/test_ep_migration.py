@@ -7,13 +7,6 @@ expert weights and moments; the slow test launches tests/dist/check_ep_migration
 workers (msrun; 38-45 s measured on the 2 shared cores, up to 80 s while others load them)
 and compares with MoEFeedForward trained on the whole batch.
 """
-import importlib.util
-import os
-import shutil
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +14,7 @@ import pytest
 import mindspore as ms
 from mindspore import Tensor, nn
 
+from tests import workers
 from ms_efficient.efficientmoe.cost import CostModel
 from ms_efficient.efficientmoe.replay import cluster_for_ranks
 from ms_efficient.efficientmoe.schedule import (ReplanCosts, decide_replan, migration_bytes_DD,
@@ -203,11 +197,7 @@ def state(layer, adam):
 
 
 def count_compiles(monkeypatch):
-    path = Path(__file__).resolve().parent / "dist" / "check_ep_moe.py"
-    spec = importlib.util.spec_from_file_location("check_ep_moe", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.count_compiles(monkeypatch.setattr)
+    return workers.load_script("check_ep_moe").count_compiles(monkeypatch.setattr)
 
 
 def test_a_step_after_set_plan_with_adam_equals_the_step_of_a_layer_built_with_the_new_plan(
@@ -299,41 +289,17 @@ def test_weight_states_finds_adam_and_momentum_state_and_refuses_foreign_optimiz
 
 # --- 2 workers (msrun) ------------------------------------------------------------------------
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER_SCRIPT = REPO / "tests" / "dist" / "check_ep_migration.py"
-LAUNCHER = REPO / "scripts" / "msrun_launcher.sh"
-MSRUN = shutil.which("msrun") or shutil.which("msrun", path=os.path.dirname(sys.executable))
-
-
-def _worker_module():
-    spec = importlib.util.spec_from_file_location("check_ep_migration", WORKER_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.slow
-@pytest.mark.skipif(MSRUN is None, reason="msrun is not on PATH (e.g. PATH=.venv/bin:$PATH)")
+@workers.needs_msrun
 def test_two_workers_move_experts_and_adam_state_and_train_as_if_nothing_moved(tmp_path):
     """A grouped layer on 2 ranks takes an Adam step, set_plan moves expert 2 from rank 0 to
     rank 1, swaps experts 1 and 3 and replicates expert 0 on rank 1 (one AlltoAllV whose
     counts are plan_migration's), and takes another step on the compiled graph: outputs,
     weights and Adam moments of every slot equal MoEFeedForward trained on the whole batch."""
-    wk = _worker_module()
-    out_dir, log_dir = tmp_path / "out", tmp_path / "log"
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([os.path.dirname(MSRUN), env.get("PATH", "")])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)
-    command = ["bash", str(LAUNCHER), f"python {WORKER_SCRIPT} {out_dir}", str(wk.WORLD),
-               str(wk.WORLD), "127.0.0.1", str(_free_port()), "0", str(log_dir), "True", "60"]
-    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    wk = workers.load_script("check_ep_migration")
+    launched = workers.start("check_ep_migration", tmp_path, wk.WORLD)
+    out_dir = launched[1]
 
     # the reference, while the workers run: the whole batch on one dense layer, never moved
     w = wk.logical_weights()
@@ -364,17 +330,7 @@ def test_two_workers_move_experts_and_adam_state_and_train_as_if_nothing_moved(t
                                wk.WORLD)
     assert migration.rows_WW.tolist() == wk.EXPECTED_ROWS_WW
 
-    try:
-        stdout, stderr = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
-    if proc.returncode != 0 or not all((out_dir / f"done_rank{r}.json").exists()
-                                       for r in range(wk.WORLD)):
-        logs = "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-3000:]}"
-                         for p in sorted(log_dir.glob("*.log")))
-        pytest.fail(f"msrun failed (rc={proc.returncode}).\n{stdout[-2000:]}\n"
-                    f"{stderr[-2000:]}\n{logs}")
+    workers.finish(*launched, wk.WORLD)
 
     slot_expert = np.asarray(wk.AFTER["slot_expert"])
     for r in range(wk.WORLD):

@@ -84,25 +84,6 @@ def expert_bytes(layer) -> int:
                    for p in (layer.w1, layer.b1, layer.w2, layer.b2)))
 
 
-def _state_rows(layer, optimizer) -> List:
-    """The optimizer's per-slot state Parameters of the layer's expert tables (e.g. Adam's
-    first and second moments): element i of every ParameterTuple attribute of the optimizer
-    aligned with ``optimizer.parameters`` (moments1/moments2, moment1/moment2, moments, ...),
-    where parameter i is one of the layer's w1, b1, w2, b2 (by identity: names change when a
-    network is wrapped after the optimizer is built)."""
-    from mindspore import ParameterTuple
-
-    params = list(optimizer.parameters)
-    tables = (layer.w1, layer.b1, layer.w2, layer.b2)
-    index = [i for i, p in enumerate(params) if any(p is t for t in tables)]
-    out = []
-    for name, value in vars(optimizer).items():
-        if (isinstance(value, ParameterTuple) and name not in ("parameters", "_parameters")
-                and len(value) == len(params)):
-            out += [value[i] for i in index if tuple(value[i].shape) == tuple(params[i].shape)]
-    return out
-
-
 def apply_plan(layer, plan: ExpertPlan, optimizer=None) -> Dict[str, int]:
     """Switch ``layer`` to ``plan`` (:meth:`ExpertParallelMoE.set_plan`, no recompile): the
     slots whose expert changed get its weights and, with ``optimizer``, its optimizer state

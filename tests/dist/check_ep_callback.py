@@ -32,7 +32,8 @@ def main():
     from ms_efficient.core.config import EfficientMoEConfig
     from ms_efficient.efficientmoe.apply import EfficientMoECallback
     from ms_efficient.moe.ep_layer import ExpertParallelMoE
-    from ms_efficient.efficientmoe.ep_replanner import _state_rows, dropless_plans
+    from ms_efficient.efficientmoe.ep_replanner import dropless_plans
+    from ms_efficient.moe.ep_replan import weight_states
     from ms_efficient.train.expert_parallel import GradReducer
 
     import logging
@@ -75,7 +76,8 @@ def main():
                             force_replan_step=FORCE_AT)
     callback = EfficientMoECallback(net, em)
     losses, moments = [], {"before": [], "after": []}
-    state = _state_rows(layer, optimizer)            # Adam's moment tables of w1, b1, w2, b2
+    # Adam's moment tables of w1, b1, w2, b2, kind-major
+    state = sum(weight_states(optimizer, (layer.w1, layer.b1, layer.w2, layer.b2)), ())
 
     class LossLog(ms.train.Callback):
         def on_train_step_end(self, run_context):
