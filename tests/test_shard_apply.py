@@ -85,8 +85,19 @@ def test_plan_is_set_on_the_mindspore_network_primitives(tmp_path):
     out = str(tmp_path / "strategy.json")
     write_strategy_json(out, net, applied, doc)
     js = json.load(open(out))
-    assert js["parallel_strategy_item"]["blocks.0.ffn.fc1"]["parallel_strategy"] == [list(x) for x in expected]
-    assert js["parallel_layout_item"]["blocks.0.ffn.fc1.weight"]["dev_matrix"] == [2, 2]
+    # keyed as MindSpore keys an operator with a parameter: <primitive>_<parameter name>
+    item = js["parallel_strategy_item"]["MatMul_blocks.0.ffn.fc1.weight"]
+    assert item == {"stage": 0, "parallel_strategy": [list(x) for x in expected]}
+    layout = js["parallel_layout_item"]["blocks.0.ffn.fc1.weight"]
+    assert layout["tensor_shape"] == [64, 32]                 # nn.Dense weight [out, in]
+    # the weight's [f, h] dims carry the plan's axes for w(h, f), folded to (f, h)
+    axes = doc["templates"]["dense.fc1"]["in_axes"][1]
+    want = [axes[1], axes[0]]
+    if ["dp", "mp"] in want or ["mp", "dp"] in want:
+        assert layout["dev_matrix"] == [4]
+    else:
+        assert layout["dev_matrix"] == [2, 2]
+        assert layout["tensor_map"] == [{"dp": 1, "mp": 0}[a[0]] if a else -1 for a in want]
 
 
 def test_a_layer_override_wins_over_its_template(tmp_path):

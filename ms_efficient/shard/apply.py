@@ -9,26 +9,40 @@ network :class:`ms_efficient.models.gpt_moe.GPTMoE` by cell path, and the planne
 per-dimension split factors are folded into each primitive's argument shapes (``nn.Dense``
 multiplies ``[B*S, H]`` by a ``[out, in]`` weight, so ``x(b,s,h)`` factors ``(fb, fs, fh)``
 become ``(fb*fs, fh)``). On CPU this sets ``prim.in_strategy`` (semi-auto parallel itself is
-refused there, see MINDSPORE_CPU.md); on Ascend the same network runs under
-``set_auto_parallel_context(parallel_mode="semi_auto_parallel")``.
+refused there); on Ascend ``ms_efficient.parallel.parallelize`` wraps the same network in
+MindSpore's ``AutoParallel(net, parallel_mode="semi_auto")``, which reads those strategies.
 
-Strategy JSON: the fields of MindSpore's strategy-checkpoint JSON
-(``{"current_stage", "parallel_strategy_item": {op: {"stage", "parallel_strategy"}},
-"parallel_layout_item": {param: {"dev_matrix", "tensor_map", "opt_weight_shard_size", ...}}}``),
-with device matrix ``[dp, mp]`` (tensor_map counts device-matrix dims from the right: mp = 0,
-dp = 1, -1 = not split). Written from the plan, not read back from a compiled Ascend graph.
+Strategy JSON: MindSpore's strategy-checkpoint JSON, the format ``AutoParallel.
+save_param_strategy_file`` writes and ``load_param_strategy_file`` reads (MindSpore 2.10,
+``StrategyCheckpointInfo::to_json`` / ``from_json``)::
+
+    {"current_stage": 1,
+     "parallel_strategy_item": {"MatMul_fc1.weight": {"stage": 0, "parallel_strategy": [[2, 1], [1, 1]]}},
+     "parallel_layout_item": {"fc1.weight": {"dev_matrix": [2, 4], "tensor_map": [0, -1],
+                              "tensor_shape": [64, 32], "field": 0,
+                              "opt_weight_shard_step": 0, "opt_weight_shard_size": 0}}}
+
+An operator that reads a parameter is keyed ``<primitive name>_<first parameter name>`` as
+MindSpore keys it; ``current_stage`` is 1 as in MindSpore's merged (all-stage) files, each item
+carries its own pipeline stage. Layouts use the device matrix ``[dp, mp]`` (device r =
+dp index * mp + mp index) and a flat tensor map counting its dims from the right (mp = 0,
+dp = 1, -1 = not split), read from the plan's own record of which mesh axis splits each dim
+(``in_axes``), so a dp = mp mesh cannot confuse them. Written from the plan, not read back
+from a compiled Ascend graph.
 """
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ms_efficient.core.fileio import atomic_write_text
 from ms_efficient.core.registry import register_pass
 from ms_efficient.graph.cells import scope_path, user_cell_path
 
-__all__ = ["apply_shard_plan", "strategy_json", "write_strategy_json", "shard_pass"]
+__all__ = ["apply_shard_plan", "OpRecord", "strategy_json", "write_strategy_json", "graph_records",
+           "records_from_plan", "apply_graph_plan", "shard_pass"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,64 +119,180 @@ def apply_shard_plan(network: Any, templates: Dict[str, Dict[str, Any]],
     return applied
 
 
-def _tensor_map(factors: Sequence[int], dp: int, mp: int) -> List[Any]:
-    out: List[Any] = []
+@dataclass
+class OpRecord:
+    """One primitive a plan set, as the strategy file describes it.
+
+    prim: the primitive's name (``MatMul``); strategy: its ``in_strategy``, one tuple of split
+    factors per input; params: ``(parameter name, input index, full shape)`` of the weights it
+    reads (the first names the op in the file); axes: per input, per dim, the mesh axes
+    (``"dp"``, ``"mp"``) splitting it, or None when the plan does not say; zero: the ZeRO
+    level the plan chose for its parameters (0-3).
+    """
+
+    prim: str
+    strategy: Tuple[Tuple[int, ...], ...]
+    params: List[Tuple[str, int, Tuple[int, ...]]] = field(default_factory=list)
+    axes: Optional[List[List[List[str]]]] = None
+    zero: int = 0
+
+    def key(self, fallback: str) -> str:
+        """MindSpore's strategy-file key of an operator that reads a parameter:
+        ``<primitive name>_<first parameter name>``; ``fallback`` for one that reads none."""
+        return f"{self.prim}_{self.params[0][0]}" if self.params else fallback
+
+
+def _layout(axes: Sequence[Sequence[str]], dp: int, mp: int) -> Tuple[List[int], List[int]]:
+    """(dev_matrix, tensor_map) of a tensor whose dims are split by ``axes`` on the dp x mp
+    mesh. The device matrix is ``[dp, mp]`` (device r = dp index * mp + mp index, as
+    ``shard.strategies.Mesh`` numbers them) and tensor_map counts its dims from the right:
+    mp = 0, dp = 1, -1 = not split. A dim split by both axes is split dp*mp ways in device
+    order, which MindSpore's flat tensor map writes as ``dev_matrix [dp*mp]``, map 0."""
+    if any(set(a) == {"dp", "mp"} for a in axes):
+        return [dp * mp], [0 if a else -1 for a in axes]
+    index = {"dp": 1, "mp": 0}
+    return [dp, mp], [index[a[0]] if a else -1 for a in axes]
+
+
+def _axes_from_factors(factors: Sequence[int], dp: int, mp: int) -> List[List[str]]:
+    """Axes of each dim read from split factors alone, for plans without ``in_axes``; refuses
+    a factor that could be either axis (dp == mp) rather than guess."""
+    out: List[List[str]] = []
     for f in factors:
         if f == 1:
-            out.append(-1)
+            out.append([])
         elif f == dp * mp and dp > 1 and mp > 1:
-            out.append([1, 0])
-        elif f == mp:
-            out.append(0)
+            out.append(["dp", "mp"])
+        elif f == dp and f == mp:
+            raise ValueError(f"a split factor {f} on a {dp}x{mp} mesh could be either axis; "
+                             "the plan needs 'in_axes' (re-plan with this version).")
+        elif f in (dp, mp):
+            out.append(["dp"] if f == dp else ["mp"])
         else:
-            out.append(1)
+            raise ValueError(f"split factor {f} is neither dp={dp}, mp={mp} nor their product.")
     return out
 
 
-def strategy_json(applied: Dict[str, Tuple], plan_doc: Dict[str, Any],
-                  param_names: Optional[Dict[str, List[Tuple[str, int]]]] = None) -> Dict[str, Any]:
-    """The strategy-checkpoint-shaped JSON of applied strategies (see module docstring).
+def _opt_shard(axes: Sequence[Sequence[str]], zero: int, dp: int, mp: int) -> Tuple[int, int]:
+    """(opt_weight_shard_size, opt_weight_shard_step) of a parameter: with ZeRO >= 1 its
+    optimizer state is split over the devices holding the same slice (the mesh axes that do
+    not split it: dp alone -> dp devices mp apart, mp alone -> mp adjacent devices, both ->
+    every device); (0, 0) without ZeRO or without replicas."""
+    used = {a for dim in axes for a in dim}
+    size = (dp if "dp" not in used else 1) * (mp if "mp" not in used else 1)
+    if not zero or size == 1:
+        return 0, 0
+    return size, (mp if used == {"mp"} else 1)
 
-    param_names: ``{cell path: [(parameter name, input index), ...]}`` to emit layout items.
+
+def strategy_json(ops: Dict[str, OpRecord], dp: int, mp: int,
+                  stage_of: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
+    """MindSpore's strategy-checkpoint JSON of the applied strategies (module docstring).
+
+    ops: ``{cell path.attribute: OpRecord}``; dp, mp: the mesh; stage_of: ``{same key:
+    pipeline stage}`` (default stage 0). ``parallel_strategy_item`` is keyed as MindSpore
+    keys it (``OpRecord.key``); ``parallel_layout_item`` has one entry per parameter with
+    ``dev_matrix``, ``tensor_map``, ``tensor_shape``, ``field`` and the optimizer shard
+    group (``opt_weight_shard_size`` / ``_step``), the fields MindSpore's reader requires.
     """
-    dp, mp = plan_doc["mesh"]["dp"], plan_doc["mesh"]["mp"]
-    items = {path: {"stage": 0, "parallel_strategy": [list(t) for t in st]}
-             for path, st in sorted(applied.items())}
+    items: Dict[str, Any] = {}
     layouts: Dict[str, Any] = {}
-    for path, params in sorted((param_names or {}).items()):
-        if path not in applied:
-            continue
-        for name, index in params:
-            layouts[name] = {"dev_matrix": [dp, mp],
-                             "tensor_map": _tensor_map(applied[path][index], dp, mp),
-                             "field": 0, "opt_weight_shard_size": 0,
-                             "opt_weight_shard_step": 0}
-    return {"current_stage": 1, "parallel_strategy_item": items, "parallel_layout_item": layouts}
+    for path, rec in sorted(ops.items()):
+        items[rec.key(path)] = {"stage": int((stage_of or {}).get(path, 0)),
+                                "parallel_strategy": [list(t) for t in rec.strategy]}
+        for name, index, shape in rec.params:
+            axes = (rec.axes[index] if rec.axes is not None
+                    else _axes_from_factors(rec.strategy[index], dp, mp))
+            dev_matrix, tensor_map = _layout(axes, dp, mp)
+            size, step = _opt_shard(axes, rec.zero, dp, mp)
+            layouts[name] = {"dev_matrix": dev_matrix, "tensor_map": tensor_map,
+                             "tensor_shape": [int(d) for d in shape], "field": 0,
+                             "opt_weight_shard_step": step, "opt_weight_shard_size": size}
+    return {"current_stage": 1, "parallel_strategy_item": items,
+            "parallel_layout_item": layouts}
 
 
-def _param_names(network: Any, applied: Dict[str, Tuple]) -> Dict[str, List[Tuple[str, int]]]:
-    """``{cell path: [(parameter name, input index)]}`` of the weights the primitives read."""
-    out: Dict[str, List[Tuple[str, int]]] = {}
-    for path in applied:
-        if path.endswith(".bmm"):            # MoE experts: bmm(x, w1) (w2 shares the primitive)
-            cell, names = _resolve(network, path.rsplit(".", 1)[0], ""), (("w1", 1),)
-        else:
-            cell, names = _resolve(network, path, ""), (("weight", 1), ("gamma", 1), ("beta", 2))
-        found = [(getattr(cell, n).name, i) for n, i in names if hasattr(cell, n)]
-        if found:
-            out[path] = found
-    return out
+class _Axes(tuple):
+    """Mesh axes of one dim under the template folds: merging dims (``a * b``) unites them."""
+
+    def __mul__(self, other):
+        return _Axes(tuple(self) + tuple(other)) if isinstance(other, tuple) else self
+
+    __rmul__ = __mul__
+
+
+def _template_records(network: Any, applied: Dict[str, Tuple],
+                      plan_doc: Dict[str, Any]) -> Dict[str, OpRecord]:
+    """OpRecords of a template plan's primitives on ``network`` (``apply_shard_plan``'s
+    result): the weights each reads and, folded like the strategies, their axes."""
+    records: Dict[str, OpRecord] = {}
+    entries = {**plan_doc.get("templates", {}), **plan_doc.get("overrides", {})}
+    moe_index = set(getattr(network, "moe_index", ()))
+    for path, strategy in applied.items():
+        i, short = int(path.split(".")[1]), None
+        for name, (cell_path, attr, fold) in _FOLDS.items():
+            if path == f"blocks.{i}.{cell_path}":
+                short, prim_attr, fold_fn = name, attr, fold
+        kind = "moe" if i in moe_index else "dense"
+        entry = entries.get(f"L{i}.{short}") or entries.get(f"{kind}.{short}") or {}
+        prim = _resolve(network, path, prim_attr) if prim_attr else None
+        if prim is None:
+            cell = _resolve(network, path, "")
+            prim = next(iter(getattr(cell, "_primitives", {}).values()), None)
+        axes = None
+        if entry.get("in_axes"):
+            axes = [list(map(list, t)) for t in
+                    fold_fn([[_Axes(a) for a in t] for t in entry["in_axes"]])]
+        params = [(n, i_, tuple(getattr(p, "shape", ()))) for n, i_, p in
+                  _param_uses(network, path)]
+        records[path] = OpRecord(prim=getattr(prim, "name", short), strategy=strategy,
+                                 params=params, axes=axes, zero=int(entry.get("zero", 0)))
+    return records
+
+
+def _param_uses(network: Any, path: str) -> List[Tuple[str, int, Any]]:
+    """(parameter name, input index, Parameter) of the weights the primitive at ``path``
+    reads: a Dense/LayerNorm's ``weight`` / ``gamma`` (input 1) and ``beta`` (input 2); the
+    MoE experts' ``w1`` (``bmm(x, w1)``; w2 shares the primitive)."""
+    if path.endswith(".bmm"):
+        cell, names = _resolve(network, path.rsplit(".", 1)[0], ""), (("w1", 1),)
+    else:
+        cell, names = _resolve(network, path, ""), (("weight", 1), ("gamma", 1), ("beta", 2))
+    return [(getattr(cell, n).name, i, getattr(cell, n)) for n, i in names if hasattr(cell, n)]
 
 
 def write_strategy_json(path: str, network: Any, applied: Dict[str, Tuple],
                         plan_doc: Dict[str, Any]) -> None:
-    """Write :func:`strategy_json` for ``network`` atomically."""
-    doc = strategy_json(applied, plan_doc, _param_names(network, applied))
+    """Write :func:`strategy_json` of a template plan on ``network`` atomically."""
+    doc = strategy_json(_template_records(network, applied, plan_doc),
+                        plan_doc["mesh"]["dp"], plan_doc["mesh"]["mp"])
     atomic_write_text(path, json.dumps(doc, indent=1) + "\n")
 
 
+def graph_records(network: Any, applied: Dict[str, Tuple], doc: Dict[str, Any],
+                  op_of: Dict[str, str]) -> Dict[str, OpRecord]:
+    """OpRecords of a graph plan's primitives: ``op_of`` maps each applied key to the plan
+    operator it came from (``apply_graph_plan``); shapes from the network's Parameters."""
+    shapes = {p.name: tuple(p.shape) for p in network.get_parameters()}
+    out: Dict[str, OpRecord] = {}
+    for key, strategy in applied.items():
+        entry = doc["operators"][op_of[key]]
+        params = [(name, int(i), shapes.get(name, ())) for i, name in entry["params"]]
+        out[key] = OpRecord(prim=entry["prim"], strategy=strategy, params=params,
+                            axes=entry.get("in_axes"), zero=int(entry.get("zero", 0)))
+    return out
+
+
+def records_from_plan(doc: Dict[str, Any]) -> Dict[str, OpRecord]:
+    """The OpRecords a shard pass plan carries (its ``applied`` section)."""
+    return {key: OpRecord(prim=r["prim"], strategy=tuple(tuple(t) for t in r["strategy"]),
+                          params=[(n, int(i), tuple(s)) for n, i, s in r["params"]],
+                          axes=r.get("axes"), zero=int(r.get("zero", 0)))
+            for key, r in doc.get("applied", {}).items()}
+
+
 def apply_graph_plan(network: Any, doc: Dict[str, Any]
-                     ) -> Tuple[Dict[str, Tuple], Dict[str, List[Tuple[str, int]]]]:
+                     ) -> Tuple[Dict[str, Tuple], Dict[str, str]]:
     """Set ``shard()`` on the user's primitives from a graph plan (``graph_plan_to_dict``).
 
     An operator is matched to a primitive through the parameters it reads: the Cell that owns
@@ -170,7 +300,7 @@ def apply_graph_plan(network: Any, doc: Dict[str, Any]
     attribute of the operator's type (``nn.Dense.matmul``, ``nn.Embedding.gather``). Operators
     without parameters, or whose Cell holds several primitives of that type, are left to
     MindSpore's sharding propagation (their strategies are in the plan). Returns
-    ``({"<cell path>.<attribute>": in_strategy}, {same key: [(parameter name, input index)]})``.
+    ``({"<cell path>.<attribute>": in_strategy}, {same key: the plan operator's name})``.
     """
     holders: Dict[str, List[Tuple[str, Any]]] = {}      # a tied parameter has several
     for path, cell in network.cells_and_names():
@@ -179,7 +309,7 @@ def apply_graph_plan(network: Any, doc: Dict[str, Any]
         for _, p in cell.parameters_and_names(expand=False):
             holders.setdefault(p.name, []).append((path, cell))
     applied: Dict[str, Tuple] = {}
-    params: Dict[str, List[Tuple[str, int]]] = {}
+    op_of: Dict[str, str] = {}
     for op_name, entry in doc["operators"].items():
         if not entry["params"]:
             continue
@@ -203,8 +333,8 @@ def apply_graph_plan(network: Any, doc: Dict[str, Any]
             continue
         prim.shard(strategy)
         applied[key] = strategy
-        params[key] = [(p, int(i)) for i, p in entry["params"]]
-    return applied, params
+        op_of[key] = op_name
+    return applied, op_of
 
 
 @register_pass("shard")
@@ -234,13 +364,14 @@ def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     price = context.unoptimised("the shard pass")
     doc = plan_graph_doc(graph, cluster, price.step_time_s, float(opt.shard_comm_ratio), meshes)
     doc["unoptimised"] = price.to_dict()
-    applied, params = apply_graph_plan(network, doc)
+    applied, op_of = apply_graph_plan(network, doc)
     if not applied:
         raise ValueError(f"shard: no primitive of {type(network).__name__} takes a strategy "
                          f"from the plan (looked for operators with parameters whose Cell "
                          f"holds one primitive of their type, e.g. nn.Dense.matmul); "
                          f"nothing to set.")
-    strategy = strategy_json(applied, doc, params)
+    records = graph_records(network, applied, doc, op_of)
+    strategy = strategy_json(records, doc["mesh"]["dp"], doc["mesh"]["mp"])
     if opt.shard_strategy_file:
         atomic_write_text(opt.shard_strategy_file, json.dumps(strategy, indent=1) + "\n")
     cells: Dict[str, Dict[str, Any]] = {}
@@ -249,6 +380,9 @@ def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
         cells.setdefault(path, {}).setdefault("shard", {})[attr] = [list(t) for t in st]
     doc["cells"] = cells
     doc["strategy_json"] = strategy
+    doc["applied"] = {key: {"prim": r.prim, "strategy": [list(t) for t in r.strategy],
+                            "params": [[n, i, list(sh)] for n, i, sh in r.params],
+                            "axes": r.axes, "zero": r.zero} for key, r in records.items()}
     logger.info("shard: set %d primitives on mesh %dx%d", len(applied), doc["mesh"]["dp"],
                 doc["mesh"]["mp"])
     return network, doc

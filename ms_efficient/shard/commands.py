@@ -57,16 +57,17 @@ def _summary_rows(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
 
 def _strategy_json_for(args, req, doc) -> None:
     from ms_efficient.core.fileio import atomic_write_text
-    from ms_efficient.shard.apply import strategy_json, write_strategy_json
+    from ms_efficient.shard.apply import OpRecord, strategy_json, write_strategy_json
     import json
     import yaml
 
     with open(args.config, "r", encoding="utf-8") as fh:
         data = yaml.safe_load(fh) or {}
     if "shard" in data:    # analytic workload: one item per planner operator
-        applied = {name: tuple(tuple(f) for f in e["in_strategy"])
-                   for name, e in {**doc["templates"], **doc["overrides"]}.items()}
-        atomic_write_text(args.strategy_json, json.dumps(strategy_json(applied, doc), indent=1) + "\n")
+        ops = {name: OpRecord(e["prim"], tuple(tuple(f) for f in e["in_strategy"]))
+               for name, e in {**doc["templates"], **doc["overrides"]}.items()}
+        js = strategy_json(ops, doc["mesh"]["dp"], doc["mesh"]["mp"])
+        atomic_write_text(args.strategy_json, json.dumps(js, indent=1) + "\n")
         return
     import mindspore as ms
     from ms_efficient.core.config import load_config

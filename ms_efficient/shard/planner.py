@@ -32,7 +32,8 @@ from ms_efficient.core.fileio import atomic_write_text
 from ms_efficient.shard.baselines import METHODS, baseline_cost
 from ms_efficient.shard.cost import Cost, CostModel
 from ms_efficient.shard.ilp import ShardOptions, ShardSolution, solve_sharding
-from ms_efficient.shard.strategies import Mesh, OpSpec, Strategy, parse_mesh, shard_tuple
+from ms_efficient.shard.strategies import (AXES, Mesh, OpSpec, Strategy, parse_mesh,
+                                          shard_tuple)
 from ms_efficient.shard.workloads import TransformerDims, get_workload, transformer_ops
 
 __all__ = ["ShardRequest", "load_request", "default_cluster", "plan", "plan_to_dict",
@@ -166,7 +167,10 @@ def _cost_dict(c: Cost) -> Dict[str, float]:
 def _strategy_dict(spec: OpSpec, st: Strategy, mesh: Mesh) -> Dict[str, Any]:
     lay = st.layout
     return {"prim": spec.prim, "dp": lay.dp, "mp": lay.mp, "scatter": lay.scatter,
-            "zero": st.zero, "in_strategy": [list(t) for t in shard_tuple(spec, lay, mesh)]}
+            "zero": st.zero, "in_strategy": [list(t) for t in shard_tuple(spec, lay, mesh)],
+            # per input, per dim: the mesh axes splitting it (the strategy file's tensor maps)
+            "in_axes": [[[a for a in AXES if lay.axis_dim(a) == d] for d in t.dims]
+                        for t in spec.inputs]}
 
 
 def plan_to_dict(req: ShardRequest, result: Dict[str, Any]) -> Dict[str, Any]:
