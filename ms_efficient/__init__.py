@@ -3,6 +3,7 @@
     import ms_efficient
     cfg = ms_efficient.load_config("my_run.yaml")      # or config_from_dict({...})
     network, plans = ms_efficient.optimize(network, cfg, sample_inputs=(ids, labels))
+    parallel_net = ms_efficient.parallelize(network, plans, (ids, labels))   # on Ascend
 
 ``import ms_efficient`` is cheap: planners (cluster model, simulator, graph tools, traces) are
 plain numpy; MindSpore is imported only by the modules that build or change networks.
@@ -24,6 +25,7 @@ rows) and ``commands`` (its ``ms-efficient plan|bench`` sub-commands)):
     shard/         minimal-redundancy sharding ILP and the Megatron / ZeRO baselines
     place/         TGA partitioning and placement and the Baechi / Hierarchical baselines
     train/         trainer, corpus and run report of the reference model
+    parallel/      parallelize(): the plans as MindSpore's AutoParallel; the launch bundle
     passes.py      optimize(): runs the configured passes on a network
     cli.py         the ``ms-efficient`` command
 
@@ -32,8 +34,9 @@ checks this and that there is no import cycle): core -> graph, sim -> moe -> mod
 the capabilities -> train -> passes, cli. Planners never import MindSpore.
 """
 from ms_efficient.core.config import config_from_dict, load_config
+from ms_efficient.parallel import parallelize
 from ms_efficient.passes import optimize, register_pass, registered_passes
 
 __version__ = "0.1.0"
 
-__all__ = ["optimize", "load_config", "config_from_dict", "register_pass", "registered_passes", "__version__"]
+__all__ = ["optimize", "parallelize", "load_config", "config_from_dict", "register_pass", "registered_passes", "__version__"]

@@ -182,8 +182,9 @@ def apply_pipeline_stages(network: Any, plan: PlacementPlan) -> Dict[str, int]:
     Every cell whose scope holds planned operators gets the most common stage of those
     operators (ties: the lower stage); cells without operators inherit their parent's stage.
     Sibling cells get non-decreasing stages in registration order (the dataflow order of
-    a sequential model), as pipeline parallelism needs. Returns {cell name: stage} for the
-    cells that were set ("" is the root).
+    a sequential model), as pipeline parallelism needs. The root Cell spans every stage and
+    keeps its own ``pipeline_stage``. Returns {cell name: stage} (the root's "" entry is the
+    stage its unvoted children inherit, not set on it).
     """
     votes: Dict[str, Counter] = {}
     for node, scope in plan.scopes.items():
@@ -212,7 +213,7 @@ def apply_pipeline_stages(network: Any, plan: PlacementPlan) -> Dict[str, int]:
         if name:  # siblings follow the dataflow: stages never go back
             stage = max(stage, floor.get(parent, 0))
             floor[parent] = stage
-        cell.pipeline_stage = int(stage)
+            cell.pipeline_stage = int(stage)   # never the root: it spans every stage
         out[name] = int(stage)
     return out
 
@@ -234,7 +235,8 @@ def apply_block_stages(network: Any, block_stage: Dict[str, int],
     of every planned operator; any other Cell gets the most common stage of the operators
     scoped directly to it (ties: the lower stage; operator scopes inside repeated blocks may
     name an earlier twin, so blocks are never decided by them), else its parent's stage.
-    Returns {cell path: stage} ("" is the root)."""
+    The root Cell is left alone (it spans every stage). Returns {cell path: stage} (the
+    root's "" entry is what its children inherit, not set on it)."""
     blocks = sorted(block_stage, key=len, reverse=True)
     direct: Dict[str, Counter] = {}
     for path, stage in op_stages:
@@ -249,7 +251,8 @@ def apply_block_stages(network: Any, block_stage: Dict[str, int],
             stage = min(s for s, c in direct[name].items() if c == top)
         else:
             stage = out.get(name.rsplit(".", 1)[0] if "." in name else "", 0)
-        cell.pipeline_stage = int(stage)
+        if name:        # never the root: it holds every stage (MindSpore's Pipeline skips it too)
+            cell.pipeline_stage = int(stage)
         out[name] = int(stage)
     return out
 
