@@ -7,6 +7,8 @@
     ms-efficient graph CONFIG_OR_FILE [--mode M] [--out graph.json]
     ms-efficient report RUN_DIR                          rebuild a run's report.md and plots
     ms-efficient plan KIND ...                           run a planner, write plan YAML
+    ms-efficient plan bundle CONFIG --out DIR            strategy file, MindFormers YAML and
+                                                         msrun script of a cluster run
     ms-efficient bench KIND [--quick] --json OUT         benchmark a planner against baselines
 
 Each planner kind lives in its own ``commands`` module (see ``PLANNER_COMMANDS``) that offers
@@ -178,6 +180,11 @@ def _add_planner_commands(sub) -> None:
         p = bench_sub.add_parser(kind, help=doc, aliases=aliases)
         module.add_bench_arguments(p)
         p.set_defaults(func=module.run_bench)
+    from ms_efficient.parallel import commands as bundle
+
+    p = plan_sub.add_parser("bundle", help=bundle.__doc__.strip().splitlines()[0])
+    bundle.add_bundle_arguments(p)
+    p.set_defaults(func=bundle.run_bundle)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -37,7 +37,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["ParallelSettings", "settings_from_plans", "stage_of_keys", "summary_rows"]
+__all__ = ["ParallelSettings", "settings_from_plans", "stage_of_path", "stage_of_keys",
+           "summary_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -185,16 +186,18 @@ def settings_from_plans(plans: Mapping[str, Any], batch_shapes: Sequence[Sequenc
                             dataset_strategy=ds)
 
 
+def stage_of_path(path: str, stage_config: Mapping[str, int]) -> int:
+    """Pipeline stage of the Cell at ``path``: that of its deepest planned enclosing Cell
+    (itself included), 0 when none is planned."""
+    while path and path not in stage_config:
+        path = path.rsplit(".", 1)[0] if "." in path else ""
+    return int(stage_config.get(path, 0))
+
+
 def stage_of_keys(keys: Sequence[str], stage_config: Mapping[str, int]) -> Dict[str, int]:
-    """Pipeline stage of each ``<cell path>.<attribute>`` key: the stage of its deepest
-    planned enclosing Cell (0 when none is planned)."""
-    out: Dict[str, int] = {}
-    for key in keys:
-        path = key.rsplit(".", 1)[0] if "." in key else ""
-        while path and path not in stage_config:
-            path = path.rsplit(".", 1)[0] if "." in path else ""
-        out[key] = int(stage_config.get(path, 0))
-    return out
+    """Pipeline stage of each ``<cell path>.<attribute>`` key (a primitive of a Cell)."""
+    return {key: stage_of_path(key.rsplit(".", 1)[0] if "." in key else "", stage_config)
+            for key in keys}
 
 
 def summary_rows(settings: ParallelSettings) -> List[Tuple[str, Any]]:
