@@ -42,8 +42,11 @@ from ms_efficient.parallel.settings import ParallelSettings, stage_of_keys, stag
 __all__ = ["Bundle", "layer_of", "recompute_config", "swap_config", "parallel_config",
            "moe_config", "launch_script", "write_bundle"]
 
-RECOMPUTE_ACTIONS = ("recompute", "recompute-all")
-SWAP_ACTIONS = ("swap", "recompute-offload")
+# memopt actions (``memopt.env.ACTION_NAMES``) as MindFormers configures them. A
+# recompute-offload layer is recomputed; MindFormers cannot also swap its output (with both
+# set on one layer, "recomputation will take effect while SWAP will not"), noted as such.
+RECOMPUTE_ACTIONS = ("recompute", "recompute-all", "recompute-offload")
+SWAP_ACTIONS = ("swap",)
 # MindFormers' defaults for the fields no plan decides (TransformerOpParallelConfig /
 # RecomputeConfig): gradient fusion groups of 4, model-parallel communication recomputed.
 GRADIENT_AGGREGATION_GROUP = 4
@@ -91,6 +94,10 @@ def recompute_config(memopt: Optional[Mapping[str, Any]], settings: ParallelSett
                      if e["action"] in RECOMPUTE_ACTIONS})
     if not chosen:
         return out
+    offload = [e["name"] for e in memopt["layers"] if e["action"] == "recompute-offload"]
+    if offload:
+        notes.append(f"recompute-offload: {offload} are recomputed; MindFormers has no "
+                     f"setting that also swaps their outputs")
     if swap_on:
         out["recompute"] = chosen
         return out
