@@ -20,6 +20,7 @@ written down here as a schema from these pages:
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -204,6 +205,19 @@ def test_the_bundle_of_a_planned_user_network_follows_the_documented_formats(tmp
         item = js["parallel_strategy_item"][f"{rec['prim']}_{rec['params'][0][0]}"]
         assert item["stage"] == stage_of[cell]
     assert {i["stage"] for i in js["parallel_strategy_item"].values()} == set(range(4))
+    # MindSpore's own validation of the `parallel` section (set_auto_parallel_context; in a
+    # child process: the context is global); MindFormers turns parallel_mode 1 into semi-auto
+    code = ("import sys, yaml, mindspore as ms\n"
+            "par = yaml.safe_load(open(sys.argv[1]))['parallel']\n"
+            "assert par.pop('parallel_mode') == 1\n"
+            "ms.set_auto_parallel_context(parallel_mode='semi_auto_parallel', **par)\n"
+            "print(ms.get_auto_parallel_context('enable_parallel_optimizer'),"
+            " ms.get_auto_parallel_context('strategy_ckpt_config')['load_file'])\n")
+    child = subprocess.run([sys.executable, "-c", code, bundle.files["run.yaml"]],
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split()[-2:] == [str(wrapper.settings.optimizer_level is not None),
+                                         "./strategy.json"]
     script = open(bundle.files["launch.sh"]).read()
     assert "--worker_num=8 --local_worker_num=8" in script
     assert subprocess.run(["bash", "-n", bundle.files["launch.sh"]]).returncode == 0

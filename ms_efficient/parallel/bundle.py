@@ -10,6 +10,12 @@ MindSpore import; the CLI command ``ms-efficient plan bundle`` builds the plans 
 The YAML sections follow MindFormers' documented formats (their fields and types are checked
 by tests/test_launch_bundle.py against the pages it cites):
 
+- ``parallel``: the keyword arguments MindFormers passes to ``set_auto_parallel_context``
+  (``parallel_mode`` 1 = semi-auto, ``full_batch`` True as MindFormers advises for it,
+  ``enable_parallel_optimizer`` / ``parallel_optimizer_config.optimizer_level`` from the ZeRO
+  levels, ``pipeline_config``, ``strategy_ckpt_config`` loading strategy.json); the test
+  hands them to MindSpore's own ``set_auto_parallel_context``, which validates every key.
+
 - ``parallel_config``: data_parallel, model_parallel, pipeline_stage, micro_batch_num,
   expert_parallel, use_seq_parallel, vocab_emb_dp, gradient_aggregation_group; MindFormers'
   rule device_num = data_parallel x model_parallel x pipeline_stage holds.
@@ -245,11 +251,11 @@ def write_bundle(out_dir: str, plans: Mapping[str, Any], settings: ParallelSetti
         "use_parallel": True,
         "parallel": {"parallel_mode": 1, "gradients_mean": False,
                      "enable_alltoall": moe_config(moe, plans, tokens_per_step) is not None,
-                     "full_batch": False,
-                     "dataset_strategy": [list(t) for t in settings.dataset_strategy],
+                     # MindFormers: full_batch True in semi-auto mode (each rank reads
+                     # the global batch; the first operators' strategies split it)
+                     "full_batch": True,
                      "enable_parallel_optimizer": settings.optimizer_level is not None,
                      "parallel_optimizer_config": {
-                         "gradient_accumulation_shard": False,
                          "parallel_optimizer_threshold": 0,
                          "optimizer_level": settings.optimizer_level or "level1"},
                      "pipeline_config": {"pipeline_interleave": False,
