@@ -41,11 +41,31 @@ def planned():
 
 
 def test_every_autoparallel_setting_is_the_plans(planned, tmp_path):
+    _check_wrapper(*planned, str(tmp_path / "ms_strategy.json"))
+
+
+def test_the_reference_model_s_plans_build_the_same_way(tmp_path):
+    from ms_efficient.core.config import ModelConfig, MoEConfig
+    from ms_efficient.models.gpt_moe import build_model
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    ms.set_seed(1)
+    net = build_model(ModelConfig(vocab_size=64, seq_length=64, hidden_size=256, num_layers=4,
+                                  num_heads=4, ffn_hidden_size=512),
+                      MoEConfig(num_experts=4, top_k=2, moe_every=2), 16)
+    tokens = ms.Tensor(np.zeros((16, 64), np.int32))
+    cfg = config_from_dict({"optimize": {"passes": ["shard", "place"], "shard_mesh": "2x1",
+                                         "micro_batches": 4},
+                            "cluster": {"preset": "cpu-local", "devices_per_node": 8}})
+    net, plans = ms_efficient.optimize(net, cfg, sample_inputs=(tokens, tokens))
+    _check_wrapper(net, plans, (tokens, tokens), str(tmp_path / "ms_strategy.json"))
+
+
+def _check_wrapper(net, plans, inputs, out):
+    """parallelize() and read every setting back against the plans."""
     from mindspore.parallel.auto_parallel import AutoParallel
     from mindspore.parallel.nn import Pipeline
 
-    net, plans, inputs = planned
-    out = str(tmp_path / "ms_strategy.json")
     wrapper = ms_efficient.parallelize(net, plans, inputs, strategy_file=out)
     place, shard = plans["place"], plans["shard"]
     stages = len(place["stages"])
@@ -76,7 +96,8 @@ def test_every_autoparallel_setting_is_the_plans(planned, tmp_path):
     for name, level in zero.items():
         assert params[name].parallel_optimizer == (level > 0), name
     # dataset: dim 0 of each input split over the dp replicas
-    assert wrapper._dataset_strategy_config == ((dp, 1), (dp,))
+    assert wrapper._dataset_strategy_config == tuple((dp,) + (1,) * (len(x.shape) - 1)
+                                                     for x in inputs)
     # operator strategies: what semi_auto reads from the primitives is the plan's
     for path, entry in shard["cells"].items():
         for attr, strategy in entry["shard"].items():

@@ -247,10 +247,11 @@ def write_bundle(out_dir: str, plans: Mapping[str, Any], settings: ParallelSetti
         bundle.files["strategy.json"] = path
     memopt = plans.get("memopt")
     swap = swap_config(memopt)
+    moe_doc = moe_config(moe, plans, tokens_per_step)
     doc: Dict[str, Any] = {
         "use_parallel": True,
         "parallel": {"parallel_mode": 1, "gradients_mean": False,
-                     "enable_alltoall": moe_config(moe, plans, tokens_per_step) is not None,
+                     "enable_alltoall": moe_doc is not None,
                      # MindFormers: full_batch True in semi-auto mode (each rank reads
                      # the global batch; the first operators' strategies split it)
                      "full_batch": True,
@@ -268,7 +269,6 @@ def write_bundle(out_dir: str, plans: Mapping[str, Any], settings: ParallelSetti
     }
     if records:
         doc["parallel"]["strategy_ckpt_config"]["load_file"] = "./strategy.json"
-    moe_doc = moe_config(moe, plans, tokens_per_step)
     if moe_doc is not None:
         doc["moe_config"] = moe_doc
     path = os.path.join(out_dir, "run.yaml")
