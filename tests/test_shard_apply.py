@@ -88,6 +88,9 @@ def test_plan_is_set_on_the_mindspore_network_primitives(tmp_path):
     # keyed as MindSpore keys an operator with a parameter: <primitive>_<parameter name>
     item = js["parallel_strategy_item"]["MatMul_blocks.0.ffn.fc1.weight"]
     assert item == {"stage": 0, "parallel_strategy": [list(x) for x in expected]}
+    # the MoE experts' batched matmul is keyed by its primitive and first expert weight
+    bmm = js["parallel_strategy_item"]["BatchMatMul_blocks.1.ffn.w1"]
+    assert bmm["parallel_strategy"] == [list(x) for x in applied["blocks.1.ffn.bmm"]]
     layout = js["parallel_layout_item"]["blocks.0.ffn.fc1.weight"]
     assert layout["tensor_shape"] == [64, 32]                 # nn.Dense weight [out, in]
     # the weight's [f, h] dims carry the plan's axes for w(h, f), folded to (f, h)

@@ -235,10 +235,7 @@ def _template_records(network: Any, applied: Dict[str, Tuple],
                 short, prim_attr, fold_fn = name, attr, fold
         kind = "moe" if i in moe_index else "dense"
         entry = entries.get(f"L{i}.{short}") or entries.get(f"{kind}.{short}") or {}
-        prim = _resolve(network, path, prim_attr) if prim_attr else None
-        if prim is None:
-            cell = _resolve(network, path, "")
-            prim = next(iter(getattr(cell, "_primitives", {}).values()), None)
+        prim = _resolve(network, path, prim_attr)   # attr "": the path names the primitive
         axes = None
         if entry.get("in_axes"):
             axes = [list(map(list, t)) for t in
