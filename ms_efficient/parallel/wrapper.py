@@ -97,11 +97,17 @@ def parallelize(network: Any, plans: Mapping[str, Any], sample_inputs: Sequence[
     Raises ValueError when the plans break a rule MindSpore states (device count, stage count,
     micro-batches, batch divisibility) or do not match the network.
     """
+    from mindspore.communication import get_group_size
     from mindspore.parallel.auto_parallel import AutoParallel
     from mindspore.parallel.nn import Pipeline
 
     settings = settings_from_plans(plans, [_shape(x) for x in sample_inputs], devices,
                                    scheduler)
+    world = get_group_size()            # 1 before init() (on CPU, or before msrun's init)
+    if world > 1 and world != settings.devices:
+        raise ValueError(f"the job has {world} ranks but the plans need {settings.devices} "
+                         f"(stages x dp x mp = {settings.stages} x {settings.dp} x "
+                         f"{settings.mp}); launch {settings.devices} ranks or re-plan.")
     check_strategies(network, plans)
     _zero_switches(network, settings)
     inner = network
