@@ -82,3 +82,22 @@ def test_the_shard_pass_on_a_2x2_mesh_writes_maps_that_agree_with_its_strategies
             if layout["dev_matrix"] == [2, 2]:
                 want = [{"dp": 1, "mp": 0}[a[0]] if a else -1 for a in rec["axes"][index]]
                 assert layout["tensor_map"] == want
+
+
+def test_plan_shard_strategy_json_of_an_analytic_workload_lists_every_template(tmp_path):
+    import yaml
+
+    from ms_efficient.cli import main
+
+    cfg = tmp_path / "shard.yaml"
+    cfg.write_text(yaml.safe_dump({"shard": {"workload": "gpt-1.3b", "batch": 8, "mesh": "1x8",
+                                             "cluster": {"preset": "ascend910b-1x8"}}}))
+    out, js_path = tmp_path / "plan.yaml", tmp_path / "s.json"
+    assert main(["plan", "shard", str(cfg), "--out", str(out),
+                 "--strategy-json", str(js_path)]) == 0
+    doc, js = yaml.safe_load(open(out)), json.load(open(js_path))
+    entries = {**doc["templates"], **doc.get("overrides", {})}
+    assert set(js["parallel_strategy_item"]) == set(entries)   # no network: keyed by template
+    for name, e in entries.items():
+        assert js["parallel_strategy_item"][name]["parallel_strategy"] == e["in_strategy"]
+        assert len(e["in_axes"]) == len(e["in_strategy"])
