@@ -3,7 +3,8 @@ against what the compiled graph shows (``optimize(..., verify=True)``).
 
 What is checked, per Cell a plan names in its ``cells`` (the key the plan set there):
     ``recompute: true``  the compiled graph holds recomputed copies (CNode attribute
-                         ``duplicated``) of forward nodes under the Cell's scope. MindSpore
+                         ``duplicated``) made for a call of the Cell (attributed per
+                         recompute call, ``CompiledRecord.recomputed_by``). MindSpore
                          keeps a recompute Cell's output, so it copies only the nodes whose
                          outputs the backward reads inside the Cell; a Cell whose backward
                          reads nothing but its input and output (one Dense, say) gets no
@@ -75,8 +76,7 @@ def compile_record(network: Any, sample_inputs: Sequence[Any]) -> CompiledRecord
         network.set_train(was_training)
 
 
-def _check_recompute(nodes: List[RecordedNode]) -> Dict[str, Any]:
-    copies = [n for n in nodes if n.recomputed and not n.backward]
+def _check_recompute(copies: List[RecordedNode]) -> Dict[str, Any]:
     return {"recomputed_nodes": len(copies), "ops": sorted({n.op for n in copies}),
             "ok": bool(copies)}
 
@@ -109,6 +109,9 @@ def check_plans(record: CompiledRecord, plans: Dict[str, Any]) -> List[str]:
     planned action with no trace, naming the pass and the Cell); [] when all show."""
     failures: List[str] = []
     staged = record.has_stage_info()
+    recomputed = record.recomputed_by(sorted({
+        path for plan in plans.values() for path, actions in (plan.get("cells") or {}).items()
+        if path and actions.get("recompute")}))
     for name, plan in plans.items():
         verified: Dict[str, Any] = {}
         for path, actions in (plan.get("cells") or {}).items():
@@ -119,12 +122,12 @@ def check_plans(record: CompiledRecord, plans: Dict[str, Any]) -> List[str]:
                                                           for n in nodes),
                                      "backward_nodes": sum(n.backward for n in nodes)}
             if actions.get("recompute"):
-                entry["recompute"] = _check_recompute(nodes)
+                entry["recompute"] = _check_recompute(recomputed[path])
                 if not entry["recompute"]["ok"]:
                     failures.append(
                         f"pass '{name}' planned recompute on Cell '{path}', but the compiled "
-                        f"graph holds no recomputed node under its scope ({entry['forward_nodes']}"
-                        f" forward nodes there): MindSpore keeps a recompute Cell's output and "
+                        f"graph holds no recomputed copy of its nodes ({entry['forward_nodes']}"
+                        f" forward nodes under its scope): MindSpore keeps a recompute Cell's output and "
                         f"found nothing inside it to recompute, so the plan frees no memory.")
             if actions.get("shard"):
                 entry["shard"] = _check_shard(nodes, actions["shard"])

@@ -13,15 +13,24 @@ start with ``recompute_``. A Cell path ``blocks.0.fc1`` (as ``cells_and_names`` 
 owns a node when its attribute names ``blocks``, ``0``, ``fc1`` appear as consecutive
 segments of the node's scope. Matching segments rather than the whole prefix is what keeps
 it right when a sub-Cell compiled on its own earlier keeps a shorter scope.
+
+Scopes alone do not attribute recomputed copies: MindSpore builds one graph for identical
+parameter-free Cells, so the GeLU of ``blocks.3`` is scoped ``blocks-CellList/0-Block/act-GELU``.
+MindSpore tags every node of one recompute Cell call (originals and copies) with the CNode
+attribute ``recompute_sub_graph`` (one id per call), and that Cell's own ops and the ops of
+its sub-Cells holding parameters are scoped right; so :meth:`CompiledRecord.recomputed_by`
+gives each call to the candidate Cell owning most of its nodes.
 """
 from __future__ import annotations
 
 import ast
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["RecordedNode", "CompiledRecord", "parse_strategy", "cell_segments"]
+
+GROUP_ATTR = "recompute_sub_graph"
 
 BACKWARD_PREFIX = "Gradients/"
 RECOMPUTE_PREFIX = "recompute_"
@@ -110,6 +119,37 @@ class CompiledRecord:
         """Nodes whose scope holds Cell ``path`` (see module docs), forward and backward."""
         parts = cell_segments(path)
         return [n for n in self.nodes if _contains(n.cell_names(), parts)]
+
+    def recomputed_by(self, candidates: Sequence[str]) -> Dict[str, List[RecordedNode]]:
+        """{Cell path: the recomputed copies made for it} over the Cell paths ``candidates``
+        (see module docs). A recompute call (a ``recompute_sub_graph`` id) goes to the
+        candidate owning most of its forward nodes (ties: the longer path; still tied: to
+        none); copies without an id go to every candidate whose scope holds them."""
+        parts = {path: cell_segments(path) for path in candidates}
+        out: Dict[str, List[RecordedNode]] = {path: [] for path in candidates}
+        groups: Dict[str, List[RecordedNode]] = {}
+        for node in self.nodes:
+            if node.backward:
+                continue
+            group = node.cnode_attrs.get(GROUP_ATTR)
+            if group is not None:
+                groups.setdefault(group, []).append(node)
+            elif node.recomputed:
+                for path, segs in parts.items():
+                    if _contains(node.cell_names(), segs):
+                        out[path].append(node)
+        for nodes in groups.values():
+            copies = [n for n in nodes if n.recomputed]
+            score = {path: sum(_contains(n.cell_names(), segs) for n in nodes)
+                     for path, segs in parts.items()}
+            ranked = sorted(score, key=lambda p: (score[p], len(parts[p])), reverse=True)
+            if not copies or not ranked or score[ranked[0]] == 0:
+                continue
+            if len(ranked) > 1 and (score[ranked[1]], len(parts[ranked[1]])) == (
+                    score[ranked[0]], len(parts[ranked[0]])):
+                continue                                  # ambiguous: owned by no candidate
+            out[ranked[0]].extend(copies)
+        return out
 
     def has_stage_info(self) -> bool:
         """True when any node carries a pipeline stage (a pipeline-parallel compile)."""

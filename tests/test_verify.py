@@ -1,0 +1,178 @@
+"""The plan-verification graph pass (issue 26 item 4, issue 25 item 3): a FULL_GRAPH MindSpore
+custom pass records the compiled train-step graph; planned recompute shows as recomputed
+copies of exactly the planned Cells' forward nodes, and a recompute MindSpore leaves without
+effect is an error naming the Cell.
+
+The first test in a fresh cache builds the plugin (~15-40 s on 2 cores, cached under
+$MS_EFFICIENT_KERNEL_CACHE or ~/.cache/ms_efficient/kernels); later runs take a few seconds."""
+import logging
+import shutil
+
+import numpy as np
+import pytest
+
+from ms_efficient.verify.record import CompiledRecord, parse_strategy
+
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+
+
+def _node(scope, recomputed=False, **prim):
+    return {"scope": scope, "op": scope.rsplit("/", 1)[-1].split("-")[0],
+            "recomputed": recomputed, "prim_attrs": prim}
+
+
+def test_a_cell_owns_the_nodes_whose_scope_holds_its_path_as_consecutive_segments():
+    record = CompiledRecord.from_dict({"version": 1, "nodes": [
+        _node("Default/network-W/_backbone-Net/blocks-CellList/1-Block/fc1-Dense/MatMul-op0"),
+        _node("recompute_Default/network-W/_backbone-Net/blocks-CellList/1-Block/Add-op0"),
+        _node("Gradients/Default/network-W/_backbone-Net/blocks-CellList/1-Block/fc1-Dense/"
+              "Grad_MatMul/MatMul-op3"),
+        _node("Default/network-W/_backbone-Net/blocks-CellList/10-Block/fc1-Dense/MatMul-op0"),
+        _node("Default/blocks-CellList/1-Block/Mul-op0"),         # compiled alone earlier
+        _node("Default/network-W/_backbone-Net/head-Dense/MatMul-op0"),
+    ]})
+    owned = [n.scope.rsplit("/", 1)[-1] for n in record.nodes_of("blocks.1")]
+    assert owned == ["MatMul-op0", "Add-op0", "MatMul-op3", "Mul-op0"]  # not blocks.10
+    assert [n.backward for n in record.nodes_of("blocks.1.fc1")] == [False, True]
+    assert record.nodes_of("fc1") and not record.nodes_of("blocks.1.fc2")
+    assert not record.has_stage_info()
+    assert parse_strategy("((2, 1), (1, 4))") == ((2, 1), (1, 4))
+    assert parse_strategy("true") is None
+    with pytest.raises(ValueError, match="version: 1"):
+        CompiledRecord.from_dict({"nodes": []})
+
+
+def test_a_recompute_call_goes_to_the_cell_owning_most_of_its_nodes():
+    def node(scope, group, copy=False):
+        return {"scope": "recompute_Default/net-N/blocks-CellList/" + scope, "op": "X",
+                "recomputed": copy, "cnode_attrs": {"recompute_sub_graph": group}}
+
+    record = CompiledRecord.from_dict({"version": 1, "nodes": [
+        node("1-Block/fc1-Dense/MatMul-op0", "0"), node("1-Block/fc1-Dense/MatMul-op1", "0", True),
+        node("0-Block/act-GELU/GeLU-op0", "0"), node("0-Block/act-GELU/GeLU-op1", "0", True),
+        node("1-Block/Add-op0", "0"),
+        node("0-Block/fc1-Dense/MatMul-op2", "1"),            # blocks.0: a call with no copy
+        node("2-Block/act-GELU/GeLU-op2", "2"), node("3-Block/act-GELU/GeLU-op3", "2", True),
+    ]})
+    copies = record.recomputed_by(["blocks.0", "blocks.1", "blocks.2", "blocks.3"])
+    assert {p: [n.scope.rsplit("/", 1)[1] for n in c] for p, c in copies.items()} == {
+        "blocks.0": [], "blocks.1": ["MatMul-op1", "GeLU-op1"],
+        "blocks.2": [], "blocks.3": []}                       # call 2 is a tie: no owner
+
+
+def test_a_verify_with_no_compiler_fails_clearly_and_without_verify_says_the_check_is_off(
+        tmp_path, monkeypatch, caplog):
+    from ms_efficient.verify import plugin
+    from ms_efficient.verify.check import verify_after_optimize
+
+    with pytest.raises(plugin.VerifyUnavailable, match="'no-such-cxx-9' not found on PATH"):
+        plugin.build_plugin(cache_dir=str(tmp_path), compiler="no-such-cxx-9")
+    monkeypatch.setattr(plugin, "verify_available", lambda compiler="g++": False)
+    plans = {"memopt": {"cells": {"blocks.0": {"recompute": True}}}}
+    with caplog.at_level(logging.WARNING, logger="ms_efficient.verify.check"):
+        verify_after_optimize(None, plans, (), verify=False)
+    assert "check of the plans is off: it needs a C++ compiler" in caplog.text
+    assert "verified" not in plans["memopt"]
+    with pytest.raises(ValueError, match="no plan to verify"):
+        verify_after_optimize(None, {}, (np.ones(1),), verify=True)
+    # the cached library is keyed by the MindSpore version as well as the source
+    compile_flags, _ = plugin.plugin_flags()
+    import mindspore
+
+    assert f'-DMS_EFFICIENT_MINDSPORE_VERSION="{mindspore.__version__}"' in compile_flags
+
+
+def _blocks_net(num_blocks=4, seed=0):
+    import mindspore as ms
+    from mindspore import nn
+
+    class Block(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.act, self.fc2 = nn.Dense(16, 32), nn.GELU(), nn.Dense(32, 16)
+
+        def construct(self, x):
+            return x + self.fc2(self.act(self.fc1(x)))
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.CellList([Block() for _ in range(num_blocks)])
+            self.head = nn.Dense(16, 1)
+
+        def construct(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x).sum()
+
+    ms.set_seed(seed)
+    return Net(), (ms.Tensor(np.ones((4, 16), np.float32)),)
+
+
+@pytest.mark.mindspore
+@needs_compiler
+def test_planned_recompute_on_two_cells_shows_recomputed_nodes_of_exactly_those_cells():
+    import mindspore as ms
+
+    from ms_efficient.memopt.apply import apply_plan
+    from ms_efficient.memopt.env import RECOMPUTE, MemoryPlan
+    from ms_efficient.verify import compile_record, verify_plans
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    net, inputs = _blocks_net()
+    planned = ["blocks.1", "blocks.3"]
+    applied = apply_plan(net, planned, MemoryPlan(np.full(2, RECOMPUTE)))
+    plans = {"memopt": {"cells": {p: {"recompute": True} for p in applied["recompute"]}}}
+    verify_plans(net, plans, inputs)
+    record = compile_record(net, inputs)
+    copies = record.recomputed_by([f"blocks.{i}" for i in range(4)])
+    # Block's backward reads fc1's and GELU's outputs: MindSpore recomputes fc1's MatMul and
+    # BiasAdd and the GeLU (fc2 and the residual add make the kept output). Every GeLU is
+    # scoped blocks.0 (one graph for the identical parameter-free GELUs); the recompute
+    # call's id gives each copy to its block.
+    assert {p: len(c) for p, c in copies.items()} == {"blocks.0": 0, "blocks.1": 3,
+                                                      "blocks.2": 0, "blocks.3": 3}
+    assert sum(n.recomputed for n in record.nodes) == 6
+    for path in planned:
+        entry = plans["memopt"]["verified"][path]
+        assert entry["recompute"] == {"recomputed_nodes": 3, "ok": True,
+                                      "ops": ["BiasAdd", "GeLU", "MatMul"]}
+        assert entry["forward_nodes"] > 0 and entry["unchecked"] == []
+
+
+@pytest.mark.mindspore
+@needs_compiler
+def test_a_recompute_mindspore_leaves_without_effect_is_an_error_naming_the_cell():
+    import mindspore as ms
+
+    from ms_efficient.verify import PlanNotRealised, verify_plans
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    net, inputs = _blocks_net(num_blocks=2)
+    # one Dense: its backward reads only its input and its output, which MindSpore keeps,
+    # so the recompute copies nothing
+    net.blocks[0].recompute()
+    net.blocks[1].fc1.recompute()
+    net.head.matmul.shard(((1, 1), (1, 1)))
+    plans = {"memopt": {"cells": {"blocks.0": {"recompute": True},
+                                  "blocks.1.fc1": {"recompute": True}}},
+             "shard": {"cells": {"head": {"shard": {"matmul": [[1, 1], [1, 1]]}}}},
+             "place": {"cells": {"blocks.1": {"pipeline_stage": 1, "capacities": [4]}}}}
+    with pytest.raises(PlanNotRealised) as err:
+        verify_plans(net, plans, inputs)
+    assert err.value.failures == [
+        "pass 'memopt' planned recompute on Cell 'blocks.1.fc1', but the compiled graph holds "
+        "no recomputed copy of its nodes (3 forward nodes under its scope): MindSpore keeps a "
+        "recompute Cell's output and found nothing inside it to recompute, so the plan frees "
+        "no memory."]
+    verified = err.value.plans
+    assert verified["memopt"]["verified"]["blocks.0"]["recompute"]["ok"]
+    assert verified["shard"]["verified"]["head"]["shard"]["matmul"]["ok"]
+    stage = verified["place"]["verified"]["blocks.1"]
+    assert stage["pipeline_stage"]["checked"] is False and stage["unchecked"] == ["capacities"]
+    # a strategy the graph does not carry is reported on its primitive
+    plans["shard"]["cells"]["head"]["shard"]["matmul"] = [[2, 1], [1, 1]]
+    del plans["memopt"]
+    with pytest.raises(PlanNotRealised, match=r"set strategy \[\[2, 1\], \[1, 1\]\] on "
+                                              r"'head.matmul'"):
+        verify_plans(net, plans, inputs)
