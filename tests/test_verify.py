@@ -176,3 +176,28 @@ def test_a_recompute_mindspore_leaves_without_effect_is_an_error_naming_the_cell
     with pytest.raises(PlanNotRealised, match=r"set strategy \[\[2, 1\], \[1, 1\]\] on "
                                               r"'head.matmul'"):
         verify_plans(net, plans, inputs)
+
+
+@pytest.mark.mindspore
+@needs_compiler
+def test_optimize_with_verify_adds_what_the_compiled_graph_shows_to_the_memopt_plan():
+    import mindspore as ms
+
+    import ms_efficient
+    from ms_efficient.core.config import config_from_dict
+    from tests.user_models import llama_with_loss
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    net, inputs = llama_with_loss(num_layers=2)
+    config = config_from_dict({"optimize": {"passes": ["memopt"], "memory_budget": "90%"},
+                               "cluster": {"preset": "ascend910b-1x8"}})
+    net, plans = ms_efficient.optimize(net, config, sample_inputs=inputs, verify=True)
+    plan = plans["memopt"]
+    recomputed = [p for p, c in plan["cells"].items() if c["recompute"]]
+    assert recomputed and set(plan["verified"]) == set(plan["cells"])
+    for path in recomputed:
+        entry = plan["verified"][path]
+        # a decoder layer's attention and MLP interiors are re-run: matmuls and the softmax
+        assert entry["recompute"]["ok"] and entry["unchecked"] == []
+        assert {"MatMul", "Softmax", "SiLU"} <= set(entry["recompute"]["ops"])
+        assert 0 < entry["recompute"]["recomputed_nodes"] < entry["forward_nodes"]

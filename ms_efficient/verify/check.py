@@ -37,6 +37,7 @@ __all__ = ["PlanNotRealised", "compile_record", "check_plans", "verify_plans", "
 logger = logging.getLogger(__name__)
 
 CHECKED_KEYS = ("recompute", "shard", "pipeline_stage")
+DESCRIPTIVE_KEYS = ("action",)       # names an action whose parts are the keys above
 
 
 class PlanNotRealised(RuntimeError):
@@ -146,7 +147,8 @@ def check_plans(record: CompiledRecord, plans: Dict[str, Any]) -> List[str]:
                         f"{actions['pipeline_stage']}, but its compiled nodes carry stages "
                         f"{entry['pipeline_stage']['seen']}.")
             entry["unchecked"] = sorted(k for k, v in actions.items()
-                                        if k not in CHECKED_KEYS and v not in (False, None))
+                                        if k not in CHECKED_KEYS + DESCRIPTIVE_KEYS
+                                        and v not in (False, None))
             verified[path] = entry
         plan["verified"] = verified
     return failures
