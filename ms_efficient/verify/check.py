@@ -37,7 +37,10 @@ __all__ = ["PlanNotRealised", "compile_record", "check_plans", "verify_plans", "
 logger = logging.getLogger(__name__)
 
 CHECKED_KEYS = ("recompute", "shard", "pipeline_stage")
-DESCRIPTIVE_KEYS = ("action",)       # names an action whose parts are the keys above
+# "action" names an action whose parts are the keys above; "output_recompute" (recompute-all)
+# shows as recomputed copies like any recompute: the record cannot tell a Cell's output node
+# from its interior, so it is checked through "recompute".
+DESCRIPTIVE_KEYS = ("action", "output_recompute")
 
 
 class PlanNotRealised(RuntimeError):
