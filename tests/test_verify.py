@@ -43,21 +43,31 @@ def test_a_cell_owns_the_nodes_whose_scope_holds_its_path_as_consecutive_segment
 
 
 def test_a_recompute_call_goes_to_the_cell_owning_most_of_its_nodes():
-    def node(scope, group, copy=False):
+    def node(scope, group, copy=False, weight=False):
         return {"scope": "recompute_Default/net-N/blocks-CellList/" + scope, "op": "X",
-                "recomputed": copy, "cnode_attrs": {"recompute_sub_graph": group}}
+                "recomputed": copy, "reads_parameter": weight,
+                "cnode_attrs": {"recompute_sub_graph": group}}
 
+    # call 0: blocks.1 alone; its GeLU shares blocks.0's graph and scope. Call 1: blocks.2
+    # and blocks.3 merged (recompute-all). Call 2: blocks.0, nothing copied.
     record = CompiledRecord.from_dict({"version": 1, "nodes": [
-        node("1-Block/fc1-Dense/MatMul-op0", "0"), node("1-Block/fc1-Dense/MatMul-op1", "0", True),
-        node("0-Block/act-GELU/GeLU-op0", "0"), node("0-Block/act-GELU/GeLU-op1", "0", True),
-        node("1-Block/Add-op0", "0"),
-        node("0-Block/fc1-Dense/MatMul-op2", "1"),            # blocks.0: a call with no copy
-        node("2-Block/act-GELU/GeLU-op2", "2"), node("3-Block/act-GELU/GeLU-op3", "2", True),
+        node("1-Block/fc1-Dense/MatMul-op0", "0", weight=True),
+        node("0-Block/act-GELU/GeLU-op0", "0"), node("0-Block/Add-op0", "0"),
+        node("1-Block/fc1-Dense/MatMul-op1", "0", True, weight=True),
+        node("0-Block/act-GELU/GeLU-op1", "0", True),
+        node("2-Block/fc1-Dense/MatMul-op2", "1", weight=True),
+        node("3-Block/fc1-Dense/MatMul-op3", "1", weight=True),
+        node("2-Block/fc1-Dense/MatMul-op4", "1", True, weight=True),
+        node("0-Block/act-GELU/GeLU-op2", "1", True), node("0-Block/Add-op1", "1", True),
+        node("3-Block/fc1-Dense/MatMul-op5", "1", True, weight=True),
+        node("0-Block/act-GELU/GeLU-op3", "1", True),
+        node("0-Block/fc1-Dense/MatMul-op6", "2", weight=True),
     ]})
     copies = record.recomputed_by(["blocks.0", "blocks.1", "blocks.2", "blocks.3"])
     assert {p: [n.scope.rsplit("/", 1)[1] for n in c] for p, c in copies.items()} == {
         "blocks.0": [], "blocks.1": ["MatMul-op1", "GeLU-op1"],
-        "blocks.2": [], "blocks.3": []}                       # call 2 is a tie: no owner
+        "blocks.2": ["MatMul-op4", "GeLU-op2", "Add-op1"],
+        "blocks.3": ["MatMul-op5", "GeLU-op3"]}
 
 
 def test_a_verify_with_no_compiler_fails_clearly_and_without_verify_says_the_check_is_off(
@@ -201,3 +211,35 @@ def test_optimize_with_verify_adds_what_the_compiled_graph_shows_to_the_memopt_p
         assert entry["recompute"]["ok"] and entry["unchecked"] == []
         assert {"MatMul", "Softmax", "SiLU"} <= set(entry["recompute"]["ops"])
         assert 0 < entry["recompute"]["recomputed_nodes"] < entry["forward_nodes"]
+
+
+@pytest.mark.mindspore
+@needs_compiler
+def test_recompute_all_drops_the_outputs_of_adjacent_blocks_in_one_recomputation():
+    import mindspore as ms
+
+    from ms_efficient.memopt.apply import apply_plan
+    from ms_efficient.memopt.env import KEEP, RECOMPUTE_ALL, MemoryPlan
+    from ms_efficient.verify import compile_record, verify_plans
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    net, inputs = _blocks_net()
+    applied = apply_plan(net, ["blocks.1", "blocks.2", "blocks.3"],
+                         MemoryPlan([RECOMPUTE_ALL, RECOMPUTE_ALL, KEEP]))
+    assert applied["recompute_all"] == ["blocks.1", "blocks.2"]
+    record = compile_record(net, inputs)
+    copies = record.recomputed_by([f"blocks.{i}" for i in range(4)])
+    # Cell.recompute(output_recompute=True): besides fc1 and GeLU (what recompute copies,
+    # 3 nodes), fc2's MatMul and BiasAdd and the residual Add, the block's output, are
+    # re-run: 6 per block, both blocks in one recompute call (one Chen segment)
+    assert {p: len(c) for p, c in copies.items()} == {"blocks.0": 0, "blocks.1": 6,
+                                                      "blocks.2": 6, "blocks.3": 0}
+    assert sorted(n.op for n in copies["blocks.2"]) == ["Add", "BiasAdd", "BiasAdd", "GeLU",
+                                                        "MatMul", "MatMul"]
+    assert len({n.cnode_attrs["recompute_sub_graph"] for n in record.nodes
+                if n.recomputed}) == 1
+    plans = {"memopt": {"cells": {p: {"action": "recompute-all", "recompute": True,
+                                      "output_recompute": True} for p in applied["recompute_all"]}}}
+    verify_plans(net, plans, inputs)
+    assert all(v["recompute"]["ok"] and v["unchecked"] == []
+               for v in plans["memopt"]["verified"].values())

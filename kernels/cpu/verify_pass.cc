@@ -16,6 +16,9 @@
 //       "graph_stage": stage of the FuncGraph holding the node (-1 when unset),
 //       "recomputed": true when MindSpore's recompute pass made this node (a duplicated
 //                     forward node feeding the backward),
+//       "reads_parameter": true when an input is a weight (a Parameter with a default value,
+//                     directly or through Load): such nodes carry their Cell's scope even
+//                     where MindSpore shares one graph between identical Cells,
 //       "cnode_attrs": {name: value text} for the attributes in kCNodeAttrs,
 //       "prim_attrs": {name: value text} for the primitive attributes in kPrimAttrs}, ...]}
 // The pass never changes the graph (Run returns false).
@@ -42,6 +45,29 @@ const std::vector<std::string> kCNodeAttrs = {"recompute", "duplicated", "need_c
 // Primitive attributes a sharding plan sets (Primitive.shard / add_prim_attr).
 const std::vector<std::string> kPrimAttrs = {"in_strategy", "out_strategy", "in_layout",
                                              "out_layout", "recompute", "stage"};
+
+bool IsWeight(const mindspore::AnfNodePtr &node) {
+  auto param = node->cast<mindspore::ParameterPtr>();
+  return param != nullptr && param->has_default();
+}
+
+bool ReadsParameter(const mindspore::CNodePtr &cnode) {
+  for (size_t i = 1; i < cnode->size(); ++i) {
+    const auto &input = cnode->input(i);
+    if (IsWeight(input)) {
+      return true;
+    }
+    auto load = input->cast<mindspore::CNodePtr>();
+    if (load == nullptr || load->size() < 2 || !IsWeight(load->input(1))) {
+      continue;
+    }
+    auto prim = mindspore::GetCNodePrimitive(load);
+    if (prim != nullptr && prim->name() == "Load") {
+      return true;
+    }
+  }
+  return false;
+}
 
 nlohmann::json PickAttrs(const mindspore::HashMap<std::string, mindspore::ValuePtr> &attrs,
                          const std::vector<std::string> &names) {
@@ -81,6 +107,7 @@ class VerifyRecordPass : public mindspore::opt::Pass {
       auto graph = cnode->func_graph();
       row["graph_stage"] = graph == nullptr ? -1 : graph->stage();
       row["recomputed"] = cnode->HasAttr("duplicated");
+      row["reads_parameter"] = ReadsParameter(cnode);
       row["cnode_attrs"] = PickAttrs(cnode->attrs(), kCNodeAttrs);
       row["prim_attrs"] = PickAttrs(prim->attrs(), kPrimAttrs);
       nodes.push_back(row);

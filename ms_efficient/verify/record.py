@@ -16,10 +16,9 @@ it right when a sub-Cell compiled on its own earlier keeps a shorter scope.
 
 Scopes alone do not attribute recomputed copies: MindSpore builds one graph for identical
 parameter-free Cells, so the GeLU of ``blocks.3`` is scoped ``blocks-CellList/0-Block/act-GELU``.
-MindSpore tags every node of one recompute Cell call (originals and copies) with the CNode
-attribute ``recompute_sub_graph`` (one id per call), and that Cell's own ops and the ops of
-its sub-Cells holding parameters are scoped right; so :meth:`CompiledRecord.recomputed_by`
-gives each call to the candidate Cell owning most of its nodes.
+The ops that read a weight are scoped right, and MindSpore tags every node of one recompute
+call (originals and copies; adjacent recompute-all Cells share one call) with the CNode
+attribute ``recompute_sub_graph``; :meth:`CompiledRecord.recomputed_by` uses both.
 """
 from __future__ import annotations
 
@@ -42,13 +41,15 @@ class RecordedNode:
 
     scope: ``fullname_with_scope()``; op: primitive name; graph_stage: ``FuncGraph.stage()``
     of the graph holding it (-1 unset); recomputed: a copy MindSpore's recompute pass made
-    (CNode attribute ``duplicated``); cnode_attrs / prim_attrs: selected attributes as text.
+    (CNode attribute ``duplicated``); reads_parameter: a weight is an input (directly or
+    through Load); cnode_attrs / prim_attrs: selected attributes as text.
     """
 
     scope: str
     op: str
     graph_stage: int = -1
     recomputed: bool = False
+    reads_parameter: bool = False
     cnode_attrs: Dict[str, str] = field(default_factory=dict)
     prim_attrs: Dict[str, str] = field(default_factory=dict)
 
@@ -105,6 +106,7 @@ class CompiledRecord:
         nodes = [RecordedNode(scope=str(n["scope"]), op=str(n["op"]),
                               graph_stage=int(n.get("graph_stage", -1)),
                               recomputed=bool(n.get("recomputed", False)),
+                              reads_parameter=bool(n.get("reads_parameter", False)),
                               cnode_attrs=dict(n.get("cnode_attrs") or {}),
                               prim_attrs=dict(n.get("prim_attrs") or {}))
                  for n in doc["nodes"]]
@@ -121,10 +123,14 @@ class CompiledRecord:
         return [n for n in self.nodes if _contains(n.cell_names(), parts)]
 
     def recomputed_by(self, candidates: Sequence[str]) -> Dict[str, List[RecordedNode]]:
-        """{Cell path: the recomputed copies made for it} over the Cell paths ``candidates``
-        (see module docs). A recompute call (a ``recompute_sub_graph`` id) goes to the
-        candidate owning most of its forward nodes (ties: the longer path; still tied: to
-        none); copies without an id go to every candidate whose scope holds them."""
+        """{Cell path: the recomputed copies made for it} over the Cell paths ``candidates``.
+
+        Per recompute call (a ``recompute_sub_graph`` id): its owners are the candidates
+        holding one of its weight-reading nodes (the candidate holding most of its nodes
+        when none reads a weight); each copy, in graph order, goes to the deepest owner
+        whose scope holds it, a copy no owner holds (a shared parameter-free op, scoped to
+        another Cell) to the owner of the copy before it. Copies without an id go to every
+        candidate whose scope holds them."""
         parts = {path: cell_segments(path) for path in candidates}
         out: Dict[str, List[RecordedNode]] = {path: [] for path in candidates}
         groups: Dict[str, List[RecordedNode]] = {}
@@ -135,21 +141,29 @@ class CompiledRecord:
             if group is not None:
                 groups.setdefault(group, []).append(node)
             elif node.recomputed:
-                for path, segs in parts.items():
-                    if _contains(node.cell_names(), segs):
-                        out[path].append(node)
+                for path in self._holders(node, parts):
+                    out[path].append(node)
         for nodes in groups.values():
             copies = [n for n in nodes if n.recomputed]
-            score = {path: sum(_contains(n.cell_names(), segs) for n in nodes)
-                     for path, segs in parts.items()}
-            ranked = sorted(score, key=lambda p: (score[p], len(parts[p])), reverse=True)
-            if not copies or not ranked or score[ranked[0]] == 0:
+            anchors = [n for n in nodes if n.reads_parameter] or nodes
+            held = {p: sum(p in self._holders(n, parts) for n in anchors) for p in parts}
+            owners = [p for p in parts if held[p]]
+            if not copies or not owners:
                 continue
-            if len(ranked) > 1 and (score[ranked[1]], len(parts[ranked[1]])) == (
-                    score[ranked[0]], len(parts[ranked[0]])):
-                continue                                  # ambiguous: owned by no candidate
-            out[ranked[0]].extend(copies)
+            if not any(n.reads_parameter for n in nodes):
+                owners = [max(owners, key=lambda p: (held[p], len(parts[p])))]
+            last = max(owners, key=lambda p: (held[p], len(parts[p])))
+            for copy in copies:
+                holders = [p for p in self._holders(copy, parts) if p in owners]
+                if holders:
+                    last = max(holders, key=lambda p: len(parts[p]))
+                out[last].append(copy)
         return out
+
+    @staticmethod
+    def _holders(node: RecordedNode, parts: Dict[str, List[str]]) -> List[str]:
+        names = node.cell_names()
+        return [p for p, segs in parts.items() if _contains(names, segs)]
 
     def has_stage_info(self) -> bool:
         """True when any node carries a pipeline stage (a pipeline-parallel compile)."""
