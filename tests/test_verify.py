@@ -164,8 +164,10 @@ def test_a_recompute_mindspore_leaves_without_effect_is_an_error_naming_the_cell
     net.blocks[0].recompute()
     net.blocks[1].fc1.recompute()
     net.head.matmul.shard(((1, 1), (1, 1)))
+    net.head.offload(backward_prefetch=2)     # compiles on CPU; MindSpore warns it is a no-op
     plans = {"memopt": {"cells": {"blocks.0": {"recompute": True},
-                                  "blocks.1.fc1": {"recompute": True}}},
+                                  "blocks.1.fc1": {"recompute": True},
+                                  "head": {"swap": True}}},
              "shard": {"cells": {"head": {"shard": {"matmul": [[1, 1], [1, 1]]}}}},
              "place": {"cells": {"blocks.1": {"pipeline_stage": 1, "capacities": [4]}}}}
     with pytest.raises(PlanNotRealised) as err:
@@ -178,6 +180,8 @@ def test_a_recompute_mindspore_leaves_without_effect_is_an_error_naming_the_cell
     verified = err.value.plans
     assert verified["memopt"]["verified"]["blocks.0"]["recompute"]["ok"]
     assert verified["shard"]["verified"]["head"]["shard"]["matmul"]["ok"]
+    # head's MatMul and BiasAdd carry the offload tag
+    assert verified["memopt"]["verified"]["head"]["swap"] == {"offload_nodes": 2, "ok": True}
     stage = verified["place"]["verified"]["blocks.1"]
     assert stage["pipeline_stage"]["checked"] is False and stage["unchecked"] == ["capacities"]
     # a strategy the graph does not carry is reported on its primitive

@@ -39,12 +39,13 @@ constexpr const char *kRecordEnv = "MS_EFFICIENT_VERIFY_RECORD";
 constexpr const char *kPassName = "ms_efficient_verify";
 
 // CNode attributes MindSpore's recompute and pipeline passes set or read.
-const std::vector<std::string> kCNodeAttrs = {"recompute", "duplicated", "need_cse_after_recompute",
-                                              "recompute_sub_graph", "stage", "pipeline_begin",
-                                              "pipeline_end", "micro", "offload", "backward_prefetch"};
-// Primitive attributes a sharding plan sets (Primitive.shard / add_prim_attr).
-const std::vector<std::string> kPrimAttrs = {"in_strategy", "out_strategy", "in_layout",
-                                             "out_layout", "recompute", "stage"};
+const std::vector<std::string> kCNodeAttrs = {
+    "recompute", "duplicated", "need_cse_after_recompute", "recompute_sub_graph", "stage",
+    "pipeline_begin", "pipeline_end", "micro", "offload", "backward_prefetch"};
+// Primitive attributes plans set: Primitive.shard (strategies, layouts), Cell.recompute,
+// Cell.offload (offload, backward_prefetch).
+const std::vector<std::string> kPrimAttrs = {"in_strategy", "out_strategy", "in_layout", "out_layout",
+                                             "recompute", "stage", "offload", "backward_prefetch"};
 
 bool IsWeight(const mindspore::AnfNodePtr &node) {
   auto param = node->cast<mindspore::ParameterPtr>();

@@ -11,6 +11,9 @@ What is checked, per Cell a plan names in its ``cells`` (the key the plan set th
                          copy, and its recompute is a no-op: reported as not realised.
     ``shard: {attr: strategy}``  a forward primitive under the Cell's scope carries that
                          strategy in its ``in_strategy`` attribute.
+    ``swap: true``       a forward primitive under the Cell's scope carries ``offload``
+                         (``Cell.offload``). That the tag reached the graph is all this shows:
+                         MindSpore offloads only inside lazy_inline Cells, on Ascend.
     ``pipeline_stage: s``  a node under the Cell's scope carries stage s (its graph's stage or
                          a ``stage`` attribute). Only a pipeline-parallel compile
                          (semi-auto / auto parallel, Ascend or GPU; CPU refuses it) carries
@@ -32,11 +35,12 @@ from typing import Any, Dict, List, Sequence
 from ms_efficient.verify.plugin import VerifyUnavailable, ensure_registered, recording
 from ms_efficient.verify.record import CompiledRecord, RecordedNode, parse_strategy
 
-__all__ = ["PlanNotRealised", "compile_record", "check_plans", "verify_plans", "verify_after_optimize"]
+__all__ = ["PlanNotRealised", "compile_record", "check_plans", "verify_plans",
+           "verify_after_optimize"]
 
 logger = logging.getLogger(__name__)
 
-CHECKED_KEYS = ("recompute", "shard", "pipeline_stage")
+CHECKED_KEYS = ("recompute", "shard", "pipeline_stage", "swap")
 # "action" names an action whose parts are the keys above; "output_recompute" (recompute-all)
 # shows as recomputed copies like any recompute: the record cannot tell a Cell's output node
 # from its interior, so it is checked through "recompute".
@@ -131,8 +135,9 @@ def check_plans(record: CompiledRecord, plans: Dict[str, Any]) -> List[str]:
                     failures.append(
                         f"pass '{name}' planned recompute on Cell '{path}', but the compiled "
                         f"graph holds no recomputed copy of its nodes ({entry['forward_nodes']}"
-                        f" forward nodes under its scope): MindSpore keeps a recompute Cell's output and "
-                        f"found nothing inside it to recompute, so the plan frees no memory.")
+                        f" forward nodes under its scope): MindSpore keeps a recompute Cell's "
+                        f"output and found nothing inside it to recompute, so the plan frees "
+                        f"no memory.")
             if actions.get("shard"):
                 entry["shard"] = _check_shard(nodes, actions["shard"])
                 for attr, got in entry["shard"].items():
@@ -141,6 +146,13 @@ def check_plans(record: CompiledRecord, plans: Dict[str, Any]) -> List[str]:
                             f"pass '{name}' set strategy {got['planned']} on '{path}.{attr}', "
                             f"but no forward primitive under the Cell's scope carries it "
                             f"(seen: {entry['shard']['seen']}).")
+            if actions.get("swap"):
+                tagged = sum(not n.backward and n.prim_attrs.get("offload") == "true"
+                             for n in nodes)
+                entry["swap"] = {"offload_nodes": tagged, "ok": tagged > 0}
+                if not tagged:
+                    failures.append(f"pass '{name}' planned swap on Cell '{path}', but no "
+                                    f"forward primitive under its scope carries 'offload'.")
             if "pipeline_stage" in actions:
                 entry["pipeline_stage"] = _check_stage(nodes, int(actions["pipeline_stage"]),
                                                        staged)
