@@ -1,12 +1,12 @@
 """Apply a MemOpt plan: plan files (YAML, with MindFormers-style ``recompute_config`` and
-``swap_config``), ``Cell.recompute()`` on the chosen Cells, swap tags, and the ``memopt`` pass.
+``swap_config``), each action realised on its Cell by a MindSpore API (``apply_plan``: recompute
+``Cell.recompute()``, recompute-all ``Cell.recompute(output_recompute=True)``, swap
+``Cell.offload`` on Ascend; recompute-offload has no API and is refused), and the ``memopt``
+pass, which plans only the actions its target realises (``env.realisable_actions``).
 
-MindSpore is imported only inside the functions that touch Cells. Swap on CPU: MindSpore has
-no offload there (see MINDSPORE_CPU.md), so swapped Cells get checkable flags
-(``memopt_swap``, ``memopt_backward_prefetch``) and, on Ascend only, ``Cell.offload``.
-recompute-offload Cells get ``Cell.recompute()`` and the flag ``memopt_swap_output`` (their
-output, the checkpoint, goes to the host); ``Cell.offload`` would move all the Cell's
-activations, so the output swap stays a tag for an op-level swap (MindFormers ``op_swap``).
+MindSpore is imported only inside the functions that touch Cells. On CPU MindSpore has no
+offload (``Cell.offload`` needs lazy_inline, which does not compile there), so a plan with
+swap is refused on CPU rather than applied as a tag nothing reads.
 """
 from __future__ import annotations
 
