@@ -107,7 +107,8 @@ def _check_stage(nodes: List[RecordedNode], stage: int, staged: bool) -> Dict[st
                 "reason": "no node of this compile carries a pipeline stage: MindSpore reads "
                           "Cell.pipeline_stage only in semi-auto/auto parallel (Ascend/GPU)"}
     seen = sorted({n.graph_stage for n in nodes if n.graph_stage >= 0}
-                  | {int(n.cnode_attrs["stage"]) for n in nodes if "stage" in n.cnode_attrs})
+                  | {int(n.cnode_attrs["stage"]) for n in nodes
+                     if n.cnode_attrs.get("stage", "").lstrip("-").isdigit()})
     return {"planned": stage, "checked": True, "seen": seen,
             "ok": not nodes or stage in seen}
 
