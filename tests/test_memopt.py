@@ -393,7 +393,8 @@ def test_max_batches_match_a_batch_by_batch_scan():
 
 @pytest.mark.slow
 def test_measured_full_recompute_lowers_the_peak_and_memopt_fits_its_budget():
-    """Issue 5 item 6 on this CPU: five MindSpore processes (two at a time), about a minute."""
+    """Issue 5 item 6 on this CPU: eight MindSpore processes (calibration two at a time),
+    about two minutes."""
     from ms_efficient.memopt.measure import measured_check
 
     rows, info = measured_check(RLConfig(seed=0, iterations=40),
@@ -410,6 +411,15 @@ def test_measured_full_recompute_lowers_the_peak_and_memopt_fits_its_budget():
     assert sorted(info["recompute"]["memopt"]) not in calibrated
     assert by["memopt"]["simulated_peak_bytes"] == pytest.approx(by["memopt"]["peak_bytes"],
                                                                  rel=0.02)
+    # Step 4, recompute-all on whole blocks (Cell.recompute(output_recompute=True)): each
+    # longer segment holds more (one long re-run), as the simulator charges; measured and
+    # simulated shares of the unoptimised peak agree within 0.1 (0.08 when this was written)
+    blocks = {r["method"]: r for r in info["recompute_all_blocks"]}
+    peaks = [blocks[m]["peak_bytes"] for m in ("recompute", "recompute-all-first-half",
+                                                "recompute-all")]
+    assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
+    for row in blocks.values():
+        assert row["peak_share"] == pytest.approx(row["simulated_peak_share"], abs=0.1)
 
 
 def test_max_batch_bound_is_the_last_batch_whose_unavoidable_minimum_fits():

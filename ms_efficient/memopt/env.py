@@ -17,11 +17,12 @@ Actions per layer i (``MemoryPlan.actions``, int codes):
                        sub-Cells), MindSpore recomputes each Cell alone, which frees what
                        RECOMPUTE frees: a profile whose ``meta[OUTPUTS_MEET_OUTSIDE]`` is
                        true is charged so. Measured on the CPU reference model (whole-block
-                       Cells, chained): peaks 36.4 / 66.2 / 85.7 MB for recompute on all 4
-                       blocks / recompute-all on blocks 0-1 / on blocks 0-2, none 88.7 MB;
-                       the estimated profile simulates 39.6 / 93.1 / 120.6 MB, none 120.6 MB
-                       (the same shares of the unoptimised peak within 0.08). On attn/ffn
-                       sub-Cells recompute-all and recompute both measure 41.8 MB.
+                       Cells, chained): peaks 36.4 / 66.2 / 85.7 MiB for recompute on all 4
+                       blocks / recompute-all on blocks 0-1 / on blocks 0-2, none 88.7 MiB;
+                       the estimated profile simulates 39.6 / 93.1 / 120.6 MiB, none 120.6 MiB
+                       (shares of the unoptimised peak 0.41 / 0.75 / 0.97 measured, 0.33 /
+                       0.77 / 1.00 simulated). On attn/ffn sub-Cells recompute-all and
+                       recompute both measure 41.8 MiB.
     SWAP (3)           (MindSpore: ``Cell.offload``, Ascend only, inside lazy_inline Cells)
                        o_i + e_i are copied to the host on the d2h stream and freed when both
                        the copy and forward i+1 are done; a prefetch on the h2d stream brings
