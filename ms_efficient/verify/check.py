@@ -18,11 +18,15 @@ What is checked, per Cell a plan names in its ``cells`` (the key the plan set th
                          a ``stage`` attribute). Only a pipeline-parallel compile
                          (semi-auto / auto parallel, Ascend or GPU; CPU refuses it) carries
                          stages at all; without one the entry says it was not checked.
-Other keys (swap flags, MoE capacities, wrappers) leave nothing this pass records; the
-entry lists them under ``unchecked``.
+Other keys (MoE capacities, wrappers) leave nothing this pass records; the entry lists them
+under ``unchecked``. A recompute MindSpore cannot order after the backward (its "Can not find
+the nodes to depend" warning) still shows as copies here; that warning is printed once per
+process without the Cell, through glog, whose destination is fixed when MindSpore is
+imported, so it is not read.
 
 Each plan gets ``verified``: {Cell path: {"forward_nodes": n, "backward_nodes": n,
-"recompute": {...}, "shard": {...}, "pipeline_stage": {...}, "unchecked": [...]}}.
+"recompute": {...}, "shard": {...}, "swap": {...}, "pipeline_stage": {...},
+"unchecked": [...]}}.
 A planned action with no trace raises :class:`PlanNotRealised` naming the pass and the Cell.
 """
 from __future__ import annotations
