@@ -11,6 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
+from ms_efficient.verify.check import check_plans
 from ms_efficient.verify.record import CompiledRecord, parse_strategy
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
@@ -43,9 +44,9 @@ def test_a_cell_owns_the_nodes_whose_scope_holds_its_path_as_consecutive_segment
 
 
 def test_a_recompute_call_goes_to_the_cell_owning_most_of_its_nodes():
-    def node(scope, group, copy=False, weight=False):
+    def node(scope, group, copy=False, weight=False, ordered=False):
         return {"scope": "recompute_Default/net-N/blocks-CellList/" + scope, "op": "X",
-                "recomputed": copy, "reads_parameter": weight,
+                "recomputed": copy, "reads_parameter": weight, "ordered": ordered,
                 "cnode_attrs": {"recompute_sub_graph": group}}
 
     # call 0: blocks.1 alone; its GeLU shares blocks.0's graph and scope. Call 1: blocks.2
@@ -57,7 +58,7 @@ def test_a_recompute_call_goes_to_the_cell_owning_most_of_its_nodes():
         node("0-Block/act-GELU/GeLU-op1", "0", True),
         node("2-Block/fc1-Dense/MatMul-op2", "1", weight=True),
         node("3-Block/fc1-Dense/MatMul-op3", "1", weight=True),
-        node("2-Block/fc1-Dense/MatMul-op4", "1", True, weight=True),
+        node("2-Block/fc1-Dense/MatMul-op4", "1", True, weight=True, ordered=True),
         node("0-Block/act-GELU/GeLU-op2", "1", True), node("0-Block/Add-op1", "1", True),
         node("3-Block/fc1-Dense/MatMul-op5", "1", True, weight=True),
         node("0-Block/act-GELU/GeLU-op3", "1", True),
@@ -68,6 +69,14 @@ def test_a_recompute_call_goes_to_the_cell_owning_most_of_its_nodes():
         "blocks.0": [], "blocks.1": ["MatMul-op1", "GeLU-op1"],
         "blocks.2": ["MatMul-op4", "GeLU-op2", "Add-op1"],
         "blocks.3": ["MatMul-op5", "GeLU-op3"]}
+    # call 0's copies have no Depend: MindSpore could not order them after the backward
+    assert record.unordered_calls() == ["0"]
+    plans = {"memopt": {"cells": {p: {"recompute": True} for p in ("blocks.1", "blocks.3")}}}
+    assert check_plans(record, plans) == [
+        "pass 'memopt' planned recompute on Cell 'blocks.1', but MindSpore found no backward "
+        "node to run its re-run after (its 'Can not find the nodes to depend' warning): the 2 "
+        "recomputed nodes may run in the forward and free nothing."]
+    assert plans["memopt"]["verified"]["blocks.3"]["recompute"]["ok"]
 
 
 def test_a_verify_with_no_compiler_fails_clearly_and_without_verify_says_the_check_is_off(
@@ -145,7 +154,7 @@ def test_planned_recompute_on_two_cells_shows_recomputed_nodes_of_exactly_those_
     assert sum(n.recomputed for n in record.nodes) == 6
     for path in planned:
         entry = plans["memopt"]["verified"][path]
-        assert entry["recompute"] == {"recomputed_nodes": 3, "ok": True,
+        assert entry["recompute"] == {"recomputed_nodes": 3, "ok": True, "ordered": True,
                                       "ops": ["BiasAdd", "GeLU", "MatMul"]}
         assert entry["forward_nodes"] > 0 and entry["unchecked"] == []
 

@@ -19,6 +19,9 @@
 //       "reads_parameter": true when an input is a weight (a Parameter with a default value,
 //                     directly or through Load): such nodes carry their Cell's scope even
 //                     where MindSpore shares one graph between identical Cells,
+//       "ordered": true when an input is a Depend node (a recomputed copy is ordered after
+//                     the backward's inputs this way; without one MindSpore warned "Can not
+//                     find the nodes to depend" and the copy may run in the forward),
 //       "cnode_attrs": {name: value text} for the attributes in kCNodeAttrs,
 //       "prim_attrs": {name: value text} for the primitive attributes in kPrimAttrs}, ...]}
 // The pass never changes the graph (Run returns false).
@@ -70,6 +73,20 @@ bool ReadsParameter(const mindspore::CNodePtr &cnode) {
   return false;
 }
 
+bool HasDependInput(const mindspore::CNodePtr &cnode) {
+  for (size_t i = 1; i < cnode->size(); ++i) {
+    auto input = cnode->input(i)->cast<mindspore::CNodePtr>();
+    if (input == nullptr) {
+      continue;
+    }
+    auto prim = mindspore::GetCNodePrimitive(input);
+    if (prim != nullptr && prim->name() == "Depend") {
+      return true;
+    }
+  }
+  return false;
+}
+
 nlohmann::json PickAttrs(const mindspore::HashMap<std::string, mindspore::ValuePtr> &attrs,
                          const std::vector<std::string> &names) {
   nlohmann::json out = nlohmann::json::object();
@@ -109,6 +126,7 @@ class VerifyRecordPass : public mindspore::opt::Pass {
       row["graph_stage"] = graph == nullptr ? -1 : graph->stage();
       row["recomputed"] = cnode->HasAttr("duplicated");
       row["reads_parameter"] = ReadsParameter(cnode);
+      row["ordered"] = HasDependInput(cnode);
       row["cnode_attrs"] = PickAttrs(cnode->attrs(), kCNodeAttrs);
       row["prim_attrs"] = PickAttrs(prim->attrs(), kPrimAttrs);
       nodes.push_back(row);

@@ -9,6 +9,9 @@ What is checked, per Cell a plan names in its ``cells`` (the key the plan set th
                          outputs the backward reads inside the Cell; a Cell whose backward
                          reads nothing but its input and output (one Dense, say) gets no
                          copy, and its recompute is a no-op: reported as not realised.
+                         Each recompute call must also be ordered after the backward's
+                         inputs (a Depend on a copy); a call MindSpore could not order (its
+                         "Can not find the nodes to depend" warning) is reported too.
     ``shard: {attr: strategy}``  a forward primitive under the Cell's scope carries that
                          strategy in its ``in_strategy`` attribute.
     ``swap: true``       a forward primitive under the Cell's scope carries ``offload``
@@ -19,10 +22,9 @@ What is checked, per Cell a plan names in its ``cells`` (the key the plan set th
                          (semi-auto / auto parallel, Ascend or GPU; CPU refuses it) carries
                          stages at all; without one the entry says it was not checked.
 Other keys (MoE capacities, wrappers) leave nothing this pass records; the entry lists them
-under ``unchecked``. A recompute MindSpore cannot order after the backward (its "Can not find
-the nodes to depend" warning) still shows as copies here; that warning is printed once per
-process without the Cell, through glog, whose destination is fixed when MindSpore is
-imported, so it is not read.
+under ``unchecked``. MindSpore's own "Can not find the nodes to depend" warning is printed
+once per process without the Cell, through glog, whose destination is fixed when MindSpore
+is imported, so it is not read: the missing Depend in the record is the check.
 
 Each plan gets ``verified``: {Cell path: {"forward_nodes": n, "backward_nodes": n,
 "recompute": {...}, "shard": {...}, "swap": {...}, "pipeline_stage": {...},
@@ -37,7 +39,7 @@ import tempfile
 from typing import Any, Dict, List, Sequence
 
 from ms_efficient.verify.plugin import VerifyUnavailable, ensure_registered, recording
-from ms_efficient.verify.record import CompiledRecord, RecordedNode, parse_strategy
+from ms_efficient.verify.record import GROUP_ATTR, CompiledRecord, RecordedNode, parse_strategy
 
 __all__ = ["PlanNotRealised", "compile_record", "check_plans", "verify_plans",
            "verify_after_optimize"]
@@ -88,9 +90,11 @@ def compile_record(network: Any, sample_inputs: Sequence[Any]) -> CompiledRecord
         network.set_train(was_training)
 
 
-def _check_recompute(copies: List[RecordedNode]) -> Dict[str, Any]:
+def _check_recompute(copies: List[RecordedNode], unordered: List[str]) -> Dict[str, Any]:
+    calls = {n.cnode_attrs.get(GROUP_ATTR) for n in copies} - {None}
+    floating = bool(calls) and calls <= set(unordered)
     return {"recomputed_nodes": len(copies), "ops": sorted({n.op for n in copies}),
-            "ok": bool(copies)}
+            "ordered": not floating, "ok": bool(copies) and not floating}
 
 
 def _check_shard(nodes: List[RecordedNode], planned: Dict[str, Any]) -> Dict[str, Any]:
@@ -122,6 +126,7 @@ def check_plans(record: CompiledRecord, plans: Dict[str, Any]) -> List[str]:
     planned action with no trace, naming the pass and the Cell); [] when all show."""
     failures: List[str] = []
     staged = record.has_stage_info()
+    unordered = record.unordered_calls()
     recomputed = record.recomputed_by(sorted({
         path for plan in plans.values() for path, actions in (plan.get("cells") or {}).items()
         if path and actions.get("recompute")}))
@@ -135,8 +140,14 @@ def check_plans(record: CompiledRecord, plans: Dict[str, Any]) -> List[str]:
                                                           for n in nodes),
                                      "backward_nodes": sum(n.backward for n in nodes)}
             if actions.get("recompute"):
-                entry["recompute"] = _check_recompute(recomputed[path])
-                if not entry["recompute"]["ok"]:
+                entry["recompute"] = _check_recompute(recomputed[path], unordered)
+                if not entry["recompute"]["ordered"]:
+                    failures.append(
+                        f"pass '{name}' planned recompute on Cell '{path}', but MindSpore found "
+                        f"no backward node to run its re-run after (its 'Can not find the "
+                        f"nodes to depend' warning): the {entry['recompute']['recomputed_nodes']}"
+                        f" recomputed nodes may run in the forward and free nothing.")
+                elif not entry["recompute"]["ok"]:
                     failures.append(
                         f"pass '{name}' planned recompute on Cell '{path}', but the compiled "
                         f"graph holds no recomputed copy of its nodes ({entry['forward_nodes']}"

@@ -27,7 +27,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["RecordedNode", "CompiledRecord", "parse_strategy", "cell_segments"]
+__all__ = ["RecordedNode", "CompiledRecord", "parse_strategy", "cell_segments", "GROUP_ATTR"]
 
 GROUP_ATTR = "recompute_sub_graph"
 
@@ -42,7 +42,9 @@ class RecordedNode:
     scope: ``fullname_with_scope()``; op: primitive name; graph_stage: ``FuncGraph.stage()``
     of the graph holding it (-1 unset); recomputed: a copy MindSpore's recompute pass made
     (CNode attribute ``duplicated``); reads_parameter: a weight is an input (directly or
-    through Load); cnode_attrs / prim_attrs: selected attributes as text.
+    through Load); ordered: a Depend node is an input (how MindSpore orders a recompute
+    call's re-run after the backward's inputs); cnode_attrs / prim_attrs: selected
+    attributes as text.
     """
 
     scope: str
@@ -50,6 +52,7 @@ class RecordedNode:
     graph_stage: int = -1
     recomputed: bool = False
     reads_parameter: bool = False
+    ordered: bool = False
     cnode_attrs: Dict[str, str] = field(default_factory=dict)
     prim_attrs: Dict[str, str] = field(default_factory=dict)
 
@@ -107,6 +110,7 @@ class CompiledRecord:
                               graph_stage=int(n.get("graph_stage", -1)),
                               recomputed=bool(n.get("recomputed", False)),
                               reads_parameter=bool(n.get("reads_parameter", False)),
+                              ordered=bool(n.get("ordered", False)),
                               cnode_attrs=dict(n.get("cnode_attrs") or {}),
                               prim_attrs=dict(n.get("prim_attrs") or {}))
                  for n in doc["nodes"]]
@@ -159,6 +163,18 @@ class CompiledRecord:
                     last = max(holders, key=lambda p: len(parts[p]))
                 out[last].append(copy)
         return out
+
+    def unordered_calls(self) -> List[str]:
+        """Ids of the recompute calls none of whose copies is ordered by a Depend: MindSpore
+        found no backward input to run them after ("Can not find the nodes to depend,
+        please check the recompute strategy"), so they may run in the forward and free
+        nothing."""
+        calls: Dict[str, bool] = {}
+        for node in self.nodes:
+            group = node.cnode_attrs.get(GROUP_ATTR)
+            if node.recomputed and group is not None:
+                calls[group] = calls.get(group, False) or node.ordered
+        return sorted(g for g, ordered in calls.items() if not ordered)
 
     @staticmethod
     def _holders(node: RecordedNode, parts: Dict[str, List[str]]) -> List[str]:
