@@ -164,10 +164,7 @@ def _check_realisable(name: str, cells: Dict[str, Any], action: int, device_targ
             f"Cell '{name}': {ACTION_NAMES[action]} cannot run on {device_target}: MindSpore "
             f"offloads activations (Cell.offload) only on Ascend, inside lazy_inline Cells; "
             f"plan with {[ACTION_NAMES[a] for a in realisable_actions(device_target)]}.")
-    # a lazy_inline Cell carries cell_init_args "lazy_inline_<class>..." (mindspore.lazy_inline)
-    chain = [name] + [name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1)] + [""]
-    if action == SWAP and not any(str(getattr(cells.get(p), "cell_init_args", "") or "")
-                                  .startswith("lazy_inline_") for p in chain):
+    if action == SWAP and not _inside_lazy_inline(cells, name):
         raise ValueError(
             f"Cell '{name}': swap uses Cell.offload, which MindSpore applies only inside a "
             f"lazy_inline Cell; decorate the __init__ of {type(cells[name]).__name__} (or of "
@@ -231,6 +228,14 @@ def check_budget_floor(value, what: str, budget: float, peak: float, floor: floa
                      f"{how}; {advice}.")
 
 
+def _inside_lazy_inline(cells: Dict[str, Any], name: str) -> bool:
+    """True when Cell ``name`` or a Cell holding it is lazy_inline (``mindspore.lazy_inline``
+    on its ``__init__`` sets ``cell_init_args`` to "lazy_inline_<class>...")."""
+    chain = [name] + [name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1)] + [""]
+    return any(str(getattr(cells.get(p), "cell_init_args", "") or "").startswith("lazy_inline_")
+               for p in chain)
+
+
 @register_pass("memopt")
 def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
     """The ``memopt`` pass on the user's network: units are its repeated blocks (or the Cells
@@ -266,6 +271,9 @@ def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
     profile = profile_from_units(graph, assignment, cluster, batch_size=batch)
     target = config.context.device_target
     actions = realisable_actions(target)
+    cells = dict(network.cells_and_names())
+    if SWAP in actions and not all(_inside_lazy_inline(cells, u) for u in units):
+        actions = tuple(a for a in actions if a != SWAP)      # Cell.offload needs lazy_inline
     value = config.optimize.memory_budget
     budget, peak = resolve_budget(value, profile, cluster)
     floor, safe, least = budget_floor(profile, cluster.host_link, actions)
