@@ -111,8 +111,8 @@ class PassContext:
         return self._tree
 
 
-def optimize(network, config, sample_inputs: Optional[Sequence[Any]] = None
-             ) -> Tuple[Any, Dict[str, Any]]:
+def optimize(network, config, sample_inputs: Optional[Sequence[Any]] = None,
+             verify: bool = False) -> Tuple[Any, Dict[str, Any]]:
     """Run the enabled passes on ``network`` (an ``nn.Cell``) before it is compiled.
 
     Args:
@@ -122,6 +122,10 @@ def optimize(network, config, sample_inputs: Optional[Sequence[Any]] = None
         config: a :class:`ms_efficient.core.config.RunConfig` or a path to a YAML config.
         sample_inputs: one batch of the network's inputs (Tensors or numpy arrays, in
             ``construct`` order); needed by every pass that plans the network's graph.
+        verify: compile the optimised network once with the plan-verification graph pass
+            (``ms_efficient.verify``), add ``verified`` (Cell path -> what the compiled graph
+            shows) to each plan, and raise ``PlanNotRealised`` naming each Cell whose planned
+            action left no trace. Needs a C++ compiler (``VerifyUnavailable`` otherwise).
 
     Returns:
         (network, plans): the network to compile and ``{pass name: plan}``; each plan's
@@ -150,4 +154,7 @@ def optimize(network, config, sample_inputs: Optional[Sequence[Any]] = None
                              f"(its 'cells' is empty); a pass with nothing to change must "
                              f"raise ValueError saying what it looked for.")
         plans[name] = plan
+    from ms_efficient.verify.check import verify_after_optimize
+
+    verify_after_optimize(network, plans, context.sample_inputs, verify)
     return network, plans

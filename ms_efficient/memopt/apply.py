@@ -1,12 +1,12 @@
 """Apply a MemOpt plan: plan files (YAML, with MindFormers-style ``recompute_config`` and
-``swap_config``), ``Cell.recompute()`` on the chosen Cells, swap tags, and the ``memopt`` pass.
+``swap_config``), each action realised on its Cell by a MindSpore API (``apply_plan``: recompute
+``Cell.recompute()``, recompute-all ``Cell.recompute(output_recompute=True)``, swap
+``Cell.offload`` on Ascend; recompute-offload has no API and is refused), and the ``memopt``
+pass, which plans only the actions its target realises (``env.realisable_actions``).
 
-MindSpore is imported only inside the functions that touch Cells. Swap on CPU: MindSpore has
-no offload there (see MINDSPORE_CPU.md), so swapped Cells get checkable flags
-(``memopt_swap``, ``memopt_backward_prefetch``) and, on Ascend only, ``Cell.offload``.
-recompute-offload Cells get ``Cell.recompute()`` and the flag ``memopt_swap_output`` (their
-output, the checkpoint, goes to the host); ``Cell.offload`` would move all the Cell's
-activations, so the output swap stays a tag for an op-level swap (MindFormers ``op_swap``).
+MindSpore is imported only inside the functions that touch Cells. On CPU MindSpore has no
+offload (``Cell.offload`` needs lazy_inline, which does not compile there), so a plan with
+swap is refused on CPU rather than applied as a tag nothing reads.
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import yaml
 
 from ms_efficient.core.fileio import atomic_write_text
 from ms_efficient.core.registry import register_pass
-from ms_efficient.memopt.env import (ACTION_NAMES, ALL_ACTIONS, CELL_RECOMPUTE_ACTIONS,
-                                     HOST_ACTIONS, KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_ALL, SWAP,
-                                     MemoryPlan, StepResult)
+from ms_efficient.memopt.env import (ACTION_NAMES, HOST_ACTIONS, KEEP, OFFLOAD, RECOMPUTE,
+                                     RECOMPUTE_ALL, SWAP, MemoryPlan, StepResult,
+                                     realisable_actions)
 from ms_efficient.memopt.profile import LayerProfile
 
 __all__ = ["plan_to_dict", "plan_from_dict", "save_plan", "load_plan", "apply_plan",
@@ -109,37 +109,66 @@ def load_plan(path: str) -> Tuple[List[str], MemoryPlan]:
 
 def apply_plan(network, names: List[str], plan: MemoryPlan,
                device_target: str = "CPU") -> Dict[str, List[str]]:
-    """Set ``Cell.recompute()`` on the Cells the plan recomputes and swap flags on the ones it
-    swaps (``Cell.offload`` as well on Ascend). ``names`` are Cell paths as in
-    ``network.cells_and_names()`` (e.g. ``blocks.3.attn``); an unknown name raises ValueError.
-    Returns {"recompute": [...], "swap": [...]} of what was applied.
+    """Realise ``plan`` on the Cells named ``names`` (Cell paths as in
+    ``network.cells_and_names()``, e.g. ``blocks.3.attn``), each action with the MindSpore
+    API whose effect the simulator (``memopt.env``) charges:
+
+        recompute       ``Cell.recompute()``: the Cell's interior is re-run in backward, its
+                        output is kept (MindSpore excludes a recompute Cell's outputs).
+        recompute-all   ``Cell.recompute(output_recompute=True)``: the output is not kept
+                        either, and adjacent such Cells are merged into one recomputation
+                        (a Chen segment re-run from the last kept output below it).
+        swap            ``Cell.offload(backward_prefetch=prefetch_lead)``, Ascend only:
+                        MindSpore offloads a Cell's activations only inside ``lazy_inline``
+                        Cells, and lazy_inline does not compile on CPU.
+        recompute-offload  no MindSpore API swaps only a Cell's output (per-primitive offload,
+                        ``Primitive._offload``, is private): refused.
+    Raises ValueError naming the Cell for an unknown name, an action the target cannot
+    realise, or a swap on a Cell outside lazy_inline.
+    Returns {"recompute": [...], "recompute_all": [...], "swap": [...]} of what was applied.
     """
     cells = dict(network.cells_and_names())
     unknown = [n for n in names if n not in cells]
     if unknown:
         raise ValueError(f"plan names unknown Cells {unknown[:5]}; the network has e.g. "
                          f"{[n for n in cells if n][:6]}.")
-    applied: Dict[str, List[str]] = {"recompute": [], "swap": []}
+    for name, action in zip(names, plan.actions):
+        _check_realisable(name, cells, int(action), device_target)
+    applied: Dict[str, List[str]] = {"recompute": [], "recompute_all": [], "swap": []}
     for i, name in enumerate(names):
         cell, action = cells[name], int(plan.actions[i])
-        if action in (RECOMPUTE, RECOMPUTE_ALL, OFFLOAD):
+        if action == RECOMPUTE:
             cell.recompute()
             applied["recompute"].append(name)
-        if action == OFFLOAD:
-            cell.add_flags(memopt_swap_output=True,
-                           memopt_backward_prefetch=int(plan.prefetch_lead[i]),
-                           memopt_swap_out_delay=int(plan.swap_delay[i]))
+        elif action == RECOMPUTE_ALL:
+            cell.recompute(output_recompute=True)
+            applied["recompute_all"].append(name)
+        elif action == SWAP:  # pragma: no cover - Ascend only (_check_realisable)
+            cell.offload(backward_prefetch=int(plan.prefetch_lead[i]))
             applied["swap"].append(name)
-        elif action == SWAP:
-            cell.add_flags(memopt_swap=True,
-                           memopt_backward_prefetch=int(plan.prefetch_lead[i]),
-                           memopt_swap_out_delay=int(plan.swap_delay[i]))
-            if device_target == "Ascend":  # pragma: no cover - no Ascend here
-                cell.offload(backward_prefetch=int(plan.prefetch_lead[i]))
-            applied["swap"].append(name)
-    logger.info("memopt: recompute on %d Cells, swap tags on %d", len(applied["recompute"]),
-                len(applied["swap"]))
+    logger.info("memopt: recompute on %d Cells, recompute-all on %d, offload on %d",
+                len(applied["recompute"]), len(applied["recompute_all"]), len(applied["swap"]))
     return applied
+
+
+def _check_realisable(name: str, cells: Dict[str, Any], action: int, device_target: str) -> None:
+    """ValueError when ``action`` on Cell ``name`` has no MindSpore API on ``device_target``;
+    ``cells``: the network's ``{path: Cell}``."""
+    if action == OFFLOAD:
+        raise ValueError(
+            f"Cell '{name}': recompute-offload needs its output alone swapped to the host, and "
+            f"MindSpore has no public API for that (Cell.offload moves all the Cell's "
+            f"activations); plan with {[ACTION_NAMES[a] for a in realisable_actions('Ascend')]}.")
+    if action not in realisable_actions(device_target):
+        raise ValueError(
+            f"Cell '{name}': {ACTION_NAMES[action]} cannot run on {device_target}: MindSpore "
+            f"offloads activations (Cell.offload) only on Ascend, inside lazy_inline Cells; "
+            f"plan with {[ACTION_NAMES[a] for a in realisable_actions(device_target)]}.")
+    if action == SWAP and not _inside_lazy_inline(cells, name):
+        raise ValueError(
+            f"Cell '{name}': swap uses Cell.offload, which MindSpore applies only inside a "
+            f"lazy_inline Cell; decorate the __init__ of {type(cells[name]).__name__} (or of "
+            f"a Cell holding it) with mindspore.lazy_inline.")
 
 
 def resolve_budget(value, profile: LayerProfile, cluster) -> Tuple[float, float]:
@@ -199,6 +228,14 @@ def check_budget_floor(value, what: str, budget: float, peak: float, floor: floa
                      f"{how}; {advice}.")
 
 
+def _inside_lazy_inline(cells: Dict[str, Any], name: str) -> bool:
+    """True when Cell ``name`` or a Cell holding it is lazy_inline (``mindspore.lazy_inline``
+    on its ``__init__`` sets ``cell_init_args`` to "lazy_inline_<class>...")."""
+    chain = [name] + [name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1)] + [""]
+    return any(str(getattr(cells.get(p), "cell_init_args", "") or "").startswith("lazy_inline_")
+               for p in chain)
+
+
 @register_pass("memopt")
 def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
     """The ``memopt`` pass on the user's network: units are its repeated blocks (or the Cells
@@ -233,7 +270,10 @@ def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
     batch = int(first.shape[0]) if getattr(first, "shape", None) else 1
     profile = profile_from_units(graph, assignment, cluster, batch_size=batch)
     target = config.context.device_target
-    actions = ALL_ACTIONS if target == "Ascend" else CELL_RECOMPUTE_ACTIONS
+    actions = realisable_actions(target)
+    cells = dict(network.cells_and_names())
+    if SWAP in actions and not all(_inside_lazy_inline(cells, u) for u in units):
+        actions = tuple(a for a in actions if a != SWAP)      # Cell.offload needs lazy_inline
     value = config.optimize.memory_budget
     budget, peak = resolve_budget(value, profile, cluster)
     floor, safe, least = budget_floor(profile, cluster.host_link, actions)
@@ -264,8 +304,10 @@ def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
                               "outside_time_s": profile.meta["outside_time_s"],
                               "optimizer_time_s": profile.meta["optimizer_time_s"]})
     action_of = dict(zip(profile.names, plan.actions))
+    recomputed = applied["recompute"] + applied["recompute_all"]
     doc["cells"] = {name: {"action": ACTION_NAMES[int(action_of[name])],
-                           "recompute": name in applied["recompute"],
+                           "recompute": name in recomputed,
+                           "output_recompute": name in applied["recompute_all"],
                            "swap": name in applied["swap"]}
-                    for name in profile.names if name in applied["recompute"] + applied["swap"]}
+                    for name in profile.names if name in recomputed + applied["swap"]}
     return network, doc

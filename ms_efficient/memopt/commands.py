@@ -93,7 +93,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from ms_efficient.memopt.agents import RLConfig
     from ms_efficient.memopt.apply import (budget_bytes, check_budget_floor, plan_to_dict,
                                            save_plan)
-    from ms_efficient.memopt.env import ALL_ACTIONS
+    from ms_efficient.memopt.env import realisable_actions
     from ms_efficient.memopt.planner import METHODS, budget_floor, plan_with
 
     if args.method not in METHODS:
@@ -102,18 +102,20 @@ def run_plan(args: argparse.Namespace) -> int:
     profile, cluster = _profile_for(args)
     budget, peak = budget_bytes(args.budget, profile, cluster.host_link,
                                 cluster.device_memory_bytes, "--budget")
-    floor, safe, least = budget_floor(profile, cluster.host_link, ALL_ACTIONS)
-    check_budget_floor(args.budget, "--budget", budget, peak, floor, safe, ALL_ACTIONS)
+    actions = realisable_actions("Ascend")      # what apply_plan realises on the cluster
+    floor, safe, least = budget_floor(profile, cluster.host_link, actions)
+    check_budget_floor(args.budget, "--budget", budget, peak, floor, safe, actions)
     rl = RLConfig(seed=args.seed, time_limit_s=args.time_limit or math.inf)
     start = time.perf_counter()
     try:
-        plan, result = plan_with(args.method, profile, budget, cluster.host_link, rl)
+        plan, result = plan_with(args.method, profile, budget, cluster.host_link, rl,
+                                 actions=actions)
     except ValueError:
         if args.method != "memopt" or budget < safe:
             raise
         # at or above the safe floor the least-peak recompute plan fits: start from it
         plan, result = plan_with(args.method, profile, budget, cluster.host_link, rl,
-                                 candidates={"checkmate-milp": least})
+                                 candidates={"checkmate-milp": least}, actions=actions)
     if not result.fits:
         raise ValueError(f"the {args.method} plan needs {format_size(result.peak_bytes)}, above "
                          f"the budget {format_size(budget)}; use --method memopt or raise it.")

@@ -3,15 +3,33 @@
 Actions per layer i (``MemoryPlan.actions``, int codes):
     KEEP (0)           o_i and e_i stay on the device from forward i to backward i.
     RECOMPUTE (1)      e_i is freed after forward i; o_i stays (a checkpoint: MindSpore's
-                       ``Cell.recompute()`` keeps the Cell's input, i.e. the previous output).
+                       ``Cell.recompute()`` keeps the Cell's output, and its input, the
+                       previous output, is kept by the layer below).
                        Before backward i the layer is re-run (forward time f_i) to rebuild e_i.
     RECOMPUTE_ALL (2)  like RECOMPUTE, and o_i is freed too once layer i+1 has read it: a run
                        of such layers is one Chen et al. segment, re-run as a whole from the
-                       last checkpoint below it when backward first needs one of its outputs.
-    SWAP (3)           o_i + e_i are copied to the host on the d2h stream and freed when both
+                       last checkpoint below it when backward first needs one of its outputs
+                       (MindSpore: ``Cell.recompute(output_recompute=True)``, which drops the
+                       output and merges adjacent such Cells into one recomputation). The
+                       merge needs the Cells chained directly (one's output the next one's
+                       input); where every layer's output reaches the next through ops
+                       outside the layers (a residual add between attention and FFN
+                       sub-Cells), MindSpore recomputes each Cell alone, which frees what
+                       RECOMPUTE frees: a profile whose ``meta[OUTPUTS_MEET_OUTSIDE]`` is
+                       true is charged so. Measured on the CPU reference model (whole-block
+                       Cells, chained): peaks 36.4 / 66.2 / 85.7 MiB for recompute on all 4
+                       blocks / recompute-all on blocks 0-1 / on blocks 0-2, none 88.7 MiB;
+                       the estimated profile simulates 39.6 / 93.1 / 120.6 MiB, none 120.6 MiB
+                       (shares of the unoptimised peak 0.41 / 0.75 / 0.97 measured, 0.33 /
+                       0.77 / 1.00 simulated). On attn/ffn sub-Cells recompute-all and
+                       recompute both measure 41.8 MiB.
+    SWAP (3)           (MindSpore: ``Cell.offload``, Ascend only, inside lazy_inline Cells)
+                       o_i + e_i are copied to the host on the d2h stream and freed when both
                        the copy and forward i+1 are done; a prefetch on the h2d stream brings
                        them back before the first backward task that reads them.
-    OFFLOAD (4)        "recompute-offload": e_i is recomputed as with RECOMPUTE, and the
+    OFFLOAD (4)        (modelled only: no public MindSpore API swaps a Cell's output alone,
+                       so ``apply_plan`` refuses it and no target's realisable set has it)
+                       "recompute-offload": e_i is recomputed as with RECOMPUTE, and the
                        checkpoint o_i is swapped like SWAP instead of staying on the device
                        (only o_i crosses the host link, prefetched before the first re-run or
                        backward that reads it). Capuchin and POET evict per tensor, so a
@@ -44,18 +62,30 @@ from ms_efficient.memopt.profile import LayerProfile
 from ms_efficient.sim import Simulator
 
 __all__ = ["KEEP", "RECOMPUTE", "RECOMPUTE_ALL", "SWAP", "OFFLOAD", "ACTION_NAMES",
-           "ALL_ACTIONS", "CELL_RECOMPUTE_ACTIONS", "HOST_ACTIONS", "MemoryPlan", "StepResult",
+           "ALL_ACTIONS", "CELL_RECOMPUTE_ACTIONS", "HOST_ACTIONS", "REALISABLE_ACTIONS",
+           "realisable_actions", "OUTPUTS_MEET_OUTSIDE", "MemoryPlan", "StepResult",
            "evaluate", "min_budget_bytes", "check_budget", "check_actions", "MAX_DELAY",
            "MAX_LEAD"]
 
 KEEP, RECOMPUTE, RECOMPUTE_ALL, SWAP, OFFLOAD = 0, 1, 2, 3, 4
 ACTION_NAMES = ("keep", "recompute", "recompute-all", "swap", "recompute-offload")
-# Action sets a target can realise. Ascend: all (swap through offload). MindSpore on CPU:
-# no offload, and ``Cell.recompute()`` on a sub-block Cell keeps the Cell's output (the
-# residual add outside the Cell reads it), so only keep / recompute are faithful there.
+# ALL_ACTIONS: every action the simulator models (planner studies, benchmarks).
+# CELL_RECOMPUTE_ACTIONS: keep / ``Cell.recompute()`` only.
+# What each target realises with a MindSpore API (``memopt.apply.apply_plan``):
+# ``realisable_actions``.
 ALL_ACTIONS = (KEEP, RECOMPUTE, RECOMPUTE_ALL, SWAP, OFFLOAD)
 HOST_ACTIONS = (SWAP, OFFLOAD)      # actions that copy to the host (have swap timing)
 CELL_RECOMPUTE_ACTIONS = (KEEP, RECOMPUTE)
+# recompute: Cell.recompute() (output kept); recompute-all: Cell.recompute(output_recompute=
+# True) (output dropped, adjacent Cells merged into one re-run); swap: Cell.offload, which
+# MindSpore applies inside lazy_inline Cells on Ascend only (lazy_inline fails on CPU);
+# recompute-offload: no public API swaps a Cell's output alone, so no target realises it.
+REALISABLE_ACTIONS = {"CPU": (KEEP, RECOMPUTE, RECOMPUTE_ALL),
+                      "GPU": (KEEP, RECOMPUTE, RECOMPUTE_ALL),
+                      "Ascend": (KEEP, RECOMPUTE, RECOMPUTE_ALL, SWAP)}
+# LayerProfile.meta key: true when every layer's output reaches the next layer through ops
+# outside the layers (see RECOMPUTE_ALL); recompute-all is then charged as recompute.
+OUTPUTS_MEET_OUTSIDE = "outputs_meet_outside"
 MAX_DELAY = 2   # swap_delay in [0, MAX_DELAY]
 MAX_LEAD = 4    # prefetch_lead in [0, MAX_LEAD]
 DEV = "dev0"
@@ -113,6 +143,15 @@ class StepResult:
     fits: bool
     recompute_time_s: float
     swap_bytes: float
+
+
+def realisable_actions(device_target: str) -> tuple:
+    """Action codes ``apply_plan`` realises on ``device_target`` ("CPU", "GPU", "Ascend")
+    with a MindSpore API (see REALISABLE_ACTIONS); ValueError for another target."""
+    if device_target not in REALISABLE_ACTIONS:
+        raise ValueError(f"'device_target' must be one of {sorted(REALISABLE_ACTIONS)}, but "
+                         f"got {device_target!r}.")
+    return REALISABLE_ACTIONS[device_target]
 
 
 def check_actions(actions) -> tuple:
@@ -230,6 +269,9 @@ def evaluate(profile: LayerProfile, plan: MemoryPlan, budget_bytes: float,
     if len(plan.actions) != profile.num_layers:
         raise ValueError(f"plan has {len(plan.actions)} actions but the profile has "
                          f"{profile.num_layers} layers.")
+    if profile.meta.get(OUTPUTS_MEET_OUTSIDE) and np.any(plan.actions == RECOMPUTE_ALL):
+        plan = MemoryPlan(np.where(plan.actions == RECOMPUTE_ALL, RECOMPUTE, plan.actions),
+                          plan.swap_delay, plan.prefetch_lead, plan.method, plan.meta)
     sim = _build(profile, plan, host_link.latency_s, host_link.bandwidth_Bps)
     result = sim.run()
     peak = result.peak_memory_bytes[DEV]

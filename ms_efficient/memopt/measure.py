@@ -1,6 +1,7 @@
 """Measured check on this machine (issue item 6): train the reference model a few GRAPH-mode
-steps with ``Cell.recompute()`` on a plan's Cells, in a fresh process, and report the peak
-bytes MindSpore's allocator held during one step and the step time.
+steps with a plan's Cells recomputed (``Cell.recompute()``, or
+``Cell.recompute(output_recompute=True)`` for recompute-all), in a fresh process, and report
+the peak bytes MindSpore's allocator held during one step and the step time.
 
 Peak memory: the MindSpore profiler (``mindspore.profiler.profile(activities=[CPU],
 profile_memory=True)``) around one step after warm-up; the peak is the max of
@@ -13,7 +14,7 @@ the reference run because its graph is larger, while its allocator peak is 2.5x 
 ``measure_plan(model_dict, moe_dict, batch, recompute_names)`` spawns
 ``python -m ms_efficient.memopt.measure`` (one process per configuration) and returns
 {"peak_bytes", "step_time_s", "step_cpu_s", ...}. MindSpore is imported only in the child,
-which applies the recompute part with ``apply.apply_plan`` (``Cell.recompute()``).
+which applies the plan with ``apply.apply_plan``.
 
 ``measured_check`` is the whole check:
     Step 1 measure the calibration plans (none, full recompute, recompute-only-attn,
@@ -21,10 +22,16 @@ which applies the recompute part with ``apply.apply_plan`` (``Cell.recompute()``
     Step 2 budget = full + ``budget_fraction`` x (none - full), measured bytes: below the
         unoptimised peak, above what recompute on every Cell reaches; the planners get it
         less the calibration's largest residual (the model's known error);
-    Step 3 plan every method on the calibrated profile with the actions ``Cell.recompute()``
-        realises on CPU (keep / recompute), apply the recompute part, measure.
-A Cell set measured once is not measured again (same program): chen-sqrt's segments are
-realised as recompute on every Cell in them, i.e. full recompute, on this model.
+    Step 3 plan every method on the calibrated profile, apply the plan, measure. The attn
+        and ffn sub-Cells meet at residual adds outside them, so MindSpore recomputes each
+        recompute-all Cell alone (``env.OUTPUTS_MEET_OUTSIDE``): the profile charges it as
+        recompute, the budget-aware planners get keep / recompute, and chen-sqrt's segments
+        cost what full recompute costs;
+    Step 4 (``recompute_all``) recompute-all where it merges: whole blocks (each holds its
+        residual adds, so block i's output is block i+1's input); recompute on every block
+        and recompute-all on the first half / all but the last block, each peak as a share
+        of the unoptimised one against the simulated share (``info["recompute_all_blocks"]``).
+A plan measured once is not measured again (same program).
 
 Reference model (``REFERENCE``): configs/gpt_moe_tiny.yaml (byte vocabulary, 4 blocks, 8
 experts top-2 in every block, capacity 1.25) shrunk so activations dominate and a step takes
@@ -39,7 +46,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -56,10 +63,12 @@ MEASURED_METHODS = ("none", "full-recompute", "chen-sqrt", "checkmate-milp", "me
 
 
 def measure_plan(model: Dict[str, Any], moe: Dict[str, Any], batch_size: int,
-                 recompute: List[str], steps: int = 10, timeout_s: float = 300.0
-                 ) -> Dict[str, float]:
-    """Measure ``steps`` GRAPH-mode training steps (after one compile step) with
-    ``Cell.recompute()`` on the Cells named in ``recompute``, in a fresh process.
+                 recompute: List[str], steps: int = 10, timeout_s: float = 300.0,
+                 recompute_all: Sequence[str] = ()) -> Dict[str, float]:
+    """Measure ``steps`` GRAPH-mode training steps (after one compile step) with every Cell
+    named in ``recompute`` (in the profile's layer order) recomputed, in a fresh process:
+    ``Cell.recompute(output_recompute=True)`` (recompute-all) on those also in
+    ``recompute_all``, ``Cell.recompute()`` on the others (applied by ``apply.apply_plan``).
 
     Returns {"peak_bytes": allocator peak of one step, "step_time_s": fastest wall-clock step
     (s), "step_time_median_s", "step_cpu_s": least process CPU seconds of a step,
@@ -68,7 +77,8 @@ def measure_plan(model: Dict[str, Any], moe: Dict[str, Any], batch_size: int,
     by waiting (a full-recompute median moved by 4x between runs). Raises RuntimeError with
     the child's stderr tail if it fails."""
     spec = json.dumps({"model": model, "moe": moe, "batch_size": batch_size,
-                       "recompute": list(recompute), "steps": steps})
+                       "recompute": list(recompute), "recompute_all": list(recompute_all),
+                       "steps": steps})
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
                GLOG_v="3")
@@ -84,7 +94,8 @@ def measure_plan(model: Dict[str, Any], moe: Dict[str, Any], batch_size: int,
 def measured_check(rl, methods=MEASURED_METHODS, budget_fraction: float = 0.5,
                    steps: int = 10, reference: Optional[Dict[str, Any]] = None,
                    measure: Optional[Callable[..., Dict[str, float]]] = None,
-                   jobs: int = 1) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+                   jobs: int = 1, recompute_all: bool = True
+                   ) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
     """Run the measured check (module docs) and return (rows, calibration info).
 
     rl: RLConfig for memopt. budget_fraction in (0, 1): where the budget sits between the
@@ -92,19 +103,21 @@ def measured_check(rl, methods=MEASURED_METHODS, budget_fraction: float = 0.5,
     a stand-in with its signature (tests). jobs: calibration processes run at once (>1 is
     faster; peaks are unaffected, step times are disturbed, so the bench uses 1).
     Rows: {"evidence": "measured", "workload", "method", "budget_bytes", "batch",
-    "peak_bytes" (measured), "simulated_peak_bytes" (calibrated model, of the plan as
-    realised: every non-keep layer a ``Cell.recompute()``), "step_time_s" (measured, fastest
+    "peak_bytes" (measured), "simulated_peak_bytes" (calibrated model, of the plan),
+    "step_time_s" (measured, fastest
     step), "step_time_median_s", "step_cpu_s", "load_avg_1min" (of the machine when the
     process ended), "fits" (measured peak <= budget), "throughput_vs_full_recompute"
     (fitting rows, from CPU seconds per step), "recomputed_cells", "planning_time_s",
     "max_batch"}; info: the budget, the planning margin, every calibration measurement and
-    the fitted parameters, the Cells each method recomputed, the number of processes.
+    the fitted parameters, the Cells each method recomputed, the Step 4 rows
+    ("recompute_all_blocks": method, actions, peak_bytes, simulated_peak_bytes, peak_share,
+    simulated_peak_share), the number of processes. recompute_all: run Step 4.
     """
     from ms_efficient.core.cluster import get_cluster
     from ms_efficient.core.config import ModelConfig, MoEConfig
     from ms_efficient.memopt.calibrate import calibrate_profile, calibration_plans
-    from ms_efficient.memopt.env import (CELL_RECOMPUTE_ACTIONS, KEEP, RECOMPUTE, MemoryPlan,
-                                         evaluate)
+    from ms_efficient.memopt.env import (KEEP, OUTPUTS_MEET_OUTSIDE, RECOMPUTE_ALL, evaluate,
+                                         realisable_actions)
     from ms_efficient.memopt.planner import plan_with
     from ms_efficient.memopt.profile import profile_from_model
 
@@ -116,13 +129,17 @@ def measured_check(rl, methods=MEASURED_METHODS, budget_fraction: float = 0.5,
     link = cpu.host_link
     estimate = profile_from_model(ModelConfig(**ref["model"]), MoEConfig(**ref["moe"]),
                                   ref["batch_size"], cpu, "float32")
-    runs: Dict[Tuple[str, ...], Dict[str, float]] = {}
+    # attn and ffn sub-Cells meet at residual adds outside them: recompute-all is recompute
+    estimate.meta[OUTPUTS_MEET_OUTSIDE] = True
+    runs: Dict[Tuple[Tuple[str, ...], Tuple[str, ...]], Dict[str, float]] = {}
 
-    def run(plan) -> Tuple[List[str], Dict[str, float]]:
-        cells = [n for n, a in zip(estimate.names, plan.actions) if a != KEEP]
-        key = tuple(cells)
+    def run(plan, names=estimate.names) -> Tuple[List[str], Dict[str, float]]:
+        cells = [n for n, a in zip(names, plan.actions) if a != KEEP]
+        dropped = [n for n, a in zip(names, plan.actions) if a == RECOMPUTE_ALL]
+        key = (tuple(cells), tuple(dropped))
         if key not in runs:
-            runs[key] = measure(ref["model"], ref["moe"], ref["batch_size"], cells, steps=steps)
+            runs[key] = measure(ref["model"], ref["moe"], ref["batch_size"], cells,
+                                steps=steps, recompute_all=dropped)
         return cells, runs[key]
 
     # Step 1: measure the calibration plans, fit the profile to them
@@ -136,13 +153,13 @@ def measured_check(rl, methods=MEASURED_METHODS, budget_fraction: float = 0.5,
     full_peak = calib_runs["full-recompute"]["peak_bytes"]
     budget = full_peak + budget_fraction * (none_peak - full_peak)
     margin = float(np.abs(profile.meta["fit_error_bytes"]).max())
-    # Step 3: plan, apply the recompute part, measure
+    # Step 3: plan, apply, measure; recompute-all is recompute on these sub-Cells (Step 1)
+    actions = tuple(a for a in realisable_actions("CPU") if a != RECOMPUTE_ALL)
     rows, applied = [], {}
     for method in methods:
         start = time.perf_counter()
         try:
-            plan, _ = plan_with(method, profile, budget - margin, link, rl,
-                                  actions=CELL_RECOMPUTE_ACTIONS)
+            plan, _ = plan_with(method, profile, budget - margin, link, rl, actions=actions)
         except ValueError as err:
             rows.append({"evidence": "measured", "workload": "gpt-moe-tiny-cpu",
                          "method": method, "budget_bytes": int(budget), "error": str(err)})
@@ -150,19 +167,21 @@ def measured_check(rl, methods=MEASURED_METHODS, budget_fraction: float = 0.5,
         planning_s = time.perf_counter() - start
         cells, m = run(plan)
         applied[method] = cells
-        realised = MemoryPlan(np.where(plan.actions == KEEP, KEEP, RECOMPUTE))
         rows.append({"evidence": "measured", "workload": "gpt-moe-tiny-cpu", "method": method,
                      "budget_bytes": int(budget), "batch": ref["batch_size"],
                      "peak_bytes": int(m["peak_bytes"]),
-                     "simulated_peak_bytes": int(evaluate(profile, realised, budget,
+                     "simulated_peak_bytes": int(evaluate(profile, plan, budget,
                                                           link).peak_bytes),
                      "step_time_s": m["step_time_s"],
                      "step_time_median_s": m["step_time_median_s"],
                      "step_cpu_s": m.get("step_cpu_s"), "load_avg_1min": m.get("load_avg_1min"),
                      "fits": m["peak_bytes"] <= budget, "recomputed_cells": len(cells),
                      "planning_time_s": planning_s, "max_batch": None})
+    # Step 4: recompute-all on whole blocks (chained, so MindSpore merges adjacent ones)
+    blocks = (_recompute_all_rows(ref, cpu, run, runs[((), ())]["peak_bytes"])
+              if recompute_all else [])
     # throughput from CPU seconds: other jobs on this machine move wall-clock steps by 2x
-    full_cpu = runs[tuple(estimate.names)].get("step_cpu_s") or 0.0
+    full_cpu = runs[(tuple(estimate.names), ())].get("step_cpu_s") or 0.0
     for row in rows:
         if row.get("fits") and row.get("step_cpu_s") and full_cpu:
             row["throughput_vs_full_recompute"] = full_cpu / row["step_cpu_s"]
@@ -173,8 +192,43 @@ def measured_check(rl, methods=MEASURED_METHODS, budget_fraction: float = 0.5,
             "fit": {k: profile.meta[k] for k in ("static_bytes", "interior_scale",
                                                   "workspace_per_interior", "fit_error_bytes",
                                                   "time_scale")},
-            "recompute": applied, "processes": len(runs)}
+            "recompute": applied, "recompute_all_blocks": blocks, "processes": len(runs)}
     return rows, info
+
+
+def _recompute_all_rows(ref: Dict[str, Any], cluster, run, none_peak: float
+                        ) -> List[Dict[str, Any]]:
+    """Step 4 of ``measured_check``: on the whole-block profile (``blocks.{i}``, each block
+    holding its residual adds, so block i's output is block i+1's input), measure recompute
+    on every block and recompute-all on the first half / all but the last block, and set
+    each measured peak, as a share of the measured unoptimised peak ``none_peak``, against
+    the simulated share of the estimated profile (scale-free: the estimate is not
+    calibrated at this granularity)."""
+    from ms_efficient.core.config import ModelConfig, MoEConfig
+    from ms_efficient.memopt.env import (ACTION_NAMES, KEEP, RECOMPUTE, RECOMPUTE_ALL,
+                                         MemoryPlan, evaluate)
+    from ms_efficient.memopt.profile import profile_from_model
+
+    est = profile_from_model(ModelConfig(**ref["model"]), MoEConfig(**ref["moe"]),
+                             ref["batch_size"], cluster, "float32", split_blocks=False)
+    L = est.num_layers
+    sim_none = evaluate(est, MemoryPlan(np.full(L, KEEP)), float("inf"),
+                        cluster.host_link).peak_bytes
+    plans = {"recompute": [RECOMPUTE] * L,
+             "recompute-all-first-half": [RECOMPUTE_ALL] * (L // 2) + [RECOMPUTE] * (L - L // 2),
+             "recompute-all": [RECOMPUTE_ALL] * (L - 1) + [RECOMPUTE]}
+    rows = []
+    for label, actions in plans.items():
+        plan = MemoryPlan(np.array(actions))
+        _, m = run(plan, names=est.names)
+        sim = evaluate(est, plan, float("inf"), cluster.host_link).peak_bytes
+        rows.append({"evidence": "measured", "workload": "gpt-moe-tiny-cpu-blocks",
+                     "method": label, "actions": [ACTION_NAMES[a] for a in plan.actions],
+                     "peak_bytes": int(m["peak_bytes"]), "simulated_peak_bytes": int(sim),
+                     "peak_share": m["peak_bytes"] / none_peak,
+                     "simulated_peak_share": sim / sim_none,
+                     "step_cpu_s": m.get("step_cpu_s")})
+    return rows
 
 
 def _allocator_peak_bytes(profiler_dir: str) -> float:
@@ -204,7 +258,7 @@ def _child(spec: Dict[str, Any]) -> Dict[str, float]:
 
     from ms_efficient.core.config import ModelConfig, MoEConfig
     from ms_efficient.memopt.apply import apply_plan
-    from ms_efficient.memopt.env import RECOMPUTE, MemoryPlan
+    from ms_efficient.memopt.env import RECOMPUTE, RECOMPUTE_ALL, MemoryPlan
     from ms_efficient.models.gpt_moe import build_model
 
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -212,8 +266,9 @@ def _child(spec: Dict[str, Any]) -> Dict[str, float]:
     ms.set_seed(0)
     model, moe = ModelConfig(**spec["model"]), MoEConfig(**spec["moe"])
     net = build_model(model, moe, spec["batch_size"])
-    names = list(spec["recompute"])
-    apply_plan(net, names, MemoryPlan(np.full(len(names), RECOMPUTE)), "CPU")
+    names, dropped = list(spec["recompute"]), set(spec.get("recompute_all", ()))
+    actions = [RECOMPUTE_ALL if n in dropped else RECOMPUTE for n in names]
+    apply_plan(net, names, MemoryPlan(np.array(actions, dtype=np.int64)), "CPU")
     optimizer = nn.SGD(net.trainable_params(), 1e-3)
     grad_fn = ms.value_and_grad(net, None, optimizer.parameters, has_aux=True)
 

@@ -114,8 +114,8 @@ def build_kernel_library(source: Union[str, Path] = KERNEL_SOURCE,
         return str(library)
     cxx = shutil.which(compiler)
     if cxx is None:
-        raise KernelBuildError(f"C++ compiler '{compiler}' not found on PATH; the CPU MoE kernels "
-                               "need it (Debian/Ubuntu: apt-get install g++).")
+        raise KernelBuildError(f"C++ compiler '{compiler}' not found on PATH; building "
+                               f"{source.name} needs it (Debian/Ubuntu: apt-get install g++).")
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=out_dir)
     os.close(fd)
@@ -128,7 +128,7 @@ def build_kernel_library(source: Union[str, Path] = KERNEL_SOURCE,
             cmd.remove(OPENMP_FLAG)
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
-            raise KernelBuildError(f"building the MoE kernels failed (exit {proc.returncode}).\n"
+            raise KernelBuildError(f"building {source.name} failed (exit {proc.returncode}).\n"
                                    f"command: {' '.join(cmd)}\nstderr:\n{proc.stderr.strip()}")
         os.replace(tmp, library)
     finally:

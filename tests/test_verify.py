@@ -1,0 +1,258 @@
+"""The plan-verification graph pass (issue 26 item 4, issue 25 item 3): a FULL_GRAPH MindSpore
+custom pass records the compiled train-step graph; planned recompute shows as recomputed
+copies of exactly the planned Cells' forward nodes, and a recompute MindSpore leaves without
+effect is an error naming the Cell.
+
+The first test in a fresh cache builds the plugin (~15-40 s on 2 cores, cached under
+$MS_EFFICIENT_KERNEL_CACHE or ~/.cache/ms_efficient/kernels); later runs take a few seconds."""
+import logging
+import shutil
+
+import numpy as np
+import pytest
+
+from ms_efficient.verify.check import check_plans
+from ms_efficient.verify.record import CompiledRecord, parse_strategy
+
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+
+
+def _node(scope, recomputed=False, **prim):
+    return {"scope": scope, "op": scope.rsplit("/", 1)[-1].split("-")[0],
+            "recomputed": recomputed, "prim_attrs": prim}
+
+
+def test_a_cell_owns_the_nodes_whose_scope_holds_its_path_as_consecutive_segments():
+    record = CompiledRecord.from_dict({"version": 1, "nodes": [
+        _node("Default/network-W/_backbone-Net/blocks-CellList/1-Block/fc1-Dense/MatMul-op0"),
+        _node("recompute_Default/network-W/_backbone-Net/blocks-CellList/1-Block/Add-op0"),
+        _node("Gradients/Default/network-W/_backbone-Net/blocks-CellList/1-Block/fc1-Dense/"
+              "Grad_MatMul/MatMul-op3"),
+        _node("Default/network-W/_backbone-Net/blocks-CellList/10-Block/fc1-Dense/MatMul-op0"),
+        _node("Default/blocks-CellList/1-Block/Mul-op0"),         # compiled alone earlier
+        _node("Default/network-W/_backbone-Net/head-Dense/MatMul-op0"),
+    ]})
+    owned = [n.scope.rsplit("/", 1)[-1] for n in record.nodes_of("blocks.1")]
+    assert owned == ["MatMul-op0", "Add-op0", "MatMul-op3", "Mul-op0"]  # not blocks.10
+    assert [n.backward for n in record.nodes_of("blocks.1.fc1")] == [False, True]
+    assert record.nodes_of("fc1") and not record.nodes_of("blocks.1.fc2")
+    assert not record.has_stage_info()
+    assert parse_strategy("((2, 1), (1, 4))") == ((2, 1), (1, 4))
+    assert parse_strategy("true") is None
+    with pytest.raises(ValueError, match="version: 1"):
+        CompiledRecord.from_dict({"nodes": []})
+
+
+def test_a_recompute_call_goes_to_the_cell_owning_most_of_its_nodes():
+    def node(scope, group, copy=False, weight=False, ordered=False):
+        return {"scope": "recompute_Default/net-N/blocks-CellList/" + scope, "op": "X",
+                "recomputed": copy, "reads_parameter": weight, "ordered": ordered,
+                "cnode_attrs": {"recompute_sub_graph": group}}
+
+    # call 0: blocks.1 alone; its GeLU shares blocks.0's graph and scope. Call 1: blocks.2
+    # and blocks.3 merged (recompute-all). Call 2: blocks.0, nothing copied.
+    record = CompiledRecord.from_dict({"version": 1, "nodes": [
+        node("1-Block/fc1-Dense/MatMul-op0", "0", weight=True),
+        node("0-Block/act-GELU/GeLU-op0", "0"), node("0-Block/Add-op0", "0"),
+        node("1-Block/fc1-Dense/MatMul-op1", "0", True, weight=True),
+        node("0-Block/act-GELU/GeLU-op1", "0", True),
+        node("2-Block/fc1-Dense/MatMul-op2", "1", weight=True),
+        node("3-Block/fc1-Dense/MatMul-op3", "1", weight=True),
+        node("2-Block/fc1-Dense/MatMul-op4", "1", True, weight=True, ordered=True),
+        node("0-Block/act-GELU/GeLU-op2", "1", True), node("0-Block/Add-op1", "1", True),
+        node("3-Block/fc1-Dense/MatMul-op5", "1", True, weight=True),
+        node("0-Block/act-GELU/GeLU-op3", "1", True),
+        node("0-Block/fc1-Dense/MatMul-op6", "2", weight=True),
+    ]})
+    copies = record.recomputed_by(["blocks.0", "blocks.1", "blocks.2", "blocks.3"])
+    assert {p: [n.scope.rsplit("/", 1)[1] for n in c] for p, c in copies.items()} == {
+        "blocks.0": [], "blocks.1": ["MatMul-op1", "GeLU-op1"],
+        "blocks.2": ["MatMul-op4", "GeLU-op2", "Add-op1"],
+        "blocks.3": ["MatMul-op5", "GeLU-op3"]}
+    # call 0's copies have no Depend: MindSpore could not order them after the backward
+    assert record.unordered_calls() == ["0"]
+    plans = {"memopt": {"cells": {p: {"recompute": True} for p in ("blocks.1", "blocks.3")}}}
+    assert check_plans(record, plans) == [
+        "pass 'memopt' planned recompute on Cell 'blocks.1', but MindSpore found no backward "
+        "node to run its re-run after (its 'Can not find the nodes to depend' warning): the 2 "
+        "recomputed nodes may run in the forward and free nothing."]
+    assert plans["memopt"]["verified"]["blocks.3"]["recompute"]["ok"]
+
+
+def test_a_verify_with_no_compiler_fails_clearly_and_without_verify_says_the_check_is_off(
+        tmp_path, monkeypatch, caplog):
+    from ms_efficient.verify import plugin
+    from ms_efficient.verify.check import verify_after_optimize
+
+    with pytest.raises(plugin.VerifyUnavailable, match="'no-such-cxx-9' not found on PATH"):
+        plugin.build_plugin(cache_dir=str(tmp_path), compiler="no-such-cxx-9")
+    monkeypatch.setattr(plugin, "verify_available", lambda compiler="g++": False)
+    plans = {"memopt": {"cells": {"blocks.0": {"recompute": True}}}}
+    with caplog.at_level(logging.WARNING, logger="ms_efficient.verify.check"):
+        verify_after_optimize(None, plans, (), verify=False)
+    assert "check of the plans is off: it needs a C++ compiler" in caplog.text
+    assert "verified" not in plans["memopt"]
+    with pytest.raises(ValueError, match="no plan to verify"):
+        verify_after_optimize(None, {}, (np.ones(1),), verify=True)
+    # the cached library is keyed by the MindSpore version as well as the source
+    compile_flags, _ = plugin.plugin_flags()
+    import mindspore
+
+    assert f'-DMS_EFFICIENT_MINDSPORE_VERSION="{mindspore.__version__}"' in compile_flags
+
+
+def _blocks_net(num_blocks=4, seed=0):
+    import mindspore as ms
+    from mindspore import nn
+
+    class Block(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.act, self.fc2 = nn.Dense(16, 32), nn.GELU(), nn.Dense(32, 16)
+
+        def construct(self, x):
+            return x + self.fc2(self.act(self.fc1(x)))
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.CellList([Block() for _ in range(num_blocks)])
+            self.head = nn.Dense(16, 1)
+
+        def construct(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x).sum()
+
+    ms.set_seed(seed)
+    return Net(), (ms.Tensor(np.ones((4, 16), np.float32)),)
+
+
+@pytest.mark.mindspore
+@needs_compiler
+def test_planned_recompute_on_two_cells_shows_recomputed_nodes_of_exactly_those_cells():
+    import mindspore as ms
+
+    from ms_efficient.memopt.apply import apply_plan
+    from ms_efficient.memopt.env import RECOMPUTE, MemoryPlan
+    from ms_efficient.verify import compile_record, verify_plans
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    net, inputs = _blocks_net()
+    planned = ["blocks.1", "blocks.3"]
+    applied = apply_plan(net, planned, MemoryPlan(np.full(2, RECOMPUTE)))
+    plans = {"memopt": {"cells": {p: {"recompute": True} for p in applied["recompute"]}}}
+    verify_plans(net, plans, inputs)
+    record = compile_record(net, inputs)
+    copies = record.recomputed_by([f"blocks.{i}" for i in range(4)])
+    # Block's backward reads fc1's and GELU's outputs: MindSpore recomputes fc1's MatMul and
+    # BiasAdd and the GeLU (fc2 and the residual add make the kept output). Every GeLU is
+    # scoped blocks.0 (one graph for the identical parameter-free GELUs); the recompute
+    # call's id gives each copy to its block.
+    assert {p: len(c) for p, c in copies.items()} == {"blocks.0": 0, "blocks.1": 3,
+                                                      "blocks.2": 0, "blocks.3": 3}
+    assert sum(n.recomputed for n in record.nodes) == 6
+    for path in planned:
+        entry = plans["memopt"]["verified"][path]
+        assert entry["recompute"] == {"recomputed_nodes": 3, "ok": True, "ordered": True,
+                                      "ops": ["BiasAdd", "GeLU", "MatMul"]}
+        assert entry["forward_nodes"] > 0 and entry["unchecked"] == []
+
+
+@pytest.mark.mindspore
+@needs_compiler
+def test_a_recompute_mindspore_leaves_without_effect_is_an_error_naming_the_cell():
+    import mindspore as ms
+
+    from ms_efficient.verify import PlanNotRealised, verify_plans
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    net, inputs = _blocks_net(num_blocks=2)
+    # one Dense: its backward reads only its input and its output, which MindSpore keeps,
+    # so the recompute copies nothing
+    net.blocks[0].recompute()
+    net.blocks[1].fc1.recompute()
+    net.head.matmul.shard(((1, 1), (1, 1)))
+    net.head.offload(backward_prefetch=2)     # compiles on CPU; MindSpore warns it is a no-op
+    plans = {"memopt": {"cells": {"blocks.0": {"recompute": True},
+                                  "blocks.1.fc1": {"recompute": True},
+                                  "head": {"swap": True}}},
+             "shard": {"cells": {"head": {"shard": {"matmul": [[1, 1], [1, 1]]}}}},
+             "place": {"cells": {"blocks.1": {"pipeline_stage": 1, "capacities": [4]}}}}
+    with pytest.raises(PlanNotRealised) as err:
+        verify_plans(net, plans, inputs)
+    assert err.value.failures == [
+        "pass 'memopt' planned recompute on Cell 'blocks.1.fc1', but the compiled graph holds "
+        "no recomputed copy of its nodes (3 forward nodes under its scope): MindSpore keeps a "
+        "recompute Cell's output and found nothing inside it to recompute, so the plan frees "
+        "no memory."]
+    verified = err.value.plans
+    assert verified["memopt"]["verified"]["blocks.0"]["recompute"]["ok"]
+    assert verified["shard"]["verified"]["head"]["shard"]["matmul"]["ok"]
+    # head's MatMul and BiasAdd carry the offload tag
+    assert verified["memopt"]["verified"]["head"]["swap"] == {"offload_nodes": 2, "ok": True}
+    stage = verified["place"]["verified"]["blocks.1"]
+    assert stage["pipeline_stage"]["checked"] is False and stage["unchecked"] == ["capacities"]
+    # a strategy the graph does not carry is reported on its primitive
+    plans["shard"]["cells"]["head"]["shard"]["matmul"] = [[2, 1], [1, 1]]
+    del plans["memopt"]
+    with pytest.raises(PlanNotRealised, match=r"set strategy \[\[2, 1\], \[1, 1\]\] on "
+                                              r"'head.matmul'"):
+        verify_plans(net, plans, inputs)
+
+
+@pytest.mark.mindspore
+@needs_compiler
+def test_optimize_with_verify_adds_what_the_compiled_graph_shows_to_the_memopt_plan():
+    import mindspore as ms
+
+    import ms_efficient
+    from ms_efficient.core.config import config_from_dict
+    from tests.user_models import llama_with_loss
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    net, inputs = llama_with_loss(num_layers=2)
+    config = config_from_dict({"optimize": {"passes": ["memopt"], "memory_budget": "90%"},
+                               "cluster": {"preset": "ascend910b-1x8"}})
+    net, plans = ms_efficient.optimize(net, config, sample_inputs=inputs, verify=True)
+    plan = plans["memopt"]
+    recomputed = [p for p, c in plan["cells"].items() if c["recompute"]]
+    assert recomputed and set(plan["verified"]) == set(plan["cells"])
+    for path in recomputed:
+        entry = plan["verified"][path]
+        # a decoder layer's attention and MLP interiors are re-run: matmuls and the softmax
+        assert entry["recompute"]["ok"] and entry["unchecked"] == []
+        assert {"MatMul", "Softmax", "SiLU"} <= set(entry["recompute"]["ops"])
+        assert 0 < entry["recompute"]["recomputed_nodes"] < entry["forward_nodes"]
+
+
+@pytest.mark.mindspore
+@needs_compiler
+def test_recompute_all_drops_the_outputs_of_adjacent_blocks_in_one_recomputation():
+    import mindspore as ms
+
+    from ms_efficient.memopt.apply import apply_plan
+    from ms_efficient.memopt.env import KEEP, RECOMPUTE_ALL, MemoryPlan
+    from ms_efficient.verify import compile_record, verify_plans
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    net, inputs = _blocks_net()
+    applied = apply_plan(net, ["blocks.1", "blocks.2", "blocks.3"],
+                         MemoryPlan([RECOMPUTE_ALL, RECOMPUTE_ALL, KEEP]))
+    assert applied["recompute_all"] == ["blocks.1", "blocks.2"]
+    record = compile_record(net, inputs)
+    copies = record.recomputed_by([f"blocks.{i}" for i in range(4)])
+    # Cell.recompute(output_recompute=True): besides fc1 and GeLU (what recompute copies,
+    # 3 nodes), fc2's MatMul and BiasAdd and the residual Add, the block's output, are
+    # re-run: 6 per block, both blocks in one recompute call (one Chen segment)
+    assert {p: len(c) for p, c in copies.items()} == {"blocks.0": 0, "blocks.1": 6,
+                                                      "blocks.2": 6, "blocks.3": 0}
+    assert sorted(n.op for n in copies["blocks.2"]) == ["Add", "BiasAdd", "BiasAdd", "GeLU",
+                                                        "MatMul", "MatMul"]
+    assert len({n.cnode_attrs["recompute_sub_graph"] for n in record.nodes
+                if n.recomputed}) == 1
+    plans = {"memopt": {"cells": {p: {"action": "recompute-all", "recompute": True,
+                                      "output_recompute": True} for p in applied["recompute_all"]}}}
+    verify_plans(net, plans, inputs)
+    assert all(v["recompute"]["ok"] and v["unchecked"] == []
+               for v in plans["memopt"]["verified"].values())
