@@ -57,14 +57,15 @@ class PassContext:
 
     config: the RunConfig. sample_inputs: the batch given to ``optimize`` (or None).
     :meth:`graph` and :meth:`cell_tree` are built on first use and shared by the passes.
+    plans: {pass name: plan} of the passes run so far (later passes plan against them).
     """
 
     def __init__(self, network: Any, config: RunConfig,
-                 sample_inputs: Optional[Sequence[Any]] = None) -> None:
+                 sample_inputs: Optional[Sequence[Any]] = None, graph=None) -> None:
         self.network = network
         self.config = config
         self.sample_inputs = None if sample_inputs is None else tuple(sample_inputs)
-        self._graph = None
+        self._graph = graph              # or one already extracted from this network
         self._tree = None
         self._price = None
         # {pass name: plan} of the passes run so far: later passes plan against them

@@ -78,8 +78,11 @@ def combined_report(context) -> Dict[str, Any]:
     cluster = context.config.cluster_spec()
     price = context.unoptimised("the combined report")
     shard, place = plans.get("shard"), plans.get("place")
-    units = _units(context, plans)
-    assignment = assign_units(graph, units) if units else None
+    try:
+        units = _units(context, plans)
+        assignment = assign_units(graph, units) if units else None
+    except ValueError:              # a Cell without parameter operators: sum every operator
+        assignment = None
 
     def busy_and_peak(share, planned: bool):
         if assignment is None:          # no Cell to plan: every operator kept, summed

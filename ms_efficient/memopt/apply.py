@@ -244,6 +244,9 @@ def _device_row(got: Dict[str, Any]) -> Dict[str, Any]:
             "unoptimised_peak_bytes": int(round(got["peak"])),
             "floor_bytes": int(math.ceil(got["floor"])),
             "planned": got["plan"] is not None,
+            "unoptimised_step_time_s": float(profile.forward_time_s.sum()
+                                             + profile.backward_time_s.sum())
+            + profile.meta["outside_time_s"],
             "peak_bytes": int(round(result.peak_bytes)) if result else int(round(got["peak"])),
             "step_time_s": (result.step_time_s if result else
                             float(profile.forward_time_s.sum() + profile.backward_time_s.sum()))

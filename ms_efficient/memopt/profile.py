@@ -247,8 +247,8 @@ def profile_from_units(graph, assignment, cluster, batch_size: int = 1,
     the network's unoptimised price, and its step plus ``meta["outside_time_s"]`` (forward +
     backward seconds of the outside ops) the unoptimised step
     (``place.stages.price_network``).
-    share: the device's share after shard and place (:class:`DeviceShare`); units with no
-    operator on the device are left out, bytes and times scale by the share and the static
+    share: the device's share after shard and place (:class:`DeviceShare`); a unit whose
+    first operator runs on another device is left out (its operators here count as glue), bytes and times scale by the share and the static
     bytes hold the device's parameter state. None: the whole network on one device.
     ``meta["optimizer_time_s"]``: seconds of the optimizer's ops (FLOPs / peak), reported.
     """
@@ -267,11 +267,13 @@ def profile_from_units(graph, assignment, cluster, batch_size: int = 1,
     bwd_s = np.where(prices.backward_s > 0, (prices.backward_s - ovh) * share.time_share + ovh,
                      0.0)
     names, f_L, b_L, o_L, e_L = [], [], [], [], []
+    stray = []           # ops of a unit that starts on another device: glue here
     for u, unit in enumerate(assignment.units):
         members = assignment.members(u)
-        members = members[share.on_device[members]]
-        if members.size == 0:
+        if not share.on_device[members[0]]:
+            stray.append(members[share.on_device[members]])
             continue
+        members = members[share.on_device[members]]
         names.append(unit)
         f_L.append(float(fwd_s[members].sum()))
         b_L.append(float(bwd_s[members].sum()))
@@ -281,7 +283,7 @@ def profile_from_units(graph, assignment, cluster, batch_size: int = 1,
         raise ValueError(f"no planned Cell ({assignment.units[0]} ...) has an operator on "
                          f"{share.label}.")
     outside = assignment.order[assignment.unit_of < 0]
-    outside = outside[share.on_device[outside]]
+    outside = np.concatenate([outside[share.on_device[outside]]] + stray).astype(np.int64)
     here = np.flatnonzero(share.on_device & prices.forward)
     optimizer_s = sum(cluster.compute_time_s(float(node.flops), "fp16") for node in nodes
                       if node.phase == "optimizer")

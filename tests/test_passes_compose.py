@@ -1,0 +1,198 @@
+"""Issue 25, items 4 and 5: one cost model and passes that see each other. memopt, shard and
+place price a user's network with the same simulator (the same unoptimised step and peak);
+``optimize()`` reports one simulated step and per-device peak for all passes together; memopt
+plans one device's share after shard (split activations, split parameter state) and each
+stage's in-flight micro-batches after place (1F1B)."""
+import numpy as np
+import pytest
+
+import mindspore as ms
+from mindspore import nn
+
+import ms_efficient
+from ms_efficient.core.config import config_from_dict
+from tests.test_user_network_plans import _deep_llama
+from tests.user_models import llama_with_loss
+
+pytestmark = pytest.mark.mindspore
+CPU2 = {"preset": "cpu-local", "devices_per_node": 2}
+ASCEND = {"preset": "ascend910b-1x8"}
+
+
+@pytest.fixture(autouse=True)
+def _graph_mode():
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+
+
+def _config(cluster, **optimize):
+    return config_from_dict({"optimize": optimize, "cluster": cluster})
+
+
+def _context(net, inputs, cluster, graph=None, plans=None, **optimize):
+    """A PassContext of ``net`` (``graph``: one already extracted from an identical net)."""
+    from ms_efficient.passes import PassContext
+
+    context = PassContext(net, _config(cluster, **optimize), inputs, graph=graph)
+    context.plans.update(plans or {})
+    return context
+
+
+def test_every_pass_prices_the_same_network_and_the_summary_combines_them():
+    net, inputs = _deep_llama()
+    names = {n for n, _ in net.cells_and_names()}
+    net, plans = ms_efficient.optimize(
+        net, _config(CPU2, passes=["shard", "place", "memopt"], memory_budget="90%"),
+        sample_inputs=inputs)
+    memopt, place, shard, summary = (plans[k] for k in ("memopt", "place", "shard", "summary"))
+    # one simulator: the same unoptimised step and peak in every plan and in the summary
+    assert memopt["unoptimised"] == place["unoptimised"] == shard["unoptimised"] \
+        == summary["unoptimised"]
+    # memopt planned every stage place made, on the device share shard left
+    assert [row["layers"] for row in memopt["devices"]] == [s["blocks"] for s in place["stages"]]
+    mesh = f"{shard['mesh']['dp']}x{shard['mesh']['mp']} mesh"
+    assert [row["device"] for row in memopt["devices"]] == [
+        f"stage {s} of {len(place['stages'])}, {mesh}" for s in range(len(place["stages"]))]
+    for row in memopt["devices"]:
+        assert row["budget_bytes"] == pytest.approx(0.9 * row["unoptimised_peak_bytes"], abs=1)
+        assert row["peak_bytes"] <= row["budget_bytes"]
+    # the summary: one device row per stage, its peaks memopt's, its step the pipeline's
+    assert summary["passes"] == ["shard", "place", "memopt"]
+    assert [d["devices"] for d in summary["devices"]] == [[s["device"]] for s in place["stages"]]
+    assert [d["peak_memory_bytes"] for d in summary["devices"]] == [
+        row["peak_bytes"] for row in memopt["devices"]]
+    assert summary["peak_memory_bytes"] < summary["unoptimised"]["peak_memory_bytes"]
+    assert summary["comm_time_s"] == shard["summary"]["comm_time_s"]
+    assert summary["step_time_s"] >= place["step_time_s"] - 1e-12
+    # every name in every plan is a Cell of the user's network
+    for name in ("memopt", "place", "shard"):
+        assert set(plans[name]["cells"]) <= names
+        assert not any("_recompute_cell" in c or "wrap_cell" in c for c in plans[name]["cells"])
+    # and the network still trains in GRAPH_MODE after all passes together
+    step = nn.TrainOneStepCell(net, nn.Adam(net.trainable_params(), 1e-3))
+    assert all(np.isfinite([float(step(*inputs).asnumpy()) for _ in range(2)]))
+
+
+def test_memopt_alone_is_priced_as_the_network_and_the_summary_is_its_plan():
+    net, inputs = llama_with_loss(num_layers=3)
+    net, plans = ms_efficient.optimize(net, _config(ASCEND, passes=["memopt"],
+                                                    memory_budget="90%"), sample_inputs=inputs)
+    memopt, summary = plans["memopt"], plans["summary"]
+    price = memopt["unoptimised"]
+    (row,) = memopt["devices"]
+    # its all-keep plan on one device is the shared price, step and peak
+    assert row["device"] == "one device" and row["planned"]
+    assert row["unoptimised_peak_bytes"] == price["peak_memory_bytes"]
+    assert memopt["unoptimised_peak_bytes"] == price["peak_memory_bytes"]
+    assert row["unoptimised_step_time_s"] == pytest.approx(price["step_time_s"], rel=1e-9)
+    # recomputation costs time, never less than the unoptimised step
+    assert memopt["simulated"]["step_time_s"] > price["step_time_s"]
+    assert summary["step_time_s"] == pytest.approx(memopt["simulated"]["step_time_s"], rel=1e-12)
+    assert summary["peak_memory_bytes"] == memopt["simulated"]["peak_bytes"]
+    assert summary["devices"][0]["devices"] == [0] and summary["comm_time_s"] == 0.0
+
+
+def test_a_summary_of_place_alone_is_places_pipeline():
+    from ms_efficient.plan_report import combined_report, pipeline_step_s
+
+    net, inputs = _deep_llama()
+    net, plans = ms_efficient.optimize(net, _config(CPU2, passes=["place"]),
+                                       sample_inputs=inputs)
+    place, summary = plans["place"], plans["summary"]
+    assert summary["step_time_s"] == pytest.approx(place["step_time_s"], rel=1e-12)
+    assert len(summary["devices"]) == len(place["stages"])
+    # stage s of S holds min(S - s, M) micro-batches in flight: the first stage the most
+    peaks = [d["peak_memory_bytes"] for d in summary["devices"]]
+    assert peaks[0] > peaks[-1] and max(peaks) < summary["unoptimised"]["peak_memory_bytes"]
+    # the 1F1B step formula, by hand: 3 stages of 2 s at 4 micro-batches
+    assert pipeline_step_s([2.0, 2.0, 2.0], 4) == pytest.approx(6 / 4 + 3 * 2 / 4)
+    assert callable(combined_report)
+
+
+def _llama_graph(layers=3, batch=8):
+    from ms_efficient.graph import from_network
+
+    net, inputs = llama_with_loss(num_layers=layers, batch=batch)
+    return from_network(net, *inputs, mode="train")
+
+
+BLOCKS3 = [f"_backbone.model.layers.{i}" for i in range(3)]
+
+
+def _profile(graph, blocks, cluster, shard=None, place=None, stage=0):
+    from ms_efficient.core.config import config_from_dict as cfg
+    from ms_efficient.graph.cells import assign_units
+    from ms_efficient.memopt.profile import device_shares, profile_from_units
+
+    spec = cfg({"cluster": cluster}).cluster_spec()
+    share = device_shares(graph, spec, shard, place)[stage]
+    return profile_from_units(graph, assign_units(graph, blocks), spec, 8, share)
+
+
+def test_memopt_plan_changes_when_shard_halves_a_blocks_activations():
+    from ms_efficient.graph.cells import assign_units
+    from ms_efficient.memopt.apply import memopt_pass
+
+    graph = _llama_graph()
+    alone = _profile(graph, BLOCKS3, ASCEND)
+    net, inputs = llama_with_loss(num_layers=3, batch=8)
+    budget = int(0.9 * (alone.static_bytes + alone.activation_bytes.sum()))
+    _, before = memopt_pass(net, _context(net, inputs, ASCEND, graph, memory_budget=budget))
+    (recomputed,) = [n for n in before["cells"]]          # one block fits 90% here
+    # a shard plan that splits that block's operator outputs in two (mp = 2) and nothing else
+    units = assign_units(graph, BLOCKS3)
+    nodes = list(graph)
+    k = BLOCKS3.index(recomputed)
+    split = {nodes[i].name: 2 for i in units.members(k)}
+    shard = {"mesh": {"dp": 1, "mp": 2}, "summary": {"comm_time_s": 0.0},
+             "device_share": {"output_split": split, "state_bytes": {}}}
+    halved = _profile(graph, BLOCKS3, ASCEND, shard=shard)
+    assert halved.activation_bytes[k] == pytest.approx(alone.activation_bytes[k] / 2, rel=1e-12)
+    others = [i for i in range(3) if i != k]
+    assert np.array_equal(halved.activation_bytes[others], alone.activation_bytes[others])
+    assert halved.static_bytes == alone.static_bytes
+    # the same byte budget now plans another block (or nothing at all)
+    net, inputs = llama_with_loss(num_layers=3, batch=8)
+    context = _context(net, inputs, ASCEND, graph, {"shard": shard}, memory_budget=budget)
+    try:
+        _, after = memopt_pass(net, context)
+    except ValueError as err:
+        assert "already fits" in str(err)
+        return
+    assert after["devices"][0]["device"] == "1x2 mesh"
+    assert set(after["cells"]) != {recomputed}
+
+
+def test_memopt_plan_changes_when_place_moves_blocks_to_another_stage():
+    from ms_efficient.memopt.apply import memopt_pass
+
+    net, inputs = _deep_llama()
+    from ms_efficient.graph import from_network
+
+    graph = from_network(net, *inputs, mode="train")
+    blocks = [f"_backbone.model.layers.{i}" for i in range(6)]
+
+    def place(cut):
+        return {"micro_batches": 4, "stages": [
+            {"stage": 0, "device": 0, "blocks": blocks[:cut]},
+            {"stage": 1, "device": 1, "blocks": blocks[cut:]}]}
+
+    one = _profile(graph, blocks, CPU2)
+    # 1F1B, 2 stages, 4 micro-batches: stage 0 keeps 2 of 4 micro-batches, stage 1 one
+    for stage, frac, part in ((0, 2 / 4, slice(0, 2)), (1, 1 / 4, slice(2, 6))):
+        staged = _profile(graph, blocks, CPU2, place=place(2), stage=stage)
+        assert staged.names == blocks[part]
+        # (to 0.1%: a parameter-free op the graph schedules after the next block's first op
+        # goes with the next block's stage, as place sets it)
+        assert np.allclose(staged.activation_bytes, frac * one.activation_bytes[part],
+                           rtol=1e-3)
+        assert staged.activation_bytes[0] == frac * one.activation_bytes[part][0]
+    cells = {}
+    for cut in (2, 4):
+        net, inputs = _deep_llama()
+        context = _context(net, inputs, CPU2, graph, {"place": place(cut)},
+                           memory_budget="90%")
+        _, doc = memopt_pass(net, context)
+        assert [row["layers"] for row in doc["devices"]] == [blocks[:cut], blocks[cut:]]
+        assert all(row["peak_bytes"] <= row["budget_bytes"] for row in doc["devices"])
+        cells[cut] = set(doc["cells"])
+    assert cells[2] != cells[4]
