@@ -196,3 +196,86 @@ def test_memopt_plan_changes_when_place_moves_blocks_to_another_stage():
         assert all(row["peak_bytes"] <= row["budget_bytes"] for row in doc["devices"])
         cells[cut] = set(doc["cells"])
     assert cells[2] != cells[4]
+
+
+def _user_networks():
+    """(name, builder) of the networks the package did not write (tests.user_models and
+    tests.test_user_network_plans); each builder returns (network with loss, inputs)."""
+    from tests.test_user_network_plans import ConvNet, PatchEncoder, TiedLM, _classifier
+
+    rng = np.random.default_rng(0)
+    patches = rng.standard_normal((8, 16, 48)).astype(np.float32)
+    images = rng.standard_normal((8, 3, 32, 32)).astype(np.float32)
+    ids = rng.integers(0, 64, (8, 16)).astype(np.int32)
+    labels = rng.integers(0, 64, (128,)).astype(np.int32)
+
+    def seeded(build):
+        def make():
+            ms.set_seed(0)
+            return build()
+        return make
+
+    return [
+        ("llama", seeded(lambda: llama_with_loss(num_layers=3, batch=8))),
+        ("nn.TransformerEncoder", seeded(lambda: _classifier(PatchEncoder(),
+                                                             ms.Tensor(patches)))),
+        ("convnet", seeded(lambda: _classifier(ConvNet(), ms.Tensor(images)))),
+        ("tied embedding/head", seeded(lambda: (nn.WithLossCell(TiedLM(), nn.CrossEntropyLoss()),
+                                                (ms.Tensor(ids), ms.Tensor(labels))))),
+    ]
+
+
+@pytest.mark.parametrize("name,build", _user_networks(), ids=[n for n, _ in _user_networks()])
+def test_memopt_at_50_and_90_percent_plans_within_budget_or_names_the_floor(name, build):
+    from ms_efficient.graph import from_network
+    from ms_efficient.memopt.apply import memopt_pass
+
+    net, inputs = build()
+    graph = from_network(net, *inputs, mode="train")
+    outcomes = {}
+    for budget in ("50%", "90%"):
+        net, inputs = build()
+        names = {n for n, _ in net.cells_and_names()}
+        try:
+            _, doc = memopt_pass(net, _context(net, inputs, ASCEND, graph,
+                                               memory_budget=budget))
+        except ValueError as err:        # one error naming the floor, or why it cannot pay
+            message = str(err)
+            assert (message.startswith(f"'optimize.memory_budget' ({budget}, ")
+                    and "is below the feasible floor" in message
+                    and __import__("re").search(r"floor \d+\.\d% \(", message)) \
+                or "recompute does not pay" in message, message
+            outcomes[budget] = "floor" if "feasible floor" in message else "does not pay"
+            continue
+        assert doc["simulated"]["fits"] and doc["simulated"]["peak_bytes"] <= doc["budget_bytes"]
+        assert doc["budget_bytes"] == pytest.approx(float(budget[:-1]) / 100
+                                                    * doc["unoptimised_peak_bytes"], abs=1)
+        assert doc["cells"] and set(doc["cells"]) <= names
+        assert not any("_recompute_cell" in c or "wrap_cell" in c for c in doc["cells"])
+        outcomes[budget] = "plan"
+    # a share that cannot fit leaves every larger one to decide; 90% never fails where 50% fits
+    assert not (outcomes["50%"] == "plan" and outcomes["90%"] == "floor")
+
+
+def test_plan_memory_on_a_graph_exported_at_batch_8_plans_batch_8(tmp_path, capsys):
+    import yaml
+
+    from ms_efficient.cli import main
+
+    graph = _llama_graph(batch=8)
+    path, out = str(tmp_path / "llama.json"), str(tmp_path / "plan.yaml")
+    graph.save_json(path)
+    assert main(["plan", "memory", path, "--budget", "90%", "--out", out]) == 0
+    with open(out, encoding="utf-8") as fh:
+        at8 = yaml.safe_load(fh)
+    assert at8["batch_size"] == 8                  # was 1: the batch the graph stands for
+    # --batch rescales the activations (static bytes stay): half the batch, a smaller peak
+    assert main(["plan", "memory", path, "--budget", "90%", "--batch", "4", "--out", out]) == 0
+    with open(out, encoding="utf-8") as fh:
+        at4 = yaml.safe_load(fh)
+    assert at4["batch_size"] == 4 and at4["budget_bytes"] < at8["budget_bytes"]
+    # a share, as optimize() takes it: parsed, then refused only for the floor it names
+    capsys.readouterr()
+    assert main(["plan", "memory", path, "--budget", "10%", "--out", out]) == 2
+    assert __import__("re").search(r"'--budget' \(10%, .*\) is below the feasible floor "
+                                   r"\d+\.\d%", capsys.readouterr().err)
