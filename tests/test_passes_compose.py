@@ -279,3 +279,27 @@ def test_plan_memory_on_a_graph_exported_at_batch_8_plans_batch_8(tmp_path, caps
     assert main(["plan", "memory", path, "--budget", "10%", "--out", out]) == 2
     assert __import__("re").search(r"'--budget' \(10%, .*\) is below the feasible floor "
                                    r"\d+\.\d%", capsys.readouterr().err)
+
+
+def test_the_default_budget_is_each_stages_device_memory():
+    from ms_efficient.graph import from_network
+    from ms_efficient.memopt.apply import memopt_pass
+
+    net, inputs = _deep_llama()
+    graph = from_network(net, *inputs, mode="train")
+    blocks = [f"_backbone.model.layers.{i}" for i in range(6)]
+    place = {"micro_batches": 4, "stages": [{"stage": 0, "device": 0, "blocks": blocks[:3]},
+                                            {"stage": 1, "device": 1, "blocks": blocks[3:]}]}
+    first = _profile(graph, blocks, CPU2, place=place, stage=0)
+    second = _profile(graph, blocks, CPU2, place=place, stage=1)
+    peaks = [p.static_bytes + p.activation_bytes.sum() for p in (first, second)]
+    assert peaks[0] > peaks[1]           # stage 0 keeps 2 micro-batches in flight, stage 1 one
+    device = int((peaks[0] + peaks[1]) / 2)          # between the two stages' peaks
+    cluster = {**CPU2, "device_memory_bytes": device}
+    net, inputs = _deep_llama()
+    _, doc = memopt_pass(net, _context(net, inputs, cluster, graph, {"place": place}))
+    rows = doc["devices"]
+    assert [r["budget_bytes"] for r in rows] == [device, device]
+    assert [r["unoptimised_peak_bytes"] for r in rows] == [int(round(p)) for p in peaks]
+    assert [r["planned"] for r in rows] == [True, False]      # only stage 0 needs recompute
+    assert rows[0]["peak_bytes"] <= device and set(doc["cells"]) <= set(blocks[:3])
