@@ -41,12 +41,12 @@ def pipeline_step_s(stage_busy_s: Sequence[float], micro_batches: int) -> float:
 def _units(context, plans: Dict[str, Any]) -> List[str]:
     """The Cells a device's share is profiled by: memopt's, else the repeated blocks, else
     the Cells of the largest sequence (the memopt pass's own choice)."""
-    from ms_efficient.graph.cells import repeated_blocks, sequence_units
+    from ms_efficient.graph.cells import repeated_blocks, sequence_units, user_cell_path
 
     if "memopt" in plans:
         return list(dict.fromkeys(layer["name"] for layer in plans["memopt"]["layers"]))
     tree = context.cell_tree()
-    return repeated_blocks(tree) or sequence_units(tree)
+    return [u for u in repeated_blocks(tree) or sequence_units(tree) if user_cell_path(u)]
 
 
 def _memory_plan(profile, plans: Dict[str, Any]):

@@ -303,3 +303,18 @@ def test_the_default_budget_is_each_stages_device_memory():
     assert [r["unoptimised_peak_bytes"] for r in rows] == [int(round(p)) for p in peaks]
     assert [r["planned"] for r in rows] == [True, False]      # only stage 0 needs recompute
     assert rows[0]["peak_bytes"] <= device and set(doc["cells"]) <= set(blocks[:3])
+
+
+def test_memopt_never_plans_mindsporess_recompute_wrappers():
+    # a user's own recompute() adds '_recompute_cell' children that a glob would match
+    net, inputs = llama_with_loss(num_layers=2, batch=8)
+    for layer in net._backbone.model.layers:
+        layer.recompute()
+    patterns = ["_backbone.model.layers.0.*", "_backbone.model.layers.1.*"]
+    net, plans = ms_efficient.optimize(net, _config(ASCEND, passes=["memopt"],
+                                                    memory_budget="95%", memopt_cells=patterns),
+                                       sample_inputs=inputs)
+    layers = [layer["name"] for layer in plans["memopt"]["layers"]]
+    assert layers and not any("_recompute_cell" in n or "wrap_cell" in n for n in layers)
+    assert {n.rsplit(".", 1)[1] for n in layers} <= {"input_layernorm", "self_attn",
+                                                     "post_attention_layernorm", "mlp"}

@@ -276,7 +276,7 @@ def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
     the unoptimised peak and in bytes) or every device's unoptimised peak already fits it."""
     from ms_efficient.core.units import format_size
     from ms_efficient.graph.cells import (assign_units, match_cells, repeated_blocks,
-                                          sequence_units)
+                                          sequence_units, user_cell_path)
     from ms_efficient.memopt.profile import device_shares, profile_from_units
 
     config = context.config
@@ -284,6 +284,8 @@ def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
     patterns = config.optimize.memopt_cells
     units = match_cells(tree, patterns) if patterns else (repeated_blocks(tree)
                                                           or sequence_units(tree))
+    # never MindSpore's own wrappers (a recomputed Cell's ``_recompute_cell``): user Cells only
+    units = [u for u in units if user_cell_path(u)]
     if not units:
         raise ValueError(
             "memopt: found no repeated blocks (children of a CellList or SequentialCell, >= 2 "
