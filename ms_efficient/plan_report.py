@@ -19,7 +19,9 @@ With no pass that changes anything the report is the unoptimised price: ``step_t
 ``peak_memory_bytes`` equal ``unoptimised``'s.
 Peak bytes: the simulated peak of each device's share (parameter state, the activations it
 keeps for backward, in-flight micro-batches under 1F1B after place); ``devices`` lists the
-cluster devices each figure applies to.
+cluster devices each figure applies to. ``devices_needed``: shard's mesh size x place's
+stages; when that exceeds the cluster (both passes planned the same devices), ``note`` says
+so: the figures are then those of a cluster that large.
 """
 from __future__ import annotations
 
@@ -66,7 +68,8 @@ def _memory_plan(profile, plans: Dict[str, Any]):
 
 def combined_report(context) -> Dict[str, Any]:
     """The combined report of the plans in ``context.plans`` (module docstring):
-    ``{"passes", "step_time_s", "peak_memory_bytes" (the largest device's), "devices":
+    ``{"passes", "devices_needed", ["note"], "step_time_s", "peak_memory_bytes" (the
+    largest device's), "devices":
     [{"share", "devices", "peak_memory_bytes", "busy_s"}], "comm_time_s", "unoptimised",
     "evidence"}``; bytes and seconds."""
     from ms_efficient.graph.cells import assign_units
@@ -116,7 +119,17 @@ def combined_report(context) -> Dict[str, Any]:
         step = rows[0][0]
         ids = [list(range(int(shard["mesh"]["dp"]) * int(shard["mesh"]["mp"])))
                if shard else [0]]
+    needed = ((int(shard["mesh"]["dp"]) * int(shard["mesh"]["mp"]) if shard else 1)
+              * (len(place["stages"]) if place else 1))
+    extra = {}
+    if needed > cluster.num_devices:
+        extra["note"] = (f"shard's {shard['mesh']['dp']}x{shard['mesh']['mp']} mesh on each of "
+                         f"place's {len(place['stages'])} stages needs {needed} devices; "
+                         f"{cluster.name!r} has {cluster.num_devices}: set optimize.shard_mesh "
+                         f"to a mesh of {cluster.num_devices // len(place['stages'])} devices "
+                         f"or plan on a cluster of {needed}")
     return {"passes": [name for name in plans],
+            "devices_needed": needed, **extra,
             "step_time_s": float(step + comm),
             "peak_memory_bytes": int(round(max(peak for _, peak in rows))),
             "comm_time_s": comm,

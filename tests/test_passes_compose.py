@@ -63,6 +63,10 @@ def test_every_pass_prices_the_same_network_and_the_summary_combines_them():
     assert summary["peak_memory_bytes"] < summary["unoptimised"]["peak_memory_bytes"]
     assert summary["comm_time_s"] == shard["summary"]["comm_time_s"]
     assert summary["step_time_s"] >= place["step_time_s"] - 1e-12
+    # shard's mesh on each stage: more devices than the cluster's 2, and the report says so
+    needed = shard["mesh"]["dp"] * shard["mesh"]["mp"] * len(place["stages"])
+    assert summary["devices_needed"] == needed
+    assert ("note" in summary) == (needed > 2)
     # every name in every plan is a Cell of the user's network
     for name in ("memopt", "place", "shard"):
         assert set(plans[name]["cells"]) <= names
