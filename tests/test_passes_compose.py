@@ -306,6 +306,8 @@ def test_the_default_budget_is_each_stages_device_memory():
     assert [r["budget_bytes"] for r in rows] == [device, device]
     assert [r["unoptimised_peak_bytes"] for r in rows] == [int(round(p)) for p in peaks]
     assert [r["planned"] for r in rows] == [True, False]      # only stage 0 needs recompute
+    assert [layer["name"] for layer in doc["layers"]] == blocks   # both stages' Cells
+    assert all(layer["action"] == "keep" for layer in doc["layers"][3:])
     assert rows[0]["peak_bytes"] <= device and set(doc["cells"]) <= set(blocks[:3])
 
 

@@ -331,9 +331,10 @@ def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
         actions_of.update({n: int(a) for n, a in zip(got["profile"].names, got["plan"].actions)
                            if a != KEEP})
     if len(devices) > 1:        # every stage's layers, and MindFormers' lists of all of them
-        doc["layers"] = [layer for got in planned for layer in plan_to_dict(
-            got["profile"], got["plan"], None, got["budget"])["layers"]]
-        doc["recompute_config"]["recompute"] = [n for n in applied["recompute"]]
+        doc["layers"] = [layer for got in devices for layer in plan_to_dict(
+            got["profile"], got["plan"] or MemoryPlan(np.full(got["profile"].num_layers, KEEP)),
+            None, got["budget"])["layers"]]
+        doc["recompute_config"]["recompute"] = list(applied["recompute"])
         doc["swap_config"] = {**doc["swap_config"], "op_swap": [
             entry for got in planned for entry in swap_config(got["profile"], got["plan"])[
                 "op_swap"]]}
