@@ -57,16 +57,20 @@ class PassContext:
 
     config: the RunConfig. sample_inputs: the batch given to ``optimize`` (or None).
     :meth:`graph` and :meth:`cell_tree` are built on first use and shared by the passes.
+    plans: {pass name: plan} of the passes run so far (later passes plan against them).
     """
 
     def __init__(self, network: Any, config: RunConfig,
-                 sample_inputs: Optional[Sequence[Any]] = None) -> None:
+                 sample_inputs: Optional[Sequence[Any]] = None, graph=None) -> None:
         self.network = network
         self.config = config
         self.sample_inputs = None if sample_inputs is None else tuple(sample_inputs)
-        self._graph = None
+        self._graph = graph              # or one already extracted from this network
         self._tree = None
         self._price = None
+        # {pass name: plan} of the passes run so far: later passes plan against them
+        # (memopt on one device's share after shard and place)
+        self.plans: Dict[str, Any] = {}
 
     def graph(self, needed_by: str = "this pass"):
         """The train-step OpGraph of the network (forward, backward and optimizer ops)."""
@@ -90,6 +94,11 @@ class PassContext:
 
             self._price = price_network(self.graph(needed_by), self.config.cluster_spec())
         return self._price
+
+    @property
+    def has_graph(self) -> bool:
+        """True once a pass has extracted the graph (the combined report needs it)."""
+        return self._graph is not None
 
     def invalidate(self) -> None:
         """Forget the Cell tree (a pass changed the network's Cells). The graph stays: a
@@ -129,7 +138,12 @@ def optimize(network, config, sample_inputs: Optional[Sequence[Any]] = None,
 
     Returns:
         (network, plans): the network to compile and ``{pass name: plan}``; each plan's
-        ``cells`` names the Cells the pass changed.
+        ``cells`` names the Cells the pass changed. When a pass planned the network's graph
+        (memopt, shard, place), ``plans["summary"]`` is the combined report of all passes
+        together (``ms_efficient.plan_report.combined_report``): one simulated step time and
+        the peak bytes of every device, next to the unoptimised figures every pass priced.
+        Passes see the plans made before them: list ``memopt`` after ``shard`` and ``place``
+        so it plans one device's share of the network.
     """
     if isinstance(config, str):
         config = load_config(config)
@@ -140,7 +154,7 @@ def optimize(network, config, sample_inputs: Optional[Sequence[Any]] = None,
     context = PassContext(network, config, sample_inputs)
     plans: Dict[str, Any] = {}
     for name in config.optimize.passes:
-        if name not in known:
+        if name not in known or name == "summary":
             raise ValueError(f"'optimize.passes' names unknown pass '{name}'; registered: "
                              f"{sorted(known)}.")
         logger.info("running pass %s", name)
@@ -154,7 +168,12 @@ def optimize(network, config, sample_inputs: Optional[Sequence[Any]] = None,
                              f"(its 'cells' is empty); a pass with nothing to change must "
                              f"raise ValueError saying what it looked for.")
         plans[name] = plan
+        context.plans[name] = plan
     from ms_efficient.verify.check import verify_after_optimize
 
     verify_after_optimize(network, plans, context.sample_inputs, verify)
+    if context.has_graph:
+        from ms_efficient.plan_report import combined_report
+
+        plans["summary"] = combined_report(context)
     return network, plans

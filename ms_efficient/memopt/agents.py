@@ -64,7 +64,7 @@ def layer_features(profile: LayerProfile, budget_bytes: float, host_link) -> np.
     t_x = host_link.latency_s + profile.activation_bytes / host_link.bandwidth_Bps
     t_o = host_link.latency_s + profile.output_bytes / host_link.bandwidth_Bps
     f_next = np.r_[f[1:], 1e-9]
-    b_next2 = np.r_[b[2:], 1e-9, 1e-9]
+    b_next2 = np.r_[b[2:], 1e-9, 1e-9][:len(b)]
     L = profile.num_layers
     phi = np.stack([f / max(f.mean(), 1e-15), b / max(b.mean(), 1e-15),
                     profile.output_bytes / free * L, profile.interior_bytes / free * L,

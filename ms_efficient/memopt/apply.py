@@ -236,27 +236,123 @@ def _inside_lazy_inline(cells: Dict[str, Any], name: str) -> bool:
                for p in chain)
 
 
+def _plan_device(profile: LayerProfile, value, cluster, actions) -> Dict[str, Any]:
+    """Plan one device's profile within ``optimize.memory_budget`` (``value``). Returns
+    {"profile", "budget", "peak", "floor", "safe", "plan", "result"}; "plan" is None when the
+    unoptimised peak already fits. Raises ValueError when recompute does not pay or the
+    budget is below the feasible floor (``check_budget_floor``'s one message)."""
+    from ms_efficient.core.units import format_size
+    from ms_efficient.memopt.planner import budget_floor, plan_memory
+
+    budget, peak = resolve_budget(value, profile, cluster)
+    floor, safe, least = budget_floor(profile, cluster.host_link, actions)
+    out = {"profile": profile, "budget": budget, "peak": peak, "floor": floor, "safe": safe,
+           "plan": None, "result": None}
+    if peak <= budget:
+        return out
+    where = "" if profile.meta.get("device") == "one device" else f" on {profile.meta['device']}"
+    if floor_percent(safe, peak) >= 100.0:
+        raise ValueError(
+            f"memopt: no plan of {profile.num_layers} Cells ({profile.names[0]} ...){where} "
+            f"lowers the unoptimised simulated peak {format_size(peak)} by 0.1% or more (its "
+            f"floor is {format_size(safe)}): recompute does not pay on this network; leave "
+            f"memopt out.")
+    try:
+        check_budget_floor(value if value != "" else int(budget), "optimize.memory_budget",
+                           budget, peak, floor, safe, actions)
+    except ValueError as err:
+        raise ValueError(f"{err}{where and ' (' + where.strip() + ')'}") from None
+    try:
+        plan, result = plan_memory(profile, budget, cluster.host_link, actions=actions)
+    except ValueError:
+        if budget < safe:
+            raise
+        plan, result = plan_memory(profile, budget, cluster.host_link, actions=actions,
+                                   candidates={"checkmate-milp": least})
+    out.update(plan=plan, result=result)
+    return out
+
+
+def _device_budget(value, profile: LayerProfile, profiles: List[LayerProfile], cluster,
+                   actions):
+    """``optimize.memory_budget`` for one of several devices (pipeline stages): a percentage
+    is a share of the LARGEST device's unoptimised peak (every device has the same memory, so
+    stages already under it need no plan), given as bytes; a size, bytes or "" stay as they
+    are. ValueError when that byte budget is below this device's feasible floor names the floor
+    as a share of the largest peak."""
+    from ms_efficient.core.units import format_size, parse_budget
+    from ms_efficient.memopt.planner import budget_floor
+
+    if len(profiles) == 1 or value in ("", None):
+        return value
+    nbytes, share = parse_budget(value, "optimize.memory_budget")
+    if share is None:
+        return value
+    top = max(resolve_budget("", p, cluster)[1] for p in profiles)
+    budget = share * top
+    _, peak = resolve_budget("", profile, cluster)
+    if peak > budget:
+        floor, _, _ = budget_floor(profile, cluster.host_link, actions)
+        if floor > budget * (1 + 1e-9):
+            raise ValueError(
+                f"'optimize.memory_budget' ({value}: {format_size(budget)} of the largest "
+                f"device's unoptimised peak {format_size(top)}) is below the feasible floor "
+                f"{format_size(floor)} ({int(math.ceil(floor))} bytes) on "
+                f"{profile.meta['device']}; set it to at least "
+                f"'{floor_percent(floor, top):g}%'.")
+    return int(budget)
+
+
+def _device_row(got: Dict[str, Any]) -> Dict[str, Any]:
+    """One device's figures in the plan (bytes, seconds; the step counts the ops outside the
+    planned Cells)."""
+    profile, result = got["profile"], got["result"]
+    return {"device": profile.meta["device"], "budget_bytes": int(got["budget"]),
+            "unoptimised_peak_bytes": int(round(got["peak"])),
+            "floor_bytes": int(math.ceil(got["floor"])),
+            "planned": got["plan"] is not None,
+            "unoptimised_step_time_s": float(profile.forward_time_s.sum()
+                                             + profile.backward_time_s.sum())
+            + profile.meta["outside_time_s"],
+            "peak_bytes": int(round(result.peak_bytes)) if result else int(round(got["peak"])),
+            "step_time_s": (result.step_time_s if result else
+                            float(profile.forward_time_s.sum() + profile.backward_time_s.sum()))
+            + profile.meta["outside_time_s"],
+            "layers": list(profile.names)}
+
+
 @register_pass("memopt")
 def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
     """The ``memopt`` pass on the user's network: units are its repeated blocks (or the Cells
     ``optimize.memopt_cells`` names; without repeated blocks, the Cells holding parameters of
-    its largest CellList / SequentialCell), profiled from its train-step graph on the config's
-    cluster and planned within ``optimize.memory_budget`` (default: the device memory) with
-    the actions the device target realises; the plan is applied by Cell path. Returns
-    (network, plan dict with ``cells``). Raises ValueError when the network has no Cell to
-    plan, the budget is below the feasible floor (named as a share of the unoptimised peak and
-    in bytes) or the unoptimised peak already fits it (nothing to change)."""
+    its largest CellList / SequentialCell), profiled from its train-step graph with the cost
+    model every pass shares (``memopt.profile.profile_from_units``) and planned within
+    ``optimize.memory_budget`` (default: the device memory) with the actions the device target
+    realises; the plan is applied by Cell path.
+
+    Passes compose: after ``shard`` the profile holds one device's bytes and compute (each
+    operator's output split and parameter state from the shard plan); after ``place`` every
+    pipeline stage is planned on its own, its activations those of its in-flight micro-batches
+    under 1F1B (``memopt.profile.device_shares``), and the budget (a size, a share of that
+    stage's unoptimised peak, or the device memory) applies per stage. List memopt after
+    shard and place in ``optimize.passes`` for that.
+
+    Returns (network, plan dict with ``cells``, ``devices`` (per planned device / stage) and
+    ``unoptimised`` (the network's shared price on one device)). Raises ValueError when the
+    network has no Cell to plan, the budget is below the feasible floor (named as a share of
+    the unoptimised peak and in bytes) or every device's unoptimised peak already fits it."""
     from ms_efficient.core.units import format_size
     from ms_efficient.graph.cells import (assign_units, match_cells, repeated_blocks,
-                                          sequence_units)
-    from ms_efficient.memopt.planner import budget_floor, plan_memory
-    from ms_efficient.memopt.profile import profile_from_units
+                                          sequence_units, user_cell_path)
+    from ms_efficient.memopt.profile import device_shares, profile_from_units
 
     config = context.config
     tree = context.cell_tree()
     patterns = config.optimize.memopt_cells
     units = match_cells(tree, patterns) if patterns else (repeated_blocks(tree)
                                                           or sequence_units(tree))
+    # never MindSpore's own wrappers (a recomputed Cell's ``_recompute_cell``): user Cells only
+    units = [u for u in units if user_cell_path(u)]
     if not units:
         raise ValueError(
             "memopt: found no repeated blocks (children of a CellList or SequentialCell, >= 2 "
@@ -268,46 +364,59 @@ def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
     cluster = config.cluster_spec()
     first = context.sample_inputs[0]
     batch = int(first.shape[0]) if getattr(first, "shape", None) else 1
-    profile = profile_from_units(graph, assignment, cluster, batch_size=batch)
     target = config.context.device_target
     actions = realisable_actions(target)
     cells = dict(network.cells_and_names())
     if SWAP in actions and not all(_inside_lazy_inline(cells, u) for u in units):
         actions = tuple(a for a in actions if a != SWAP)      # Cell.offload needs lazy_inline
     value = config.optimize.memory_budget
-    budget, peak = resolve_budget(value, profile, cluster)
-    floor, safe, least = budget_floor(profile, cluster.host_link, actions)
-    if floor_percent(safe, peak) >= 100.0:
+    shares = device_shares(graph, cluster, context.plans.get("shard"),
+                           context.plans.get("place"))
+    profiles = [profile_from_units(graph, assignment, cluster, batch, share) for share in shares]
+    devices = [_plan_device(profile, _device_budget(value, profile, profiles, cluster, actions),
+                            cluster, actions) for profile in profiles]
+    planned = [got for got in devices if got["plan"] is not None]
+    if not planned:
+        top = max(devices, key=lambda got: got["peak"])
+        where = "" if len(devices) == 1 else f" (the largest of {len(devices)} stages)"
         raise ValueError(
-            f"memopt: no plan of {len(units)} Cells ({units[0]} ...) lowers the unoptimised "
-            f"simulated peak {format_size(peak)} by 0.1% or more (its floor is "
-            f"{format_size(safe)}): recompute does not pay on this network; leave memopt out.")
-    check_budget_floor(value if value != "" else int(budget), "optimize.memory_budget",
-                       budget, peak, floor, safe, actions)
-    if peak <= budget:
-        raise ValueError(
-            f"memopt: the unoptimised simulated peak {format_size(peak)} of the "
+            f"memopt: the unoptimised simulated peak {format_size(top['peak'])}{where} of the "
             f"{len(units)} planned Cells ({units[0]} ...) already fits 'optimize.memory_budget' "
-            f"{format_size(budget)}; nothing to recompute or swap. Set it between the "
-            f"feasible floor and the peak, e.g. '{floor_percent(safe, peak):g}%'.")
-    try:
-        plan, result = plan_memory(profile, budget, cluster.host_link, actions=actions)
-    except ValueError:
-        if budget < safe:
-            raise
-        plan, result = plan_memory(profile, budget, cluster.host_link, actions=actions,
-                                   candidates={"checkmate-milp": least})
-    applied = apply_plan(network, profile.names, plan, target)
-    doc = plan_to_dict(profile, plan, result, budget,
-                       extra={"unoptimised_peak_bytes": int(peak),
-                              "floor_bytes": int(math.ceil(floor)),
+            f"{format_size(top['budget'])}; nothing to recompute or swap. Set it between the "
+            f"feasible floor and the peak, e.g. '{floor_percent(top['safe'], top['peak']):g}%'.")
+    main = max(planned, key=lambda got: got["peak"])
+    profile, plan = main["profile"], main["plan"]
+    doc = plan_to_dict(profile, plan, main["result"], main["budget"],
+                       extra={"unoptimised_peak_bytes": int(main["peak"]),
+                              "floor_bytes": int(math.ceil(main["floor"])),
                               "outside_time_s": profile.meta["outside_time_s"],
                               "optimizer_time_s": profile.meta["optimizer_time_s"]})
-    action_of = dict(zip(profile.names, plan.actions))
+    # the whole device's step (the Cells outside the plan included), as ``unoptimised``'s
+    doc["simulated"]["step_time_s"] += profile.meta["outside_time_s"]
+    actions_of: Dict[str, int] = {}
+    applied: Dict[str, List[str]] = {"recompute": [], "recompute_all": [], "swap": []}
+    for got in planned:
+        got_applied = apply_plan(network, got["profile"].names, got["plan"], target)
+        for key in applied:
+            applied[key] += got_applied[key]
+        actions_of.update({n: int(a) for n, a in zip(got["profile"].names, got["plan"].actions)
+                           if a != KEEP})
+    if len(devices) > 1:        # every stage's layers, and MindFormers' lists of all of them
+        doc["layers"] = [layer for got in devices for layer in plan_to_dict(
+            got["profile"], got["plan"] or MemoryPlan(np.full(got["profile"].num_layers, KEEP)),
+            None, got["budget"])["layers"]]
+        doc["recompute_config"]["recompute"] = applied["recompute"] + applied["recompute_all"]
+        doc["swap_config"] = {**doc["swap_config"], "op_swap": [
+            entry for got in planned for entry in swap_config(got["profile"], got["plan"])[
+                "op_swap"]]}
+        doc["swap_config"]["swap"] = bool(doc["swap_config"]["op_swap"])
+    doc["device"] = profile.meta["device"]
+    doc["devices"] = [_device_row(got) for got in devices]
+    doc["unoptimised"] = context.unoptimised("the memopt pass").to_dict()
     recomputed = applied["recompute"] + applied["recompute_all"]
-    doc["cells"] = {name: {"action": ACTION_NAMES[int(action_of[name])],
+    doc["cells"] = {name: {"action": ACTION_NAMES[action_of],
                            "recompute": name in recomputed,
                            "output_recompute": name in applied["recompute_all"],
                            "swap": name in applied["swap"]}
-                    for name in profile.names if name in recomputed + applied["swap"]}
+                    for name, action_of in actions_of.items()}
     return network, doc

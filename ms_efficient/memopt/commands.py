@@ -23,7 +23,8 @@ import time
 
 from ms_efficient.core.argtypes import positive_float, positive_int
 
-__all__ = ["add_plan_arguments", "run_plan", "add_bench_arguments", "run_bench"]
+__all__ = ["add_plan_arguments", "run_plan", "add_bench_arguments", "run_bench",
+           "graph_batch_size"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "simulated peak (95%%); below the feasible floor is refused "
                              "with the floor named")
     parser.add_argument("--batch", type=positive_int,
-                        help="batch size (default: train.batch_size)")
+                        help="batch size (default: train.batch_size of a config, the batch "
+                             "a graph was exported at)")
     parser.add_argument("--cluster", help="cluster preset (default: the config's cluster)")
     parser.add_argument("--method", default="memopt",
                         help="memopt (default) or a baseline: none, full-recompute, chen-sqrt, "
@@ -78,14 +80,27 @@ def _profile_for(args):
         if not units:
             raise ValueError(f"{args.config}: found no repeated blocks (children of a CellList "
                              "or SequentialCell of one class); name the Cells with --cells.")
-        return profile_from_units(graph, assign_units(graph, units), cluster,
-                                  batch_size=args.batch or 1), cluster
+        # the graph stands for the batch it was exported at (its first input's leading
+        # dim); --batch rescales the profile to another batch
+        exported = graph_batch_size(graph)
+        profile = profile_from_units(graph, assign_units(graph, units), cluster,
+                                     batch_size=exported)
+        return (profile.at_batch(args.batch) if args.batch and args.batch != exported
+                else profile), cluster
     if args.cells:
         raise ValueError(f"{args.config}: '--cells' needs a graph with Cell scopes (MINDIR or "
                          "its JSON), but this one has none.")
     # no scopes (PipeDream): layers are runs of forward ops, named by their first and last op
     return profile_from_graph(forward_subgraph(graph), batch_size=args.batch or 1,
                               cluster=cluster), cluster
+
+
+def graph_batch_size(graph) -> int:
+    """The batch a MindSpore graph was exported at: the leading dim of its first input
+    (``graph.meta["inputs"]``, recorded by the MINDIR reader); 1 when it has none."""
+    inputs = graph.meta.get("inputs") or []
+    shape = inputs[0].get("shape") if inputs else None
+    return int(shape[0]) if shape and int(shape[0]) > 0 else 1
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -172,6 +172,18 @@ def min_budget_bytes(profile: LayerProfile) -> float:
     return float(profile.static_bytes + need.max())
 
 
+def held_bytes(profile: LayerProfile, actions: np.ndarray) -> float:
+    """Bytes the device holds all step for the other ``in_flight - 1`` micro-batches of a
+    pipeline stage (``LayerProfile.in_flight``): what ``actions`` store of each layer between
+    its forward and backward (KEEP: o + e, RECOMPUTE: o, RECOMPUTE_ALL / host actions: 0)."""
+    if profile.in_flight <= 1:
+        return 0.0
+    act = np.asarray(actions)
+    stored = np.where(act == KEEP, profile.activation_bytes,
+                      np.where(act == RECOMPUTE, profile.output_bytes, 0.0))
+    return float((profile.in_flight - 1) * stored.sum())
+
+
 def check_budget(profile: LayerProfile, budget_bytes: float) -> None:
     """ValueError if ``budget_bytes`` is below ``min_budget_bytes`` (the message states it)."""
     low = min_budget_bytes(profile)
@@ -191,7 +203,7 @@ def _build(profile: LayerProfile, plan: MemoryPlan, host_latency_s: float,
     o, e, w = profile.output_bytes, profile.interior_bytes, profile.workspace_bytes
     act, delay, lead = plan.actions, plan.swap_delay, plan.prefetch_lead
     sim = Simulator()
-    sim.set_initial_memory(DEV, profile.static_bytes)
+    sim.set_initial_memory(DEV, profile.static_bytes + held_bytes(profile, act))
     program: List[str] = []        # compute tasks in stream order
 
     def compute(name: str, duration: float, extra_deps=(), alloc=0.0, free=0.0) -> str:
@@ -303,4 +315,4 @@ def plan_from_names(profile: LayerProfile, mapping: Dict[str, str],
     return MemoryPlan(actions)
 
 
-__all__ += ["no_plan_time_s", "plan_from_names"]
+__all__ += ["no_plan_time_s", "plan_from_names", "held_bytes"]

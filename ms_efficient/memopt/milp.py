@@ -8,8 +8,9 @@ then backward p). With a = o + e (bytes a layer holds when kept) and S the stati
 
     stored_j = x[j,K] * a_j + x[j,R] * o_j                 bytes layer j keeps after forward
     h_j      = x[j,S] * a_j + x[j,O] * o_j                 bytes layer j copies to the host
-    mem(F_i) = S + sum_{j<i} stored_j + x[i-1,RA] o_{i-1} + h_{i-1} + a_i
-    mem(B_p) = S + sum_{j<p} stored_j + sum_{j<p} u[p,j] a_j + a_p + w_p + h_{p-1} + h_{p-2}
+    H        = (in_flight - 1) * sum_j stored_j            the other micro-batches of a stage
+    mem(F_i) = S + H + sum_{j<i} stored_j + x[i-1,RA] o_{i-1} + h_{i-1} + a_i
+    mem(B_p) = S + H + sum_{j<p} stored_j + sum_{j<p} u[p,j] a_j + a_p + w_p + h_{p-1} + h_{p-2}
 where u[p,j] = 1 iff layers j..p-1 are all RECOMPUTE_ALL (the Chen segment re-run for B_p).
 Swap (S) and recompute-offload (O) follow the timing (swap_delay 0, prefetch_lead 1): the
 page-out of layer j runs during F_{j+1} (allowed only if it fits there: h_j / bw + latency <=
@@ -123,7 +124,8 @@ def solve_chain_milp(profile: LayerProfile, budget_bytes: Optional[float], host_
     stored = [X(j, KEEP) * (a[j] / scale) + X(j, RECOMPUTE) * (o[j] / scale) for j in range(L)]
     copied = [pulp.lpSum(x[j][k] * (moved[k][j] / scale) for k in host) for j in range(L)]
     cap = peak if min_peak else (budget_bytes - profile.static_bytes) / scale
-    prefix = pulp.LpAffineExpression()
+    # the other in-flight micro-batches of a pipeline stage hold what each layer stores
+    prefix = (profile.in_flight - 1) * pulp.lpSum(stored)
     for i in range(L):
         # [Constraint] memory during forward i stays within the budget
         prob += (prefix + X(i - 1, RECOMPUTE_ALL) * (o[i - 1] / scale if i else 0)

@@ -23,7 +23,8 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-__all__ = ["LayerProfile", "profile_from_graph", "profile_from_units", "profile_from_model"]
+__all__ = ["LayerProfile", "DeviceShare", "device_shares", "profile_from_graph",
+           "profile_from_units", "profile_from_model"]
 
 @dataclass(frozen=True)
 class LayerProfile:
@@ -36,6 +37,11 @@ class LayerProfile:
     batch_size: samples the profile stands for; ``at_batch`` rescales activations and times
         linearly (static bytes stay).
     source: where the figures come from ("estimated", "pipedream", "measured", ...).
+    in_flight: micro-batches whose stored activations the device holds at once (a 1F1B
+        pipeline stage s of S with M micro-batches: min(S - s, M)). With in_flight > 1 the byte
+        arrays are ONE micro-batch's, the times the whole step's (every micro-batch), and the
+        other in_flight - 1 micro-batches hold what the plan stores of each layer (kept: o + e,
+        recomputed: o, dropped or on the host: 0) for the whole step (``memopt.env``).
     """
 
     names: List[str]
@@ -48,6 +54,7 @@ class LayerProfile:
     batch_size: int = 1
     source: str = "estimated"
     meta: Dict[str, Any] = field(default_factory=dict)
+    in_flight: int = 1
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -65,6 +72,8 @@ class LayerProfile:
             object.__setattr__(self, key, arr)
         if not self.static_bytes >= 0:
             raise ValueError(f"'static_bytes' must be >= 0, but got {self.static_bytes}.")
+        if int(self.in_flight) != self.in_flight or self.in_flight < 1:
+            raise ValueError(f"'in_flight' must be an integer >= 1, but got {self.in_flight!r}.")
 
     @property
     def num_layers(self) -> int:
@@ -146,63 +155,161 @@ def profile_from_graph(graph, max_layers: int = 64, static_bytes: Optional[float
                         batch_size=batch_size, source=src, meta={"graph": graph.name})
 
 
+@dataclass(frozen=True)
+class DeviceShare:
+    """What one device holds and runs of each operator once shard and place have planned
+    (per node, in ``list(graph)`` order; ``ms_efficient.memopt.apply.device_shares`` builds it).
+
+    on_device: [N] bool, the operator runs on this device (its pipeline stage).
+    output_share: [N] share of the operator's output bytes (one step, whole batch) one
+        micro-batch on the device keeps for backward: 1 / the output's split after shard,
+        / the micro-batches per step after place.
+    time_share: [N] share of the operator's compute the device runs (1 / its output split;
+        its launch overhead is paid in full).
+    state_bytes: [N] parameter state bytes (weights, gradients, optimizer states) the device
+        keeps for the operator after shard.
+    label: what the share stands for ("stage 1 of 2, 2x4 mesh", ...), for messages.
+    in_flight: micro-batches the device holds at once (1F1B: min(S - s, M) on stage s of S).
+    """
+
+    on_device: np.ndarray
+    output_share: np.ndarray
+    time_share: np.ndarray
+    state_bytes: np.ndarray
+    label: str = "one device"
+    in_flight: int = 1
+
+
+def device_shares(graph, cluster, shard_doc: Optional[Dict[str, Any]] = None,
+                  place_doc: Optional[Dict[str, Any]] = None) -> List[DeviceShare]:
+    """The devices to plan memory on once shard and place have planned ``graph``: one
+    :class:`DeviceShare` per pipeline stage after place (in stage order), else one for every
+    device alike.
+
+    shard_doc: the shard pass's plan (its ``device_share``: each operator's output split and
+        per-device parameter state; an operator without an entry is split by the mesh's ``dp``
+        (the batch) and keeps its whole parameter state). None: unsplit.
+    place_doc: the place pass's plan (``stages`` with their ``blocks``, ``micro_batches`` M).
+        A forward operator belongs to the stage of its block group (``place.stages.
+        group_of_ops``: glue with the block before it); under 1F1B stage s of S holds
+        min(S - s, M) micro-batches of 1/M of the batch in flight: its output share is one
+        micro-batch's (1/M) and ``in_flight`` = min(S - s, M). None: one stage.
+    """
+    from ms_efficient.place.stages import op_prices
+
+    prices = op_prices(graph, cluster)
+    names = [node.name for node in graph]
+    n = len(names)
+    split = np.ones(n)
+    state = prices.param_bytes * prices.param_state_factor
+    mesh = ""
+    if shard_doc is not None:
+        dp = int(shard_doc["mesh"]["dp"])
+        mesh = f"{dp}x{int(shard_doc['mesh']['mp'])} mesh"
+        given = shard_doc["device_share"]
+        split = np.array([float(given["output_split"].get(name, dp)) for name in names])
+        split[~prices.forward] = 1.0
+        state = np.array([float(given["state_bytes"].get(name, s))
+                          for name, s in zip(names, state)])
+    stage_of = np.zeros(n, dtype=np.int64)
+    inflight, m = [1], 1
+    if place_doc is not None:
+        from ms_efficient.graph.cells import assign_units
+        from ms_efficient.place.stages import group_of_ops
+
+        stages = place_doc["stages"]
+        blocks = [b for stage in stages for b in stage["blocks"]]
+        of_block = {b: int(stage["stage"]) for stage in stages for b in stage["blocks"]}
+        units = assign_units(graph, blocks)
+        groups = group_of_ops(units.unit_of)
+        stage_of[:] = -1
+        stage_of[units.order] = [of_block[units.units[g]] for g in groups]
+        count, m = len(stages), int(place_doc["micro_batches"])
+        inflight = [min(count - s, m) for s in range(count)]
+    out = []
+    for s, held in enumerate(inflight):
+        label = ", ".join(p for p in ((f"stage {s} of {len(inflight)}"
+                                       if place_doc is not None else ""), mesh) if p)
+        on = stage_of == s
+        out.append(DeviceShare(on_device=on, output_share=1.0 / (m * split),
+                               time_share=1.0 / split, state_bytes=np.where(on, state, 0.0),
+                               label=label or "one device", in_flight=held))
+    return out
+
+
 def profile_from_units(graph, assignment, cluster, batch_size: int = 1,
-                       optimizer_bytes_per_param_byte: float = 3.0,
-                       dtype: Optional[str] = None) -> LayerProfile:
-    """A chain profile whose layers are the network's own Cells (``assignment.units``).
+                       share: Optional[DeviceShare] = None) -> LayerProfile:
+    """A chain profile whose layers are the network's own Cells (``assignment.units``),
+    priced with the cost model every pass shares (``ms_efficient.place.stages.op_prices``).
 
     graph: OpGraph of the network, a train-step export (backward and optimizer ops present)
         or a forward one. assignment: :class:`ms_efficient.graph.cells.UnitAssignment` of its
         forward ops to the units.
     Per unit (forward ops only; backward and optimizer ops are priced, never planned):
-        forward_time_s = sum of its ops' FLOPs / the cluster's FLOP/s for ``dtype``;
-        backward_time_s = forward_time_s x (backward FLOPs / forward FLOPs of the whole graph,
-            2 when the graph has no backward ops);
+        forward_time_s / backward_time_s = sums of its ops' shared prices, seconds;
         output_bytes = the output of its last op in topological order (what the next unit
-            reads); interior_bytes = the other ops' outputs; workspace = 2 x output_bytes.
-    static_bytes = parameters of the forward ops x (1 + optimizer_bytes_per_param_byte) + the
-    outputs of the forward ops outside every unit (embedding, head, loss: kept through the step).
-    ``meta["outside_time_s"]``: forward + backward seconds of those outside ops, and
-    ``meta["optimizer_time_s"]`` of the optimizer's ops: the same in every plan, so they are
-    reported beside the simulated step rather than planned.
-    dtype: default from the graph's float outputs ("float32" -> fp32, else fp16).
+            reads); interior_bytes = the other ops' outputs; workspace_bytes = 0 (the shared
+            model, like the shard cost model, counts what backward keeps, not its transient
+            buffers).
+    static_bytes = the parameter state of the forward ops (4 x their parameter bytes:
+    weights, gradients, Adam m and v) + the outputs of the forward ops outside every unit
+    (embedding, head, loss: kept through the step). So the all-keep plan's simulated peak is
+    the network's unoptimised price, and its step plus ``meta["outside_time_s"]`` (forward +
+    backward seconds of the outside ops) the unoptimised step
+    (``place.stages.price_network``).
+    share: the device's share after shard and place (:class:`DeviceShare`); a unit whose
+    first operator runs on another device is left out (its operators here count as glue), bytes and times scale by the share and the static
+    bytes hold the device's parameter state. None: the whole network on one device.
+    ``meta["optimizer_time_s"]``: seconds of the optimizer's ops (FLOPs / peak), reported.
     """
-    from ms_efficient.graph.cells import forward_flops_ratio
+    from ms_efficient.place.stages import op_prices
 
     nodes = list(graph)
-    if dtype is None:
-        floats = [d for n in nodes for d in n.output_dtypes if "float" in d]
-        dtype = "fp32" if floats and max(set(floats), key=floats.count) == "float32" else "fp16"
-    ratio = forward_flops_ratio(graph) or 2.0
-
-    def seconds(i: int) -> float:
-        return cluster.compute_time_s(float(nodes[i].flops), dtype)
-
-    names, f_L, o_L, e_L = [], [], [], []
+    prices = op_prices(graph, cluster)
+    n = len(nodes)
+    if share is None:
+        share = DeviceShare(on_device=np.ones(n, dtype=bool), output_share=np.ones(n),
+                            time_share=np.ones(n),
+                            state_bytes=prices.param_bytes * prices.param_state_factor)
+    out_b = prices.output_bytes * share.output_share
+    ovh = prices.overhead_s
+    fwd_s = (prices.forward_s - ovh) * share.time_share + ovh
+    bwd_s = np.where(prices.backward_s > 0, (prices.backward_s - ovh) * share.time_share + ovh,
+                     0.0)
+    names, f_L, b_L, o_L, e_L = [], [], [], [], []
+    stray = []           # ops of a unit that starts on another device: glue here
     for u, unit in enumerate(assignment.units):
         members = assignment.members(u)
+        if not share.on_device[members[0]]:
+            stray.append(members[share.on_device[members]])
+            continue
+        members = members[share.on_device[members]]
         names.append(unit)
-        f_L.append(sum(seconds(i) for i in members))
-        outs = [float(nodes[i].output_bytes) for i in members]
-        o_L.append(outs[-1])
-        e_L.append(sum(outs[:-1]))
+        f_L.append(float(fwd_s[members].sum()))
+        b_L.append(float(bwd_s[members].sum()))
+        o_L.append(float(out_b[members[-1]]))
+        e_L.append(float(out_b[members[:-1]].sum()))
+    if not names:
+        raise ValueError(f"no planned Cell ({assignment.units[0]} ...) has an operator on "
+                         f"{share.label}.")
     outside = assignment.order[assignment.unit_of < 0]
-    outside_bytes = float(sum(nodes[i].output_bytes for i in outside))
-    outside_s = sum(seconds(i) for i in outside) * (1.0 + ratio)
-    optimizer_s = sum(cluster.compute_time_s(float(n.flops), dtype) for n in nodes
-                      if n.phase == "optimizer")
-    # the network's parameters (forward ops load them); the optimizer's ops load its states
-    params = float(sum(n.param_bytes for n in nodes if n.phase == "forward"))
-    f = np.array(f_L)
+    outside = np.concatenate([outside[share.on_device[outside]]] + stray).astype(np.int64)
+    here = np.flatnonzero(share.on_device & prices.forward)
+    optimizer_s = sum(cluster.compute_time_s(float(node.flops), "fp16") for node in nodes
+                      if node.phase == "optimizer")
     o = np.array(o_L)
-    return LayerProfile(names=names, forward_time_s=f, backward_time_s=ratio * f,
-                        output_bytes=o, interior_bytes=np.array(e_L), workspace_bytes=2.0 * o,
-                        static_bytes=params * (1.0 + optimizer_bytes_per_param_byte)
-                        + outside_bytes,
+    return LayerProfile(names=names, forward_time_s=np.array(f_L),
+                        backward_time_s=np.array(b_L), output_bytes=o,
+                        interior_bytes=np.array(e_L), workspace_bytes=np.zeros_like(o),
+                        static_bytes=float(share.state_bytes[here].sum()
+                                           + share.in_flight * out_b[outside].sum()),
                         batch_size=batch_size, source=str(graph.meta.get("source", "graph")),
-                        meta={"graph": graph.name, "cluster": cluster.name, "dtype": dtype,
-                              "backward_flops_ratio": ratio, "outside_ops": int(outside.size),
-                              "outside_time_s": outside_s, "optimizer_time_s": optimizer_s})
+                        in_flight=share.in_flight,
+                        meta={"graph": graph.name, "cluster": cluster.name,
+                              "device": share.label, "outside_ops": int(outside.size),
+                              "outside_time_s": float(fwd_s[outside].sum()
+                                                      + bwd_s[outside].sum()),
+                              "optimizer_time_s": optimizer_s})
 
 
 def profile_from_model(model, moe=None, batch_size: int = 1, cluster=None,

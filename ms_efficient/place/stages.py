@@ -51,7 +51,7 @@ from ms_efficient.place.planner import TGAConfig, tga
 from ms_efficient.place.problem import PlacementOptions, _node_costs, build_problem
 
 __all__ = ["group_of_ops", "group_graph", "micro_batch_candidates", "StagePlan", "plan_stages",
-           "NetworkPrice", "price_network"]
+           "NetworkPrice", "price_network", "OpPrices", "op_prices", "PRICE_OPTIONS"]
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +237,59 @@ def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
                      evaluations=evaluations, one_stage_fits=bool(one_cost.feasible))
 
 
+# The one cost model every pass prices a network's operators with (place's defaults: launch
+# overhead per operator, fp16 peak FLOP/s x the cluster's compute efficiency, 4 bytes of
+# parameter state per parameter byte; transient backward buffers are not counted, as in the
+# shard cost model).
+PRICE_OPTIONS = PlacementOptions(micro_batches=1)
+
+
+@dataclass(frozen=True)
+class OpPrices:
+    """Per node of a graph, in ``list(graph)`` order (operators outside the forward pass: 0).
+
+    forward_s, backward_s: [N] seconds of its forward / backward (``flops / (peak x
+    compute_efficiency) + op_overhead_s``, backward at twice the FLOPs). param_bytes: [N]
+    parameter bytes it loads; output_bytes: [N] bytes of its output (stashed for backward).
+    forward: [N] bool, the operator is priced (forward or unknown phase).
+    overhead_s: [N] launch overhead included once in each of forward_s and backward_s
+        (FLOP-costed operators), seconds: splitting an operator over devices divides the
+        rest, not this.
+    param_state_factor: resident bytes per parameter byte (weights, gradients, Adam m, v)."""
+
+    forward_s: np.ndarray
+    backward_s: np.ndarray
+    param_bytes: np.ndarray
+    output_bytes: np.ndarray
+    forward: np.ndarray
+    overhead_s: np.ndarray
+    param_state_factor: float
+
+
+def op_prices(graph: OpGraph, cluster: ClusterSpec) -> OpPrices:
+    """The shared per-operator prices of ``graph`` (a train-step or forward graph) on one
+    device of ``cluster`` (see :class:`OpPrices`); the sums over the forward operators are
+    :func:`price_network`'s unoptimised step and peak."""
+    from ms_efficient.graph.cells import forward_subgraph
+
+    fwd_graph = forward_subgraph(graph)
+    nodes = list(graph)
+    n = len(nodes)
+    out = {k: np.zeros(n) for k in ("f", "b", "p", "o", "h")}
+    forward = np.zeros(n, dtype=bool)
+    if len(fwd_graph):
+        arr, f, b, _, params, acts = _node_costs(fwd_graph, cluster, PRICE_OPTIONS)
+        overhead = np.where(np.isnan(arr.forward_time_s), PRICE_OPTIONS.op_overhead_s, 0.0)
+        index = {node.name: i for i, node in enumerate(nodes)}
+        at = np.array([index[name] for name in arr.names], dtype=np.int64)
+        for key, values in zip("fbpoh", (f, b, params, acts, overhead)):
+            out[key][at] = values
+        forward[at] = True
+    return OpPrices(forward_s=out["f"], backward_s=out["b"], param_bytes=out["p"],
+                    output_bytes=out["o"], forward=forward, overhead_s=out["h"],
+                    param_state_factor=PRICE_OPTIONS.param_state_factor)
+
+
 @dataclass(frozen=True)
 class NetworkPrice:
     """step_time_s: simulated seconds of one unoptimised training step. peak_memory_bytes:
@@ -266,7 +319,7 @@ def price_network(graph: OpGraph, cluster: ClusterSpec) -> NetworkPrice:
     one = cluster.with_overrides(nodes=1, devices_per_node=1, name=cluster.name)
     # the whole network on one device: its memory is reported, not enforced
     big = one.with_overrides(device_memory_bytes=max(int(one.device_memory_bytes), 1 << 62))
-    problem = build_problem(fwd, big, PlacementOptions(micro_batches=1))
+    problem = build_problem(fwd, big, PRICE_OPTIONS)
     cost = simulate_placement(problem, np.zeros(problem.num_units, dtype=np.int64))
     return NetworkPrice(step_time_s=float(cost.step_time_s),
                         peak_memory_bytes=float(cost.peak_memory_bytes[0]),

@@ -186,6 +186,29 @@ def _tie_units(graph) -> Optional[List[List[str]]]:
     return [[names[i] for i in units.members(u)] for u in range(len(units.units))]
 
 
+def device_share(ops, best: "MeshResult") -> Dict[str, Dict[str, Any]]:
+    """What one device keeps of each forward operator under the chosen plan, for the passes
+    that plan after shard (``memopt``, the combined report): ``output_split`` {op name: the
+    number of pieces its output is split into (its strategy's output placement)} and
+    ``state_bytes`` {op name: parameter state bytes per device (weights, gradients, optimizer
+    states; ``shard.cost.CostModel.node_cost``)}, for ops that differ from one unsplit device
+    (split > 1, or state bytes of a parameter-loading op)."""
+    from ms_efficient.shard.strategies import output_placement, shard_factor
+
+    split: Dict[str, int] = {}
+    state: Dict[str, int] = {}
+    mesh, model = best.mesh, best.model
+    for spec in ops.specs:
+        strategy = best.solution.strategies[spec.name]
+        k = shard_factor(output_placement(spec, strategy.layout), mesh)
+        if k > 1:
+            split[spec.name] = int(k)
+        cost = model.node_cost(spec, strategy)
+        if cost.params + cost.grads + cost.optim > 0:
+            state[spec.name] = int(round(cost.params + cost.grads + cost.optim))
+    return {"output_split": split, "state_bytes": state}
+
+
 def plan_graph_doc(graph, cluster: ClusterSpec, step_time_s: float, comm_ratio: float = 1.0,
                    meshes: Optional[Sequence[Mesh]] = None, time_limit_s: float = 30.0
                    ) -> Dict[str, Any]:
@@ -217,6 +240,7 @@ def plan_graph_doc(graph, cluster: ClusterSpec, step_time_s: float, comm_ratio: 
                        f"{best.fallback}'s strategies")
     doc["meshes"] = found["meshes"]
     doc["baseline_bound_bytes"] = found["baseline_bound_bytes"]   # best baseline, any mesh
+    doc["device_share"] = device_share(ops, best)
     doc["tied"] = {}
     for name, uses in ops.tied.items():
         splits = split_at_uses(ops.specs, best.solution.strategies, best.mesh, uses)

@@ -1,0 +1,333 @@
+"""Issue 25, items 4 and 5: one cost model and passes that see each other. memopt, shard and
+place price a user's network with the same simulator (the same unoptimised step and peak);
+``optimize()`` reports one simulated step and per-device peak for all passes together; memopt
+plans one device's share after shard (split activations, split parameter state) and each
+stage's in-flight micro-batches after place (1F1B)."""
+import numpy as np
+import pytest
+
+import mindspore as ms
+from mindspore import nn
+
+import ms_efficient
+from ms_efficient.core.config import config_from_dict
+from tests.test_user_network_plans import _deep_llama
+from tests.user_models import llama_with_loss
+
+pytestmark = pytest.mark.mindspore
+CPU2 = {"preset": "cpu-local", "devices_per_node": 2}
+ASCEND = {"preset": "ascend910b-1x8"}
+
+
+@pytest.fixture(autouse=True)
+def _graph_mode():
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+
+
+def _config(cluster, **optimize):
+    return config_from_dict({"optimize": optimize, "cluster": cluster})
+
+
+def _context(net, inputs, cluster, graph=None, plans=None, **optimize):
+    """A PassContext of ``net`` (``graph``: one already extracted from an identical net)."""
+    from ms_efficient.passes import PassContext
+
+    context = PassContext(net, _config(cluster, **optimize), inputs, graph=graph)
+    context.plans.update(plans or {})
+    return context
+
+
+def test_every_pass_prices_the_same_network_and_the_summary_combines_them():
+    net, inputs = _deep_llama()
+    names = {n for n, _ in net.cells_and_names()}
+    net, plans = ms_efficient.optimize(
+        net, _config(CPU2, passes=["shard", "place", "memopt"], memory_budget="90%"),
+        sample_inputs=inputs)
+    memopt, place, shard, summary = (plans[k] for k in ("memopt", "place", "shard", "summary"))
+    # one simulator: the same unoptimised step and peak in every plan and in the summary
+    assert memopt["unoptimised"] == place["unoptimised"] == shard["unoptimised"] \
+        == summary["unoptimised"]
+    # memopt planned every stage place made, on the device share shard left
+    assert [row["layers"] for row in memopt["devices"]] == [s["blocks"] for s in place["stages"]]
+    mesh = f"{shard['mesh']['dp']}x{shard['mesh']['mp']} mesh"
+    assert [row["device"] for row in memopt["devices"]] == [
+        f"stage {s} of {len(place['stages'])}, {mesh}" for s in range(len(place["stages"]))]
+    # "90%" of the largest stage's unoptimised peak, on every stage (one device memory)
+    top = max(row["unoptimised_peak_bytes"] for row in memopt["devices"])
+    for row in memopt["devices"]:
+        assert row["budget_bytes"] == pytest.approx(0.9 * top, abs=1)
+        assert row["peak_bytes"] <= row["budget_bytes"]
+        assert row["planned"] == (row["unoptimised_peak_bytes"] > row["budget_bytes"])
+    # the summary: one device row per stage, its peaks memopt's, its step the pipeline's
+    assert summary["passes"] == ["shard", "place", "memopt"]
+    assert [d["devices"] for d in summary["devices"]] == [[s["device"]] for s in place["stages"]]
+    assert [d["peak_memory_bytes"] for d in summary["devices"]] == [
+        row["peak_bytes"] for row in memopt["devices"]]
+    assert summary["peak_memory_bytes"] < summary["unoptimised"]["peak_memory_bytes"]
+    assert summary["comm_time_s"] == shard["summary"]["comm_time_s"]
+    assert summary["step_time_s"] >= place["step_time_s"] - 1e-12
+    # shard's mesh on each stage: more devices than the cluster's 2, and the report says so
+    needed = shard["mesh"]["dp"] * shard["mesh"]["mp"] * len(place["stages"])
+    assert summary["devices_needed"] == needed
+    assert ("note" in summary) == (needed > 2)
+    # every name in every plan is a Cell of the user's network
+    for name in ("memopt", "place", "shard"):
+        assert set(plans[name]["cells"]) <= names
+        assert not any("_recompute_cell" in c or "wrap_cell" in c for c in plans[name]["cells"])
+    # and the network still trains in GRAPH_MODE after all passes together
+    step = nn.TrainOneStepCell(net, nn.Adam(net.trainable_params(), 1e-3))
+    assert all(np.isfinite([float(step(*inputs).asnumpy()) for _ in range(2)]))
+
+
+def test_memopt_alone_is_priced_as_the_network_and_the_summary_is_its_plan():
+    net, inputs = llama_with_loss(num_layers=3)
+    net, plans = ms_efficient.optimize(net, _config(ASCEND, passes=["memopt"],
+                                                    memory_budget="90%"), sample_inputs=inputs)
+    memopt, summary = plans["memopt"], plans["summary"]
+    price = memopt["unoptimised"]
+    (row,) = memopt["devices"]
+    # its all-keep plan on one device is the shared price, step and peak
+    assert row["device"] == "one device" and row["planned"]
+    assert row["unoptimised_peak_bytes"] == price["peak_memory_bytes"]
+    assert memopt["unoptimised_peak_bytes"] == price["peak_memory_bytes"]
+    assert row["unoptimised_step_time_s"] == pytest.approx(price["step_time_s"], rel=1e-9)
+    # recomputation costs time, never less than the unoptimised step
+    assert memopt["simulated"]["step_time_s"] > price["step_time_s"]
+    assert summary["step_time_s"] == pytest.approx(memopt["simulated"]["step_time_s"], rel=1e-12)
+    assert summary["peak_memory_bytes"] == memopt["simulated"]["peak_bytes"]
+    assert summary["devices"][0]["devices"] == [0] and summary["comm_time_s"] == 0.0
+
+
+def test_a_summary_of_place_alone_is_places_pipeline():
+    from ms_efficient.plan_report import combined_report, pipeline_step_s
+
+    net, inputs = _deep_llama()
+    net, plans = ms_efficient.optimize(net, _config(CPU2, passes=["place"]),
+                                       sample_inputs=inputs)
+    place, summary = plans["place"], plans["summary"]
+    assert summary["step_time_s"] == pytest.approx(place["step_time_s"], rel=1e-12)
+    assert len(summary["devices"]) == len(place["stages"])
+    # stage s of S holds min(S - s, M) micro-batches in flight: the first stage the most
+    peaks = [d["peak_memory_bytes"] for d in summary["devices"]]
+    assert peaks[0] > peaks[-1] and max(peaks) < summary["unoptimised"]["peak_memory_bytes"]
+    # the 1F1B step formula, by hand: 3 stages of 2 s at 4 micro-batches
+    assert pipeline_step_s([2.0, 2.0, 2.0], 4) == pytest.approx(6 / 4 + 3 * 2 / 4)
+    assert callable(combined_report)
+
+
+def _llama_graph(layers=3, batch=8):
+    from ms_efficient.graph import from_network
+
+    net, inputs = llama_with_loss(num_layers=layers, batch=batch)
+    return from_network(net, *inputs, mode="train")
+
+
+BLOCKS3 = [f"_backbone.model.layers.{i}" for i in range(3)]
+
+
+def _profile(graph, blocks, cluster, shard=None, place=None, stage=0):
+    from ms_efficient.core.config import config_from_dict as cfg
+    from ms_efficient.graph.cells import assign_units
+    from ms_efficient.memopt.profile import device_shares, profile_from_units
+
+    spec = cfg({"cluster": cluster}).cluster_spec()
+    share = device_shares(graph, spec, shard, place)[stage]
+    return profile_from_units(graph, assign_units(graph, blocks), spec, 8, share)
+
+
+def test_memopt_plan_changes_when_shard_halves_a_blocks_activations():
+    from ms_efficient.graph.cells import assign_units
+    from ms_efficient.memopt.apply import memopt_pass
+
+    graph = _llama_graph()
+    alone = _profile(graph, BLOCKS3, ASCEND)
+    net, inputs = llama_with_loss(num_layers=3, batch=8)
+    budget = int(0.9 * (alone.static_bytes + alone.activation_bytes.sum()))
+    _, before = memopt_pass(net, _context(net, inputs, ASCEND, graph, memory_budget=budget))
+    (recomputed,) = [n for n in before["cells"]]          # one block fits 90% here
+    # a shard plan that splits that block's operator outputs in two (mp = 2) and nothing else
+    units = assign_units(graph, BLOCKS3)
+    nodes = list(graph)
+    k = BLOCKS3.index(recomputed)
+    split = {nodes[i].name: 2 for i in units.members(k)}
+    shard = {"mesh": {"dp": 1, "mp": 2}, "summary": {"comm_time_s": 0.0},
+             "device_share": {"output_split": split, "state_bytes": {}}}
+    halved = _profile(graph, BLOCKS3, ASCEND, shard=shard)
+    assert halved.activation_bytes[k] == pytest.approx(alone.activation_bytes[k] / 2, rel=1e-12)
+    others = [i for i in range(3) if i != k]
+    assert np.array_equal(halved.activation_bytes[others], alone.activation_bytes[others])
+    assert halved.static_bytes == alone.static_bytes
+    # the same byte budget now plans another block (or nothing at all)
+    net, inputs = llama_with_loss(num_layers=3, batch=8)
+    context = _context(net, inputs, ASCEND, graph, {"shard": shard}, memory_budget=budget)
+    try:
+        _, after = memopt_pass(net, context)
+    except ValueError as err:
+        assert "already fits" in str(err)
+        return
+    assert after["devices"][0]["device"] == "1x2 mesh"
+    assert set(after["cells"]) != {recomputed}
+
+
+def test_memopt_plan_changes_when_place_moves_blocks_to_another_stage():
+    from ms_efficient.memopt.apply import memopt_pass
+
+    net, inputs = _deep_llama()
+    from ms_efficient.graph import from_network
+
+    graph = from_network(net, *inputs, mode="train")
+    blocks = [f"_backbone.model.layers.{i}" for i in range(6)]
+
+    def place(cut):
+        return {"micro_batches": 4, "stages": [
+            {"stage": 0, "device": 0, "blocks": blocks[:cut]},
+            {"stage": 1, "device": 1, "blocks": blocks[cut:]}]}
+
+    one = _profile(graph, blocks, CPU2)
+    # 1F1B, 2 stages, 4 micro-batches: stage 0 keeps 2 of 4 micro-batches in flight, stage 1
+    # one; the profile's bytes are one micro-batch's (a quarter of the batch)
+    frac = 1 / 4
+    for stage, held, part in ((0, 2, slice(0, 2)), (1, 1, slice(2, 6))):
+        staged = _profile(graph, blocks, CPU2, place=place(2), stage=stage)
+        assert staged.names == blocks[part]
+        assert staged.in_flight == held
+        # (to 0.1%: a parameter-free op the graph schedules after the next block's first op
+        # goes with the next block's stage, as place sets it)
+        assert np.allclose(staged.activation_bytes, frac * one.activation_bytes[part],
+                           rtol=1e-3)
+        assert staged.activation_bytes[0] == frac * one.activation_bytes[part][0]
+    cells = {}
+    for cut in (2, 4):
+        net, inputs = _deep_llama()
+        context = _context(net, inputs, CPU2, graph, {"place": place(cut)},
+                           memory_budget="90%")
+        _, doc = memopt_pass(net, context)
+        assert [row["layers"] for row in doc["devices"]] == [blocks[:cut], blocks[cut:]]
+        assert all(row["peak_bytes"] <= row["budget_bytes"] for row in doc["devices"])
+        cells[cut] = set(doc["cells"])
+    assert cells[2] != cells[4]
+
+
+def _user_networks():
+    """(name, builder) of the networks the package did not write (tests.user_models and
+    tests.test_user_network_plans); each builder returns (network with loss, inputs)."""
+    from tests.test_user_network_plans import ConvNet, PatchEncoder, TiedLM, _classifier
+
+    rng = np.random.default_rng(0)
+    patches = rng.standard_normal((8, 16, 48)).astype(np.float32)
+    images = rng.standard_normal((8, 3, 32, 32)).astype(np.float32)
+    ids = rng.integers(0, 64, (8, 16)).astype(np.int32)
+    labels = rng.integers(0, 64, (128,)).astype(np.int32)
+
+    def seeded(build):
+        def make():
+            ms.set_seed(0)
+            return build()
+        return make
+
+    return [
+        ("llama", seeded(lambda: llama_with_loss(num_layers=3, batch=8))),
+        ("nn.TransformerEncoder", seeded(lambda: _classifier(PatchEncoder(),
+                                                             ms.Tensor(patches)))),
+        ("convnet", seeded(lambda: _classifier(ConvNet(), ms.Tensor(images)))),
+        ("tied embedding/head", seeded(lambda: (nn.WithLossCell(TiedLM(), nn.CrossEntropyLoss()),
+                                                (ms.Tensor(ids), ms.Tensor(labels))))),
+    ]
+
+
+@pytest.mark.parametrize("name,build", _user_networks(), ids=[n for n, _ in _user_networks()])
+def test_memopt_at_50_and_90_percent_plans_within_budget_or_names_the_floor(name, build):
+    from ms_efficient.graph import from_network
+    from ms_efficient.memopt.apply import memopt_pass
+
+    net, inputs = build()
+    graph = from_network(net, *inputs, mode="train")
+    outcomes = {}
+    for budget in ("50%", "90%"):
+        net, inputs = build()
+        names = {n for n, _ in net.cells_and_names()}
+        try:
+            _, doc = memopt_pass(net, _context(net, inputs, ASCEND, graph,
+                                               memory_budget=budget))
+        except ValueError as err:        # one error naming the floor, or why it cannot pay
+            message = str(err)
+            assert (message.startswith(f"'optimize.memory_budget' ({budget}, ")
+                    and "is below the feasible floor" in message
+                    and __import__("re").search(r"floor \d+\.\d% \(", message)) \
+                or "recompute does not pay" in message, message
+            outcomes[budget] = "floor" if "feasible floor" in message else "does not pay"
+            continue
+        assert doc["simulated"]["fits"] and doc["simulated"]["peak_bytes"] <= doc["budget_bytes"]
+        assert doc["budget_bytes"] == pytest.approx(float(budget[:-1]) / 100
+                                                    * doc["unoptimised_peak_bytes"], abs=1)
+        assert doc["cells"] and set(doc["cells"]) <= names
+        assert not any("_recompute_cell" in c or "wrap_cell" in c for c in doc["cells"])
+        outcomes[budget] = "plan"
+    # a share that cannot fit leaves every larger one to decide; 90% never fails where 50% fits
+    assert not (outcomes["50%"] == "plan" and outcomes["90%"] == "floor")
+
+
+def test_plan_memory_on_a_graph_exported_at_batch_8_plans_batch_8(tmp_path, capsys):
+    import yaml
+
+    from ms_efficient.cli import main
+
+    graph = _llama_graph(batch=8)
+    path, out = str(tmp_path / "llama.json"), str(tmp_path / "plan.yaml")
+    graph.save_json(path)
+    assert main(["plan", "memory", path, "--budget", "90%", "--out", out]) == 0
+    with open(out, encoding="utf-8") as fh:
+        at8 = yaml.safe_load(fh)
+    assert at8["batch_size"] == 8                  # was 1: the batch the graph stands for
+    # --batch rescales the activations (static bytes stay): half the batch, a smaller peak
+    assert main(["plan", "memory", path, "--budget", "90%", "--batch", "4", "--out", out]) == 0
+    with open(out, encoding="utf-8") as fh:
+        at4 = yaml.safe_load(fh)
+    assert at4["batch_size"] == 4 and at4["budget_bytes"] < at8["budget_bytes"]
+    # a share, as optimize() takes it: parsed, then refused only for the floor it names
+    capsys.readouterr()
+    assert main(["plan", "memory", path, "--budget", "10%", "--out", out]) == 2
+    assert __import__("re").search(r"'--budget' \(10%, .*\) is below the feasible floor "
+                                   r"\d+\.\d%", capsys.readouterr().err)
+
+
+def test_the_default_budget_is_each_stages_device_memory():
+    from ms_efficient.graph import from_network
+    from ms_efficient.memopt.apply import memopt_pass
+
+    net, inputs = _deep_llama()
+    graph = from_network(net, *inputs, mode="train")
+    blocks = [f"_backbone.model.layers.{i}" for i in range(6)]
+    place = {"micro_batches": 4, "stages": [{"stage": 0, "device": 0, "blocks": blocks[:3]},
+                                            {"stage": 1, "device": 1, "blocks": blocks[3:]}]}
+    first = _profile(graph, blocks, CPU2, place=place, stage=0)
+    second = _profile(graph, blocks, CPU2, place=place, stage=1)
+    # all kept: the in-flight micro-batches' activations (one micro-batch's bytes each)
+    peaks = [p.static_bytes + p.in_flight * p.activation_bytes.sum() for p in (first, second)]
+    assert peaks[0] > peaks[1]           # stage 0 keeps 2 micro-batches in flight, stage 1 one
+    device = int((peaks[0] + peaks[1]) / 2)          # between the two stages' peaks
+    cluster = {**CPU2, "device_memory_bytes": device}
+    net, inputs = _deep_llama()
+    _, doc = memopt_pass(net, _context(net, inputs, cluster, graph, {"place": place}))
+    rows = doc["devices"]
+    assert [r["budget_bytes"] for r in rows] == [device, device]
+    assert [r["unoptimised_peak_bytes"] for r in rows] == [int(round(p)) for p in peaks]
+    assert [r["planned"] for r in rows] == [True, False]      # only stage 0 needs recompute
+    assert [layer["name"] for layer in doc["layers"]] == blocks   # both stages' Cells
+    assert all(layer["action"] == "keep" for layer in doc["layers"][3:])
+    assert rows[0]["peak_bytes"] <= device and set(doc["cells"]) <= set(blocks[:3])
+
+
+def test_memopt_never_plans_mindsporess_recompute_wrappers():
+    # a user's own recompute() adds '_recompute_cell' children that a glob would match
+    net, inputs = llama_with_loss(num_layers=2, batch=8)
+    for layer in net._backbone.model.layers:
+        layer.recompute()
+    patterns = ["_backbone.model.layers.0.*", "_backbone.model.layers.1.*"]
+    net, plans = ms_efficient.optimize(net, _config(ASCEND, passes=["memopt"],
+                                                    memory_budget="95%", memopt_cells=patterns),
+                                       sample_inputs=inputs)
+    layers = [layer["name"] for layer in plans["memopt"]["layers"]]
+    assert layers and not any("_recompute_cell" in n or "wrap_cell" in n for n in layers)
+    assert {n.rsplit(".", 1)[1] for n in layers} <= {"input_layernorm", "self_attn",
+                                                     "post_attention_layernorm", "mlp"}
