@@ -225,11 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
-    """Output files (``--out`` of every command but train, whose --out is a run folder, and
-    ``--json``) are refused before any work when they name a folder."""
+    """Output files (``--out`` of every command but train and plan bundle, whose --out is a
+    folder, and ``--json``) are refused before any work when they name a folder."""
     for name in ("out", "json"):
         value = getattr(args, name, None)
-        if value and os.path.isdir(value) and not (name == "out" and args.command == "train"):
+        folder = args.command == "train" or getattr(args, "out_is_folder", False)
+        if value and os.path.isdir(value) and not (name == "out" and folder):
             raise ValueError(f"'--{name}' must be a file to write, but '{value}' is a folder.")
 
 

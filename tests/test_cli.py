@@ -115,3 +115,12 @@ def test_bench_moe_rejects_a_skew_out_of_range_before_any_work(tmp_path, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'--skew' values must be in [0, 4], but got 9.0" in err[0]
     assert not out.exists()
+
+
+def test_plan_bundle_writes_into_a_folder_while_file_outputs_refuse_one(tmp_path):
+    from ms_efficient.cli import _check_outputs, build_parser
+
+    parser = build_parser()
+    _check_outputs(parser.parse_args(["plan", "bundle", "run.yaml", "--out", str(tmp_path)]))
+    with pytest.raises(ValueError, match="'--out' must be a file to write"):
+        _check_outputs(parser.parse_args(["plan", "memory", "g.json", "--out", str(tmp_path)]))

@@ -16,6 +16,7 @@ def add_bundle_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="run config YAML (model, moe, train, cluster, optimize); "
                                        "optimize.passes must include shard and/or place")
     parser.add_argument("--out", required=True, help="bundle folder to write")
+    parser.set_defaults(out_is_folder=True)
     parser.add_argument("--devices", type=positive_int,
                         help="ranks of the job (default: the config's cluster)")
     parser.add_argument("--command", help="training command msrun runs on every rank "
