@@ -123,4 +123,5 @@ def test_plan_bundle_writes_into_a_folder_while_file_outputs_refuse_one(tmp_path
     parser = build_parser()
     _check_outputs(parser.parse_args(["plan", "bundle", "run.yaml", "--out", str(tmp_path)]))
     with pytest.raises(ValueError, match="'--out' must be a file to write"):
-        _check_outputs(parser.parse_args(["plan", "memory", "g.json", "--out", str(tmp_path)]))
+        _check_outputs(parser.parse_args(["plan", "memory", "g.json", "--budget", "50%",
+                                              "--out", str(tmp_path)]))
