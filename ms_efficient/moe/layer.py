@@ -260,9 +260,9 @@ class MoEFeedForward(nn.Cell):
                                                       (normal, (e, f, h), "w2"),
                                                       (zeros, (e, 1, h), "b2")))
         wrap = ParameterTuple if self.per_expert else (lambda p: p)
-        self.w1, self.w2 = wrap(weights[0]), wrap(weights[2])
-        if self.has_bias:
-            self.b1, self.b2 = wrap(weights[1]), wrap(weights[3])
+        for name, value in zip(("w1", "b1", "w2", "b2"), weights):   # checkpoint order
+            if self.has_bias or name[0] == "w":
+                setattr(self, name, wrap(value))
         self.bmm = ops.BatchMatMul()
         self.activation = activation if activation is not None else make_gelu()
         self.arrival = TopKArrival(num_experts, top_k, renormalize)
