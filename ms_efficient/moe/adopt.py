@@ -47,7 +47,7 @@ from ms_efficient.moe.layer import (DISPATCH_MODES, ROUTING_COUNTS, MoEFeedForwa
                                     expert_capacity, make_gelu)
 from ms_efficient.moe.swap import replace_cell
 
-__all__ = ["adopt_moe", "find_moe_blocks", "AdoptedBlock", "TOP_K_ATTRIBUTES",
+__all__ = ["adopt_moe", "find_moe_blocks", "adopt_hint", "AdoptedBlock", "TOP_K_ATTRIBUTES",
            "RENORMALIZE_ATTRIBUTES"]
 
 TOP_K_ATTRIBUTES = ("top_k", "num_experts_per_tok", "topk", "k")
@@ -329,6 +329,17 @@ def find_moe_blocks(network: nn.Cell) -> List[str]:
     """Paths of the Cells of ``network`` that look like a user's own MoE block (what
     :func:`adopt_moe` would try to replace), without checking or changing anything."""
     return [p for p, _ in _blocks(network)]
+
+
+def adopt_hint(network: nn.Cell) -> str:
+    """A sentence for the error of a pass or callback that found no package MoE layer: where
+    ``network`` has MoE blocks of its own and how to adopt them ("" when it has none)."""
+    paths = find_moe_blocks(network)
+    if not paths:
+        return ""
+    return (f" The network has MoE blocks of its own at {paths}: put the package's layer in "
+            f"their place first with `network, report = ms_efficient.moe.adopt_moe(network, "
+            f"tokens=B * S)`.")
 
 
 def adopt_moe(network: nn.Cell, tokens: int, capacity_factor: float = 0.0,
