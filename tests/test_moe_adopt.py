@@ -29,26 +29,28 @@ def _loss_and_grads(net, inputs, params):
     return float(loss.asnumpy()), [g.asnumpy() for g in grads]
 
 
-@pytest.mark.parametrize("kind, moe, renormalize, activation", [
-    ("stacked", {"gating": "topk_softmax"}, True, "GELU"),          # Mixtral: = renormalised
-    ("stacked", {"gating": "softmax_topk", "act": "relu_fn"}, False, "ReLU"),  # detected
-    ("stacked", {"gating": "renorm", "act": "relu_fn"}, True, "ReLU"),
-    ("list", {"norm_topk_prob": False}, False, "ReLU"),            # read from the attribute
+@pytest.mark.parametrize("kind, moe, renormalize, activation, dispatch", [
+    ("stacked", {"gating": "topk_softmax"}, True, "GELU", "static"),   # Mixtral: renormalised
+    ("stacked", {"gating": "softmax_topk", "act": "relu_fn"}, False, "ReLU", "static"),
+    ("stacked", {"gating": "renorm", "act": "relu_fn"}, True, "ReLU", "static"),
+    ("list", {"norm_topk_prob": False}, False, "ReLU", "static"),     # read from the attribute
+    ("list", {"norm_topk_prob": True}, True, "ReLU", "grouped"),      # padding-free layer
 ])
 def test_adopted_network_has_the_outputs_gradients_and_names_of_the_original(
-        kind, moe, renormalize, activation):
+        kind, moe, renormalize, activation, dispatch):
     net, inputs = user_moe_with_loss(kind, **moe)
     params = net.trainable_params()
     names = {id(p): p.name for p in net.get_parameters()}
     loss0, grads0 = _loss_and_grads(net, inputs, params)
 
-    adopted, report = adopt_moe(net, tokens=TOKENS)
+    adopted, report = adopt_moe(net, tokens=TOKENS, dispatch=dispatch)
     assert adopted is net and sorted(report) == BLOCKS
     for block in report.values():
         assert (block.num_experts, block.top_k, block.hidden_size, block.ffn_hidden_size) == \
             (4, 2, 16, 24)
         assert block.renormalize is renormalize and block.activation == activation
-        assert block.capacity == TOKENS and block.probe_error <= 1e-4     # dropless
+        assert block.experts == kind and block.probe_error <= 1e-4
+        assert block.capacity == (TOKENS if dispatch == "static" else 0)   # dropless
     cells = dict(net.cells_and_names())
     assert all(isinstance(cells[p], MoEMLP) for p in BLOCKS)
     # the user's Parameters are reused under their own names; only buffers are new

@@ -98,16 +98,18 @@ class MoEMLP(nn.Cell):
             x3 = x.reshape((1,) + shape)
         else:
             x3 = x.reshape((-1,) + shape[-2:])
-        y, aux, _, dropped = self.moe(x3)
+        y, aux, counts, dropped = self.moe(x3)
         ops.assign(self.aux_loss, ops.stop_gradient(aux))
         ops.assign(self.dropped, dropped)
-        return y.reshape(shape), aux
+        # counts are kept by the layer itself; depending on them keeps the graph from
+        # pruning that output as an isolated side-effect node (a compiler warning otherwise)
+        return ops.depend(y.reshape(shape), counts), aux
 
     def construct(self, x):
         y, aux = self.forward_with_aux(x)
         if self.use_aux_gradient:
-            y = self.aux_gradient(y, aux)
-        return y
+            return self.aux_gradient(y, aux)
+        return ops.depend(y, aux)        # aux's assignment stays in the graph (no gradient)
 
     @property
     def layer(self) -> nn.Cell:
