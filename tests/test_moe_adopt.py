@@ -33,6 +33,7 @@ def _loss_and_grads(net, inputs, params):
     ("stacked", {"gating": "topk_softmax"}, True, "GELU", "static"),   # Mixtral: renormalised
     ("stacked", {"gating": "softmax_topk", "act": "relu_fn"}, False, "ReLU", "static"),
     ("stacked", {"gating": "renorm", "act": "relu_fn"}, True, "ReLU", "static"),
+    ("stacked", {"bias": False}, True, "GELU", "static"),            # Mixtral: no biases
     ("list", {"norm_topk_prob": False}, False, "ReLU", "static"),     # read from the attribute
     ("list", {"norm_topk_prob": True}, True, "ReLU", "grouped"),      # padding-free layer
 ])
@@ -106,7 +107,8 @@ def test_adopted_layers_are_planned_by_the_moe_passes_and_callbacks_and_train(tm
     load = trace.counts.sum(axis=2)[-1]                   # the same batch every step
     for i, path in enumerate(layers):
         assert all(c >= n for c, n in zip(em[path]["capacities"], load[i]))
-    assert plans["efficientmoe"]["rows_after"] < plans["efficientmoe"]["rows_before"] == 2 * 4 * TOKENS
+    rows = plans["efficientmoe"]
+    assert rows["rows_after"] < rows["rows_before"] == 2 * 4 * TOKENS     # dropless before
     cells = dict(net.cells_and_names())
     for path, plan in plans["mpipe"]["cells"].items():
         assert path in layers and type(cells[path]).__name__ == "PipelinedMoE"

@@ -138,7 +138,8 @@ def llama_with_loss(moe=None, num_layers=2, seed=0, batch=2):
 # --------------------------------------------------------------------------- user-written MoE
 class UserStackedMoE(nn.Cell):
     """A user's own MoE FFN as written without the package: a Dense router ``gate``, stacked
-    expert weights w1 [E, H, F], b1 [E, F], w2 [E, F, H], b2 [E, H], every expert computed on
+    expert weights w1 [E, H, F], b1 [E, F], w2 [E, F, H], b2 [E, H] (biases unless
+    ``bias=False``, as in Mixtral), every expert computed on
     every token and masked by its gate (dense, as simple user code does).
 
     gating: "topk_softmax" (Mixtral: top-k of the logits, softmax over those k), "renorm"
@@ -147,14 +148,16 @@ class UserStackedMoE(nn.Cell):
     act: "gelu" (nn.GELU, tanh form) or "relu_fn" (ops.relu in construct, no Cell)."""
 
     def __init__(self, hidden_size, ffn_size, num_experts, top_k, gating="topk_softmax",
-                 act="gelu"):
+                 act="gelu", bias=True):
         super().__init__()
         e, h, f = num_experts, hidden_size, ffn_size
         self.gate = nn.Dense(h, e, has_bias=False, weight_init=Normal(0.5))
         self.w1 = Parameter(initializer(Normal(0.2), (e, h, f), ms.float32), name="w1")
-        self.b1 = Parameter(initializer(Normal(0.1), (e, f), ms.float32), name="b1")
         self.w2 = Parameter(initializer(Normal(0.2), (e, f, h), ms.float32), name="w2")
-        self.b2 = Parameter(initializer(Normal(0.1), (e, h), ms.float32), name="b2")
+        self.bias = bias
+        if bias:
+            self.b1 = Parameter(initializer(Normal(0.1), (e, f), ms.float32), name="b1")
+            self.b2 = Parameter(initializer(Normal(0.1), (e, h), ms.float32), name="b2")
         self.top_k = top_k
         self.num_experts = num_experts
         self.gating = gating
@@ -180,9 +183,13 @@ class UserStackedMoE(nn.Cell):
         b, s, h = x.shape
         x_TH = x.reshape(b * s, h)
         x_ETH = ops.broadcast_to(x_TH.expand_dims(0), (self.num_experts, b * s, h))
-        hid = self.bmm(x_ETH, self.w1) + self.b1.expand_dims(1)
+        hid = self.bmm(x_ETH, self.w1)
+        if self.bias:
+            hid = hid + self.b1.expand_dims(1)
         hid = self.act(hid) if self.use_gelu else ops.relu(hid)
-        out_ETH = self.bmm(hid, self.w2) + self.b2.expand_dims(1)
+        out_ETH = self.bmm(hid, self.w2)
+        if self.bias:
+            out_ETH = out_ETH + self.b2.expand_dims(1)
         gates_ET = self.gates(x_TH).transpose(1, 0)
         return (out_ETH * gates_ET.expand_dims(-1)).sum(axis=0).reshape(b, s, h)
 

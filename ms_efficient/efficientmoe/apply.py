@@ -132,7 +132,8 @@ class EfficientMoECallback(RoutingTraceCallback):
     """Sample, predict and re-plan per-expert capacities inside ``Model.train``.
 
     Args:
-        network: the Cell being trained; its ``MoEFeedForward`` layers are re-planned.
+        network: the Cell being trained; its ``MoEFeedForward`` layers (also those inside
+            ``MoEMLP`` and those ``adopt_moe`` put in place of a user's MoE) are re-planned.
         config: a RunConfig (its ``efficientmoe`` section and ``cluster``, whose FLOP/s price a
             slot row) or an EfficientMoEConfig (priced on the ``cpu-local`` preset).
         path, save_every: as for :class:`RoutingTraceCallback` (the trace is kept too).
@@ -264,8 +265,8 @@ class EfficientMoECallback(RoutingTraceCallback):
 def efficientmoe_pass(network: nn.Cell, context) -> tuple:
     """The ``efficientmoe`` pass: per-expert capacities of every ``MoEFeedForward`` of the
     network (under any attribute names; the layer inside a drop-in ``MoEMLP`` and the layers
-    ``ms_efficient.moe.adopt_moe`` put in place of a user's own MoE blocks too), planned before compilation from the routing trace
-    ``efficientmoe.history`` by the planner the trainer and :class:`EfficientMoECallback` use.
+    ``ms_efficient.moe.adopt_moe`` put in place of a user's own MoE blocks too), planned
+    before compilation from the routing trace ``efficientmoe.history`` by the planner the trainer and :class:`EfficientMoECallback` use.
     Raises ValueError without MoE layers, without a history, for a trace of other shapes, or
     when the layers already have the planned capacities."""
     from ms_efficient.moe.layer import MoEFeedForward

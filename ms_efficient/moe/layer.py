@@ -305,7 +305,7 @@ class MoEFeedForward(nn.Cell):
         hidden_NF = self.gmm(x_NH, tables[0], sizes_E)
         if self.has_bias:
             hidden_NF = hidden_NF + ops.gather(tables[1].reshape(e, -1), expert_N, 0)
-        y_NH = self.gmm(self.activation(hidden_NF), tables[-2], sizes_E)
+        y_NH = self.gmm(self.activation(hidden_NF), tables[2 if self.has_bias else 1], sizes_E)
         if self.has_bias:
             y_NH = y_NH + ops.gather(tables[3].reshape(e, h), expert_N, 0)
         # Step 3: combine: out[t] = sum_k weights_TK[t, k] * y_NH[row of (t, k)]
@@ -362,7 +362,7 @@ class MoEFeedForward(nn.Cell):
             hid = self.bmm(rows, tables[0])
             if self.has_bias:
                 hid = hid + tables[1]
-            out = self.bmm(self.activation(hid), tables[-2])
+            out = self.bmm(self.activation(hid), tables[2 if self.has_bias else 1])
             if self.has_bias:
                 out = out + tables[3]
             outs = outs + (out.reshape(g * c, -1),)
