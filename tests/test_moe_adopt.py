@@ -205,3 +205,20 @@ def test_the_aux_loss_coefficient_adds_the_gradient_of_coef_times_the_aux_loss()
                                atol=1e-6)
     assert np.abs(injected[0].asnumpy() - plain[0].asnumpy()).max() > 1e-4
     assert ops.isfinite(injected[0]).all()
+
+
+def test_a_one_expert_moe_mlp_equals_the_dense_ffn_forward_and_gradient():
+    """E = 1, k = 1, no biases, ReLU, gates kept as they are (the one softmax weight is 1):
+    relu(x w1) w2 on a [T, H] input, and d sum(y) / dx = (relu'(x w1) * (1 w2^T)) w1^T."""
+    t, h, f = 12, 8, 16
+    mlp = MoEMLP(h, f, 1, 1, capacity=t, activation=nn.ReLU(), renormalize=False,
+                 has_bias=False, init_std=0.5)
+    x = np.random.default_rng(2).standard_normal((t, h)).astype(np.float32)
+    w1, w2 = mlp.moe.w1.asnumpy()[0], mlp.moe.w2.asnumpy()[0]
+    a = x @ w1
+    np.testing.assert_allclose(mlp(ms.Tensor(x)).asnumpy(), np.maximum(a, 0) @ w2, rtol=1e-5,
+                               atol=1e-5)
+    gx = ms.grad(AuxNet(mlp), 0)(ms.Tensor(x)).asnumpy()
+    np.testing.assert_allclose(gx, ((a > 0) * (np.ones((t, h)) @ w2.T)) @ w1.T, rtol=1e-4,
+                               atol=1e-5)
+    assert mlp.statistics()["counts"].tolist() == [[t]]

@@ -361,8 +361,11 @@ def adopt_moe(network: nn.Cell, tokens: int, capacity_factor: float = 0.0,
         trace_ranks: R trace groups of the layers' routing counts (must divide T).
         dispatch: "static" (plannable capacities) or "grouped" (padding-free, dropless).
 
-    Parameter names: the block's own Parameters keep theirs; the new buffers are named by
+    Parameter names: the block's own Parameters keep theirs (the same objects: an optimizer
+    built before adoption still updates them); the new buffers, not trainable, are named by
     the block's path (``<path>.aux_loss``, ``<path>.dropped``, ``<path>.moe.routing_counts``).
+    With a list of Dense experts ``get_parameters()`` lists them grouped by kind (every
+    expert's first weight, then biases, ...), not expert by expert; checkpoints load by name.
     Raises ValueError for a block that breaks the contract, one whose output no gating /
     activation choice reproduces, or a network without MoE blocks.
     """

@@ -61,7 +61,7 @@ class MoEMLP(nn.Cell):
 
     Args:
         hidden_size, ffn_hidden_size, num_experts, top_k, capacity, trace_ranks, init_std,
-            dispatch, activation, renormalize: as for
+            dispatch, activation, renormalize, has_bias: as for
             :class:`~ms_efficient.moe.layer.MoEFeedForward` (ignored with ``layer``).
         aux_loss_coef: weight of the load-balancing loss in the gradients (0: none).
         layer: an existing MoE layer (``MoEFeedForward``) to wrap instead of building one.
@@ -74,11 +74,13 @@ class MoEMLP(nn.Cell):
                  top_k: int = 0, capacity: Union[int, Sequence[int]] = 0,
                  aux_loss_coef: float = 0.0, trace_ranks: int = 1, init_std: float = 0.02,
                  dispatch: str = "static", activation: Optional[nn.Cell] = None,
-                 renormalize: bool = True, layer: Optional[nn.Cell] = None):
+                 renormalize: bool = True, has_bias: bool = True,
+                 layer: Optional[nn.Cell] = None):
         super().__init__()
         if layer is None:
             layer = MoEFeedForward(hidden_size, ffn_hidden_size, num_experts, top_k, capacity,
-                                   trace_ranks, init_std, dispatch, activation, renormalize)
+                                   trace_ranks, init_std, dispatch, activation, renormalize,
+                                   has_bias)
         elif not hasattr(layer, ROUTING_COUNTS):
             raise TypeError(f"'layer' must be an MoE layer of the package (MoEFeedForward), "
                             f"but got {type(layer).__name__}.")
