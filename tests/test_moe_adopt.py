@@ -147,6 +147,7 @@ def test_blocks_outside_the_contract_and_networks_without_moe_are_refused():
         adopt_moe(Wrapper(block), tokens=TOKENS)
     with pytest.raises(ValueError, match="found no MoE block in LlamaForCausalLM"):
         adopt_moe(LlamaForCausalLM(), tokens=TOKENS)
+    assert find_moe_blocks(Wrapper(nn.Conv1d(4, 4, 3))) == []      # a 3-D weight alone
     with pytest.raises(ValueError, match="'tokens' must be an int >= 1"):
         adopt_moe(Wrapper(UserStackedMoE(16, 24, 4, 2)), tokens=0)
 

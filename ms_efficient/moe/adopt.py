@@ -29,8 +29,8 @@ Every replacement is checked before anything is changed: the block and the candi
 (dropless) run on the same probe input [2, 8, H] in PYNATIVE mode (the context mode is
 restored afterwards), and the first gating / activation choice whose output matches the
 block's within 1e-4 of its largest value is used; none matching is a ValueError naming the
-block and the smallest difference. A block that looks like an MoE (stacked 3-D weights, or a
-list of experts beside a router or a top-k attribute) but breaks the contract is a ValueError
+block and the smallest difference. A block that looks like an MoE (two or more stacked 3-D
+weights with one leading size, or a list of experts beside a router or a top-k attribute) but breaks the contract is a ValueError
 naming its path and the shape expected; a network without MoE blocks is a ValueError.
 """
 from __future__ import annotations
@@ -146,8 +146,13 @@ def _expert_list(cell: nn.Cell) -> Optional[Tuple[str, nn.Cell]]:
 
 
 def _looks_like_moe(cell: nn.Cell) -> bool:
-    params = _direct_params(cell)
-    if any(p.ndim == 3 for p in params.values()):
+    """Stacked: two or more direct 3-D Parameters with one leading size E (a single 3-D
+    Parameter, e.g. a position bias, is not an MoE); list: see module doc. MindSpore's own
+    layers (``nn.Conv1d``'s 3-D weight) never are."""
+    if type(cell).__module__.startswith("mindspore."):
+        return False
+    leading = [p.shape[0] for p in _direct_params(cell).values() if p.ndim == 3]
+    if len(leading) >= 2 and len(set(leading)) < len(leading):
         return True
     found = _expert_list(cell)
     if found is None:
@@ -396,8 +401,8 @@ def adopt_moe(network: nn.Cell, tokens: int, capacity_factor: float = 0.0,
         # Step 1: recognise and check every block before changing anything
         chosen = []
         for path, cell in blocks:
-            spec = (_stacked_spec if any(p.ndim == 3 for p in _direct_params(cell).values())
-                    else _list_spec)(path, cell)
+            stacked = sum(p.ndim == 3 for p in _direct_params(cell).values()) >= 2
+            spec = (_stacked_spec if stacked else _list_spec)(path, cell)
             spec = _gating(spec, top_k, renormalize, activation)
             chosen.append((spec,) + _probe(spec))
         # Step 2: replace
