@@ -12,7 +12,8 @@ dispatch rule that splits a rank's tokens over an expert's replicas) and ``trace
 routing-trace ``.npz`` format). ``dropin`` (``MoEMLP``: the layer as a drop-in MLP returning
 y only), ``swap`` (``replace_cell``: put a Cell into a built network with full-path parameter
 names) and ``adopt`` (``adopt_moe``: replace a user's own MoE blocks by the package's layer,
-keeping their weights and names), ``activations`` (the experts' tanh GELU).
+keeping their weights and names; ``blocks`` recognises them), ``activations`` (the experts'
+tanh GELU).
 
 ``adopt_moe``, ``MoEMLP`` and ``replace_cell`` are importable from here; they load MindSpore
 on first use only, so the numpy-only modules (``plan``, ``split``, ``trace``) stay light.
