@@ -133,3 +133,140 @@ def llama_with_loss(moe=None, num_layers=2, seed=0, batch=2):
     ids = ms.Tensor(rng.integers(0, 64, (batch, 16)).astype(np.int32))
     labels = ms.Tensor(rng.integers(0, 64, (batch * 16,)).astype(np.int32))
     return nn.WithLossCell(net, loss), (ids, labels)
+
+
+# --------------------------------------------------------------------------- user-written MoE
+class UserStackedMoE(nn.Cell):
+    """A user's own MoE FFN as written without the package: a Dense router ``gate``, stacked
+    expert weights w1 [E, H, F], b1 [E, F], w2 [E, F, H], b2 [E, H] (biases unless
+    ``bias=False``, as in Mixtral), every expert computed on
+    every token and masked by its gate (dense, as simple user code does).
+
+    gating: "topk_softmax" (Mixtral: top-k of the logits, softmax over those k), "renorm"
+    (softmax, top-k, renormalised) or "softmax_topk" (softmax, top-k, kept as they are). The
+    choice is stored as ``gating``, not under a name ``adopt_moe`` reads, so it is detected.
+    act: "gelu" (nn.GELU, tanh form) or "relu_fn" (ops.relu in construct, no Cell)."""
+
+    def __init__(self, hidden_size, ffn_size, num_experts, top_k, gating="topk_softmax",
+                 act="gelu", bias=True):
+        super().__init__()
+        e, h, f = num_experts, hidden_size, ffn_size
+        self.gate = nn.Dense(h, e, has_bias=False, weight_init=Normal(0.5))
+        self.w1 = Parameter(initializer(Normal(0.2), (e, h, f), ms.float32), name="w1")
+        self.w2 = Parameter(initializer(Normal(0.2), (e, f, h), ms.float32), name="w2")
+        self.bias = bias
+        if bias:
+            self.b1 = Parameter(initializer(Normal(0.1), (e, f), ms.float32), name="b1")
+            self.b2 = Parameter(initializer(Normal(0.1), (e, h), ms.float32), name="b2")
+        self.top_k = top_k
+        self.num_experts = num_experts
+        self.gating = gating
+        self.use_gelu = act == "gelu"
+        self.act = nn.GELU()
+        self.bmm = ops.BatchMatMul()
+
+    def gates(self, x_TH):
+        """[T, E] gate of every expert for every token (zero outside the top k)."""
+        logits = self.gate(x_TH)
+        if self.gating == "topk_softmax":
+            top, ids = ops.topk(logits, self.top_k)
+            weights = ops.softmax(top, axis=-1)
+        else:
+            weights, ids = ops.topk(ops.softmax(logits, axis=-1), self.top_k)
+            if self.gating == "renorm":
+                weights = weights / weights.sum(axis=-1, keepdims=True)
+        onehot = ops.one_hot(ids, self.num_experts, ms.Tensor(1.0, ms.float32),
+                             ms.Tensor(0.0, ms.float32))                  # [T, K, E]
+        return (onehot * weights.expand_dims(-1)).sum(axis=1)
+
+    def construct(self, x):
+        b, s, h = x.shape
+        x_TH = x.reshape(b * s, h)
+        x_ETH = ops.broadcast_to(x_TH.expand_dims(0), (self.num_experts, b * s, h))
+        hid = self.bmm(x_ETH, self.w1)
+        if self.bias:
+            hid = hid + self.b1.expand_dims(1)
+        hid = self.act(hid) if self.use_gelu else ops.relu(hid)
+        out_ETH = self.bmm(hid, self.w2)
+        if self.bias:
+            out_ETH = out_ETH + self.b2.expand_dims(1)
+        gates_ET = self.gates(x_TH).transpose(1, 0)
+        return (out_ETH * gates_ET.expand_dims(-1)).sum(axis=0).reshape(b, s, h)
+
+
+class UserListMoE(nn.Cell):
+    """A user's own MoE FFN with a CellList of Dense experts (Dense -> ReLU -> Dense) and a
+    router Parameter ``router_weight`` [E, H]; softmax -> top-k, renormalised as HF's
+    ``norm_topk_prob`` says (an attribute ``adopt_moe`` reads)."""
+
+    def __init__(self, hidden_size, ffn_size, num_experts, top_k, norm_topk_prob=True):
+        super().__init__()
+        self.router_weight = Parameter(initializer(Normal(0.5), (num_experts, hidden_size),
+                                                   ms.float32), name="router_weight")
+        self.experts = nn.CellList([nn.SequentialCell([
+            nn.Dense(hidden_size, ffn_size, weight_init=Normal(0.2), bias_init=Normal(0.1)),
+            nn.ReLU(),
+            nn.Dense(ffn_size, hidden_size, weight_init=Normal(0.2), bias_init=Normal(0.1))])
+            for _ in range(num_experts)])
+        self.num_experts_per_tok = top_k
+        self.num_experts = num_experts
+        self.norm_topk_prob = norm_topk_prob
+
+    def construct(self, x):
+        b, s, h = x.shape
+        x_TH = x.reshape(b * s, h)
+        probs = ops.softmax(ops.matmul(x_TH, self.router_weight.transpose(1, 0)), axis=-1)
+        weights, ids = ops.topk(probs, self.num_experts_per_tok)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        y = ops.zeros_like(x_TH)
+        for e in range(self.num_experts):
+            gate = (weights * (ids == e).astype(ms.float32)).sum(axis=-1, keepdims=True)
+            y = y + gate * self.experts[e](x_TH)
+        return y.reshape(b, s, h)
+
+
+class UserMoEDecoderLayer(nn.Cell):
+    def __init__(self, hidden_size, num_heads, moe_cell):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size)
+        self.self_attn = LlamaAttention(hidden_size, num_heads)
+        self.post_attention_layernorm = RMSNorm(hidden_size)
+        self.mlp = moe_cell
+
+    def construct(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class UserMoEForCausalLM(nn.Cell):
+    """A decoder whose MLPs are the user's own MoE (``UserStackedMoE`` or ``UserListMoE``):
+    ``construct(input_ids [B, S] int32) -> logits [B * S, V]``."""
+
+    def __init__(self, kind="stacked", vocab_size=64, hidden_size=16, num_heads=2,
+                 ffn_size=24, num_experts=4, top_k=2, num_layers=2, **moe):
+        super().__init__()
+        cls = UserStackedMoE if kind == "stacked" else UserListMoE
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size, embedding_table=Normal(1.0))
+        self.layers = nn.CellList([UserMoEDecoderLayer(
+            hidden_size, num_heads, cls(hidden_size, ffn_size, num_experts, top_k, **moe))
+            for _ in range(num_layers)])
+        self.norm = RMSNorm(hidden_size)
+        self.lm_head = nn.Dense(hidden_size, vocab_size, has_bias=False)
+        self.vocab_size = vocab_size
+
+    def construct(self, input_ids):
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return ops.reshape(self.lm_head(self.norm(x)), (-1, self.vocab_size))
+
+
+def user_moe_with_loss(kind="stacked", seed=0, batch=2, seq=8, **moe):
+    """(``nn.WithLossCell(UserMoEForCausalLM, CrossEntropy)``, sample inputs (ids, labels))."""
+    ms.set_seed(seed)
+    net = UserMoEForCausalLM(kind, **moe)
+    rng = np.random.default_rng(seed)
+    ids = ms.Tensor(rng.integers(0, 64, (batch, seq)).astype(np.int32))
+    labels = ms.Tensor(rng.integers(0, 64, (batch * seq,)).astype(np.int32))
+    return nn.WithLossCell(net, nn.CrossEntropyLoss()), (ids, labels)

@@ -53,6 +53,7 @@ from ms_efficient.efficientmoe.planner import (EfficientMoEPlanner, capacities_L
                                                single_device_plans)
 from ms_efficient.efficientmoe.replan_loop import ReplanLoop
 from ms_efficient.efficientmoe.sampler import RoutingSampler
+from ms_efficient.moe.adopt import adopt_hint
 from ms_efficient.moe.layer import ROUTING_COUNTS
 from ms_efficient.moe.trace import RoutingTrace, load_trace, save_trace
 
@@ -80,7 +81,8 @@ class RoutingTraceCallback(Callback):
                                       if hasattr(c, ROUTING_COUNTS)]
         if not self.layers:
             raise ValueError(f"'network' ({type(network).__name__}) has no MoE layer with a "
-                             f"'{ROUTING_COUNTS}' buffer (MoEFeedForward, ExpertParallelMoE).")
+                             f"'{ROUTING_COUNTS}' buffer (MoEFeedForward, MoEMLP, "
+                             f"ExpertParallelMoE).{adopt_hint(network)}")
         self.path = path
         self.save_every = save_every
         self.sampler = RoutingSampler()
@@ -130,7 +132,8 @@ class EfficientMoECallback(RoutingTraceCallback):
     """Sample, predict and re-plan per-expert capacities inside ``Model.train``.
 
     Args:
-        network: the Cell being trained; its ``MoEFeedForward`` layers are re-planned.
+        network: the Cell being trained; its ``MoEFeedForward`` layers (also those inside
+            ``MoEMLP`` and those ``adopt_moe`` put in place of a user's MoE) are re-planned.
         config: a RunConfig (its ``efficientmoe`` section and ``cluster``, whose FLOP/s price a
             slot row) or an EfficientMoEConfig (priced on the ``cpu-local`` preset).
         path, save_every: as for :class:`RoutingTraceCallback` (the trace is kept too).
@@ -181,7 +184,7 @@ class EfficientMoECallback(RoutingTraceCallback):
     def _planner(self, tokens: int) -> EfficientMoEPlanner:
         first = self.layers[0]
         return one_device_planner(self.cfg, self.cluster, int(first.hidden_size),
-                                  int(first.w1.shape[2]), int(first.num_experts),
+                                  int(first.ffn_hidden_size), int(first.num_experts),
                                   int(first.top_k), tokens, len(self.layers))
 
     def on_train_step_end(self, run_context) -> None:
@@ -261,16 +264,18 @@ class EfficientMoECallback(RoutingTraceCallback):
 @register_pass("efficientmoe")
 def efficientmoe_pass(network: nn.Cell, context) -> tuple:
     """The ``efficientmoe`` pass: per-expert capacities of every ``MoEFeedForward`` of the
-    network (under any attribute names), planned before compilation from the routing trace
-    ``efficientmoe.history`` by the planner the trainer and :class:`EfficientMoECallback` use.
+    network (under any attribute names; the layer inside a drop-in ``MoEMLP`` and the layers
+    ``ms_efficient.moe.adopt_moe`` put in place of a user's own MoE blocks too), planned
+    before compilation from the routing trace ``efficientmoe.history`` by the planner the trainer and :class:`EfficientMoECallback` use.
     Raises ValueError without MoE layers, without a history, for a trace of other shapes, or
     when the layers already have the planned capacities."""
     from ms_efficient.moe.layer import MoEFeedForward
 
     layers = [(p, c) for p, c in network.cells_and_names() if isinstance(c, MoEFeedForward)]
     if not layers:
-        raise ValueError("efficientmoe: found no MoEFeedForward layer in the network; the pass "
-                         "plans the capacities of the package's MoE layer.")
+        raise ValueError(f"efficientmoe: found no MoEFeedForward layer in the network; the pass "
+                         f"plans the capacities of the package's MoE layer (MoEFeedForward, "
+                         f"or MoEMLP around one).{adopt_hint(network)}")
     grouped = [p for p, c in layers if c.dispatch == "grouped"]
     if grouped:
         raise ValueError(f"efficientmoe: MoE layers {grouped} use dispatch 'grouped': on one "
@@ -293,7 +298,7 @@ def efficientmoe_pass(network: nn.Cell, context) -> tuple:
     first = layers[0][1]
     tokens = int(load[-1, 0].sum()) // int(first.top_k)
     cluster = context.config.cluster_spec()
-    planner = one_device_planner(em, cluster, int(first.hidden_size), int(first.w1.shape[2]),
+    planner = one_device_planner(em, cluster, int(first.hidden_size), int(first.ffn_hidden_size),
                                  int(first.num_experts), int(first.top_k), tokens, len(layers))
     cand = planner.propose(one_device_counts(load))
     caps_LE = capacities_LE(cand.plans, want[1])

@@ -30,13 +30,14 @@ its capacity allows. Capacities are static: changing them changes the compiled g
 from __future__ import annotations
 
 import math
-from typing import Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 import mindspore as ms
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
+from ms_efficient.moe.activations import TanhGELU, make_gelu
 from ms_efficient.moe.grouped_matmul import GroupedMatmul, row_groups
 from ms_efficient.moe.kernels import MoeTokenPermute, MoeTokenUnpermute
 
@@ -69,16 +70,18 @@ class TopKArrival(nn.Cell):
     """Top-k routing with arrival order, shared by every MoE layer of the package.
 
     ``construct(logits_TE) -> (probs_TE, weights_TK, expert_ids_A, onehot_AE, position_A)``:
-    router probabilities (float32), the top-k gate weights renormalised to sum to 1, and for
+    router probabilities (float32), the top-k gate weights (softmax, then top-k; renormalised to
+    sum to 1 unless ``renormalize=False``, which keeps the softmax probabilities), and for
     every assignment A = K*T in k-major order (first choices of all tokens before second
     choices, as in GShard) its expert, one-hot row and position among the earlier assignments
     to the same expert. Parameter-free: the router's weights stay in the layer.
     """
 
-    def __init__(self, num_experts: int, top_k: int):
+    def __init__(self, num_experts: int, top_k: int, renormalize: bool = True):
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k
+        self.renormalize = bool(renormalize)
         self.softmax = nn.Softmax(axis=-1)
         self.one_hot = ops.OneHot()
         self.on = Tensor(1.0, ms.float32)
@@ -87,53 +90,12 @@ class TopKArrival(nn.Cell):
     def construct(self, logits_TE):
         probs_TE = self.softmax(logits_TE.astype(ms.float32))
         weights_TK, expert_ids_TK = ops.topk(probs_TE, self.top_k)
-        weights_TK = weights_TK / weights_TK.sum(axis=-1, keepdims=True)
+        if self.renormalize:
+            weights_TK = weights_TK / weights_TK.sum(axis=-1, keepdims=True)
         expert_ids_A = expert_ids_TK.transpose(1, 0).reshape(-1)
         onehot_AE = self.one_hot(expert_ids_A, self.num_experts, self.on, self.off)
         position_A = ((ops.cumsum(onehot_AE, 0) - 1.0) * onehot_AE).sum(axis=-1)
         return probs_TE, weights_TK, expert_ids_A, onehot_AE, position_A.astype(ms.int32)
-
-
-class TanhGELU(nn.Cell):
-    """GELU in its tanh form (Hendrycks & Gimpel 2016), the function ``nn.GELU(approximate=
-    True)`` computes: 0.5 x (1 + tanh(z)), z = sqrt(2 / pi) (x + 0.044715 x^3), evaluated as
-    x * sigmoid(2 z) (the same function: 0.5 (1 + tanh(z)) = sigmoid(2 z)).
-
-    Written with elementwise primitives because MindSpore 2.10's CPU GeLU / GeLUGrad kernels
-    are slow: forward + backward on a [5632, 512] float32 tensor take 1.6-2.8x less time this
-    way (``.venv/bin/python scripts/bench_cpu_ops.py``), and the kernels' GELU was the largest
-    non-matmul cost of the reference model's step in the MindSpore profiler.
-
-    The backward is written by hand, from x alone (as GeLUGrad's): automatic differentiation
-    would keep the forward's intermediate [N, F] tensors alive until the backward, and its
-    1 - tanh(z)^2 loses float32 precision where tanh saturates; sigmoid(2 z) sigmoid(-2 z)
-    = (1 - tanh(z)^2) / 4 does not (the test holds it to 1e-5 of GeLUGrad).
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.c2 = 2.0 * math.sqrt(2.0 / math.pi)
-
-    def construct(self, x):
-        return x * ops.sigmoid(self.c2 * (x + 0.044715 * x * x * x))
-
-    def bprop(self, x, out, dout):
-        """d/dx [x s(2z)] = s + x s(2z) s(-2z) 2 z'(x), z' = sqrt(2 / pi) (1 + 3 * 0.044715 x^2)."""
-        x2 = x * x
-        z2 = self.c2 * (x + 0.044715 * x2 * x)
-        s = ops.sigmoid(z2)
-        slope = s + x * s * ops.sigmoid(-z2) * (self.c2 * (1.0 + 3 * 0.044715 * x2))
-        return (dout * slope,)
-
-
-def make_gelu() -> nn.Cell:
-    """The tanh GELU for the current device target: :class:`TanhGELU` on CPU, where the
-    GeLU kernels are slow, and ``nn.GELU(approximate=True)`` elsewhere (Ascend's GeLU kernel is
-    fused: one pass forward and backward, no temporaries, which the composite cannot match).
-    Reads ``device_target`` when the layer is built, so set the context first."""
-    if ms.get_context("device_target") == "CPU":
-        return TanhGELU()
-    return nn.GELU(approximate=True)
 
 
 def sum_choices(y_AH, top_k: int, tokens: int):
@@ -188,13 +150,26 @@ class MoEFeedForward(nn.Cell):
         hidden_size: H.
         ffn_hidden_size: F, width of every expert's FFN.
         num_experts: E.
-        top_k: K experts per token; their gate weights are renormalised to sum to 1.
+        top_k: K experts per token (gate weights: see ``renormalize``).
         capacity: C slots per expert (see :func:`expert_capacity`), or a sequence of E
             per-expert capacities C_e >= 1.
         trace_ranks: R; the T tokens are split into R equal groups (R virtual source ranks,
             as data-parallel ranks would see them) and per-group expert counts are returned.
         dispatch: "static" (per-expert capacities, padded and dropping) or "grouped" (no
             capacity, no padding, no drops; ``capacity`` is then ignored, see module doc).
+        activation: the experts' activation, a parameter-free Cell (default: tanh GELU,
+            :func:`make_gelu`).
+        renormalize: renormalise the top-k softmax probabilities to sum to 1 (True, as
+            Mixtral's softmax over the top-k logits) or keep them (False, Switch / GShard
+            top-1 and HF Qwen-MoE ``norm_topk_prob=False``).
+        has_bias: whether the experts' two matmuls add biases.
+        router: a Cell mapping [T, H] to logits [T, E] (default: a bias-free Dense); an
+            adopted layer keeps the user's router here.
+        weights: the experts' weights to use instead of new ones (an adopted layer's):
+            ``(w1, b1, w2, b2)`` stacked Parameters w1 [E, H, F], b1 [E, F] or [E, 1, F],
+            w2 [E, F, H], b2 [E, H] or [E, 1, H]; or four tuples of E per-expert Parameters in
+            nn.Dense layout (w1_e [F, H], b1_e [F], w2_e [H, F], b2_e [H]). Biases are None
+            when ``has_bias=False``.
 
     Outputs:
         y_BSH: float [B, S, H].
@@ -208,13 +183,17 @@ class MoEFeedForward(nn.Cell):
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
                  capacity: Union[int, Sequence[int]], trace_ranks: int = 1,
-                 init_std: float = 0.02, dispatch: str = "static"):
+                 init_std: float = 0.02, dispatch: str = "static",
+                 activation: Optional[nn.Cell] = None, renormalize: bool = True,
+                 has_bias: bool = True, router: Optional[nn.Cell] = None,
+                 weights: Optional[tuple] = None):
         super().__init__()
         if dispatch not in DISPATCH_MODES:
             raise ValueError(f"'dispatch' must be one of {list(DISPATCH_MODES)}, but got "
                              f"{dispatch!r}.")
         self.dispatch = dispatch
         self.hidden_size = hidden_size
+        self.ffn_hidden_size = ffn_hidden_size
         self.num_experts = num_experts
         self.top_k = top_k
         if dispatch == "grouped":
@@ -227,15 +206,46 @@ class MoEFeedForward(nn.Cell):
             self.set_capacities(capacity)
         self.trace_ranks = trace_ranks
         e, h, f = num_experts, hidden_size, ffn_hidden_size
-        self.router = nn.Dense(h, e, has_bias=False, weight_init=Normal(init_std))
-        self.w1 = Parameter(initializer(Normal(init_std), (e, h, f), ms.float32), name="w1")
-        self.b1 = Parameter(initializer("zeros", (e, 1, f), ms.float32), name="b1")
-        self.w2 = Parameter(initializer(Normal(init_std), (e, f, h), ms.float32), name="w2")
-        self.b2 = Parameter(initializer("zeros", (e, 1, h), ms.float32), name="b2")
+        self.router = router if router is not None else nn.Dense(
+            h, e, has_bias=False, weight_init=Normal(init_std))
+        self.has_bias = bool(has_bias)
+        # per_expert: the weights are E separate Dense-layout Parameters, stacked every step
+        self.per_expert = weights is not None and isinstance(weights[0], (tuple, list))
+        if weights is None:
+            normal, zeros = Normal(init_std), "zeros"
+            weights = tuple(Parameter(initializer(init, shape, ms.float32), name=name)
+                            for init, shape, name in ((normal, (e, h, f), "w1"),
+                                                      (zeros, (e, 1, f), "b1"),
+                                                      (normal, (e, f, h), "w2"),
+                                                      (zeros, (e, 1, h), "b2")))
+        wrap = ParameterTuple if self.per_expert else (lambda p: p)
+        for name, value in zip(("w1", "b1", "w2", "b2"), weights):   # checkpoint order
+            if self.has_bias or name[0] == "w":
+                setattr(self, name, wrap(value))
         self.bmm = ops.BatchMatMul()
-        self.gelu = make_gelu()
-        self.arrival = TopKArrival(num_experts, top_k)
+        self.activation = activation if activation is not None else make_gelu()
+        self.arrival = TopKArrival(num_experts, top_k, renormalize)
         self.routing_counts = routing_counts_buffer(trace_ranks, num_experts)
+
+    def expert_tables(self):
+        """The experts' weights as stacked tables: (w1 [E, H, F], b1 [E, 1, F], w2 [E, F, H],
+        b2 [E, 1, H]), or (w1, w2) for a layer without biases. Stacked Parameters are used as
+        they are (biases of shape [E, F] / [E, H] reshaped); per-expert weights (Dense layout:
+        w1_e [F, H], b1_e [F], w2_e [H, F], b2_e [H], see ``weights``) are stacked and
+        transposed on every forward, so their gradients reach each expert's Parameters."""
+        e, h, f = self.num_experts, self.hidden_size, self.ffn_hidden_size
+        if self.per_expert:
+            w1 = ops.stack(self.w1).transpose(0, 2, 1)
+            w2 = ops.stack(self.w2).transpose(0, 2, 1)
+        else:
+            w1, w2 = self.w1, self.w2
+        if not self.has_bias:
+            return w1, w2
+        if self.per_expert:
+            b1, b2 = ops.stack(self.b1), ops.stack(self.b2)
+        else:
+            b1, b2 = self.b1, self.b2
+        return w1, b1.reshape(e, 1, f), w2, b2.reshape(e, 1, h)
 
     def construct(self, x):
         if self.dispatch == "grouped":
@@ -291,10 +301,13 @@ class MoEFeedForward(nn.Cell):
         sizes_E = onehot_AE.sum(axis=0).astype(ms.int32)
         expert_N = row_groups(sizes_E, t * k)
         # Step 2: expert FFNs on their own rows, biases gathered by each row's expert
-        b1_NF = ops.gather(self.b1.reshape(e, -1), expert_N, 0)
-        hidden_NF = self.gelu(self.gmm(x_NH, self.w1, sizes_E) + b1_NF)
-        y_NH = self.gmm(hidden_NF, self.w2, sizes_E) + ops.gather(self.b2.reshape(e, h),
-                                                                  expert_N, 0)
+        tables = self.expert_tables()
+        hidden_NF = self.gmm(x_NH, tables[0], sizes_E)
+        if self.has_bias:
+            hidden_NF = hidden_NF + ops.gather(tables[1].reshape(e, -1), expert_N, 0)
+        y_NH = self.gmm(self.activation(hidden_NF), tables[2 if self.has_bias else 1], sizes_E)
+        if self.has_bias:
+            y_NH = y_NH + ops.gather(tables[3].reshape(e, h), expert_N, 0)
         # Step 3: combine: out[t] = sum_k weights_TK[t, k] * y_NH[row of (t, k)]
         y_TH = self.unpermute(y_NH, rows_N, weights_TK.astype(y_NH.dtype))
         aux_loss, counts_RE = routing_statistics(probs_TE, onehot_AE, k, self.trace_ranks)
@@ -337,8 +350,7 @@ class MoEFeedForward(nn.Cell):
         costs a copy the CPU backend does slowly) against its experts' weights [g, H, F]
         (:func:`group_tables`).
         """
-        weights = group_tables((self.w1, self.b1, self.w2, self.b2), self.group_members,
-                               self.num_experts)
+        weights = group_tables(self.expert_tables(), self.group_members, self.num_experts)
         outs = ()
         start = 0
         for gi in range(len(self.groups)):
@@ -346,9 +358,14 @@ class MoEFeedForward(nn.Cell):
             g = len(experts)
             rows = ops.gather(x_pad, slot_token[start:start + g * c], 0).reshape(g, c, -1)
             start = start + g * c
-            w1, b1, w2, b2 = weights[gi]
-            hid = self.gelu(self.bmm(rows, w1) + b1)
-            outs = outs + ((self.bmm(hid, w2) + b2).reshape(g * c, -1),)
+            tables = weights[gi]
+            hid = self.bmm(rows, tables[0])
+            if self.has_bias:
+                hid = hid + tables[1]
+            out = self.bmm(self.activation(hid), tables[2 if self.has_bias else 1])
+            if self.has_bias:
+                out = out + tables[3]
+            outs = outs + (out.reshape(g * c, -1),)
         if len(outs) == 1:
             return outs[0]
         return ops.concat(outs, 0)

@@ -2,6 +2,11 @@
 name, wrapped in :class:`~ms_efficient.mpipe.layer.PipelinedMoE` with the chunk count the
 planner chooses for it on the config's cluster.
 
+A drop-in ``MoEMLP`` (and a layer ``ms_efficient.moe.adopt_moe`` put in place of a user's
+own MoE block) holds its ``MoEFeedForward`` as ``moe``: that layer is wrapped, and the
+``MoEMLP`` keeps returning y only. The wrapped layer's parameters keep their names
+(:func:`ms_efficient.moe.swap.replace_cell`).
+
 Per ``MoEFeedForward`` the planner sees one rank of an expert-parallel group over all the
 cluster's devices (``moe.num_experts / devices`` local experts, as ``ms-efficient plan mpipe``
 models a config): rows = the layer's slot rows per step (the sum of its capacities), H and F
@@ -35,33 +40,22 @@ def _batch_of(graph, path: str, fallback: int) -> int:
     return fallback
 
 
-def _replace_child(network: Any, path: str, new: Any, names: Dict[int, str]) -> None:
-    """Put ``new`` where the Cell at ``path`` was; its parameters keep their names (MindSpore
-    would rename them by the new attribute path, clashing between layers and breaking
-    checkpoints written before the pass): ``names`` maps id(parameter) to its old name."""
-    parent_path, _, attr = path.rpartition(".")
-    parent = network if not parent_path else dict(network.cells_and_names())[parent_path]
-    if attr.isdigit() and hasattr(parent, "__setitem__"):        # CellList / SequentialCell
-        parent[int(attr)] = new
-    else:
-        setattr(parent, attr, new)
-    for p in new.get_parameters():
-        p.name = names[id(p)]
-
-
 @register_pass("mpipe")
 def mpipe_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     """Wrap each MoE layer in ``PipelinedMoE`` where more than one chunk is fastest
     (simulated on the config's cluster). Raises ValueError without MoE layers or when one
     chunk is fastest for all of them (nothing to wrap)."""
+    from ms_efficient.moe.adopt import adopt_hint
+    from ms_efficient.moe.swap import replace_cell
     from ms_efficient.moe.layer import MoEFeedForward
     from ms_efficient.mpipe.layer import PipelinedMoE
     from ms_efficient.mpipe.planner import CHUNK_CANDIDATES, MoELayerShape, choose_chunks
 
     found = [(p, c) for p, c in network.cells_and_names() if isinstance(c, MoEFeedForward)]
     if not found:
-        raise ValueError("mpipe: found no MoEFeedForward layer in the network; the pass "
-                         "chunks the package's MoE layer.")
+        raise ValueError(f"mpipe: found no MoEFeedForward layer in the network; the pass "
+                         f"chunks the package's MoE layer (MoEFeedForward, or MoEMLP around "
+                         f"one).{adopt_hint(network)}")
     cluster = context.config.cluster_spec()
     graph = context.graph("the mpipe pass")
     first = context.sample_inputs[0]
@@ -71,7 +65,7 @@ def mpipe_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     for path, layer in found:
         batch = _batch_of(graph, path, fallback)
         shape = MoELayerShape(rows=int(sum(layer.capacities)), hidden=int(layer.hidden_size),
-                              ffn_hidden=int(layer.w1.shape[2]),
+                              ffn_hidden=int(layer.ffn_hidden_size),
                               local_experts=max(1, layer.num_experts // cluster.num_devices),
                               ranks=cluster.num_devices)
         options = [n for n in CHUNK_CANDIDATES if batch % n == 0]
@@ -81,7 +75,7 @@ def mpipe_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
             continue
         layer.set_capacities([math.ceil(c / best.chunks) for c in layer.capacities])
         names = {id(p): p.name for p in layer.get_parameters()}
-        _replace_child(network, path, PipelinedMoE(layer, best.chunks), names)
+        replace_cell(network, path, PipelinedMoE(layer, best.chunks), names)
         cells[path] = {"wrapped_in": "PipelinedMoE", "chunks": best.chunks,
                        "layer_time_s": best.time_s, "unchunked_time_s": table[1].time_s}
     if not cells:

@@ -1,0 +1,253 @@
+"""A user's MoE block, recognised: the contract of :mod:`ms_efficient.moe.adopt` as code.
+
+:func:`moe_blocks` finds the Cells that look like an MoE block, :func:`block_spec` checks one
+against the contract and returns its :class:`BlockSpec` (sizes, router, the block's own
+Parameters in the layer's ``weights`` format, activation candidates), or raises a ValueError
+naming the block's path and the shape expected; :func:`with_gating` adds top-k and the
+renormalisation choices. Nothing here changes the network.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Tuple
+
+from mindspore import Parameter, nn, ops
+
+from ms_efficient.moe.activations import make_gelu
+from ms_efficient.moe.dropin import MoEMLP
+from ms_efficient.moe.layer import ROUTING_COUNTS
+
+__all__ = ["BlockSpec", "ParameterRouter", "block_spec", "moe_blocks", "find_moe_blocks",
+           "with_gating", "TOP_K_ATTRIBUTES", "RENORMALIZE_ATTRIBUTES"]
+
+TOP_K_ATTRIBUTES = ("top_k", "num_experts_per_tok", "topk", "k")
+RENORMALIZE_ATTRIBUTES = ("norm_topk_prob", "renormalize")
+
+
+class ParameterRouter(nn.Cell):
+    """Router logits from a user's Parameter [E, H]: ``construct(x_TH) -> x_TH @ w^T``."""
+
+    def __init__(self, weight: Parameter):
+        super().__init__()
+        self.weight = weight
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x):
+        return self.matmul(x, self.weight)
+
+
+@dataclasses.dataclass
+class BlockSpec:
+    """A recognised block: everything needed to build its replacement."""
+    path: str
+    cell: nn.Cell
+    num_experts: int
+    hidden: int
+    ffn: int
+    router: nn.Cell
+    weights: tuple               # (w1, b1, w2, b2), Parameters or tuples of per-expert ones
+    has_bias: bool
+    layout: str
+    top_k: Optional[int]
+    renormalize: Tuple[bool, ...]
+    activations: Tuple[nn.Cell, ...]
+
+
+def _direct_params(cell: nn.Cell) -> Dict[str, Parameter]:
+    return dict(cell.parameters_and_names(expand=False))
+
+
+def _own_params(cell: nn.Cell) -> bool:
+    return bool(list(cell.get_parameters()))
+
+
+def _activation_cells(cell: nn.Cell) -> List[nn.Cell]:
+    """Parameter-free leaf Cells directly under ``cell`` (activation candidates)."""
+    return [c for c in cell.name_cells().values()
+            if not _own_params(c) and not c.name_cells()]
+
+
+def _router(path: str, cell: nn.Cell, params: Dict[str, Parameter], e: Optional[int],
+            h: Optional[int]) -> Tuple[nn.Cell, str, int, int]:
+    """(router Cell, name of its Parameter or child, E, H): the direct Dense child with E
+    outputs, or the direct 2-D Parameter named *router* / *gate*."""
+    found = []
+    for name, child in cell.name_cells().items():
+        if isinstance(child, nn.Dense) and (e is None or child.out_channels == e) \
+                and (h is None or child.in_channels == h):
+            found.append((child, name, child.out_channels, child.in_channels))
+    for name, p in params.items():
+        if p.ndim == 2 and ("router" in name.lower() or "gate" in name.lower()) \
+                and (e is None or p.shape[0] == e) and (h is None or p.shape[1] == h):
+            found.append((ParameterRouter(p), name, p.shape[0], p.shape[1]))
+    if len(found) != 1:
+        want = f"[{e if e else 'E'}, {h if h else 'H'}]"
+        raise ValueError(f"adopt_moe: MoE block {path!r} ({type(cell).__name__}) needs one "
+                         f"router: a direct nn.Dense child H -> E or a Parameter {want} named "
+                         f"*router* / *gate*; found "
+                         f"{[n for _, n, _, _ in found] or 'none'}.")
+    return found[0]
+
+
+def _expert_list(cell: nn.Cell) -> Optional[Tuple[str, nn.Cell]]:
+    for name, child in cell.name_cells().items():
+        if isinstance(child, (nn.CellList, nn.SequentialCell)) and len(child) > 0 and all(
+                any(isinstance(c, nn.Dense) for _, c in item.cells_and_names())
+                for item in child):
+            return name, child
+    return None
+
+
+def _looks_like_moe(cell: nn.Cell) -> bool:
+    """Stacked: two or more direct 3-D Parameters with one leading size E (a single 3-D
+    Parameter, e.g. a position bias, is not an MoE); list: see module doc. MindSpore's own
+    layers (``nn.Conv1d``'s 3-D weight) never are."""
+    if type(cell).__module__.startswith("mindspore."):
+        return False
+    leading = [p.shape[0] for p in _direct_params(cell).values() if p.ndim == 3]
+    if len(leading) >= 2 and len(set(leading)) < len(leading):
+        return True
+    found = _expert_list(cell)
+    if found is None:
+        return False
+    e = len(found[1])
+    return any(hasattr(cell, a) for a in TOP_K_ATTRIBUTES) or any(
+        isinstance(c, nn.Dense) and c.out_channels == e for c in cell.name_cells().values())
+
+
+def _stacked_spec(path: str, cell: nn.Cell) -> BlockSpec:
+    params = _direct_params(cell)
+    stacked = [(n, p) for n, p in params.items() if p.ndim == 3]
+    shapes = {n: tuple(p.shape) for n, p in stacked}
+    if len(stacked) != 2 or stacked[0][1].shape[0] != stacked[1][1].shape[0] \
+            or tuple(stacked[0][1].shape[1:]) != tuple(stacked[1][1].shape[:0:-1]):
+        raise ValueError(f"adopt_moe: MoE block {path!r} ({type(cell).__name__}) needs two "
+                         f"stacked expert weights [E, H, F] and [E, F, H]; found {shapes} "
+                         f"(gated experts with three weights are not recognised).")
+    e = int(stacked[0][1].shape[0])
+    router, router_name, _, h = _router(path, cell, params, e, None)
+    (n1, w1), (n2, w2) = stacked if stacked[0][1].shape[1] == h else stacked[::-1]
+    if w1.shape[1] != h:
+        raise ValueError(f"adopt_moe: MoE block {path!r}: expert weights {shapes} do not "
+                         f"match the router's hidden size H={h} ([E, H, F], [E, F, H]).")
+    f = int(w1.shape[2])
+    rest = [(n, p) for n, p in params.items() if n not in (n1, n2, router_name)]
+    b1 = next((p for n, p in rest if tuple(p.shape) in ((e, f), (e, 1, f))), None)
+    b2 = next((p for n, p in rest if p is not b1 and tuple(p.shape) in ((e, h), (e, 1, h))),
+              None)
+    unknown = {n: tuple(p.shape) for n, p in rest if p is not b1 and p is not b2}
+    if unknown or (b1 is None) != (b2 is None):
+        raise ValueError(f"adopt_moe: MoE block {path!r}: Parameters {unknown or shapes} are "
+                         f"not part of the contract (biases b1 [E, F] or [E, 1, F] and b2 "
+                         f"[E, H] or [E, 1, H], both or none, with E={e}, H={h}, F={f}).")
+    _check_children(path, cell, (router_name,))
+    return BlockSpec(path, cell, e, h, f, router, (w1, b1, w2, b2), b1 is not None, "stacked",
+                 None, (), tuple(_activation_cells(cell)))
+
+
+def _list_spec(path: str, cell: nn.Cell) -> BlockSpec:
+    list_name, experts = _expert_list(cell)
+    e = len(experts)
+    pairs, acts = [], []
+    for i, expert in enumerate(experts):
+        dense = [c for _, c in expert.cells_and_names() if isinstance(c, nn.Dense)]
+        dense_params = {id(p) for d in dense for p in d.get_parameters()}
+        extra = [p.name for p in expert.get_parameters() if id(p) not in dense_params]
+        ok = len(dense) == 2 and not extra and dense[0].out_channels == dense[1].in_channels \
+            and dense[0].in_channels == dense[1].out_channels \
+            and dense[0].has_bias == dense[1].has_bias and not dense[1].activation_flag
+        if not ok:
+            raise ValueError(f"adopt_moe: expert {path}.{list_name}.{i} needs exactly two "
+                             f"nn.Dense, H -> F then F -> H (biases on both or neither, no "
+                             f"activation on the second) and no other Parameters; found "
+                             f"{[(d.in_channels, d.out_channels) for d in dense]}"
+                             f"{' and ' + str(extra) if extra else ''}.")
+        pairs.append(dense)
+        if i == 0:
+            acts = ([dense[0].activation] if dense[0].activation_flag else []) + \
+                _activation_cells(expert)
+    h, f = pairs[0][0].in_channels, pairs[0][0].out_channels
+    if any((d[0].in_channels, d[0].out_channels, d[0].has_bias) != (h, f, pairs[0][0].has_bias)
+           for d in pairs):
+        raise ValueError(f"adopt_moe: the experts of {path!r} differ in shape or bias; every "
+                         f"expert must be Dense {h} -> {f} -> {h} alike.")
+    router, router_name, _, _ = _router(path, cell, _direct_params(cell), e, h)
+    extra = {n: tuple(p.shape) for n, p in _direct_params(cell).items() if n != router_name}
+    if extra:
+        raise ValueError(f"adopt_moe: MoE block {path!r}: Parameters {extra} are not part of "
+                         f"the contract (a router, and experts in {list_name!r}).")
+    _check_children(path, cell, (router_name, list_name))
+    bias = bool(pairs[0][0].has_bias)
+    weights = (tuple(d[0].weight for d in pairs),
+               tuple(d[0].bias for d in pairs) if bias else None,
+               tuple(d[1].weight for d in pairs),
+               tuple(d[1].bias for d in pairs) if bias else None)
+    return BlockSpec(path, cell, e, h, f, router, weights, bias, "list", None, (),
+                 tuple(acts) + tuple(_activation_cells(cell)))
+
+
+def _check_children(path: str, cell: nn.Cell, allowed: Tuple[str, ...]) -> None:
+    other = [n for n, c in cell.name_cells().items() if n not in allowed and _own_params(c)]
+    if other:
+        raise ValueError(f"adopt_moe: MoE block {path!r} has sub-Cells with Parameters "
+                         f"{other} besides its router and experts (e.g. a shared expert), "
+                         f"which the package's layer cannot hold.")
+
+
+def with_gating(spec: BlockSpec, top_k: Optional[int], renormalize: Optional[bool],
+                activation: Optional[nn.Cell]) -> BlockSpec:
+    """``spec`` with its top-k (``top_k`` or the block's attribute), the renormalisation
+    choices to probe (``renormalize``, the block's attribute, else both) and the activation
+    candidates (``activation``, else the block's own activation Cells, then tanh GELU, erf
+    GELU, ReLU, SiLU)."""
+    cell, path = spec.cell, spec.path
+    if top_k is None:
+        top_k = next((getattr(cell, a) for a in TOP_K_ATTRIBUTES
+                      if isinstance(getattr(cell, a, None), int)), None)
+    if top_k is None:
+        raise ValueError(f"adopt_moe: MoE block {path!r} has no int attribute among "
+                         f"{list(TOP_K_ATTRIBUTES)}; pass adopt_moe(..., top_k=K).")
+    if not 1 <= int(top_k) <= spec.num_experts:
+        raise ValueError(f"adopt_moe: 'top_k' of {path!r} must be in [1, "
+                         f"{spec.num_experts}], but got {top_k}.")
+    if renormalize is None:
+        renormalize = next((getattr(cell, a) for a in RENORMALIZE_ATTRIBUTES
+                            if isinstance(getattr(cell, a, None), bool)), None)
+    renorm = (True, False) if renormalize is None else (bool(renormalize),)
+    acts = (activation,) if activation is not None else spec.activations + (
+        make_gelu(), nn.GELU(approximate=False), nn.ReLU(), nn.SiLU())
+    return dataclasses.replace(spec, top_k=int(top_k), renormalize=renorm, activations=acts)
+
+
+def _package_layer(cell: nn.Cell) -> bool:
+    from ms_efficient.mpipe.layer import PipelinedMoE
+
+    return hasattr(cell, ROUTING_COUNTS) or isinstance(cell, (MoEMLP, PipelinedMoE))
+
+
+def moe_blocks(network: nn.Cell) -> List[Tuple[str, nn.Cell]]:
+    """(path, Cell) of every Cell that looks like a user's MoE block, outermost only."""
+    found, skip = [], []
+    for path, cell in network.cells_and_names():
+        if any(path == s or path.startswith(s + ".") for s in skip):
+            continue
+        if _package_layer(cell):
+            skip.append(path)
+        elif _looks_like_moe(cell):
+            found.append((path, cell))
+            skip.append(path)
+    return found
+
+
+def find_moe_blocks(network: nn.Cell) -> List[str]:
+    """Paths of the Cells of ``network`` that look like a user's own MoE block (what
+    :func:`adopt_moe` would try to replace), without checking or changing anything."""
+    return [p for p, _ in moe_blocks(network)]
+
+
+def block_spec(path: str, cell: nn.Cell) -> BlockSpec:
+    """The BlockSpec of the MoE block ``cell`` at ``path`` (stacked experts when it has two
+    or more direct 3-D Parameters, else a list of Dense experts); ValueError when it breaks
+    the contract."""
+    stacked = sum(p.ndim == 3 for p in _direct_params(cell).values()) >= 2
+    return (_stacked_spec if stacked else _list_spec)(path, cell)
