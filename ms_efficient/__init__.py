@@ -25,7 +25,9 @@ rows) and ``commands`` (its ``ms-efficient plan|bench`` sub-commands)):
     shard/         minimal-redundancy sharding ILP and the Megatron / ZeRO baselines
     place/         TGA partitioning and placement and the Baechi / Hierarchical baselines
     train/         trainer, corpus and run report of the reference model
+    adopt/         adopt_moe(): a user's own MoE blocks replaced by the package's layer
     parallel/      parallelize(): the plans as MindSpore's AutoParallel; the launch bundle
+    verify/        the compile-time check of the plans (optimize(..., verify=True))
     passes.py      optimize(): runs the configured passes on a network
     cli.py         the ``ms-efficient`` command
 
@@ -39,4 +41,14 @@ from ms_efficient.passes import optimize, register_pass, registered_passes
 
 __version__ = "0.1.0"
 
-__all__ = ["optimize", "parallelize", "load_config", "config_from_dict", "register_pass", "registered_passes", "__version__"]
+
+
+def adopt_moe(network, tokens, **kwargs):
+    """Replace ``network``'s own MoE blocks by the package's layer (``ms_efficient.adopt.
+    replace.adopt_moe``: arguments, block contract and return value there)."""
+    from ms_efficient.adopt.replace import adopt_moe as adopt
+
+    return adopt(network, tokens, **kwargs)
+
+
+__all__ = ["optimize", "parallelize", "adopt_moe", "load_config", "config_from_dict", "register_pass", "registered_passes", "__version__"]

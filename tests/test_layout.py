@@ -63,6 +63,8 @@ def _layer(module):
         return 3
     if top in CAPABILITIES:
         return 6 if role in APPLICATION_ROLES else 4
+    if top == "adopt":           # builds moe layers; the MoE passes point to it
+        return 4
     if top == "train":
         return 5
     return 7                     # ms_efficient, passes, cli
@@ -159,9 +161,11 @@ def test_each_capability_has_the_common_roles(capability):
 # module per planning concept; EfficientMoE has ten concepts (sampler, predictor, forecaster,
 # capacity, levels, cost, placement, schedule, replan_loop, replay) and a second MindSpore-
 # facing role, the expert-parallel re-planner (ep_replanner, beside apply), the MoE runtime
-# twelve modules (the README's Architecture section lists both).
+# fourteen modules: the layer, its activations and drop-in MLP, the expert-parallel layer and its
+# tables, migration and re-plan, All-to-All, the exchange rule, kernels, grouped matmul, plan,
+# split and trace (the README's Architecture section lists both).
 MAX_MODULES = 11
-MAX_MODULES_OF = {"efficientmoe": 16, "moe": 12}
+MAX_MODULES_OF = {"efficientmoe": 16, "moe": 14}
 
 
 def test_no_package_folder_holds_more_modules_than_its_limit():

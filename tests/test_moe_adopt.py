@@ -10,7 +10,8 @@ from mindspore.common.initializer import Normal, initializer
 
 import ms_efficient
 from ms_efficient.core.config import config_from_dict
-from ms_efficient.moe import MoEMLP, adopt_moe, find_moe_blocks, replace_cell
+from ms_efficient.adopt import adopt_moe, find_moe_blocks
+from ms_efficient.moe import MoEMLP, replace_cell
 from tests.test_user_networks import _record_trace, _train_steps
 from tests.user_models import LlamaForCausalLM, UserStackedMoE, user_moe_with_loss
 

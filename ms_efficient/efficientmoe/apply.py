@@ -53,7 +53,7 @@ from ms_efficient.efficientmoe.planner import (EfficientMoEPlanner, capacities_L
                                                single_device_plans)
 from ms_efficient.efficientmoe.replan_loop import ReplanLoop
 from ms_efficient.efficientmoe.sampler import RoutingSampler
-from ms_efficient.moe.adopt import adopt_hint
+from ms_efficient.adopt.replace import adopt_hint
 from ms_efficient.moe.layer import ROUTING_COUNTS
 from ms_efficient.moe.trace import RoutingTrace, load_trace, save_trace
 
@@ -265,7 +265,7 @@ class EfficientMoECallback(RoutingTraceCallback):
 def efficientmoe_pass(network: nn.Cell, context) -> tuple:
     """The ``efficientmoe`` pass: per-expert capacities of every ``MoEFeedForward`` of the
     network (under any attribute names; the layer inside a drop-in ``MoEMLP`` and the layers
-    ``ms_efficient.moe.adopt_moe`` put in place of a user's own MoE blocks too), planned
+    ``ms_efficient.adopt_moe`` put in place of a user's own MoE blocks too), planned
     before compilation from the routing trace ``efficientmoe.history`` by the planner the trainer and :class:`EfficientMoECallback` use.
     Raises ValueError without MoE layers, without a history, for a trace of other shapes, or
     when the layers already have the planned capacities."""

@@ -10,18 +10,17 @@ matmul whose group sizes are data: aot over OpenBLAS on CPU, ``GroupedMatmul`` o
 ``plan`` (the ``ExpertPlan`` format: slots, devices, capacities, row buffers), ``split`` (the
 dispatch rule that splits a rank's tokens over an expert's replicas) and ``trace`` (the
 routing-trace ``.npz`` format). ``dropin`` (``MoEMLP``: the layer as a drop-in MLP returning
-y only), ``swap`` (``replace_cell``: put a Cell into a built network with full-path parameter
-names) and ``adopt`` (``adopt_moe``: replace a user's own MoE blocks by the package's layer,
-keeping their weights and names; ``blocks`` recognises them), ``activations`` (the experts'
-tanh GELU).
+y only, and ``replace_cell``: put a Cell into a built network with full-path parameter
+names), ``activations`` (the experts' activations). A user's own MoE blocks are replaced by
+the layer with ``ms_efficient.adopt_moe`` (the ``ms_efficient.adopt`` package).
 
-``adopt_moe``, ``MoEMLP`` and ``replace_cell`` are importable from here; they load MindSpore
-on first use only, so the numpy-only modules (``plan``, ``split``, ``trace``) stay light.
+``MoEMLP``, ``replace_cell`` and ``MoEFeedForward`` are importable from here; they load
+MindSpore on first use only, so the numpy-only modules (``plan``, ``split``, ``trace``) stay
+light.
 """
 import importlib
 
-_LAZY = {"adopt_moe": "adopt", "find_moe_blocks": "adopt", "AdoptedBlock": "adopt",
-         "MoEMLP": "dropin", "replace_cell": "swap", "MoEFeedForward": "layer"}
+_LAZY = {"MoEMLP": "dropin", "replace_cell": "dropin", "MoEFeedForward": "layer"}
 
 __all__ = sorted(_LAZY)
 

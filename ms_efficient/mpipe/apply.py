@@ -2,10 +2,10 @@
 name, wrapped in :class:`~ms_efficient.mpipe.layer.PipelinedMoE` with the chunk count the
 planner chooses for it on the config's cluster.
 
-A drop-in ``MoEMLP`` (and a layer ``ms_efficient.moe.adopt_moe`` put in place of a user's
+A drop-in ``MoEMLP`` (and a layer ``ms_efficient.adopt_moe`` put in place of a user's
 own MoE block) holds its ``MoEFeedForward`` as ``moe``: that layer is wrapped, and the
 ``MoEMLP`` keeps returning y only. The wrapped layer's parameters keep their names
-(:func:`ms_efficient.moe.swap.replace_cell`).
+(:func:`ms_efficient.moe.dropin.replace_cell`).
 
 Per ``MoEFeedForward`` the planner sees one rank of an expert-parallel group over all the
 cluster's devices (``moe.num_experts / devices`` local experts, as ``ms-efficient plan mpipe``
@@ -45,8 +45,8 @@ def mpipe_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     """Wrap each MoE layer in ``PipelinedMoE`` where more than one chunk is fastest
     (simulated on the config's cluster). Raises ValueError without MoE layers or when one
     chunk is fastest for all of them (nothing to wrap)."""
-    from ms_efficient.moe.adopt import adopt_hint
-    from ms_efficient.moe.swap import replace_cell
+    from ms_efficient.adopt.replace import adopt_hint
+    from ms_efficient.moe.dropin import replace_cell
     from ms_efficient.moe.layer import MoEFeedForward
     from ms_efficient.mpipe.layer import PipelinedMoE
     from ms_efficient.mpipe.planner import CHUNK_CANDIDATES, MoELayerShape, choose_chunks

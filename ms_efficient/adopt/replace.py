@@ -32,7 +32,7 @@ block's within 1e-4 of its largest value is used; none matching is a ValueError 
 block and the smallest difference. A block that looks like an MoE (two or more stacked 3-D
 weights with one leading size, or a list of experts beside a router or a top-k attribute)
 but breaks the contract is a ValueError naming its path and the shape expected; a network
-without MoE blocks is a ValueError. Recognition is :mod:`ms_efficient.moe.blocks`.
+without MoE blocks is a ValueError. Recognition is :mod:`ms_efficient.adopt.blocks`.
 """
 from __future__ import annotations
 
@@ -43,11 +43,10 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn
 
-from ms_efficient.moe.blocks import (BlockSpec, block_spec, find_moe_blocks, moe_blocks,
+from ms_efficient.adopt.blocks import (BlockSpec, block_spec, find_moe_blocks, moe_blocks,
                                      with_gating)
-from ms_efficient.moe.dropin import MoEMLP
+from ms_efficient.moe.dropin import MoEMLP, replace_cell
 from ms_efficient.moe.layer import DISPATCH_MODES, MoEFeedForward, expert_capacity
-from ms_efficient.moe.swap import replace_cell
 
 __all__ = ["adopt_moe", "find_moe_blocks", "adopt_hint", "AdoptedBlock"]
 
@@ -115,7 +114,7 @@ def _probe(spec: BlockSpec) -> Tuple[nn.Cell, bool, float]:
                      f"{[type(a).__name__ for a in spec.activations]}, smallest relative "
                      f"difference {best[2]:.3g} (at {type(best[0]).__name__}, renormalize="
                      f"{best[1]}); the block must compute softmax -> top-k -> sum of gate * "
-                     f"expert(x) (see ms_efficient.moe.adopt).")
+                     f"expert(x) (see ms_efficient.adopt).")
 
 
 def adopt_hint(network: nn.Cell) -> str:
@@ -125,7 +124,7 @@ def adopt_hint(network: nn.Cell) -> str:
     if not paths:
         return ""
     return (f" The network has MoE blocks of its own at {paths}: put the package's layer in "
-            f"their place first with `network, report = ms_efficient.moe.adopt_moe(network, "
+            f"their place first with `network, report = ms_efficient.adopt_moe(network, "
             f"tokens=B * S)`.")
 
 
@@ -172,7 +171,7 @@ def adopt_moe(network: nn.Cell, tokens: int, capacity_factor: float = 0.0,
     if not blocks:
         raise ValueError(f"adopt_moe: found no MoE block in {type(network).__name__}: looked "
                          f"for Cells with stacked expert weights [E, H, F] / [E, F, H] or a "
-                         f"list of Dense experts beside a router (see ms_efficient.moe.adopt).")
+                         f"list of Dense experts beside a router (see ms_efficient.adopt).")
     if any(not p for p, _ in blocks):
         raise ValueError("adopt_moe: the network itself is an MoE block; pass the network "
                          "that contains it.")

@@ -1,4 +1,4 @@
-"""A user's MoE block, recognised: the contract of :mod:`ms_efficient.moe.adopt` as code.
+"""A user's MoE block, recognised: the contract of :mod:`ms_efficient.adopt` as code.
 
 :func:`moe_blocks` finds the Cells that look like an MoE block, :func:`block_spec` checks one
 against the contract and returns its :class:`BlockSpec` (sizes, router, the block's own
