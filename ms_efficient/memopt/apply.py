@@ -26,7 +26,7 @@ from ms_efficient.memopt.profile import LayerProfile
 
 __all__ = ["plan_to_dict", "plan_from_dict", "save_plan", "load_plan", "apply_plan",
            "recompute_config", "swap_config", "resolve_budget", "budget_bytes", "floor_percent",
-           "check_budget_floor", "memopt_pass", "apply_segments"]
+           "check_budget_floor", "memopt_pass", "apply_segments", "apply_actions"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,16 +127,24 @@ def apply_plan(network, names: List[str], plan: MemoryPlan,
     realise, or a swap on a Cell outside lazy_inline.
     Returns {"recompute": [...], "recompute_all": [...], "swap": [...]} of what was applied.
     """
+    return apply_actions(network, names, plan.actions, plan.prefetch_lead, device_target)
+
+
+def apply_actions(network, names: List[str], actions, prefetch_lead,
+                  device_target: str = "CPU") -> Dict[str, List[str]]:
+    """:func:`apply_plan` with the actions (int codes) and prefetch leads given per Cell
+    as they are: no chain rule rewrites them (a MemoryPlan turns its LAST layer's
+    recompute-all into recompute, right for a chain, not for a list of Cells)."""
     cells = dict(network.cells_and_names())
     unknown = [n for n in names if n not in cells]
     if unknown:
         raise ValueError(f"plan names unknown Cells {unknown[:5]}; the network has e.g. "
                          f"{[n for n in cells if n][:6]}.")
-    for name, action in zip(names, plan.actions):
+    for name, action in zip(names, actions):
         _check_realisable(name, cells, int(action), device_target)
     applied: Dict[str, List[str]] = {"recompute": [], "recompute_all": [], "swap": []}
     for i, name in enumerate(names):
-        cell, action = cells[name], int(plan.actions[i])
+        cell, action = cells[name], int(actions[i])
         if action == RECOMPUTE:
             cell.recompute()
             applied["recompute"].append(name)
@@ -144,7 +152,7 @@ def apply_plan(network, names: List[str], plan: MemoryPlan,
             cell.recompute(output_recompute=True)
             applied["recompute_all"].append(name)
         elif action == SWAP:  # pragma: no cover - Ascend only (_check_realisable)
-            cell.offload(backward_prefetch=int(plan.prefetch_lead[i]))
+            cell.offload(backward_prefetch=int(prefetch_lead[i]))
             applied["swap"].append(name)
     logger.info("memopt: recompute on %d Cells, recompute-all on %d, offload on %d",
                 len(applied["recompute"]), len(applied["recompute_all"]), len(applied["swap"]))
@@ -467,8 +475,9 @@ def apply_segments(network, segments: List[List[str]], names: List[str], plan: M
     from ms_efficient.memopt.segments import segment_cell_actions
 
     of = {seg[0]: seg for seg in segments}
-    cell_names, cell_plan = segment_cell_actions([of[n] for n in names], plan)
-    return apply_plan(network, cell_names, cell_plan, device_target)
+    cell_names, cell_actions = segment_cell_actions([of[n] for n in names], plan)
+    return apply_actions(network, cell_names, cell_actions, [1] * len(cell_names),
+                         device_target)
 
 
 def _describe_segments(doc: Dict[str, Any], segments: List[List[str]],

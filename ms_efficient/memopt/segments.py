@@ -93,9 +93,9 @@ def segmentations(groups: Sequence[Sequence[str]], group_bytes: Sequence[float]
 
 
 def segment_cell_actions(segments: Sequence[Sequence[str]], plan: MemoryPlan
-                         ) -> Tuple[List[str], MemoryPlan]:
-    """The per-Cell plan realising a plan over ``segments`` (module docs): (Cell paths,
-    MemoryPlan of recompute / recompute-all), kept segments left out. Raises ValueError for an
+                         ) -> Tuple[List[str], List[int]]:
+    """The per-Cell actions realising a plan over ``segments`` (module docs): (Cell paths,
+    their RECOMPUTE / RECOMPUTE_ALL codes), kept segments left out. Raises ValueError for an
     action a segment cannot take (swap, recompute-offload)."""
     from ms_efficient.memopt.env import ACTION_NAMES
 
@@ -115,9 +115,7 @@ def segment_cell_actions(segments: Sequence[Sequence[str]], plan: MemoryPlan
             raise ValueError(f"segment {list(seg)}: {ACTION_NAMES[action]} has no MindSpore "
                              f"API on a run of Cells; segments take keep, recompute or "
                              f"recompute-all.")
-    n = len(names)
-    return names, MemoryPlan(np.array(actions, dtype=np.int64), np.zeros(n, dtype=np.int64),
-                             np.ones(n, dtype=np.int64), method=plan.method)
+    return names, actions
 
 
 def choose_segments(groups: Sequence[Sequence[str]], group_bytes: Sequence[float],
