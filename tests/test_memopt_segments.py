@@ -124,3 +124,19 @@ def test_convnet_at_90_percent_recomputes_a_segment_that_the_compiled_graph_show
     step = nn.TrainOneStepCell(net, nn.Momentum(net.trainable_params(), 0.01, 0.9))
     losses = [float(step(*inputs).asnumpy()) for _ in range(2)]
     assert all(np.isfinite(losses)) and ms.get_context("mode") == ms.GRAPH_MODE
+
+
+def test_sequence_groups_join_each_parameter_cell_with_the_free_cells_after_it():
+    from ms_efficient.graph.cells import CellTree, sequence_groups
+
+    tree = CellTree.from_cells([("", "Net", 40), ("features", "SequentialCell", 30),
+                                ("features.0", "Dropout", 0), ("features.1", "Conv2d", 10),
+                                ("features.2", "ReLU", 0), ("features.3", "Conv2d", 10),
+                                ("features.4", "ReLU", 0), ("features.5", "MaxPool2d", 0),
+                                ("features.6", "Conv2d", 10), ("head", "Dense", 10)])
+    assert sequence_groups(tree) == [["features.0", "features.1", "features.2"],
+                                     ["features.3", "features.4", "features.5"],
+                                     ["features.6"]]
+    # a sequence with one Cell holding parameters is no sequence
+    assert sequence_groups(CellTree.from_cells([("", "Net", 10), ("s", "SequentialCell", 10),
+                                                ("s.0", "Dense", 10), ("s.1", "ReLU", 0)])) == []
