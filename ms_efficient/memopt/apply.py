@@ -26,7 +26,7 @@ from ms_efficient.memopt.profile import LayerProfile
 
 __all__ = ["plan_to_dict", "plan_from_dict", "save_plan", "load_plan", "apply_plan",
            "recompute_config", "swap_config", "resolve_budget", "budget_bytes", "floor_percent",
-           "check_budget_floor", "memopt_pass", "apply_segments", "apply_actions"]
+           "check_budget_floor", "memopt_pass", "apply_actions"]
 
 logger = logging.getLogger(__name__)
 
@@ -392,7 +392,8 @@ def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
 
     segments: Optional[List[List[str]]] = None
     if groups:          # no repeated blocks: contiguous segments of the top-level sequence
-        from ms_efficient.memopt.segments import choose_segments
+        from ms_efficient.memopt.segments import (apply_segments, choose_segments,
+                                                  describe_segments)
 
         actions = tuple(a for a in actions if a not in HOST_ACTIONS)
         pieces = profile_from_units(graph, assign_segments(graph, groups), cluster, batch)
@@ -449,7 +450,7 @@ def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
     doc["unoptimised"] = context.unoptimised("the memopt pass").to_dict()
     recomputed = applied["recompute"] + applied["recompute_all"]
     if segments is not None:
-        _describe_segments(doc, segments, actions_of, applied)
+        describe_segments(doc, segments, actions_of, applied)
         return network, doc
     doc["cells"] = {name: {"action": ACTION_NAMES[action_of],
                            "recompute": name in recomputed,
@@ -465,35 +466,3 @@ def _floor_share(profiles: List[LayerProfile], cluster, actions) -> float:
 
     return max(budget_floor(p, cluster.host_link, actions)[0]
                / resolve_budget("", p, cluster)[1] for p in profiles)
-
-
-def apply_segments(network, segments: List[List[str]], names: List[str], plan: MemoryPlan,
-                   device_target: str = "CPU") -> Dict[str, List[str]]:
-    """Realise a plan over segments (units named by their first Cell, ``names``) on every
-    Cell of each planned segment (``memopt.segments.segment_cell_actions``) with
-    :func:`apply_plan`; returns what it applied, per Cell."""
-    from ms_efficient.memopt.segments import segment_cell_actions
-
-    of = {seg[0]: seg for seg in segments}
-    cell_names, cell_actions = segment_cell_actions([of[n] for n in names], plan)
-    return apply_actions(network, cell_names, cell_actions, [1] * len(cell_names),
-                         device_target)
-
-
-def _describe_segments(doc: Dict[str, Any], segments: List[List[str]],
-                       actions_of: Dict[str, int], applied: Dict[str, List[str]]) -> None:
-    """Name a segment plan's Cells: each ``layers`` entry (named by the segment's first Cell)
-    lists its ``cells``; ``cells`` has one entry per Cell of a planned segment, with the
-    segment it belongs to (``segment``: its first Cell; the compiled-graph check counts the
-    segment's recomputed copies together, as MindSpore merges them into one re-run); the
-    MindFormers-style ``recompute`` list names those Cells."""
-    of = {seg[0]: seg for seg in segments}
-    for layer in doc["layers"]:
-        layer["cells"] = list(of[layer["name"]])
-    doc["segments"] = [list(seg) for seg in segments]
-    doc["cells"] = {cell: {"action": ACTION_NAMES[action], "segment": name,
-                           "recompute": True,
-                           "output_recompute": cell in applied["recompute_all"],
-                           "swap": False}
-                    for name, action in actions_of.items() for cell in of[name]}
-    doc["recompute_config"]["recompute"] = applied["recompute"] + applied["recompute_all"]

@@ -33,7 +33,7 @@ import numpy as np
 from ms_efficient.memopt.env import KEEP, RECOMPUTE, RECOMPUTE_ALL, MemoryPlan
 
 __all__ = ["linear_partition", "segment_counts", "segmentations", "segment_cell_actions",
-           "choose_segments"]
+           "choose_segments", "apply_segments", "describe_segments"]
 
 
 def linear_partition(weights: Sequence[float], k: int, min_size: int = 1) -> List[int]:
@@ -148,3 +148,37 @@ def choose_segments(groups: Sequence[Sequence[str]], group_bytes: Sequence[float
     if best is None:
         raise failed[1]
     return best[1], best[2], best[3]
+
+
+def apply_segments(network, segments: List[List[str]], names: List[str], plan: MemoryPlan,
+                   device_target: str = "CPU") -> Dict[str, List[str]]:
+    """Realise a plan over segments (units named by their first Cell, ``names``) on every
+    Cell of each planned segment (:func:`segment_cell_actions`) with
+    ``memopt.apply.apply_actions``; returns what it applied, per Cell."""
+    from ms_efficient.memopt.apply import apply_actions
+
+    of = {seg[0]: seg for seg in segments}
+    cell_names, cell_actions = segment_cell_actions([of[n] for n in names], plan)
+    return apply_actions(network, cell_names, cell_actions, [1] * len(cell_names),
+                         device_target)
+
+
+def describe_segments(doc: Dict[str, Any], segments: List[List[str]],
+                      actions_of: Dict[str, int], applied: Dict[str, List[str]]) -> None:
+    """Name a segment plan's Cells: each ``layers`` entry (named by the segment's first Cell)
+    lists its ``cells``; ``cells`` has one entry per Cell of a planned segment, with the
+    segment it belongs to (``segment``: its first Cell; the compiled-graph check counts the
+    segment's recomputed copies together, as MindSpore merges them into one re-run); the
+    MindFormers-style ``recompute`` list names those Cells."""
+    from ms_efficient.memopt.env import ACTION_NAMES
+
+    of = {seg[0]: seg for seg in segments}
+    for layer in doc["layers"]:
+        layer["cells"] = list(of[layer["name"]])
+    doc["segments"] = [list(seg) for seg in segments]
+    doc["cells"] = {cell: {"action": ACTION_NAMES[action], "segment": name,
+                           "recompute": True,
+                           "output_recompute": cell in applied["recompute_all"],
+                           "swap": False}
+                    for name, action in actions_of.items() for cell in of[name]}
+    doc["recompute_config"]["recompute"] = applied["recompute"] + applied["recompute_all"]
