@@ -72,7 +72,7 @@ def combined_report(context) -> Dict[str, Any]:
     largest device's), "devices":
     [{"share", "devices", "peak_memory_bytes", "busy_s"}], "comm_time_s", "unoptimised",
     "evidence"}``; bytes and seconds."""
-    from ms_efficient.graph.cells import assign_units
+    from ms_efficient.graph.cells import assign_segments, assign_units
     from ms_efficient.memopt.env import evaluate
     from ms_efficient.memopt.profile import device_shares, profile_from_units
 
@@ -83,7 +83,9 @@ def combined_report(context) -> Dict[str, Any]:
     shard, place = plans.get("shard"), plans.get("place")
     try:
         units = _units(context, plans)
-        assignment = assign_units(graph, units) if units else None
+        segments = (plans.get("memopt") or {}).get("segments")
+        assignment = (assign_segments(graph, segments) if segments else
+                      assign_units(graph, units) if units else None)
     except ValueError:              # a Cell without parameter operators: sum every operator
         assignment = None
 

@@ -104,10 +104,13 @@ def test_a_sequential_network_without_repeated_blocks_plans_its_layers():
     net, plans = ms_efficient.optimize(net, _config(passes=["memopt"], memory_budget="97%"),
                                        sample_inputs=(x, y))
     mem = plans["memopt"]
-    # the units are its Dense layers (the Cells holding parameters), the ReLUs priced outside
-    units = ["_backbone.0", "_backbone.2", "_backbone.4", "_backbone.6"]
-    assert [layer["name"] for layer in mem["layers"]] == units
-    assert mem["cells"] and set(mem["cells"]) <= set(units)
+    # the units are segments of its children (>= 2 Dense/ReLU groups each), named by their
+    # first Cell and listing their Cells (memopt.segments)
+    children = [f"_backbone.{i}" for i in range(7)]
+    assert [c for layer in mem["layers"] for c in layer["cells"]] == children
+    assert [layer["name"] for layer in mem["layers"]] == [s[0] for s in mem["segments"]]
+    assert all(len(layer["cells"]) >= 3 for layer in mem["layers"])
+    assert mem["cells"] and set(mem["cells"]) <= set(children)
     assert mem["simulated"]["fits"] and mem["simulated"]["peak_bytes"] <= mem["budget_bytes"]
 
 

@@ -212,3 +212,29 @@ def test_a_tied_embedding_and_head_get_one_strategy_on_both_primitives():
     table_at_head = cells["_backbone.head"]["shard"]["matmul"][1]
     assert table_at_gather == table_at_head == tied["in_strategy"][0] != [1, 1]   # split
     _check_shard(plan, names)
+
+
+def test_memopt_plans_segments_of_a_cnn_sequence_after_shard_and_it_still_trains():
+    rng = np.random.default_rng(0)
+    ms.set_seed(0)
+    net, inputs = _classifier(ConvNet(), ms.Tensor(
+        rng.standard_normal((8, 3, 32, 32)).astype(np.float32)))
+    names = {n for n, _ in net.cells_and_names()}
+    params = [p.name for p in net.trainable_params()]
+    net, plans = ms_efficient.optimize(
+        net, _config({"preset": "ascend910b-1x8"}, passes=["shard", "memopt"],
+                     memory_budget="90%"), sample_inputs=inputs)
+    plan = plans["memopt"]
+    # units: segments of features' (Conv2d, ReLU) pairs, not single Conv2d Cells
+    assert [c for seg in plan["segments"] for c in seg] == \
+        [f"_backbone.features.{i}" for i in range(8)]
+    assert all(len(layer["cells"]) >= 4 for layer in plan["layers"])
+    assert set(plan["cells"]) <= names and plan["cells"]
+    assert plan["simulated"]["peak_bytes"] <= plan["budget_bytes"] < \
+        plan["unoptimised_peak_bytes"]
+    # the combined report prices the same segments: its peak is memopt's
+    assert plans["summary"]["peak_memory_bytes"] == plan["simulated"]["peak_bytes"]
+    assert [p.name for p in net.trainable_params()] == params
+    step = nn.TrainOneStepCell(net, nn.Adam(net.trainable_params(), 1e-3))
+    losses = [float(step(*inputs).asnumpy()) for _ in range(2)]
+    assert all(np.isfinite(losses))

@@ -202,38 +202,47 @@ def glob_matches(path: str, pattern: str) -> bool:
     return len(segs) == len(pats) and all(fnmatch.fnmatchcase(s, p) for s, p in zip(segs, pats))
 
 
-def sequence_units(tree: CellTree) -> List[str]:
-    """Units of a network without repeated blocks: the children of its largest ``CellList`` /
-    ``SequentialCell`` (most children holding parameters, outermost first on a tie) that hold
-    parameters, in the network's order (a parameter-free child, an activation, is priced
-    outside the units). [] when no container has >= 2 children holding parameters."""
-    best: List[str] = []
+def largest_sequence(tree: CellTree) -> Tuple[str, List[str]]:
+    """(path, children holding parameters) of the network's largest ``CellList`` /
+    ``SequentialCell``: most children holding parameters, outermost first on a tie; ("", [])
+    when no container has >= 2 children holding parameters."""
+    best: Tuple[str, List[str]] = ("", [])
     for path in tree.paths:
         if tree.classes.get(path) not in CONTAINER_CLASSES:
             continue
         kids = [k for k in tree.children(path) if tree.param_bytes.get(k, 0) > 0]
-        if len(kids) >= 2 and len(kids) > len(best):
-            best = kids
+        if len(kids) >= 2 and len(kids) > len(best[1]):
+            best = (path, kids)
     return best
 
 
-def match_cells(tree: CellTree, patterns: Sequence[str]) -> List[str]:
-    """Cell paths matching any glob pattern (``model.layers.*.mlp``), in the network's order;
-    a pattern matches Cells at its own depth only (see :func:`glob_matches`).
-    Raises ValueError naming a pattern that matches nothing, with a few paths it could."""
-    out = []
-    for pat in patterns:
-        hits = [p for p in tree.paths if p and glob_matches(p, pat)]
-        if not hits:
-            raise ValueError(f"Cell pattern {pat!r} matches no Cell of the network; it has "
-                             f"e.g. {[p for p in tree.paths if p][:8]}.")
-        out.extend(h for h in hits if h not in out)
-    order = {p: i for i, p in enumerate(tree.paths)}
-    nested = [p for p in out if any(p != q and p.startswith(q + ".") for q in out)]
-    if nested:
-        raise ValueError(f"units may not nest, but {nested[0]!r} lies inside another matched "
-                         "Cell; make the patterns pick one level.")
-    return sorted(out, key=order.__getitem__)
+def sequence_units(tree: CellTree) -> List[str]:
+    """Units of a network without repeated blocks: the children of its largest ``CellList`` /
+    ``SequentialCell`` (:func:`largest_sequence`) that hold parameters, in the network's
+    order (a parameter-free child, an activation, is priced outside the units). [] when no
+    container has >= 2 children holding parameters."""
+    return largest_sequence(tree)[1]
+
+
+def sequence_groups(tree: CellTree) -> List[List[str]]:
+    """The children of the largest sequence (:func:`largest_sequence`), ALL of them, grouped
+    as each child holding parameters followed by the parameter-free children after it (a
+    Conv2d and its ReLU); parameter-free children before the first go to the first group.
+    The smallest pieces a segment of the sequence is made of; [] without such a sequence."""
+    path, held = largest_sequence(tree)
+    if not held:
+        return []
+    groups: List[List[str]] = []
+    lead: List[str] = []
+    for kid in tree.children(path):
+        if kid in held:
+            groups.append(lead + [kid])
+            lead = []
+        elif groups:
+            groups[-1].append(kid)
+        else:
+            lead.append(kid)
+    return groups
 
 
 @dataclass
@@ -315,6 +324,62 @@ def assign_units(graph: OpGraph, units: Sequence[str]) -> UnitAssignment:
     return UnitAssignment(units=ordered_units, order=order, unit_of=unit_of)
 
 
+def assign_segments(graph: OpGraph, segments: Sequence[Sequence[str]]) -> UnitAssignment:
+    """Map the forward ops of ``graph`` to segments, each a run of consecutive children of
+    one sequence Cell (``[["features.0", "features.1"], ["features.2", ...]]``); a segment's
+    unit name is its first child. The children holding parameters are assigned as units
+    (:func:`assign_units`); every other op scoped inside the sequence goes to the segment of
+    the last parameter op before it in topological order (the first segment before any), as
+    parameter-free Cells of one class may all carry the first one's scope. Raises ValueError
+    when a segment holds no parameter operator."""
+    nodes = list(graph)
+    segment_of = {c: i for i, seg in enumerate(segments) for c in seg}
+    children = list(segment_of)
+    container = children[0].rpartition(".")[0]
+    held = {children[_unit_index(node_cell_path(graph, n.scope), children)] for n in nodes
+            if n.param_bytes > 0 and n.phase in ("forward", "unknown")
+            and _unit_index(node_cell_path(graph, n.scope), children) >= 0}
+    empty = [seg[0] for seg in segments if not held & set(seg)]
+    if empty:
+        raise ValueError(f"segments starting at {empty[:4]} hold no parameter operator of the "
+                         "graph; each segment must hold a Cell with parameters.")
+    base = assign_units(graph, [c for c in children if c in held])
+    unit_of = np.array([segment_of[base.units[u]] if u >= 0 else -1 for u in base.unit_of],
+                       dtype=np.int64)
+    current = 0
+    for k, i in enumerate(base.order):
+        if base.unit_of[k] >= 0:
+            current = unit_of[k]
+            continue
+        path = node_cell_path(graph, nodes[i].scope)
+        if container == "" or path.startswith(container + "."):
+            unit_of[k] = current
+    order = sorted(range(len(segments)), key=lambda s: int(np.flatnonzero(unit_of == s)[0]))
+    remap = {s: r for r, s in enumerate(order)}
+    return UnitAssignment(units=[segments[s][0] for s in order], order=base.order,
+                          unit_of=np.array([remap[int(u)] if u >= 0 else -1 for u in unit_of],
+                                           dtype=np.int64))
+
+
+def match_cells(tree: CellTree, patterns: Sequence[str]) -> List[str]:
+    """Cell paths matching any glob pattern (``model.layers.*.mlp``), in the network's order;
+    a pattern matches Cells at its own depth only (see :func:`glob_matches`).
+    Raises ValueError naming a pattern that matches nothing, with a few paths it could."""
+    out = []
+    for pat in patterns:
+        hits = [p for p in tree.paths if p and glob_matches(p, pat)]
+        if not hits:
+            raise ValueError(f"Cell pattern {pat!r} matches no Cell of the network; it has "
+                             f"e.g. {[p for p in tree.paths if p][:8]}.")
+        out.extend(h for h in hits if h not in out)
+    order = {p: i for i, p in enumerate(tree.paths)}
+    nested = [p for p in out if any(p != q and p.startswith(q + ".") for q in out)]
+    if nested:
+        raise ValueError(f"units may not nest, but {nested[0]!r} lies inside another matched "
+                         "Cell; make the patterns pick one level.")
+    return sorted(out, key=order.__getitem__)
+
+
 def forward_flops_ratio(graph: OpGraph) -> Optional[float]:
     """Backward FLOPs / forward FLOPs of a train-step graph; None without backward ops."""
     fwd = sum(n.flops for n in graph if n.phase == "forward")
@@ -325,4 +390,4 @@ def forward_flops_ratio(graph: OpGraph) -> Optional[float]:
 
 
 __all__ += ["node_cell_path", "forward_flops_ratio", "user_cell_path", "glob_matches",
-            "sequence_units"]
+            "sequence_units", "largest_sequence", "sequence_groups", "assign_segments"]

@@ -26,7 +26,7 @@ from ms_efficient.memopt.profile import LayerProfile
 
 __all__ = ["plan_to_dict", "plan_from_dict", "save_plan", "load_plan", "apply_plan",
            "recompute_config", "swap_config", "resolve_budget", "budget_bytes", "floor_percent",
-           "check_budget_floor", "memopt_pass"]
+           "check_budget_floor", "memopt_pass", "apply_actions"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,16 +127,24 @@ def apply_plan(network, names: List[str], plan: MemoryPlan,
     realise, or a swap on a Cell outside lazy_inline.
     Returns {"recompute": [...], "recompute_all": [...], "swap": [...]} of what was applied.
     """
+    return apply_actions(network, names, plan.actions, plan.prefetch_lead, device_target)
+
+
+def apply_actions(network, names: List[str], actions, prefetch_lead,
+                  device_target: str = "CPU") -> Dict[str, List[str]]:
+    """:func:`apply_plan` with the actions (int codes) and prefetch leads given per Cell
+    as they are: no chain rule rewrites them (a MemoryPlan turns its LAST layer's
+    recompute-all into recompute, right for a chain, not for a list of Cells)."""
     cells = dict(network.cells_and_names())
     unknown = [n for n in names if n not in cells]
     if unknown:
         raise ValueError(f"plan names unknown Cells {unknown[:5]}; the network has e.g. "
                          f"{[n for n in cells if n][:6]}.")
-    for name, action in zip(names, plan.actions):
+    for name, action in zip(names, actions):
         _check_realisable(name, cells, int(action), device_target)
     applied: Dict[str, List[str]] = {"recompute": [], "recompute_all": [], "swap": []}
     for i, name in enumerate(names):
-        cell, action = cells[name], int(plan.actions[i])
+        cell, action = cells[name], int(actions[i])
         if action == RECOMPUTE:
             cell.recompute()
             applied["recompute"].append(name)
@@ -144,7 +152,7 @@ def apply_plan(network, names: List[str], plan: MemoryPlan,
             cell.recompute(output_recompute=True)
             applied["recompute_all"].append(name)
         elif action == SWAP:  # pragma: no cover - Ascend only (_check_realisable)
-            cell.offload(backward_prefetch=int(plan.prefetch_lead[i]))
+            cell.offload(backward_prefetch=int(prefetch_lead[i]))
             applied["swap"].append(name)
     logger.info("memopt: recompute on %d Cells, recompute-all on %d, offload on %d",
                 len(applied["recompute"]), len(applied["recompute_all"]), len(applied["swap"]))
@@ -324,8 +332,10 @@ def _device_row(got: Dict[str, Any]) -> Dict[str, Any]:
 @register_pass("memopt")
 def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
     """The ``memopt`` pass on the user's network: units are its repeated blocks (or the Cells
-    ``optimize.memopt_cells`` names; without repeated blocks, the Cells holding parameters of
-    its largest CellList / SequentialCell), profiled from its train-step graph with the cost
+    ``optimize.memopt_cells`` names; without repeated blocks, contiguous segments of its
+    largest CellList / SequentialCell, each realised on its own Cells, see
+    ``memopt.segments``: the plan's ``segments``, its ``layers`` named by a segment's first Cell
+    with the segment's ``cells``), profiled from its train-step graph with the cost
     model every pass shares (``memopt.profile.profile_from_units``) and planned within
     ``optimize.memory_budget`` (default: the device memory) with the actions the device target
     realises; the plan is applied by Cell path.
@@ -342,39 +352,61 @@ def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
     network has no Cell to plan, the budget is below the feasible floor (named as a share of
     the unoptimised peak and in bytes) or every device's unoptimised peak already fits it."""
     from ms_efficient.core.units import format_size
-    from ms_efficient.graph.cells import (assign_units, match_cells, repeated_blocks,
-                                          sequence_units, user_cell_path)
+    from ms_efficient.graph.cells import (assign_segments, assign_units, match_cells,
+                                          repeated_blocks, sequence_groups, user_cell_path)
     from ms_efficient.memopt.profile import device_shares, profile_from_units
 
     config = context.config
     tree = context.cell_tree()
     patterns = config.optimize.memopt_cells
-    units = match_cells(tree, patterns) if patterns else (repeated_blocks(tree)
-                                                          or sequence_units(tree))
+    units = match_cells(tree, patterns) if patterns else repeated_blocks(tree)
     # never MindSpore's own wrappers (a recomputed Cell's ``_recompute_cell``): user Cells only
     units = [u for u in units if user_cell_path(u)]
-    if not units:
+    groups = [] if patterns or units else [
+        g for g in sequence_groups(tree) if all(user_cell_path(c) for c in g)]
+    if not units and not groups:
         raise ValueError(
             "memopt: found no repeated blocks (children of a CellList or SequentialCell, >= 2 "
             "of one class, holding parameters) and no CellList / SequentialCell with >= 2 "
             "Cells holding parameters; name the Cells to plan with optimize.memopt_cells, "
             "e.g. ['layers.*'].")
     graph = context.graph("the memopt pass")
-    assignment = assign_units(graph, units)
     cluster = config.cluster_spec()
     first = context.sample_inputs[0]
     batch = int(first.shape[0]) if getattr(first, "shape", None) else 1
     target = config.context.device_target
     actions = realisable_actions(target)
     cells = dict(network.cells_and_names())
-    if SWAP in actions and not all(_inside_lazy_inline(cells, u) for u in units):
-        actions = tuple(a for a in actions if a != SWAP)      # Cell.offload needs lazy_inline
     value = config.optimize.memory_budget
     shares = device_shares(graph, cluster, context.plans.get("shard"),
                            context.plans.get("place"))
-    profiles = [profile_from_units(graph, assignment, cluster, batch, share) for share in shares]
-    devices = [_plan_device(profile, _device_budget(value, profile, profiles, cluster, actions),
-                            cluster, actions) for profile in profiles]
+
+    def profiles_of(assignment):
+        return [profile_from_units(graph, assignment, cluster, batch, share)
+                for share in shares]
+
+    def plan_devices(profiles):
+        return [_plan_device(profile, _device_budget(value, profile, profiles, cluster,
+                                                     actions), cluster, actions)
+                for profile in profiles]
+
+    segments: Optional[List[List[str]]] = None
+    if groups:          # no repeated blocks: contiguous segments of the top-level sequence
+        from ms_efficient.memopt.segments import (apply_segments, choose_segments,
+                                                  describe_segments)
+
+        actions = tuple(a for a in actions if a not in HOST_ACTIONS)
+        pieces = profile_from_units(graph, assign_segments(graph, groups), cluster, batch)
+        segments, profiles, devices = choose_segments(
+            groups, pieces.output_bytes + pieces.interior_bytes,
+            lambda segs: profiles_of(assign_segments(graph, segs)), plan_devices,
+            lambda profiles: _floor_share(profiles, cluster, actions))
+        units = [seg[0] for seg in segments]
+    else:
+        if SWAP in actions and not all(_inside_lazy_inline(cells, u) for u in units):
+            actions = tuple(a for a in actions if a != SWAP)  # Cell.offload needs lazy_inline
+        profiles = profiles_of(assign_units(graph, units))
+        devices = plan_devices(profiles)
     planned = [got for got in devices if got["plan"] is not None]
     if not planned:
         top = max(devices, key=lambda got: got["peak"])
@@ -396,7 +428,10 @@ def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
     actions_of: Dict[str, int] = {}
     applied: Dict[str, List[str]] = {"recompute": [], "recompute_all": [], "swap": []}
     for got in planned:
-        got_applied = apply_plan(network, got["profile"].names, got["plan"], target)
+        got_applied = (apply_plan(network, got["profile"].names, got["plan"], target)
+                       if segments is None else
+                       apply_segments(network, segments, got["profile"].names, got["plan"],
+                                      target))
         for key in applied:
             applied[key] += got_applied[key]
         actions_of.update({n: int(a) for n, a in zip(got["profile"].names, got["plan"].actions)
@@ -414,9 +449,20 @@ def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
     doc["devices"] = [_device_row(got) for got in devices]
     doc["unoptimised"] = context.unoptimised("the memopt pass").to_dict()
     recomputed = applied["recompute"] + applied["recompute_all"]
+    if segments is not None:
+        describe_segments(doc, segments, actions_of, applied)
+        return network, doc
     doc["cells"] = {name: {"action": ACTION_NAMES[action_of],
                            "recompute": name in recomputed,
                            "output_recompute": name in applied["recompute_all"],
                            "swap": name in applied["swap"]}
                     for name, action_of in actions_of.items()}
     return network, doc
+
+
+def _floor_share(profiles: List[LayerProfile], cluster, actions) -> float:
+    """The largest feasible floor of ``profiles`` as a share of its unoptimised peak."""
+    from ms_efficient.memopt.planner import budget_floor
+
+    return max(budget_floor(p, cluster.host_link, actions)[0]
+               / resolve_budget("", p, cluster)[1] for p in profiles)

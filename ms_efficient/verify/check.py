@@ -50,7 +50,10 @@ CHECKED_KEYS = ("recompute", "shard", "pipeline_stage", "swap")
 # "action" names an action whose parts are the keys above; "output_recompute" (recompute-all)
 # shows as recomputed copies like any recompute: the record cannot tell a Cell's output node
 # from its interior, so it is checked through "recompute".
-DESCRIPTIVE_KEYS = ("action", "output_recompute")
+# "segment" (memopt's segments of a sequence: its first Cell) makes the recompute check count
+# the copies of the segment's Cells together: MindSpore merges adjacent recomputed Cells into
+# one re-run, attributed to whichever of them holds its nodes.
+DESCRIPTIVE_KEYS = ("action", "output_recompute", "segment")
 
 
 class PlanNotRealised(RuntimeError):
@@ -141,6 +144,12 @@ def check_plans(record: CompiledRecord, plans: Dict[str, Any]) -> List[str]:
                                      "backward_nodes": sum(n.backward for n in nodes)}
             if actions.get("recompute"):
                 entry["recompute"] = _check_recompute(recomputed[path], unordered)
+                if actions.get("segment"):
+                    together = [n for p, a in plan["cells"].items()
+                                if a.get("segment") == actions["segment"] and a.get("recompute")
+                                for n in recomputed[p]]
+                    entry["recompute"]["segment_recomputed_nodes"] = len(together)
+                    entry["recompute"]["ok"] = bool(together)
                 if not entry["recompute"]["ordered"]:
                     failures.append(
                         f"pass '{name}' planned recompute on Cell '{path}', but MindSpore found "
