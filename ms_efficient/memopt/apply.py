@@ -329,6 +329,19 @@ def _device_row(got: Dict[str, Any]) -> Dict[str, Any]:
             "layers": list(profile.names)}
 
 
+def apply_segments(network, segments: List[List[str]], names: List[str], plan: MemoryPlan,
+                   device_target: str = "CPU") -> Dict[str, List[str]]:
+    """Realise a plan over segments (units named by their first Cell, ``names``) on every
+    Cell of each planned segment (``memopt.segments.segment_cell_actions``) with
+    :func:`apply_actions`; returns what it applied, per Cell."""
+    from ms_efficient.memopt.segments import segment_cell_actions
+
+    of = {seg[0]: seg for seg in segments}
+    cell_names, cell_actions = segment_cell_actions([of[n] for n in names], plan)
+    return apply_actions(network, cell_names, cell_actions, [1] * len(cell_names),
+                         device_target)
+
+
 @register_pass("memopt")
 def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
     """The ``memopt`` pass on the user's network: units are its repeated blocks (or the Cells
@@ -392,8 +405,7 @@ def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
 
     segments: Optional[List[List[str]]] = None
     if groups:          # no repeated blocks: contiguous segments of the top-level sequence
-        from ms_efficient.memopt.segments import (apply_segments, choose_segments,
-                                                  describe_segments)
+        from ms_efficient.memopt.segments import choose_segments, describe_segments
 
         actions = tuple(a for a in actions if a not in HOST_ACTIONS)
         pieces = profile_from_units(graph, assign_segments(graph, groups), cluster, batch)

@@ -33,7 +33,7 @@ import numpy as np
 from ms_efficient.memopt.env import KEEP, RECOMPUTE, RECOMPUTE_ALL, MemoryPlan
 
 __all__ = ["linear_partition", "segment_counts", "segmentations", "segment_cell_actions",
-           "choose_segments", "apply_segments", "describe_segments"]
+           "choose_segments", "describe_segments"]
 
 
 def linear_partition(weights: Sequence[float], k: int, min_size: int = 1) -> List[int]:
@@ -148,19 +148,6 @@ def choose_segments(groups: Sequence[Sequence[str]], group_bytes: Sequence[float
     if best is None:
         raise failed[1]
     return best[1], best[2], best[3]
-
-
-def apply_segments(network, segments: List[List[str]], names: List[str], plan: MemoryPlan,
-                   device_target: str = "CPU") -> Dict[str, List[str]]:
-    """Realise a plan over segments (units named by their first Cell, ``names``) on every
-    Cell of each planned segment (:func:`segment_cell_actions`) with
-    ``memopt.apply.apply_actions``; returns what it applied, per Cell."""
-    from ms_efficient.memopt.apply import apply_actions
-
-    of = {seg[0]: seg for seg in segments}
-    cell_names, cell_actions = segment_cell_actions([of[n] for n in names], plan)
-    return apply_actions(network, cell_names, cell_actions, [1] * len(cell_names),
-                         device_target)
 
 
 def describe_segments(doc: Dict[str, Any], segments: List[List[str]],
