@@ -35,7 +35,7 @@ import numpy as np
 
 from ms_efficient.efficientmoe.capacity import round_up, send_blocks, slot_capacities
 from ms_efficient.efficientmoe.cost import CostModel, check_rank_device, layer_cost
-from ms_efficient.moe.plan import ExpertPlan
+from ms_efficient.moe.plan import GROUPED_DISPATCH, ExpertPlan
 
 __all__ = ["PlacementConfig", "default_slots_per_device", "uniform_placement",
            "replica_counts_greedy", "device_bound",
@@ -62,9 +62,9 @@ class PlacementConfig:
     buffer_drop_target: float = 0.0005
 
     def __post_init__(self) -> None:
-        if self.dispatch not in ("static", "grouped"):
-            raise ValueError(f"placement 'dispatch' must be 'static' or 'grouped', but got "
-                             f"{self.dispatch!r}.")
+        if self.dispatch not in ("static",) + GROUPED_DISPATCH:
+            raise ValueError(f"placement 'dispatch' must be one of "
+                             f"{['static', *GROUPED_DISPATCH]}, but got {self.dispatch!r}.")
 
 
 def default_slots_per_device(num_experts: int, num_hosts: int, extra: int = 1) -> int:
@@ -350,7 +350,7 @@ def _plan_grouped(load: np.ndarray, model: CostModel, config: PlacementConfig, r
             hosts[slot_device] = True                     # no block to a device without slots
             plan = with_blocks(plan, np.where(hosts, np.maximum(np.ceil(most_RD - 1e-9), 1),
                                               0).astype(np.int64))
-        return dataclasses.replace(plan, **sizes)
+        return dataclasses.replace(plan, dispatch=config.dispatch, **sizes)
 
     def candidate(extra: int):
         replicas = np.minimum(replica_counts_greedy(load_E, num_experts + extra), num_hosts)
@@ -362,7 +362,7 @@ def _plan_grouped(load: np.ndarray, model: CostModel, config: PlacementConfig, r
     blocks = send_blocks(plan, load, rel_err_KRE, rd, dpn, config.buffer_drop_target, bound)
     logger.debug("plan_layer (grouped): %d slots, blocks %s, predicted %.3g s",
                  plan.num_slots, blocks.tolist(), best_cost)
-    return dataclasses.replace(with_blocks(plan, blocks), **sizes)
+    return dataclasses.replace(with_blocks(plan, blocks), dispatch=config.dispatch, **sizes)
 
 
 def plan_layer(load_RE: np.ndarray, model: CostModel, config: PlacementConfig,
@@ -416,7 +416,7 @@ def plan_layer(load_RE: np.ndarray, model: CostModel, config: PlacementConfig,
     if tokens_per_step is None and top_k:
         tokens_per_step = int(round(load_E.sum() / top_k))
     sizes = {"top_k": top_k, "tokens_per_step": tokens_per_step, "method": method}
-    if config.dispatch == "grouped":
+    if config.dispatch in GROUPED_DISPATCH:
         return _plan_grouped(load, model, config, rd, rel_err_KRE, sizes, dropless,
                              seen_max_RE)
     sizes["dispatch"] = "static"

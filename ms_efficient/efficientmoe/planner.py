@@ -53,7 +53,7 @@ from ms_efficient.efficientmoe.predictor import PREDICTOR_NAMES
 from ms_efficient.efficientmoe.schedule import (ReplanCosts, ReplanDecision, choose_horizon,
                                                 decide_replan, migration_time_s,
                                                 recompile_time_s, recompiles)
-from ms_efficient.moe.plan import ExpertPlan
+from ms_efficient.moe.plan import GROUPED_DISPATCH, ExpertPlan
 from ms_efficient.moe.split import source_rows
 
 __all__ = ["PlannerConfig", "Proposal", "EfficientMoEPlanner", "single_device_plans",
@@ -84,9 +84,10 @@ class PlannerConfig:
     recompile_s: seconds one recompilation costs (None: :func:`schedule.recompile_time_s` of
         the planner's ``num_layers``, the measured model; a value overrides it).
     bytes_per_param, max_drop_rate, optimizer_states: see :class:`schedule.ReplanCosts`.
-    dispatch: "static" (per-rank, per-slot capacities, padded) or "grouped" (padding-free
+    dispatch: "static" (per-rank, per-slot capacities, padded), "grouped" (padding-free
         grouped expert compute over one row buffer per device; the capacity model sizes the
-        buffers, ``capacity_levels`` does not apply).
+        buffers, ``capacity_levels`` does not apply) or "counts" (the same plans with a
+        count-driven exchange, Ascend only: :mod:`ms_efficient.moe.plan`).
     buffer_drop_target: expected drop rate the row buffers of "grouped" plans aim at. Lower
         than ``drop_target``: a buffer row costs memory, not time (the grouped matmul
         computes only the rows it receives), so dropping is not worth a saving.
@@ -122,7 +123,8 @@ class PlannerConfig:
             ("recompile_s", self.recompile_s is None or self.recompile_s >= 0,
              "None or >= 0"),
             ("optimizer_states", self.optimizer_states >= 0, ">= 0"),
-            ("dispatch", self.dispatch in ("static", "grouped"), "'static' or 'grouped'"),
+            ("dispatch", self.dispatch in ("static",) + GROUPED_DISPATCH,
+             "'static', 'grouped' or 'counts'"),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -231,7 +233,7 @@ class EfficientMoEPlanner:
             return plans
         out = []
         for layer, (plan, now) in enumerate(zip(plans, current)):
-            if plan.dispatch == now.dispatch == "grouped":
+            if plan.dispatch == now.dispatch and plan.grouped:
                 size = max(int(plan.slot_device.max()), int(now.slot_device.max())) + 1
                 kept = dataclasses.replace(plan, device_buffer=now.device_rows(size),
                                            send_block=now.send_rows(self.rank_device.size,
@@ -336,7 +338,7 @@ class EfficientMoEPlanner:
         dpn = self.model.cluster.devices_per_node
         rates = []
         for layer, plan in enumerate(plans):
-            if plan.dispatch == "grouped":        # a pair drops what exceeds its block
+            if plan.grouped:                      # a pair drops what exceeds its block
                 bound = device_bound(plan.slot_expert, plan.slot_device,
                                      int(plan.slot_device.max()) + 1, self.tokens_per_step,
                                      self.top_k)

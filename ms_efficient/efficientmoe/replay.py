@@ -21,6 +21,10 @@ one static row buffer per device, after a routing-count exchange (``dispatch="gr
                      through :func:`ms_efficient.efficientmoe.schedule.decide_replan`; layers
                      whose loads cannot be forecast yet get no replicas and buffers for the
                      largest counts seen.
+    efficientmoe-counts  the same planner and plans with the count-driven exchange
+                     (``dispatch="counts"``, Ascend ``ops.AlltoAllVC``): the kept rows
+                     travel, no block padding, at the dynamic-shape overhead
+                     ``CostModel.dynamic_exchange_s`` per exchange.
     efficientmoe-static  the same planner with per-rank, per-slot static capacities (padded
                      expert compute, no count exchange): the mode of earlier rounds.
     dropless-grouped MegaBlocks-style dropless grouped compute (Gale et al., "MegaBlocks:
@@ -101,15 +105,16 @@ __all__ = ["METHODS", "ReplayConfig", "ReplayResult", "cluster_for_ranks", "chec
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("efficientmoe", "efficientmoe-static", "switch-cf1.0", "switch-cf1.25",
+METHODS = ("efficientmoe", "efficientmoe-counts", "efficientmoe-static", "switch-cf1.0", "switch-cf1.25",
            "switch-cf2.0", "dropless-static", "dropless-window", "dropless-grouped", "fastermoe",
            "eplb-ema", "eplb-ar", "eplb-ema-grouped", "eplb-ar-grouped", "mindspeed-greedy",
            "mindspeed-greedy-grouped", "oracle", "oracle-static")
-_ADAPTIVE = {"efficientmoe", "efficientmoe-static", "eplb-ema", "eplb-ar", "eplb-ema-grouped",
+_ADAPTIVE = {"efficientmoe", "efficientmoe-counts", "efficientmoe-static", "eplb-ema", "eplb-ar", "eplb-ema-grouped",
              "eplb-ar-grouped", "mindspeed-greedy", "mindspeed-greedy-grouped",
              "oracle-static", "dropless-window"}
 # our planner (planner.EfficientMoEPlanner), and the dispatch it plans for
-_OURS = {"efficientmoe": "grouped", "efficientmoe-static": "static", "oracle-static": "static"}
+_OURS = {"efficientmoe": "grouped", "efficientmoe-counts": "counts",
+         "efficientmoe-static": "static", "oracle-static": "static"}
 _EPLB = {"eplb-ema", "eplb-ar", "eplb-ema-grouped",
          "eplb-ar-grouped"}                   # re-balanced on their own periodic schedule
 _OUR_PREDICTOR = {"eplb-ar", "eplb-ar-grouped"}   # baselines given our forecaster
@@ -298,7 +303,7 @@ class _Context:
                 dataclasses.replace(config, dispatch=dispatch).planner_config(), self.model,
                 trace.num_experts, self.rank_device, self.top_k, self.tokens_per_step,
                 self.check_rows, self.stride, trace.num_layers)
-            for dispatch in ("static", "grouped")}
+            for dispatch in ("static", "grouped", "counts")}
         # the static one also evaluates the baselines (its evaluations follow each plan's
         # own dispatch)
         self.planner = self.planners["static"]

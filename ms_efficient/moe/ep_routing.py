@@ -428,15 +428,17 @@ def grouped_tables(plan: ExpertPlan, num_experts: int, rank: int, world: int,
 
 
 def check_replan(plan: ExpertPlan, num_experts: int, buffer_D: np.ndarray,
-                 budget: int, block_WD: Optional[np.ndarray] = None) -> None:
+                 budget: int, block_WD: Optional[np.ndarray] = None,
+                 layer_dispatch: str = "grouped") -> None:
     """Raise ``ValueError`` unless ``plan`` fits the shapes a grouped layer compiled: a
-    ``"grouped"`` plan with the row buffers ``buffer_D`` (int [W]) and send blocks
+    plan of the layer's dispatch (``layer_dispatch``, "grouped" or "counts") with the row buffers ``buffer_D`` (int [W]) and send blocks
     ``block_WD`` (int [W, W], when given), at most ``budget`` slots per device and every one
     of the ``num_experts`` experts (ids below it) placed."""
     world = int(buffer_D.size)
-    if plan.dispatch != "grouped":
-        raise ValueError(f"set_plan switches 'grouped' layers to 'grouped' plans, but the "
-                         f"layer's dispatch is 'grouped' and the plan's {plan.dispatch!r}.")
+    if plan.dispatch != layer_dispatch:
+        raise ValueError(f"set_plan switches a layer to plans of its own dispatch, but the "
+                         f"layer's dispatch is {layer_dispatch!r} and the plan's "
+                         f"{plan.dispatch!r}.")
     new = plan.device_rows(world)
     if not np.array_equal(new, buffer_D):
         raise ValueError(f"set_plan keeps the compiled shapes, so the plan's device buffers "
