@@ -65,11 +65,12 @@ _DTYPE_BYTES = {"fp16": 2, "bf16": 2, "float16": 2, "bfloat16": 2, "fp32": 4, "f
 COUNT_BYTES = 4   # one routing count in the exchange: int32
 # Seconds one count-driven AlltoAllV ("counts" plans) costs beyond its rows: MindSpore's
 # dynamic-shape path (run-time shape inference and allocation of a receive size that is data).
-# Measured: 245 us a call extra for one data-dependent shape against its static twin,
-# MindSpore 2.10 GRAPH mode on the 2-core CPU machine (scripts/measure_dynamic_shape.py,
-# docs/results.md). Assumed the same on Ascend, where the count matrix must also reach the
-# host (a device-to-host copy that drains the stream, not measured here): a lower bound there.
-DYNAMIC_EXCHANGE_S = 250e-6
+# Measured: 245, 363 and 488 us a call extra (median 363) for one data-dependent shape
+# against its static twin, MindSpore 2.10 GRAPH mode on the shared 2-core CPU machine
+# (scripts/measure_dynamic_shape.py, docs/results.md). Assumed the same on Ascend, where the
+# count matrix must also reach the host (a device-to-host copy that drains the stream, not
+# measured here): a lower bound there.
+DYNAMIC_EXCHANGE_S = 363e-6
 
 
 @dataclass(frozen=True)

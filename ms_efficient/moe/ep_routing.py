@@ -66,6 +66,8 @@ No MindSpore import here.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
@@ -309,7 +311,10 @@ def grouped_dispatch(plan: ExpertPlan, num_experts: int, rank: int, world: int,
     device_onehot_VD[np.arange(num_v), device_V] = 1
     earlier_VV = ((device_V[:, None] == device_V[None, :])
                   & (np.arange(num_v)[:, None] < np.arange(num_v)[None, :]))
-    block_WD = exchange_rows(plan, num_experts, np.arange(world), world, devices_per_node)
+    # the rows a "grouped" exchange carries; a "counts" plan's blocks are upper bounds (the
+    # same layout as its "grouped" twin, only the kept rows travel)
+    layout = plan if plan.dispatch == "grouped" else dataclasses.replace(plan, dispatch="grouped")
+    block_WD = exchange_rows(layout, num_experts, np.arange(world), world, devices_per_node)
     block_start_D = np.cumsum(block_WD[rank]) - block_WD[rank]
 
     # Step 2: the plan's slots in the budget slots of their devices, in ascending slot id.
