@@ -41,7 +41,8 @@ one static row buffer per device, after a routing-count exchange (``dispatch="gr
                      placement policy at its best forecast.
     eplb-ema-grouped, eplb-ar-grouped, mindspeed-greedy-grouped  the same placements with
                      grouped dispatch and the send blocks ours would give them
-                     (:func:`placement.grouped_plan`, same drop target): these rows differ
+                     (:func:`placement.grouped_plan`, the same cost-chosen per-pair drop
+                     target within ``max_block_drop_rate``): these rows differ
                      from efficientmoe only by placement and forecast.
     mindspeed-greedy its greedy placement fed by an EMA predictor, one capacity for all
                      slots, re-planned by the same checks and rule as ours.
@@ -146,7 +147,9 @@ class ReplayConfig:
         it is hidden behind other layers' backward).
     dispatch: what ``plan moe`` (:func:`plan_trace`) plans for, "grouped" or "static"; the
         replay's methods each keep their own.
-    buffer_drop_target: expected drop rate our "grouped" row buffers aim at (PlannerConfig).
+    max_block_drop_rate: the most expected drops the send blocks of our "grouped"/"counts"
+        plans and of the grouped baselines may cause; the per-pair target within it is chosen
+        by cost (PlannerConfig, placement.choose_blocks).
     """
 
     slots_per_device: Optional[int] = None
@@ -165,7 +168,7 @@ class ReplayConfig:
     static_blocks: str = "exact"
     sync_replica_grads: bool = True
     dispatch: str = "grouped"
-    buffer_drop_target: float = 0.0005
+    max_block_drop_rate: float = 0.001
 
     def planner_config(self) -> PlannerConfig:
         """The settings of our planner (the same class the trainer builds from its config)."""
@@ -175,7 +178,7 @@ class ReplayConfig:
                              residual_window=self.residual_window, predictor=self.predictor,
                              max_forecast_error=self.max_forecast_error,
                              recompile_s=self.recompile_s, dispatch=self.dispatch,
-                             buffer_drop_target=self.buffer_drop_target)
+                             max_block_drop_rate=self.max_block_drop_rate)
 
 
 @dataclass
