@@ -103,3 +103,22 @@ def test_the_maximum_drop_rate_is_validated():
         PlannerConfig(max_block_drop_rate=1.5)
     with pytest.raises(ValueError, match="max_block_drop_rate"):
         PlacementConfig(2, max_block_drop_rate=-0.1)
+
+
+def test_plan_moe_counts_writes_counts_plans_and_prints_the_chosen_target(tmp_path, capsys):
+    from ms_efficient.cli import main
+    from ms_efficient.moe.plan import load_plans
+    from ms_efficient.moe.trace import save_trace, synthetic_trace
+
+    path = str(tmp_path / "trace.npz")
+    save_trace(synthetic_trace(steps=24, layers=1, ranks=4, experts=8, tokens_per_rank=256),
+               path)
+    out = str(tmp_path / "plan.yaml")
+    assert main(["plan", "moe", "--trace", path, "--dispatch", "counts", "--out", out]) == 0
+    printed = capsys.readouterr().out
+    plans, _ = load_plans(out)
+    assert plans[0].dispatch == "counts"
+    # a counts plan pays no padding: the lowest of the targets tried (0.01% of 0.1%)
+    assert plans[0].drop_target == pytest.approx(0.0001)
+    assert 0 <= plans[0].expected_drop_rate <= 0.0001 + 1e-12
+    assert "sends at most" in printed and "per-pair drop target 0.01%" in printed
