@@ -139,8 +139,9 @@ def test_backend_picks_alltoallvc_on_ascend_and_the_block_emulation_elsewhere():
         CountedAllToAllV([[1, 2]], 0, 4)
 
 
-def test_a_one_process_counts_layer_builds_and_equals_the_grouped_layer():
-    ms.set_context(mode=ms.PYNATIVE_MODE)
+@pytest.mark.parametrize("mode", [ms.PYNATIVE_MODE, ms.GRAPH_MODE])
+def test_a_one_process_counts_layer_builds_and_equals_the_grouped_layer(mode):
+    ms.set_context(mode=mode)
     e, h, f, k = 4, 8, 16, 2
     kw = dict(slot_expert=[0, 1, 2, 3], slot_device=[0] * 4, slot_capacity=[4] * 4,
               send_block=[[12]])

@@ -151,8 +151,10 @@ class ExpertParallelMoE(nn.Cell):
         num_experts: E logical experts.
         top_k: K experts per token; gate weights renormalised to sum to 1.
         plan: the slots (logical expert, device = rank in ``group``, capacity); validated.
-            ``plan.dispatch == "grouped"``: grouped dispatch (module docstring); every
-            device needs a buffer ``plan.device_rows()[d] >= 1``; others: static dispatch.
+            ``plan.dispatch == "grouped"`` (or ``"counts"``: the same, exchanging only the
+            kept rows, :mod:`~ms_efficient.moe.counted_alltoall`): grouped dispatch (module
+            docstring); every device needs a buffer ``plan.device_rows()[d] >= 1``; others:
+            static dispatch.
         group: expert-parallel communication group; default the world group. W = its size
             (1 before ``init()``: then no collective is created).
         rank: this process's rank in ``group``; default the actual one (checked when given).
