@@ -159,9 +159,10 @@ def test_each_capability_has_the_common_roles(capability):
 # module per planning concept; EfficientMoE has ten concepts (sampler, predictor, forecaster,
 # capacity, levels, cost, placement, schedule, replan_loop, replay) and a second MindSpore-
 # facing role, the expert-parallel re-planner (ep_replanner, beside apply), the MoE runtime
-# twelve modules (the README's Architecture section lists both).
+# thirteen modules (the count-driven exchange of "counts" plans, counted_alltoall, is its own
+# module so that ep_layer does not grow; the README's Architecture section lists both).
 MAX_MODULES = 11
-MAX_MODULES_OF = {"efficientmoe": 16, "moe": 12}
+MAX_MODULES_OF = {"efficientmoe": 16, "moe": 13}
 
 
 def test_no_package_folder_holds_more_modules_than_its_limit():
