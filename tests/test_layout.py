@@ -161,13 +161,14 @@ def test_each_capability_has_the_common_roles(capability):
 # module per planning concept; EfficientMoE has ten concepts (sampler, predictor, forecaster,
 # capacity, levels, cost, placement, schedule, replan_loop, replay) and a second MindSpore-
 # facing role, the expert-parallel re-planner (ep_replanner, beside apply), the MoE runtime
-# fourteen modules: the layer, its activations and drop-in MLP, the expert-parallel layer and its
-# tables, migration and re-plan, All-to-All, the exchange rule, kernels, grouped matmul, plan,
+# fifteen modules: the layer, its activations and drop-in MLP, the expert-parallel layer and its
+# tables, migration and re-plan, All-to-All, the count-driven exchange of "counts" plans (its
+# own module so that ep_layer does not grow), the exchange rule, kernels, grouped matmul, plan,
 # split and trace; MemOpt twelve: its roles plus the profile, environment, agents, MILP,
 # measured check, calibration and the segments of networks without repeated blocks (the
 # README's Architecture section lists them).
 MAX_MODULES = 11
-MAX_MODULES_OF = {"efficientmoe": 16, "moe": 14, "memopt": 12}
+MAX_MODULES_OF = {"efficientmoe": 16, "moe": 15, "memopt": 12}
 
 
 def test_no_package_folder_holds_more_modules_than_its_limit():

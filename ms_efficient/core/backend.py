@@ -19,6 +19,18 @@ reason, in one table:
                                                            grouped_matmul); GPU a dense composite.
                                                            Never the Ascend op on CPU: in
                                                            PYNATIVE it returns an empty tuple.
+    counted_alltoall_ "native"   "block-emulation"         the "counts" dispatch's exchange
+    impl()                                                 (per-peer counts are data): Ascend's
+                                                           ``ops.AlltoAllVC`` with a Tensor
+                                                           [W * W] count matrix (GRAPH mode,
+                                                           bprop registered, output size is
+                                                           data); elsewhere no count-driven
+                                                           collective exists (CPU mccl has no
+                                                           AlltoAllV at all), so the static
+                                                           blocks C[r, d] are exchanged with the
+                                                           AllToAllV emulation: the same values
+                                                           (unfilled block rows are zeros), the
+                                                           padded traffic.
 
 Add a new choice as a function ``<thing>_impl(device_target=None) -> str`` that returns one of a
 few documented string constants, and list it in the table above.
@@ -44,6 +56,9 @@ __all__ = [
     "GMM_AOT",
     "GMM_OPS",
     "grouped_matmul_impl",
+    "COUNTED_NATIVE",
+    "COUNTED_BLOCK_EMULATION",
+    "counted_alltoall_impl",
     "world_group",
     "group_size",
     "group_rank",
@@ -64,6 +79,11 @@ ALLTOALL_IMPLS = (ALLTOALL_NATIVE, ALLTOALL_ALLGATHER_EMULATION, ALLTOALL_ALLRED
 GMM_NATIVE = "native"  # Ascend GroupedMatmul with a group list (untested here: no Ascend)
 GMM_AOT = "aot"  # ops.Custom C++ kernel over OpenBLAS: CPU only (host code on host memory)
 GMM_OPS = "ops"  # every expert on every row, masked: exact, E times the FLOPs; any target
+
+
+# Count-driven AlltoAllV implementations (see ms_efficient.moe.counted_alltoall).
+COUNTED_NATIVE = "native"  # ops.AlltoAllVC, counts as a Tensor: Ascend only
+COUNTED_BLOCK_EMULATION = "block-emulation"  # the static blocks through AllToAllV: exact values
 
 
 def device_target() -> str:
@@ -108,6 +128,14 @@ def grouped_matmul_impl(target: Optional[str] = None) -> str:
     if target == ASCEND:
         return GMM_NATIVE
     return GMM_AOT if target == CPU else GMM_OPS
+
+
+def counted_alltoall_impl(target: Optional[str] = None) -> str:
+    """The exchange of ``"counts"`` plans on `target` (default: this process's device target):
+    COUNTED_NATIVE on Ascend (``ops.AlltoAllVC``: MindSpore 2.10 documents it for Ascend only,
+    with ``send_count_matrix`` a Tensor, so the per-peer counts are data in GRAPH mode),
+    COUNTED_BLOCK_EMULATION elsewhere (see the table above)."""
+    return COUNTED_NATIVE if is_ascend(target) else COUNTED_BLOCK_EMULATION
 
 
 def world_group() -> str:

@@ -168,6 +168,10 @@ class EfficientMoEConfig:
     predictor: str = "ar-ridge"
     # Expected share of assignments dropped that the capacities aim to stay under.
     drop_target: float = 0.005
+    # Expert-parallel (grouped / counts) plans: the most expected drops (share of assignments)
+    # their send blocks may cause; the planner picks the per-pair target within it that
+    # costs least (block padding against forced re-plans) and reports it in the plan.
+    max_block_drop_rate: float = 0.001
     # Capacities are multiples of this many tokens (16x16 cube tiles on Ascend).
     capacity_multiple: int = 16
     # At most this many distinct capacities per layer: experts of equal capacity share one
@@ -214,6 +218,8 @@ class EfficientMoEConfig:
             _fail(f"{path}.predictor", self.predictor, f"one of {list(PREDICTOR_NAMES)}")
         if not 0.0 <= self.drop_target < 1.0:
             _fail(f"{path}.drop_target", self.drop_target, "in [0, 1)")
+        if not 0.0 <= self.max_block_drop_rate < 1.0:
+            _fail(f"{path}.max_block_drop_rate", self.max_block_drop_rate, "in [0, 1)")
         if self.recompile_cost_s is not None and not 0 <= self.recompile_cost_s < math.inf:
             _fail(f"{path}.recompile_cost_s", self.recompile_cost_s, "a finite number >= 0")
         if not 0 < self.max_forecast_error < math.inf:

@@ -278,15 +278,16 @@ def _sized(slot_expert, slot_device, load, rel_err_KRE, model, config, rank_devi
            top_k, tokens_per_step, dispatch) -> ExpertPlan:
     """A placement baseline's plan for ``dispatch``: "static", one uniform capacity
     (:func:`_uniform_capacity_plan`, its published form); "grouped", the block rule ours uses
-    (:func:`~ms_efficient.efficientmoe.placement.grouped_plan`, blocks at the same drop
-    target), so a grouped row differs from ours by its placement and forecast only."""
+    (:func:`~ms_efficient.efficientmoe.placement.grouped_plan`, blocks at the same
+    cost-chosen per-pair drop target rule), so a grouped row differs from ours by its placement and forecast only."""
     if dispatch == "static":
         return _uniform_capacity_plan(slot_expert, slot_device, load, rel_err_KRE, config,
                                       method, top_k, tokens_per_step)
     if dispatch != "grouped":
         raise ValueError(f"'dispatch' must be 'static' or 'grouped', but got {dispatch!r}.")
     plan = grouped_plan(slot_expert, slot_device, load, model, np.asarray(rank_device),
-                        tokens_per_step, top_k, rel_err_KRE, config.buffer_drop_target)
+                        tokens_per_step, top_k, rel_err_KRE,
+                        config=dataclasses.replace(config, dispatch="grouped"))
     return dataclasses.replace(plan, method=f"{method}-grouped")
 
 

@@ -1,6 +1,6 @@
 """EfficientMoE: expert replication, placement and per-replica capacities from routing traces.
 
-    ms-efficient plan moe --trace FILE.npz [--cluster NAME] [--dispatch grouped|static]
+    ms-efficient plan moe --trace FILE.npz [--cluster NAME] [--dispatch grouped|counts|static]
                           --out plan.yaml
     ms-efficient bench moe [--quick] [--trace FILE.npz ...] [--cluster NAME] --json OUT
                            [--config CONFIG] [--steps N] [--init-from RUN_DIR]
@@ -33,9 +33,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, help="routing trace (.npz, see README)")
     parser.add_argument("--cluster", help="cluster preset (default: 8-chip Ascend 910B nodes, "
                                           "as many as the trace's ranks need)")
-    parser.add_argument("--dispatch", choices=("grouped", "static"), default="grouped",
+    parser.add_argument("--dispatch", choices=("grouped", "counts", "static"),
+                        default="grouped",
                         help="grouped (default): padding-free grouped expert compute, one row "
-                             "buffer per device; static: per-rank, per-slot capacities")
+                             "buffer per device; counts: the same with a count-driven "
+                             "exchange (Ascend only); static: per-rank, per-slot capacities")
     parser.add_argument("--out", required=True, help="plan YAML to write")
 
 
@@ -51,13 +53,17 @@ def run_plan(args: argparse.Namespace) -> int:
     save_plans(args.out, plans, trace.num_experts,
                extra={"trace": os.path.basename(args.trace), "cluster": args.cluster or "auto"})
     for layer, plan in enumerate(plans):
-        if plan.dispatch == "grouped":
+        if plan.grouped:
             sent_R = plan.send_rows(trace.num_ranks).sum(axis=1)
             routed = trace.counts[-1, layer].sum(axis=1)
-            rows = (f"each rank sends {int(sent_R.min())}-{int(sent_R.max())} rows per "
+            verb = "sends" if plan.dispatch == "grouped" else "sends at most"
+            rows = (f"each rank {verb} {int(sent_R.min())}-{int(sent_R.max())} rows per "
                     f"exchange (it routed {int(routed.min())}-{int(routed.max())} in the "
                     f"trace's last step), device buffers "
                     f"{sorted(set(plan.device_rows()[plan.slot_device].tolist()))}")
+            if plan.drop_target is not None:
+                rows += (f", per-pair drop target {100 * plan.drop_target:.3g}% "
+                         f"(expected drops {100 * plan.expected_drop_rate:.3g}%)")
         else:
             rows = f"{int(plan.slot_capacity.sum())} capacity rows"
         print(f"layer {layer}: {plan.num_slots} slots for {trace.num_experts} experts, {rows}")

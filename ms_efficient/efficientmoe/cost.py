@@ -6,12 +6,18 @@ For a layer with plan ``plan`` (:class:`ms_efficient.moe.plan.ExpertPlan`) and r
 
     time      = exchange + a2a_passes * A2A(dispatch bytes) + max_d compute_d + max_d sync_d
     exchange  = AllGather of the int32 counts, once per step: [R, E] routing counts ("alltoallv");
-                [R, R * S_b] per-slot block counts ("grouped", S_b the most slots a device
-                holds: what the grouped layer's CountExchange gathers)
+                [R, R * S_b] per-slot block counts ("grouped" and "counts", S_b the most
+                slots a device holds: what the grouped layer's CountExchange gathers); for
+                "counts" plus ``a2a_passes`` x ``dynamic_exchange_s``, the dynamic-shape
+                overhead of each count-driven AlltoAllV (its receive size is data, so the
+                count matrix is read on the host before it runs; the [W, W] matrix itself is
+                derived from the gathered counts, no extra collective)
     dispatch  = rows device r sends to device d (:func:`~ms_efficient.moe.exchange.exchange_rows`,
                 what the expert-parallel layer's AlltoAllV Cells are built from): the
                 kept tokens ("alltoallv"); the planned block C[r, d], full or empty
-                ("grouped"); for "static" plans every row rank r owns in d's slots, full
+                ("grouped"); the kept rows of the grouped rule, no padding ("counts":
+                ``ms_efficient.moe.counted_alltoall``, Ascend ``ops.AlltoAllVC``);
+                for "static" plans every row rank r owns in d's slots, full
                 or empty, sent
                   static_blocks="exact" (default): as exactly those rows (an AlltoAllV whose
                     per-peer counts are compile-time constants, ``mindspore.ops.AlltoAllV``
@@ -51,12 +57,20 @@ from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import source_rows, split_tokens, static_assignments
 from ms_efficient.sim import Simulator
 
-__all__ = ["CostModel", "LayerCost", "uneven_alltoall_time_s", "device_matrix", "computed_rows_D",
+__all__ = ["CostModel", "LayerCost", "DYNAMIC_EXCHANGE_S", "uneven_alltoall_time_s", "device_matrix", "computed_rows_D",
            "compute_time_D",
            "check_rank_device", "count_exchange_time_s", "layer_cost", "event_step_time_s"]
 
 _DTYPE_BYTES = {"fp16": 2, "bf16": 2, "float16": 2, "bfloat16": 2, "fp32": 4, "float32": 4}
 COUNT_BYTES = 4   # one routing count in the exchange: int32
+# Seconds one count-driven AlltoAllV ("counts" plans) costs beyond its rows: MindSpore's
+# dynamic-shape path (run-time shape inference and allocation of a receive size that is data).
+# Measured: 245, 363 and 488 us a call extra (median 363) for one data-dependent shape
+# against its static twin, MindSpore 2.10 GRAPH mode on the shared 2-core CPU machine
+# (scripts/measure_dynamic_shape.py, docs/results.md). Assumed the same on Ascend, where the
+# count matrix must also reach the host (a device-to-host copy that drains the stream, not
+# measured here): a lower bound there.
+DYNAMIC_EXCHANGE_S = 363e-6
 
 
 @dataclass(frozen=True)
@@ -69,6 +83,8 @@ class CostModel:
     a2a_passes: All-to-Alls per step of the dispatch's size (4: dispatch + combine, fwd + bwd).
     sync_replica_grads: charge an all-reduce of each replicated expert's gradients.
     static_blocks: how "static" plans send their rows, "equal" or "exact" (module docstring).
+    dynamic_exchange_s: seconds each count-driven AlltoAllV of a "counts" plan costs beyond
+        its rows (``DYNAMIC_EXCHANGE_S``, measured; module docstring).
     """
 
     cluster: ClusterSpec
@@ -79,8 +95,12 @@ class CostModel:
     a2a_passes: int = 4
     sync_replica_grads: bool = True
     static_blocks: str = "exact"
+    dynamic_exchange_s: float = DYNAMIC_EXCHANGE_S
 
     def __post_init__(self) -> None:
+        if not self.dynamic_exchange_s >= 0:
+            raise ValueError(f"'dynamic_exchange_s' must be >= 0 seconds, but got "
+                             f"{self.dynamic_exchange_s!r}.")
         if self.static_blocks not in ("equal", "exact"):
             raise ValueError(f"'static_blocks' must be 'equal' or 'exact', but got "
                              f"{self.static_blocks!r}.")
@@ -243,15 +263,17 @@ def _dispatch(plan: ExpertPlan, counts_RE: np.ndarray, model: CostModel, rd: np.
     assigned_RS, dropped = split_tokens(plan, counts_RE, rd, dpn)
     num_ranks = counts_RE.shape[0]
     counts_per_rank = (num_ranks * int(np.bincount(plan.slot_device).max())   # [W * S_b]
-                       if plan.dispatch == "grouped" else num_experts)
-    return assigned_RS, dropped, sent_DD, count_exchange_time_s(num_ranks, counts_per_rank,
-                                                                model, rd)
+                       if plan.grouped else num_experts)
+    exchange = count_exchange_time_s(num_ranks, counts_per_rank, model, rd)
+    if plan.dispatch == "counts" and num_ranks > 1:
+        exchange += model.a2a_passes * model.dynamic_exchange_s
+    return assigned_RS, dropped, sent_DD, exchange
 
 
 def computed_rows_D(plan: ExpertPlan, assigned_RS: np.ndarray, model: CostModel) -> np.ndarray:
     """Rows every device computes in one forward pass, float64 [D] (module docstring): the
     tiled capacities of its slots, or for a "grouped" plan the tiled kept tokens of each."""
-    rows_S = assigned_RS.sum(axis=0) if plan.dispatch == "grouped" else plan.slot_capacity
+    rows_S = assigned_RS.sum(axis=0) if plan.grouped else plan.slot_capacity
     return np.bincount(plan.slot_device, weights=model.cluster.tiled_rows(rows_S),
                        minlength=model.cluster.num_devices).astype(np.float64)
 
@@ -264,7 +286,7 @@ def compute_time_D(plan: ExpertPlan, assigned_RS: np.ndarray, model: CostModel) 
                rows 2 (m (H + F) + H F) dtype bytes (two GEMMs, each reading its input and
                weight and writing its output), over ``cluster.hbm_bandwidth_Bps``.
     A slot that computes no row (a grouped slot with no token) reads no weight."""
-    rows_S = (model.cluster.tiled_rows(assigned_RS.sum(axis=0)) if plan.dispatch == "grouped"
+    rows_S = (model.cluster.tiled_rows(assigned_RS.sum(axis=0)) if plan.grouped
               else model.cluster.tiled_rows(plan.slot_capacity)).astype(np.float64)
     h, f = model.hidden, model.ffn_hidden
     bytes_S = np.where(rows_S > 0, 2.0 * (rows_S * (h + f) + h * f) * model.dtype_bytes, 0.0)

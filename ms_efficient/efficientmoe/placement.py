@@ -33,11 +33,12 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from ms_efficient.efficientmoe.capacity import round_up, send_blocks, slot_capacities
+from ms_efficient.efficientmoe.capacity import (expected_pair_drop_rate, round_up, send_blocks,
+                                                slot_capacities)
 from ms_efficient.efficientmoe.cost import CostModel, check_rank_device, layer_cost
-from ms_efficient.moe.plan import ExpertPlan
+from ms_efficient.moe.plan import GROUPED_DISPATCH, ExpertPlan
 
-__all__ = ["PlacementConfig", "default_slots_per_device", "uniform_placement",
+__all__ = ["PlacementConfig", "DROP_TARGET_FRACTIONS", "choose_blocks", "BlockChoice", "default_slots_per_device", "uniform_placement",
            "replica_counts_greedy", "device_bound",
            "place_replicas", "levelled_shares", "rank_capacities", "plan_layer",
            "grouped_plan", "pair_bound", "with_blocks"]
@@ -45,26 +46,45 @@ __all__ = ["PlacementConfig", "default_slots_per_device", "uniform_placement",
 logger = logging.getLogger(__name__)
 
 
+# The per-pair drop targets the block sizing tries, as fractions of the user's maximum
+# (``max_block_drop_rate``): 0.1% -> 0.01%, 0.025%, 0.05%, 0.1%.
+DROP_TARGET_FRACTIONS = (0.1, 0.25, 0.5, 1.0)
+
+
 @dataclass(frozen=True)
 class PlacementConfig:
     """slots_per_device: expert weight slots each host has memory for (>= ceil(E / hosts)).
     capacity_multiple: capacities are multiples of this (tokens). drop_target: expected drop
     rate the capacity model aims at. levels: points of the coarse grid of replication levels.
-    dispatch: "static" (per-rank, per-slot capacities) or "grouped" (one row buffer per
-    device, see :mod:`ms_efficient.moe.plan`). buffer_drop_target: expected drop rate the
-    row buffers of "grouped" plans aim at."""
+    dispatch: "static" (per-rank, per-slot capacities), "grouped" or "counts" (send blocks
+    and one row buffer per device, see :mod:`ms_efficient.moe.plan`).
+    max_block_drop_rate: the most expected drops (share of assignments) the send blocks of a
+    "grouped"/"counts" plan may cause: the user's constraint; the per-pair target is chosen
+    by cost among ``DROP_TARGET_FRACTIONS`` of it (:func:`choose_blocks`).
+    replan_penalty_s: seconds a forced re-plan costs per step of a plan's life (a recompile
+    over the steps the plan serves), weighed against the padding a tighter block saves.
+    forced_replan_rate: drop rate at which a re-plan is forced (``ReplanCosts.max_drop_rate``;
+    None: never): a plan expecting drop rate p risks min(1, p / forced_replan_rate) of one."""
 
     slots_per_device: int
     capacity_multiple: int = 16
     drop_target: float = 0.005
     levels: int = 5
     dispatch: str = "static"
-    buffer_drop_target: float = 0.0005
+    max_block_drop_rate: float = 0.001
+    replan_penalty_s: float = 0.0
+    forced_replan_rate: Optional[float] = 0.01
 
     def __post_init__(self) -> None:
-        if self.dispatch not in ("static", "grouped"):
-            raise ValueError(f"placement 'dispatch' must be 'static' or 'grouped', but got "
-                             f"{self.dispatch!r}.")
+        if not 0.0 <= self.max_block_drop_rate < 1.0:
+            raise ValueError(f"placement 'max_block_drop_rate' must be in [0, 1), but got "
+                             f"{self.max_block_drop_rate!r}.")
+        if not self.replan_penalty_s >= 0.0:
+            raise ValueError(f"placement 'replan_penalty_s' must be >= 0, but got "
+                             f"{self.replan_penalty_s!r}.")
+        if self.dispatch not in ("static",) + GROUPED_DISPATCH:
+            raise ValueError(f"placement 'dispatch' must be one of "
+                             f"{['static', *GROUPED_DISPATCH]}, but got {self.dispatch!r}.")
 
 
 def default_slots_per_device(num_experts: int, num_hosts: int, extra: int = 1) -> int:
@@ -265,7 +285,8 @@ def device_bound(slot_expert: np.ndarray, slot_device: np.ndarray, num_devices: 
 def grouped_plan(slot_expert: np.ndarray, slot_device: np.ndarray, load_RE: np.ndarray,
                  model: CostModel, rank_device: np.ndarray, tokens_per_step: Optional[int],
                  top_k: Optional[int], rel_err_KRE: Optional[np.ndarray] = None,
-                 drop_target: float = 0.0) -> ExpertPlan:
+                 drop_target: float = 0.0,
+                 config: Optional[PlacementConfig] = None) -> ExpertPlan:
     """A ``"grouped"`` plan for a given placement (int [S] experts and devices of the slots)
     and forecast ``load_RE`` (float [R, E]): every slot's capacity its levelled share of
     the forecast (it sets how each rank splits an expert over its replicas), every
@@ -273,7 +294,10 @@ def grouped_plan(slot_expert: np.ndarray, slot_device: np.ndarray, load_RE: np.n
     and errors (:func:`~ms_efficient.efficientmoe.capacity.send_blocks`; ``rel_err_KRE``
     None: the forecast rounded up), capped at the pair bound (a rank's tokens x min(top-k,
     the device's experts)), and every device's buffer the sum of its blocks, so only a
-    block's overflow drops. The one block rule of ours and of the grouped baselines."""
+    block's overflow drops. The one block rule of ours and of the grouped baselines.
+    ``config`` given: the per-pair target is chosen by cost within its
+    ``max_block_drop_rate`` (:func:`choose_blocks`; ``drop_target`` is then unused) and the
+    plan takes its ``dispatch``."""
     cluster = model.cluster
     load = np.asarray(load_RE, dtype=np.float64)
     rd = np.asarray(rank_device, dtype=np.int64)
@@ -283,8 +307,70 @@ def grouped_plan(slot_expert: np.ndarray, slot_device: np.ndarray, load_RE: np.n
                       top_k=top_k, tokens_per_step=tokens_per_step)
     bound = pair_bound(slot_expert, slot_device, cluster.num_devices, rd.size,
                        tokens_per_step, top_k)
+    if config is not None:
+        plan = dataclasses.replace(plan, dispatch=config.dispatch)
+        return choose_blocks(plan, load, rel_err_KRE, model, rd, bound, config).plan
     return with_blocks(plan, send_blocks(plan, load, rel_err_KRE, rd,
                                          cluster.devices_per_node, drop_target, bound))
+
+
+@dataclass(frozen=True)
+class BlockChoice:
+    """The outcome of :func:`choose_blocks`: plan (with the chosen blocks, ``drop_target`` and
+    ``expected_drop_rate`` set); targets: the per-pair targets tried; scores_s: float64 [N]
+    the score of each (simulated layer seconds + forced re-plan risk x penalty); rates:
+    float64 [N] the expected drop rate of each."""
+
+    plan: ExpertPlan
+    targets: Tuple[float, ...]
+    scores_s: np.ndarray
+    rates: np.ndarray
+
+
+def choose_blocks(plan: ExpertPlan, load_RE: np.ndarray, rel_err_KRE: Optional[np.ndarray],
+                  model: CostModel, rank_device: np.ndarray,
+                  bound_RD: Optional[np.ndarray], config: PlacementConfig) -> BlockChoice:
+    """The send blocks of a "grouped"/"counts" ``plan`` at the per-pair drop target that costs
+    least, among ``DROP_TARGET_FRACTIONS`` x ``config.max_block_drop_rate``.
+
+    For each target t: blocks from the capacity model
+    (:func:`~ms_efficient.efficientmoe.capacity.send_blocks`, capped at ``bound_RD``), and
+        score(t) = layer_cost(plan_t, load_RE).time_s                    (padding communication:
+                   a "grouped" block travels full; "counts" sends the load whatever t)
+                 + min(1, p_t / forced_replan_rate) x replan_penalty_s   (forced re-plans)
+    with p_t the blocks' expected drop rate on the forecast
+    (:func:`~ms_efficient.efficientmoe.capacity.expected_pair_drop_rate`). Targets whose p_t
+    exceeds ``max_block_drop_rate`` are not kept (the user's constraint; when none meets it,
+    the lowest target, with a warning); the least score wins, ties to the lower target (fewer
+    drops). Deterministic. ``rel_err_KRE`` None (an exact forecast): every target gives the
+    rounded-up forecast and p_t = 0, so the lowest target is reported.
+    """
+    cluster = model.cluster
+    rd = np.asarray(rank_device, dtype=np.int64)
+    targets = tuple(float(f) * config.max_block_drop_rate for f in DROP_TARGET_FRACTIONS)
+    plans, scores, rates = [], [], []
+    for target in targets:
+        cand = with_blocks(plan, send_blocks(plan, load_RE, rel_err_KRE, rd,
+                                             cluster.devices_per_node, target, bound_RD))
+        rate = (0.0 if rel_err_KRE is None else
+                min(1.0, expected_pair_drop_rate(cand, load_RE, rel_err_KRE, rd,
+                                                 cluster.devices_per_node, bound_RD)))
+        risk = (min(1.0, rate / config.forced_replan_rate) if config.forced_replan_rate
+                else 0.0)
+        plans.append(dataclasses.replace(cand, drop_target=target, expected_drop_rate=rate))
+        scores.append(layer_cost(cand, load_RE, model, rd).time_s
+                      + risk * config.replan_penalty_s)
+        rates.append(rate)
+    scores_s, rates = np.asarray(scores), np.asarray(rates)
+    allowed = np.flatnonzero(rates <= config.max_block_drop_rate + 1e-12)
+    if allowed.size == 0:
+        logger.warning("choose_blocks: no per-pair target meets max_block_drop_rate %.3g "
+                       "(expected %.3g at the lowest, %.3g)", config.max_block_drop_rate,
+                       rates[0], targets[0])
+        pick = 0
+    else:
+        pick = int(allowed[np.argmin(scores_s[allowed])])    # first minimum: the lower target
+    return BlockChoice(plans[pick], targets, scores_s, rates)
 
 
 def pair_bound(slot_expert: np.ndarray, slot_device: np.ndarray, num_devices: int,
@@ -350,7 +436,7 @@ def _plan_grouped(load: np.ndarray, model: CostModel, config: PlacementConfig, r
             hosts[slot_device] = True                     # no block to a device without slots
             plan = with_blocks(plan, np.where(hosts, np.maximum(np.ceil(most_RD - 1e-9), 1),
                                               0).astype(np.int64))
-        return dataclasses.replace(plan, **sizes)
+        return dataclasses.replace(plan, dispatch=config.dispatch, **sizes)
 
     def candidate(extra: int):
         replicas = np.minimum(replica_counts_greedy(load_E, num_experts + extra), num_hosts)
@@ -359,10 +445,12 @@ def _plan_grouped(load: np.ndarray, model: CostModel, config: PlacementConfig, r
 
     max_extra = min(config.slots_per_device * num_hosts, num_experts * num_hosts) - num_experts
     best_cost, plan, bound, _ = _best_level(candidate, max_extra, config.levels)
-    blocks = send_blocks(plan, load, rel_err_KRE, rd, dpn, config.buffer_drop_target, bound)
-    logger.debug("plan_layer (grouped): %d slots, blocks %s, predicted %.3g s",
-                 plan.num_slots, blocks.tolist(), best_cost)
-    return dataclasses.replace(with_blocks(plan, blocks), **sizes)
+    chosen = choose_blocks(dataclasses.replace(plan, dispatch=config.dispatch), load,
+                           rel_err_KRE, model, rd, bound, config).plan
+    logger.debug("plan_layer (%s): %d slots, blocks %s at per-pair target %.3g, predicted "
+                 "%.3g s", config.dispatch, plan.num_slots, chosen.send_block.tolist(),
+                 chosen.drop_target, best_cost)
+    return dataclasses.replace(chosen, **sizes)
 
 
 def plan_layer(load_RE: np.ndarray, model: CostModel, config: PlacementConfig,
@@ -416,7 +504,7 @@ def plan_layer(load_RE: np.ndarray, model: CostModel, config: PlacementConfig,
     if tokens_per_step is None and top_k:
         tokens_per_step = int(round(load_E.sum() / top_k))
     sizes = {"top_k": top_k, "tokens_per_step": tokens_per_step, "method": method}
-    if config.dispatch == "grouped":
+    if config.dispatch in GROUPED_DISPATCH:
         return _plan_grouped(load, model, config, rd, rel_err_KRE, sizes, dropless,
                              seen_max_RE)
     sizes["dispatch"] = "static"

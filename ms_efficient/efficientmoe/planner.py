@@ -53,7 +53,7 @@ from ms_efficient.efficientmoe.predictor import PREDICTOR_NAMES
 from ms_efficient.efficientmoe.schedule import (ReplanCosts, ReplanDecision, choose_horizon,
                                                 decide_replan, migration_time_s,
                                                 recompile_time_s, recompiles)
-from ms_efficient.moe.plan import ExpertPlan
+from ms_efficient.moe.plan import GROUPED_DISPATCH, ExpertPlan
 from ms_efficient.moe.split import source_rows
 
 __all__ = ["PlannerConfig", "Proposal", "EfficientMoEPlanner", "single_device_plans",
@@ -84,12 +84,16 @@ class PlannerConfig:
     recompile_s: seconds one recompilation costs (None: :func:`schedule.recompile_time_s` of
         the planner's ``num_layers``, the measured model; a value overrides it).
     bytes_per_param, max_drop_rate, optimizer_states: see :class:`schedule.ReplanCosts`.
-    dispatch: "static" (per-rank, per-slot capacities, padded) or "grouped" (padding-free
+    dispatch: "static" (per-rank, per-slot capacities, padded), "grouped" (padding-free
         grouped expert compute over one row buffer per device; the capacity model sizes the
-        buffers, ``capacity_levels`` does not apply).
-    buffer_drop_target: expected drop rate the row buffers of "grouped" plans aim at. Lower
-        than ``drop_target``: a buffer row costs memory, not time (the grouped matmul
-        computes only the rows it receives), so dropping is not worth a saving.
+        buffers, ``capacity_levels`` does not apply) or "counts" (the same plans with a
+        count-driven exchange, Ascend only: :mod:`ms_efficient.moe.plan`).
+    max_block_drop_rate: the most expected drops (share of assignments) the send blocks of
+        "grouped"/"counts" plans may cause (the user's constraint, default 0.1%); the
+        per-pair target is chosen by simulated cost among fractions of it
+        (:func:`placement.choose_blocks`: block padding against the risk of a forced
+        re-plan, priced as one recompile over a check interval) and reported in the plan
+        (``drop_target``, ``expected_drop_rate``).
     """
 
     slots_per_device: Optional[int] = None
@@ -104,14 +108,14 @@ class PlannerConfig:
     bytes_per_param: float = 4.0
     max_drop_rate: Optional[float] = 0.01
     dispatch: str = "static"
-    buffer_drop_target: float = 0.0005
+    max_block_drop_rate: float = 0.001
     optimizer_states: int = 2
 
     def __post_init__(self) -> None:
         checks = [
             ("capacity_multiple", self.capacity_multiple >= 1, ">= 1"),
             ("drop_target", 0.0 <= self.drop_target < 1.0, "in [0, 1)"),
-            ("buffer_drop_target", 0.0 <= self.buffer_drop_target < 1.0, "in [0, 1)"),
+            ("max_block_drop_rate", 0.0 <= self.max_block_drop_rate < 1.0, "in [0, 1)"),
             ("residual_window", self.residual_window >= 1, ">= 1"),
             ("predictor", self.predictor in PREDICTOR_NAMES, f"one of {list(PREDICTOR_NAMES)}"),
             ("max_forecast_error", self.max_forecast_error > 0, "> 0"),
@@ -122,7 +126,8 @@ class PlannerConfig:
             ("recompile_s", self.recompile_s is None or self.recompile_s >= 0,
              "None or >= 0"),
             ("optimizer_states", self.optimizer_states >= 0, ">= 0"),
-            ("dispatch", self.dispatch in ("static", "grouped"), "'static' or 'grouped'"),
+            ("dispatch", self.dispatch in ("static",) + GROUPED_DISPATCH,
+             "'static', 'grouped' or 'counts'"),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -173,14 +178,18 @@ class EfficientMoEPlanner:
         hosts = int(np.unique(self.rank_device).size)
         slots = config.slots_per_device or (
             num_experts if hosts == 1 else default_slots_per_device(num_experts, hosts))
-        self.placement = PlacementConfig(slots, config.capacity_multiple, config.drop_target,
-                                         dispatch=config.dispatch,
-                                         buffer_drop_target=config.buffer_drop_target)
         self.check_rows, self.stride = check_rows, stride
         self.costs = ReplanCosts(recompile_time_s(num_layers or 1, config.recompile_s),
                                  config.bytes_per_param,
                                  check_rows * stride, config.max_drop_rate,
                                  config.optimizer_states)
+        # a forced re-plan: one recompile, over the shortest life of a plan (one interval)
+        self.placement = PlacementConfig(slots, config.capacity_multiple, config.drop_target,
+                                         dispatch=config.dispatch,
+                                         max_block_drop_rate=config.max_block_drop_rate,
+                                         replan_penalty_s=self.costs.recompile_s
+                                         / (check_rows * stride),
+                                         forced_replan_rate=config.max_drop_rate)
         self.forecaster = Forecaster(config.predictor, config.residual_window)
 
     # ------------------------------------------------------------------ one candidate
@@ -223,23 +232,23 @@ class EfficientMoEPlanner:
     def keep_buffers(self, plans: List[ExpertPlan], current: Optional[Sequence[ExpertPlan]],
                      pred_LRE: np.ndarray, rel_KLRE: np.ndarray) -> List[ExpertPlan]:
         """``plans`` with the current plan's row buffers wherever they still serve: a
-        "grouped" layer whose new placement is expected to drop at most ``buffer_drop_target``
-        within the current buffers keeps them (the re-plan then needs no recompilation,
+        "grouped"/"counts" layer whose new placement is expected to drop at most
+        ``max_block_drop_rate`` within the current buffers keeps them (the re-plan then needs no recompilation,
         :func:`schedule.recompiles`), so buffers change only when the forecast asks for
         more room."""
         if current is None or len(current) != len(plans):
             return plans
         out = []
         for layer, (plan, now) in enumerate(zip(plans, current)):
-            if plan.dispatch == now.dispatch == "grouped":
+            if plan.dispatch == now.dispatch and plan.grouped:
                 size = max(int(plan.slot_device.max()), int(now.slot_device.max())) + 1
                 kept = dataclasses.replace(plan, device_buffer=now.device_rows(size),
                                            send_block=now.send_rows(self.rank_device.size,
                                                                     size))
                 rate = self.expected_drop_rate([kept], pred_LRE[layer:layer + 1],
                                                rel_KLRE[:, layer:layer + 1])
-                if rate <= self.config.buffer_drop_target:
-                    plan = kept
+                if rate <= self.config.max_block_drop_rate:
+                    plan = dataclasses.replace(kept, expected_drop_rate=min(1.0, rate))
             out.append(plan)
         return out
 
@@ -336,7 +345,7 @@ class EfficientMoEPlanner:
         dpn = self.model.cluster.devices_per_node
         rates = []
         for layer, plan in enumerate(plans):
-            if plan.dispatch == "grouped":        # a pair drops what exceeds its block
+            if plan.grouped:                      # a pair drops what exceeds its block
                 bound = device_bound(plan.slot_expert, plan.slot_device,
                                      int(plan.slot_device.max()) + 1, self.tokens_per_step,
                                      self.top_k)
@@ -385,6 +394,7 @@ def capacities_LE(plans: Sequence[ExpertPlan], num_experts: int) -> np.ndarray:
 def planner_config(em) -> PlannerConfig:
     """PlannerConfig of an ``efficientmoe:`` config section (EfficientMoEConfig)."""
     return PlannerConfig(capacity_multiple=em.capacity_multiple, drop_target=em.drop_target,
+                         max_block_drop_rate=em.max_block_drop_rate,
                          residual_window=em.window, predictor=em.predictor,
                          max_forecast_error=em.max_forecast_error,
                          capacity_levels=em.capacity_levels, recompile_s=em.recompile_cost_s)

@@ -21,6 +21,10 @@ one static row buffer per device, after a routing-count exchange (``dispatch="gr
                      through :func:`ms_efficient.efficientmoe.schedule.decide_replan`; layers
                      whose loads cannot be forecast yet get no replicas and buffers for the
                      largest counts seen.
+    efficientmoe-counts  the same planner and plans with the count-driven exchange
+                     (``dispatch="counts"``, Ascend ``ops.AlltoAllVC``): the kept rows
+                     travel, no block padding, at the dynamic-shape overhead
+                     ``CostModel.dynamic_exchange_s`` per exchange.
     efficientmoe-static  the same planner with per-rank, per-slot static capacities (padded
                      expert compute, no count exchange): the mode of earlier rounds.
     dropless-grouped MegaBlocks-style dropless grouped compute (Gale et al., "MegaBlocks:
@@ -37,7 +41,8 @@ one static row buffer per device, after a routing-count exchange (``dispatch="gr
                      placement policy at its best forecast.
     eplb-ema-grouped, eplb-ar-grouped, mindspeed-greedy-grouped  the same placements with
                      grouped dispatch and the send blocks ours would give them
-                     (:func:`placement.grouped_plan`, same drop target): these rows differ
+                     (:func:`placement.grouped_plan`, the same cost-chosen per-pair drop
+                     target within ``max_block_drop_rate``): these rows differ
                      from efficientmoe only by placement and forecast.
     mindspeed-greedy its greedy placement fed by an EMA predictor, one capacity for all
                      slots, re-planned by the same checks and rule as ours.
@@ -101,15 +106,16 @@ __all__ = ["METHODS", "ReplayConfig", "ReplayResult", "cluster_for_ranks", "chec
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("efficientmoe", "efficientmoe-static", "switch-cf1.0", "switch-cf1.25",
+METHODS = ("efficientmoe", "efficientmoe-counts", "efficientmoe-static", "switch-cf1.0", "switch-cf1.25",
            "switch-cf2.0", "dropless-static", "dropless-window", "dropless-grouped", "fastermoe",
            "eplb-ema", "eplb-ar", "eplb-ema-grouped", "eplb-ar-grouped", "mindspeed-greedy",
            "mindspeed-greedy-grouped", "oracle", "oracle-static")
-_ADAPTIVE = {"efficientmoe", "efficientmoe-static", "eplb-ema", "eplb-ar", "eplb-ema-grouped",
+_ADAPTIVE = {"efficientmoe", "efficientmoe-counts", "efficientmoe-static", "eplb-ema", "eplb-ar", "eplb-ema-grouped",
              "eplb-ar-grouped", "mindspeed-greedy", "mindspeed-greedy-grouped",
              "oracle-static", "dropless-window"}
 # our planner (planner.EfficientMoEPlanner), and the dispatch it plans for
-_OURS = {"efficientmoe": "grouped", "efficientmoe-static": "static", "oracle-static": "static"}
+_OURS = {"efficientmoe": "grouped", "efficientmoe-counts": "counts",
+         "efficientmoe-static": "static", "oracle-static": "static"}
 _EPLB = {"eplb-ema", "eplb-ar", "eplb-ema-grouped",
          "eplb-ar-grouped"}                   # re-balanced on their own periodic schedule
 _OUR_PREDICTOR = {"eplb-ar", "eplb-ar-grouped"}   # baselines given our forecaster
@@ -141,7 +147,9 @@ class ReplayConfig:
         it is hidden behind other layers' backward).
     dispatch: what ``plan moe`` (:func:`plan_trace`) plans for, "grouped" or "static"; the
         replay's methods each keep their own.
-    buffer_drop_target: expected drop rate our "grouped" row buffers aim at (PlannerConfig).
+    max_block_drop_rate: the most expected drops the send blocks of our "grouped"/"counts"
+        plans and of the grouped baselines may cause; the per-pair target within it is chosen
+        by cost (PlannerConfig, placement.choose_blocks).
     """
 
     slots_per_device: Optional[int] = None
@@ -160,7 +168,7 @@ class ReplayConfig:
     static_blocks: str = "exact"
     sync_replica_grads: bool = True
     dispatch: str = "grouped"
-    buffer_drop_target: float = 0.0005
+    max_block_drop_rate: float = 0.001
 
     def planner_config(self) -> PlannerConfig:
         """The settings of our planner (the same class the trainer builds from its config)."""
@@ -170,7 +178,7 @@ class ReplayConfig:
                              residual_window=self.residual_window, predictor=self.predictor,
                              max_forecast_error=self.max_forecast_error,
                              recompile_s=self.recompile_s, dispatch=self.dispatch,
-                             buffer_drop_target=self.buffer_drop_target)
+                             max_block_drop_rate=self.max_block_drop_rate)
 
 
 @dataclass
@@ -298,7 +306,7 @@ class _Context:
                 dataclasses.replace(config, dispatch=dispatch).planner_config(), self.model,
                 trace.num_experts, self.rank_device, self.top_k, self.tokens_per_step,
                 self.check_rows, self.stride, trace.num_layers)
-            for dispatch in ("static", "grouped")}
+            for dispatch in ("static", "grouped", "counts")}
         # the static one also evaluates the baselines (its evaluations follow each plan's
         # own dispatch)
         self.planner = self.planners["static"]

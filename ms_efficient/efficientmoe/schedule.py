@@ -198,11 +198,11 @@ def recompiles(current: Optional[Sequence[ExpertPlan]],
                candidate: Sequence[ExpertPlan]) -> bool:
     """True when going from ``current`` to ``candidate`` changes a compiled shape: always for
     "static" plans (slot capacities are shapes) and for a first plan (None); for "grouped"
-    plans only when some device's row buffer or some send block changes (every device
+    (and "counts") plans only when some device's row buffer or some send block changes (every device
     compiles its full slot budget, so slots filled or emptied are data)."""
     if current is None or len(current) != len(candidate):
         return True
-    return not all(a.dispatch == b.dispatch == "grouped" and _same_shapes(a, b)
+    return not all(a.dispatch == b.dispatch and a.grouped and _same_shapes(a, b)
                    for a, b in zip(current, candidate))
 
 

@@ -88,6 +88,7 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from ms_efficient.core import backend
 from ms_efficient.moe.alltoall import AllToAllV, CountExchange
+from ms_efficient.moe.counted_alltoall import CountedAllToAllV, device_counts
 from ms_efficient.moe.ep_migration import plan_migration
 from ms_efficient.moe.ep_replan import move_rows, record, weight_states
 from ms_efficient.moe.ep_routing import (check_replan, expert_sources, grouped_tables,
@@ -150,8 +151,10 @@ class ExpertParallelMoE(nn.Cell):
         num_experts: E logical experts.
         top_k: K experts per token; gate weights renormalised to sum to 1.
         plan: the slots (logical expert, device = rank in ``group``, capacity); validated.
-            ``plan.dispatch == "grouped"``: grouped dispatch (module docstring); every
-            device needs a buffer ``plan.device_rows()[d] >= 1``; others: static dispatch.
+            ``plan.dispatch == "grouped"`` (or ``"counts"``: the same, exchanging only the
+            kept rows, :mod:`~ms_efficient.moe.counted_alltoall`): grouped dispatch (module
+            docstring); every device needs a buffer ``plan.device_rows()[d] >= 1``; others:
+            static dispatch.
         group: expert-parallel communication group; default the world group. W = its size
             (1 before ``init()``: then no collective is created).
         rank: this process's rank in ``group``; default the actual one (checked when given).
@@ -205,7 +208,8 @@ class ExpertParallelMoE(nn.Cell):
 
         self.group, self.devices_per_node = group, devices_per_node
 
-        self.grouped = plan.dispatch == "grouped"
+        self.grouped = plan.grouped               # "grouped" or "counts"
+        self.counted = plan.dispatch == "counts"  # count-driven exchange (counted_alltoall)
         if self.grouped:
             if rank_load_RE is not None:
                 raise ValueError("'rank_load_RE' splits the capacities of static plans; a "
@@ -299,10 +303,14 @@ class ExpertParallelMoE(nn.Cell):
         self.num_rows = int(tables.buffer_D[self.rank])                # N = B_r
         self.send_total = int(block_WD[self.rank].sum())               # M = sum_d C[r, d]
         block = int(block_WD.max())
-        self.dispatch = AllToAllV(block_WD[self.rank], block_WD[:, self.rank],
-                                  self.hidden_size, block, group)
-        self.undispatch = AllToAllV(block_WD[:, self.rank], block_WD[self.rank],
-                                    self.hidden_size, block, group)
+        if self.counted:      # the same blocks as upper bounds, the kept rows on the wire
+            self.dispatch = CountedAllToAllV(block_WD, self.rank, self.hidden_size, group)
+            self.undispatch = CountedAllToAllV(block_WD.T, self.rank, self.hidden_size, group)
+        else:
+            self.dispatch = AllToAllV(block_WD[self.rank], block_WD[:, self.rank],
+                                      self.hidden_size, block, group)
+            self.undispatch = AllToAllV(block_WD[:, self.rank], block_WD[self.rank],
+                                        self.hidden_size, block, group)
         self.count_exchange = CountExchange(world, self.rank, group)
         self.gmm = GroupedMatmul()
         self.plan_expert_V = _table("plan_expert_V", tables.expert_V)
@@ -378,7 +386,7 @@ class ExpertParallelMoE(nn.Cell):
             raise ValueError(f"set_plan switches 'grouped' layers, but this layer's dispatch is "
                              f"{self.plan.dispatch!r}; build a new ExpertParallelMoE instead.")
         check_replan(plan, self.num_experts, self.tables.buffer_D, self.budget,
-                     self.tables.block_WD)
+                     self.tables.block_WD, self.plan.dispatch)
         weights = (self.w1, self.b1, self.w2, self.b2)
         states = () if optimizer is None else weight_states(optimizer, weights)
         tables, sync = grouped_tables(plan, self.num_experts, self.rank, self.world,
@@ -514,7 +522,11 @@ class ExpertParallelMoE(nn.Cell):
         empty slot is an empty group.
         """
         n, num_local = self.num_rows, self.budget
-        recv_IH = self.dispatch(send_MH)
+        if self.counted:
+            sent_WW = device_counts(kept_WV, self.device_onehot_VD)
+            recv_IH = self.dispatch(send_MH, sent_WW)
+        else:
+            recv_IH = self.dispatch(send_MH)
         kept_WL = kept_WV[:, self.local_start:self.local_start + num_local]
         ends_WL = ops.cumsum(kept_WL, 1)
         size_L = kept_WL.sum(axis=0).astype(ms.int32)          # the group sizes (data)
@@ -532,6 +544,8 @@ class ExpertParallelMoE(nn.Cell):
         recv_pad = ops.concat((recv_IH, ops.zeros((1,) + recv_IH.shape[1:], recv_IH.dtype)), 0)
         out_NH = self._grouped_ffn(ops.gather(recv_pad, index_N[:n], 0), size_L)
         out_pad = ops.concat((out_NH, ops.zeros((1,) + out_NH.shape[1:], out_NH.dtype)), 0)
+        if self.counted:
+            return self.undispatch(ops.gather(out_pad, dest_I, 0), sent_WW.transpose(1, 0))
         return self.undispatch(ops.gather(out_pad, dest_I, 0))
 
     def _synced_weights(self):

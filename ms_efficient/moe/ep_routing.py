@@ -66,6 +66,8 @@ No MindSpore import here.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
@@ -309,7 +311,10 @@ def grouped_dispatch(plan: ExpertPlan, num_experts: int, rank: int, world: int,
     device_onehot_VD[np.arange(num_v), device_V] = 1
     earlier_VV = ((device_V[:, None] == device_V[None, :])
                   & (np.arange(num_v)[:, None] < np.arange(num_v)[None, :]))
-    block_WD = exchange_rows(plan, num_experts, np.arange(world), world, devices_per_node)
+    # the rows a "grouped" exchange carries; a "counts" plan's blocks are upper bounds (the
+    # same layout as its "grouped" twin, only the kept rows travel)
+    layout = plan if plan.dispatch == "grouped" else dataclasses.replace(plan, dispatch="grouped")
+    block_WD = exchange_rows(layout, num_experts, np.arange(world), world, devices_per_node)
     block_start_D = np.cumsum(block_WD[rank]) - block_WD[rank]
 
     # Step 2: the plan's slots in the budget slots of their devices, in ascending slot id.
@@ -428,15 +433,17 @@ def grouped_tables(plan: ExpertPlan, num_experts: int, rank: int, world: int,
 
 
 def check_replan(plan: ExpertPlan, num_experts: int, buffer_D: np.ndarray,
-                 budget: int, block_WD: Optional[np.ndarray] = None) -> None:
+                 budget: int, block_WD: Optional[np.ndarray] = None,
+                 layer_dispatch: str = "grouped") -> None:
     """Raise ``ValueError`` unless ``plan`` fits the shapes a grouped layer compiled: a
-    ``"grouped"`` plan with the row buffers ``buffer_D`` (int [W]) and send blocks
+    plan of the layer's dispatch (``layer_dispatch``, "grouped" or "counts") with the row buffers ``buffer_D`` (int [W]) and send blocks
     ``block_WD`` (int [W, W], when given), at most ``budget`` slots per device and every one
     of the ``num_experts`` experts (ids below it) placed."""
     world = int(buffer_D.size)
-    if plan.dispatch != "grouped":
-        raise ValueError(f"set_plan switches 'grouped' layers to 'grouped' plans, but the "
-                         f"layer's dispatch is 'grouped' and the plan's {plan.dispatch!r}.")
+    if plan.dispatch != layer_dispatch:
+        raise ValueError(f"set_plan switches a layer to plans of its own dispatch, but the "
+                         f"layer's dispatch is {layer_dispatch!r} and the plan's "
+                         f"{plan.dispatch!r}.")
     new = plan.device_rows(world)
     if not np.array_equal(new, buffer_D):
         raise ValueError(f"set_plan keeps the compiled shapes, so the plan's device buffers "

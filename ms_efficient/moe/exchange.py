@@ -16,6 +16,11 @@ layer's Cells):
     "alltoallv"  rank r sends device d exactly the tokens it keeps for d's slots this step
                  (:func:`~ms_efficient.moe.split.split_tokens`): data, so the step's routing
                  counts are needed.
+    "counts"     rank r sends device d exactly the rows it keeps for d this step under the
+                 "grouped" rule (:func:`~ms_efficient.moe.split.grouped_assignments`: at most
+                 C[r, d], within d's buffer): data, the step's routing counts are needed;
+                 what the count-driven AlltoAllV of
+                 :mod:`~ms_efficient.moe.counted_alltoall` sends.
 
 The combine sends the same blocks back (the transpose), and the backward pass runs both again.
 No MindSpore import here.
@@ -29,7 +34,7 @@ import numpy as np
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import source_rows, split_tokens
 
-__all__ = ["exchange_rows"]
+__all__ = ["exchange_rows", "slot_rows_by_device"]
 
 
 def exchange_rows(plan: ExpertPlan, num_experts: int, rank_device: Sequence[int],
@@ -42,7 +47,8 @@ def exchange_rows(plan: ExpertPlan, num_experts: int, rank_device: Sequence[int]
     plan: the layer's plan (its ``dispatch`` picks the rule, module docstring).
     num_experts: E. rank_device: int [R], device of each source rank. num_devices: D.
     devices_per_node: node tier of the static and count-based rules (None: no node tier).
-    counts_RE: int [R, E], the step's routing counts; needed for ``"alltoallv"`` plans only.
+    counts_RE: int [R, E], the step's routing counts; needed for ``"alltoallv"`` and
+        ``"counts"`` plans (split_tokens gives "counts" plans the grouped rule).
     """
     rank_device = np.asarray(rank_device, dtype=np.int64)
     num_ranks = rank_device.size
@@ -57,6 +63,12 @@ def exchange_rows(plan: ExpertPlan, num_experts: int, rank_device: Sequence[int]
             raise ValueError(f"an {plan.dispatch!r} plan sends the step's kept tokens, so "
                              f"exchange_rows needs 'counts_RE' [R, E], but got None.")
         per_slot_RS, _ = split_tokens(plan, counts_RE, rank_device, devices_per_node)
-    rows_RD = np.zeros((num_ranks, num_devices), dtype=np.int64)
-    np.add.at(rows_RD, (slice(None), plan.slot_device), per_slot_RS)
+    return slot_rows_by_device(per_slot_RS, plan.slot_device, num_devices)
+
+
+def slot_rows_by_device(per_slot_RS: np.ndarray, slot_device: np.ndarray,
+                        num_devices: int) -> np.ndarray:
+    """int64 [R, D]: a [R, S] rank-to-slot row table summed over each device's slots."""
+    rows_RD = np.zeros((per_slot_RS.shape[0], num_devices), dtype=np.int64)
+    np.add.at(rows_RD, (slice(None), slot_device), per_slot_RS)
     return rows_RD

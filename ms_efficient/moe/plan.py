@@ -57,6 +57,15 @@ tokens are dropped and what the All-to-All carries:
                  padding). What the token exchange carries, per (rank, device) block, is
                  :func:`~ms_efficient.moe.exchange.exchange_rows` for every mode: for
                  "grouped" the planned blocks C[r, d] = ``send_rows()``.
+    "counts"     "grouped" with a count-driven token exchange (Ascend only): the same blocks
+                 C[r, d], buffers B_d, split, drops and grouped matmul, but rank r sends
+                 device d only the rows it keeps for d this step (at most C[r, d]): an
+                 AlltoAllV whose per-peer counts are data (``ops.AlltoAllVC`` with the
+                 [W, W] count matrix every rank derives from the count exchange; output
+                 rows placed back into the static blocks, so every buffer keeps the plan's
+                 upper bound). Sent rows are exactly the kept rows, no padding; the price is
+                 a dynamic-shape collective (the receive size is data: a host read of the
+                 counts before each exchange), see ``ms_efficient.moe.counted_alltoall``.
 
 ``ms_efficient.moe.split`` holds the dispatch rule both the planners and the MoE layer follow:
 it turns per-rank routing counts ``counts_RE`` into per-slot assignments ``assigned_RS``.
@@ -73,11 +82,13 @@ import yaml
 
 from ms_efficient.core.fileio import atomic_write_text
 
-__all__ = ["ExpertPlan", "DISPATCH_MODES", "save_plans", "load_plans"]
+__all__ = ["ExpertPlan", "DISPATCH_MODES", "GROUPED_DISPATCH", "save_plans", "load_plans"]
 
 logger = logging.getLogger(__name__)
 
-DISPATCH_MODES = ("alltoallv", "static", "grouped")   # see the module docstring
+DISPATCH_MODES = ("alltoallv", "static", "grouped", "counts")   # see the module docstring
+# modes with send blocks C[r, d], row buffers B_d and grouped expert compute
+GROUPED_DISPATCH = ("grouped", "counts")
 
 
 def _int_vector(name: str, values: Any) -> np.ndarray:
@@ -124,6 +135,14 @@ class ExpertPlan:
     rank_share: Optional[np.ndarray] = None
     device_buffer: Optional[np.ndarray] = None
     send_block: Optional[np.ndarray] = None
+    drop_target: Optional[float] = None
+    expected_drop_rate: Optional[float] = None
+
+    @property
+    def grouped(self) -> bool:
+        """True for the modes with send blocks, row buffers and grouped expert compute
+        (GROUPED_DISPATCH: "grouped", "counts")."""
+        return self.dispatch in GROUPED_DISPATCH
 
     def __post_init__(self) -> None:
         if self.dispatch not in DISPATCH_MODES:
@@ -148,6 +167,10 @@ class ExpertPlan:
                 raise ValueError(f"ExpertPlan 'send_block' must be a non-empty [rank, device] "
                                  f"array of integers >= 0, but got {block.tolist()}.")
             self.send_block = block.astype(np.int64)
+        for name in ("drop_target", "expected_drop_rate"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= float(value) <= 1.0:
+                raise ValueError(f"ExpertPlan '{name}' must be in [0, 1], but got {value!r}.")
         self.slot_expert = _int_vector("slot_expert", self.slot_expert)
         self.slot_device = _int_vector("slot_device", self.slot_device)
         self.slot_capacity = _int_vector("slot_capacity", self.slot_capacity)
@@ -281,13 +304,17 @@ class ExpertPlan:
             out["device_buffer"] = self.device_buffer.tolist()
         if self.send_block is not None:
             out["send_block"] = self.send_block.tolist()
+        for name in ("drop_target", "expected_drop_rate"):
+            if getattr(self, name) is not None:
+                out[name] = float(getattr(self, name))
         return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ExpertPlan":
         """Build a plan from :meth:`to_dict` output (unknown keys raise ``ValueError``)."""
         allowed = {"slot_expert", "slot_device", "slot_capacity", "top_k", "tokens_per_step",
-                   "method", "dispatch", "rank_share", "device_buffer", "send_block"}
+                   "method", "dispatch", "rank_share", "device_buffer", "send_block",
+                   "drop_target", "expected_drop_rate"}
         if not isinstance(d, Mapping):
             raise ValueError(f"expert plan must be a mapping, but got {d!r}.")
         unknown = sorted(set(d) - allowed)

@@ -291,7 +291,7 @@ def split_tokens(plan: ExpertPlan, counts_RE: np.ndarray, rank_device: Sequence[
     if plan.dispatch == "static":
         rows_RS = source_rows(plan, num_experts, rank_device, devices_per_node, plan.rank_share)
         return static_assignments(plan, counts_RE, rows_RS, rank_device, devices_per_node)
-    if plan.dispatch == "grouped":
+    if plan.grouped:                      # "grouped" and "counts": the same drops
         return grouped_assignments(plan, counts_RE, rank_device, devices_per_node)
     caps = plan.slot_capacity
     assigned_RS = np.zeros((num_ranks, plan.num_slots), dtype=np.int64)
