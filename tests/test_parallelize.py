@@ -8,24 +8,17 @@ import numpy as np
 import pytest
 
 ms = pytest.importorskip("mindspore")
-from mindspore import nn  # noqa: E402
 
 import ms_efficient  # noqa: E402
 from ms_efficient.core.config import config_from_dict  # noqa: E402
 from ms_efficient.parallel.settings import settings_from_plans  # noqa: E402
-from tests.user_models import LlamaForCausalLM  # noqa: E402
+from tests.user_models import wide_llama_with_loss  # noqa: E402
 
 pytestmark = pytest.mark.mindspore
 
 
 def _llama(layers=4, batch=8, seq=32):
-    ms.set_seed(0)
-    net = LlamaForCausalLM(vocab_size=64, hidden_size=128, num_heads=4, intermediate_size=256,
-                           num_layers=layers)
-    rng = np.random.default_rng(0)
-    ids = ms.Tensor(rng.integers(0, 64, (batch, seq)).astype(np.int32))
-    labels = ms.Tensor(rng.integers(0, 64, (batch * seq,)).astype(np.int32))
-    return nn.WithLossCell(net, nn.CrossEntropyLoss()), (ids, labels)
+    return wide_llama_with_loss(layers, batch, seq)
 
 
 @pytest.fixture(scope="module")

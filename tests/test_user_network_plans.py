@@ -10,7 +10,7 @@ from mindspore import nn, ops
 
 import ms_efficient
 from ms_efficient.core.config import config_from_dict
-from tests.user_models import LlamaForCausalLM, llama_with_loss
+from tests.user_models import llama_with_loss, wide_llama_with_loss
 
 pytestmark = pytest.mark.mindspore
 # 4 CPU workers: compute dominates the launch overhead at these sizes, so pipelining can pay
@@ -27,13 +27,7 @@ def _config(cluster, **optimize):
 
 
 def _deep_llama(layers=6, batch=8, seq=32):
-    ms.set_seed(0)
-    net = LlamaForCausalLM(vocab_size=64, hidden_size=128, num_heads=4, intermediate_size=256,
-                           num_layers=layers)
-    rng = np.random.default_rng(0)
-    ids = ms.Tensor(rng.integers(0, 64, (batch, seq)).astype(np.int32))
-    labels = ms.Tensor(rng.integers(0, 64, (batch * seq,)).astype(np.int32))
-    return nn.WithLossCell(net, nn.CrossEntropyLoss()), (ids, labels)
+    return wide_llama_with_loss(layers, batch, seq)
 
 
 class PatchEncoder(nn.Cell):

@@ -135,6 +135,18 @@ def llama_with_loss(moe=None, num_layers=2, seed=0, batch=2):
     return nn.WithLossCell(net, loss), (ids, labels)
 
 
+def wide_llama_with_loss(layers=6, batch=8, seq=32):
+    """A wider LLaMA (hidden 128, 4 heads, FFN 256) with loss and inputs (ids [batch, seq],
+    labels [batch * seq]): big enough that pipelining and sharding pay on the presets."""
+    ms.set_seed(0)
+    net = LlamaForCausalLM(vocab_size=64, hidden_size=128, num_heads=4, intermediate_size=256,
+                           num_layers=layers)
+    rng = np.random.default_rng(0)
+    ids = ms.Tensor(rng.integers(0, 64, (batch, seq)).astype(np.int32))
+    labels = ms.Tensor(rng.integers(0, 64, (batch * seq,)).astype(np.int32))
+    return nn.WithLossCell(net, nn.CrossEntropyLoss()), (ids, labels)
+
+
 # --------------------------------------------------------------------------- user-written MoE
 class UserStackedMoE(nn.Cell):
     """A user's own MoE FFN as written without the package: a Dense router ``gate``, stacked
