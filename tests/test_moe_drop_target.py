@@ -122,3 +122,36 @@ def test_plan_moe_counts_writes_counts_plans_and_prints_the_chosen_target(tmp_pa
     assert plans[0].drop_target == pytest.approx(0.0001)
     assert 0 <= plans[0].expected_drop_rate <= 0.0001 + 1e-12
     assert "sends at most" in printed and "per-pair drop target 0.01%" in printed
+
+
+def test_plan_moe_last_plans_from_the_recent_steps_only(tmp_path, capsys):
+    # 20 volatile early steps (every rank's 4096 tokens x top-2 on two experts, which two
+    # changes each step) then 40 steady ones, at a size where padding costs (hidden 4096):
+    # the whole trace's forecast errors put every block at its cap (4 x 8192 rows a rank),
+    # the steady tail alone sizes blocks near the 8192 rows a rank routes
+    from ms_efficient.cli import main
+    from ms_efficient.moe.plan import load_plans
+    from ms_efficient.moe.trace import RoutingTrace, save_trace
+
+    rng = np.random.default_rng(0)
+    early = np.zeros((20, 1, 4, 8), np.int64)
+    for t in range(20):
+        early[t, 0, :, [(2 * t) % 8, (2 * t + 1) % 8]] = 4096
+    steady = rng.multinomial(8192, np.full(8, 1 / 8), size=(40, 1, 4)).astype(np.int64)
+    path = str(tmp_path / "trace.npz")
+    save_trace(RoutingTrace(np.concatenate([early, steady]), top_k=2, hidden=4096,
+                            tokens_per_rank=4096), path)
+    sent = {}
+    for last in (None, 40):
+        out = str(tmp_path / f"plan{last}.yaml")
+        extra = [] if last is None else ["--last", str(last)]
+        assert main(["plan", "moe", "--trace", path, "--cluster", "ascend910b-1x8", *extra,
+                     "--out", out]) == 0
+        plans, _ = load_plans(out)
+        sent[last] = plans[0].send_rows(4).sum(axis=1)
+    assert sent[None].tolist() == [4 * 8192] * 4
+    assert np.all(sent[40] < 1.2 * 8192)
+    capsys.readouterr()
+    assert main(["plan", "moe", "--trace", path, "--last", "61", "--out",
+                 str(tmp_path / "x.yaml")]) == 2
+    assert "'--last' must be in [2, 60] (the trace's steps), but got 61" in capsys.readouterr().err

@@ -14,10 +14,13 @@ written by the measured EfficientMoE run is replayed too.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import tempfile
 import time
+
+from ms_efficient.core.argtypes import positive_int
 
 __all__ = ["add_plan_arguments", "run_plan", "add_bench_arguments", "run_bench"]
 
@@ -38,6 +41,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="grouped (default): padding-free grouped expert compute, one row "
                              "buffer per device; counts: the same with a count-driven "
                              "exchange (Ascend only); static: per-rank, per-slot capacities")
+    parser.add_argument("--last", type=positive_int, metavar="N",
+                        help="plan from the trace's last N steps only (default: all). A trace "
+                             "recorded from initialisation holds the router's early, volatile "
+                             "steps, which widen the forecast errors and so the send blocks")
     parser.add_argument("--out", required=True, help="plan YAML to write")
 
 
@@ -48,6 +55,13 @@ def run_plan(args: argparse.Namespace) -> int:
     from ms_efficient.moe.trace import load_trace
 
     trace = load_trace(args.trace)
+    if args.last is not None:
+        if args.last < 2 or args.last > trace.num_steps:
+            raise ValueError(f"'--last' must be in [2, {trace.num_steps}] (the trace's steps), "
+                             f"but got {args.last}.")
+        trace = dataclasses.replace(trace, counts=trace.counts[-args.last:],
+                                    steps=None if trace.steps is None
+                                    else trace.steps[-args.last:])
     cluster = get_cluster(args.cluster) if args.cluster else None
     plans = plan_trace(trace, cluster, ReplayConfig(dispatch=args.dispatch))
     save_plans(args.out, plans, trace.num_experts,
