@@ -23,7 +23,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -380,14 +380,5 @@ def match_cells(tree: CellTree, patterns: Sequence[str]) -> List[str]:
     return sorted(out, key=order.__getitem__)
 
 
-def forward_flops_ratio(graph: OpGraph) -> Optional[float]:
-    """Backward FLOPs / forward FLOPs of a train-step graph; None without backward ops."""
-    fwd = sum(n.flops for n in graph if n.phase == "forward")
-    bwd = sum(n.flops for n in graph if n.phase == "backward")
-    if fwd <= 0 or bwd <= 0:
-        return None
-    return bwd / fwd
-
-
-__all__ += ["node_cell_path", "forward_flops_ratio", "user_cell_path", "glob_matches",
+__all__ += ["node_cell_path", "user_cell_path", "glob_matches",
             "sequence_units", "largest_sequence", "sequence_groups", "assign_segments"]
