@@ -84,6 +84,14 @@ def _classifier(backbone, x, classes=10):
     return nn.WithLossCell(backbone, loss), (x, y)
 
 
+def _conv_classifier():
+    """The ConvNet with its loss and one batch of 8 images (seeded)."""
+    rng = np.random.default_rng(0)
+    ms.set_seed(0)
+    return _classifier(ConvNet(), ms.Tensor(
+        rng.standard_normal((8, 3, 32, 32)).astype(np.float32)))
+
+
 def _check_shard(plan, names):
     """Memory per device at most the best baseline within the budget; the budget admits
     ZeRO-1 (or, where ZeRO-1 cannot run, is the documented share of the step)."""
@@ -150,10 +158,7 @@ def test_place_says_by_how_much_pipelining_loses_on_a_small_llama():
 
 
 def test_shard_picks_a_data_parallel_mesh_for_a_cnn_and_place_says_it_has_no_blocks():
-    rng = np.random.default_rng(0)
-    ms.set_seed(0)
-    net, inputs = _classifier(ConvNet(), ms.Tensor(
-        rng.standard_normal((8, 3, 32, 32)).astype(np.float32)))
+    net, inputs = _conv_classifier()
     names = {n for n, _ in net.cells_and_names()}
     cfg = _config({"preset": "ascend910b-1x8"}, passes=["shard"])
     net, plans = ms_efficient.optimize(net, cfg, sample_inputs=inputs)
@@ -209,10 +214,7 @@ def test_a_tied_embedding_and_head_get_one_strategy_on_both_primitives():
 
 
 def test_memopt_plans_segments_of_a_cnn_sequence_after_shard_and_it_still_trains():
-    rng = np.random.default_rng(0)
-    ms.set_seed(0)
-    net, inputs = _classifier(ConvNet(), ms.Tensor(
-        rng.standard_normal((8, 3, 32, 32)).astype(np.float32)))
+    net, inputs = _conv_classifier()
     names = {n for n, _ in net.cells_and_names()}
     params = [p.name for p in net.trainable_params()]
     net, plans = ms_efficient.optimize(
