@@ -104,6 +104,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="simulated All-to-All of static-graph methods: per-peer counts "
                              "fixed at compile time (AlltoAllV, what ExpertParallelMoE sends), "
                              "or every block padded to the largest (equal-split AlltoAll)")
+    parser.add_argument("--methods", nargs="+", metavar="M",
+                        help="simulated methods to replay (default: all of "
+                             "ms_efficient.efficientmoe.replay.METHODS)")
     parser.add_argument("--skew", nargs="*", type=float, default=[1.45], metavar="S",
                         help="Zipf exponents of the skewed 16-rank top-1 traces to replay "
                              "(moe.trace.skewed_trace; 1.45: max/mean load ~13, top-2 "
@@ -123,6 +126,12 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.no_measured and args.no_simulated:
         raise ValueError("'--no-measured' and '--no-simulated' together leave nothing to run; "
                          "give at most one of them.")
+    from ms_efficient.efficientmoe.replay import METHODS
+
+    unknown = [m for m in args.methods or () if m not in METHODS]
+    if unknown:
+        raise ValueError(f"'--methods' names unknown method {unknown[0]!r}; allowed: "
+                         f"{list(METHODS)}.")
     bad_skew = [s for s in args.skew if not 0 <= s <= 4]
     if bad_skew:
         raise ValueError(f"'--skew' values must be in [0, 4], but got {bad_skew[0]}.")
@@ -155,7 +164,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from ms_efficient.efficientmoe.replay import ReplayConfig
 
     if not args.no_simulated:
-        rows += run_simulated(traces, args.cluster, args.quick,
+        rows += run_simulated(traces, args.cluster, args.quick, methods=args.methods or METHODS,
                               config=ReplayConfig(static_blocks=args.static_blocks))
     if measured:
         print("Measured (MindSpore GRAPH_MODE on this CPU):")
