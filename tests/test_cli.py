@@ -117,6 +117,15 @@ def test_bench_moe_rejects_a_skew_out_of_range_before_any_work(tmp_path, capsys)
     assert not out.exists()
 
 
+def test_bench_moe_rejects_an_unknown_method_before_any_work(tmp_path, capsys):
+    out = tmp_path / "moe.json"
+    assert main(["bench", "moe", "--no-measured", "--methods", "efficientmoe", "tutel",
+                 "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'--methods' names unknown method 'tutel'; allowed: " in err[0]
+    assert not out.exists()
+
+
 def test_plan_bundle_writes_into_a_folder_while_file_outputs_refuse_one(tmp_path):
     from ms_efficient.cli import _check_outputs, build_parser
 
