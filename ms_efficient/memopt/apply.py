@@ -355,9 +355,9 @@ def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
 
     Passes compose: after ``shard`` the profile holds one device's bytes and compute (each
     operator's output split and parameter state from the shard plan); after ``place`` every
-    pipeline stage is planned on its own, its activations those of its in-flight micro-batches
-    under 1F1B (``memopt.profile.device_shares``), and the budget (a size, a share of that
-    stage's unoptimised peak, or the device memory) applies per stage. List memopt after
+    pipeline stage is planned on its own with the micro-batches it holds in flight under 1F1B
+    (``memopt.profile.device_shares``, ``LayerProfile.in_flight``), and the budget (a size, a
+    share of the largest stage's unoptimised peak, or the device memory) applies per stage. List memopt after
     shard and place in ``optimize.passes`` for that.
 
     Returns (network, plan dict with ``cells``, ``devices`` (per planned device / stage) and
