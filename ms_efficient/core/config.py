@@ -288,7 +288,8 @@ class OptimizeConfig:
     # share such as "90%" of the network's unoptimised simulated peak. "" = the device memory
     # of the cluster (a network that fits it has nothing to plan, and the pass says so). Below
     # the feasible floor (often 65-95% of the peak) the pass raises naming the floor. Listed
-    # after shard / place, memopt applies it per device share / per pipeline stage.
+    # after shard / place, memopt applies it per device share / per pipeline stage (a share
+    # then of the largest stage's unoptimised peak: every device has the same memory).
     memory_budget: Any = ""
     # Glob patterns of the Cells memopt plans, e.g. ["model.layers.*.self_attn",
     # "model.layers.*.mlp"]; a glob matches within one level ("blocks.*" = blocks.0, blocks.1,
