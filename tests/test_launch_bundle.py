@@ -256,3 +256,14 @@ def test_plan_bundle_without_shard_or_place_names_the_field(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "'optimize.passes'" in err and "shard and/or place" in err
     assert not (tmp_path / "b").exists()
+
+
+def test_a_plan_action_the_bundle_cannot_express_is_refused():
+    settings = ParallelSettings(devices=1, stages=1, micro_batches=1, dp=1, mp=1, batch=8)
+    plan = {"layers": [{"name": "blocks.0", "action": "recompute", "prefetch_lead": 1},
+                       {"name": "blocks.1", "action": "recompute-offload", "prefetch_lead": 1}]}
+    with pytest.raises(ValueError, match="memopt plan layer 'blocks.1' has action "
+                                         "'recompute-offload'"):
+        recompute_config(plan, settings, False, [])
+    plan["layers"].pop()
+    assert recompute_config(plan, settings, False, [])["recompute"] == [1]   # one layer, 1 stage

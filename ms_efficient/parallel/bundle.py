@@ -48,10 +48,10 @@ from ms_efficient.parallel.settings import ParallelSettings, stage_of_keys, stag
 __all__ = ["Bundle", "layer_of", "recompute_config", "swap_config", "parallel_config",
            "moe_config", "launch_script", "write_bundle"]
 
-# memopt actions (``memopt.env.ACTION_NAMES``) as MindFormers configures them. A
-# recompute-offload layer is recomputed; MindFormers cannot also swap its output (with both
-# set on one layer, "recomputation will take effect while SWAP will not"), noted as such.
-RECOMPUTE_ACTIONS = ("recompute", "recompute-all", "recompute-offload")
+# memopt actions (``memopt.env.ACTION_NAMES``) as MindFormers configures them; the memopt
+# pass never plans recompute-offload (no MindSpore API realises it), so a plan holding one is
+# refused rather than half-expressed.
+RECOMPUTE_ACTIONS = ("recompute", "recompute-all")
 SWAP_ACTIONS = ("swap",)
 # MindFormers' defaults for the fields no plan decides (TransformerOpParallelConfig /
 # RecomputeConfig): gradient fusion groups of 4, model-parallel communication recomputed.
@@ -95,15 +95,17 @@ def recompute_config(memopt: Optional[Mapping[str, Any]], settings: ParallelSett
            "recompute_slice_activation": False}
     if not memopt:
         return out
+    allowed = ("keep",) + RECOMPUTE_ACTIONS + SWAP_ACTIONS
+    bad = [e for e in memopt["layers"] if e["action"] not in allowed]
+    if bad:
+        raise ValueError(f"memopt plan layer '{bad[0]['name']}' has action "
+                         f"{bad[0]['action']!r}; a launch bundle expresses {list(allowed)} "
+                         f"(re-plan memory with the memopt pass).")
     stage_of = _stage_of_layer(memopt, settings)
     chosen = sorted({layer_of(e["name"])[0] for e in memopt["layers"]
                      if e["action"] in RECOMPUTE_ACTIONS})
     if not chosen:
         return out
-    offload = [e["name"] for e in memopt["layers"] if e["action"] == "recompute-offload"]
-    if offload:
-        notes.append(f"recompute-offload: {offload} are recomputed; MindFormers has no "
-                     f"setting that also swaps their outputs")
     if swap_on:
         out["recompute"] = chosen
         return out
