@@ -331,3 +331,20 @@ def test_memopt_never_plans_mindsporess_recompute_wrappers():
     assert layers and not any("_recompute_cell" in n or "wrap_cell" in n for n in layers)
     assert {n.rsplit(".", 1)[1] for n in layers} <= {"input_layernorm", "self_attn",
                                                      "post_attention_layernorm", "mlp"}
+
+
+def test_a_share_below_a_stages_floor_names_it_as_a_share_of_the_largest_stage():
+    from ms_efficient.graph import from_network
+    from ms_efficient.memopt.apply import memopt_pass
+
+    net, inputs = _deep_llama()
+    graph = from_network(net, *inputs, mode="train")
+    blocks = [f"_backbone.model.layers.{i}" for i in range(6)]
+    place = {"micro_batches": 4, "stages": [{"stage": 0, "device": 0, "blocks": blocks[:3]},
+                                            {"stage": 1, "device": 1, "blocks": blocks[3:]}]}
+    net, inputs = _deep_llama()
+    with pytest.raises(ValueError, match=r"'optimize.memory_budget' \(10%, .*\) is below the "
+                                         r"feasible floor .*\(on stage 0 of 2; shares are of "
+                                         r"the largest stage's unoptimised peak\)"):
+        memopt_pass(net, _context(net, inputs, CPU2, graph, {"place": place},
+                                  memory_budget="10%"))

@@ -244,15 +244,22 @@ def _inside_lazy_inline(cells: Dict[str, Any], name: str) -> bool:
                for p in chain)
 
 
-def _plan_device(profile: LayerProfile, value, cluster, actions) -> Dict[str, Any]:
-    """Plan one device's profile within ``optimize.memory_budget`` (``value``). Returns
-    {"profile", "budget", "peak", "floor", "safe", "plan", "result"}; "plan" is None when the
-    unoptimised peak already fits. Raises ValueError when recompute does not pay or the
-    budget is below the feasible floor (``check_budget_floor``'s one message)."""
-    from ms_efficient.core.units import format_size
+def _plan_device(profile: LayerProfile, value, cluster, actions,
+                 reference_peak: Optional[float] = None) -> Dict[str, Any]:
+    """Plan one device's profile within ``optimize.memory_budget`` (``value``). A share is of
+    ``reference_peak`` when given (the largest unoptimised peak of several pipeline stages:
+    every device has the same memory), else of this device's peak. Returns {"profile",
+    "budget", "peak", "floor", "safe", "plan", "result"}; "plan" is None when the unoptimised
+    peak already fits. Raises ValueError when recompute does not pay or the budget is below
+    the feasible floor (``check_budget_floor``'s one message, its shares of the reference)."""
+    from ms_efficient.core.units import format_size, parse_budget
     from ms_efficient.memopt.planner import budget_floor, plan_memory
 
     budget, peak = resolve_budget(value, profile, cluster)
+    share = None if value in ("", None) else parse_budget(value, "optimize.memory_budget")[1]
+    if share is not None and reference_peak is not None:
+        budget = share * reference_peak
+    shown_peak = peak if reference_peak is None else reference_peak
     floor, safe, least = budget_floor(profile, cluster.host_link, actions)
     out = {"profile": profile, "budget": budget, "peak": peak, "floor": floor, "safe": safe,
            "plan": None, "result": None}
@@ -267,9 +274,11 @@ def _plan_device(profile: LayerProfile, value, cluster, actions) -> Dict[str, An
             f"memopt out.")
     try:
         check_budget_floor(value if value != "" else int(budget), "optimize.memory_budget",
-                           budget, peak, floor, safe, actions)
+                           budget, shown_peak, floor, safe, actions)
     except ValueError as err:
-        raise ValueError(f"{err}{where and ' (' + where.strip() + ')'}") from None
+        note = where.strip() + ("" if reference_peak is None else
+                                "; shares are of the largest stage's unoptimised peak")
+        raise ValueError(f"{err}{note and ' (' + note + ')'}") from None
     try:
         plan, result = plan_memory(profile, budget, cluster.host_link, actions=actions)
     except ValueError:
@@ -279,36 +288,6 @@ def _plan_device(profile: LayerProfile, value, cluster, actions) -> Dict[str, An
                                    candidates={"checkmate-milp": least})
     out.update(plan=plan, result=result)
     return out
-
-
-def _device_budget(value, profile: LayerProfile, profiles: List[LayerProfile], cluster,
-                   actions):
-    """``optimize.memory_budget`` for one of several devices (pipeline stages): a percentage
-    is a share of the LARGEST device's unoptimised peak (every device has the same memory, so
-    stages already under it need no plan), given as bytes; a size, bytes or "" stay as they
-    are. ValueError when that byte budget is below this device's feasible floor names the floor
-    as a share of the largest peak."""
-    from ms_efficient.core.units import format_size, parse_budget
-    from ms_efficient.memopt.planner import budget_floor
-
-    if len(profiles) == 1 or value in ("", None):
-        return value
-    nbytes, share = parse_budget(value, "optimize.memory_budget")
-    if share is None:
-        return value
-    top = max(resolve_budget("", p, cluster)[1] for p in profiles)
-    budget = share * top
-    _, peak = resolve_budget("", profile, cluster)
-    if peak > budget:
-        floor, _, _ = budget_floor(profile, cluster.host_link, actions)
-        if floor > budget * (1 + 1e-9):
-            raise ValueError(
-                f"'optimize.memory_budget' ({value}: {format_size(budget)} of the largest "
-                f"device's unoptimised peak {format_size(top)}) is below the feasible floor "
-                f"{format_size(floor)} ({int(math.ceil(floor))} bytes) on "
-                f"{profile.meta['device']}; set it to at least "
-                f"'{floor_percent(floor, top):g}%'.")
-    return int(budget)
 
 
 def _device_row(got: Dict[str, Any]) -> Dict[str, Any]:
@@ -399,9 +378,9 @@ def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
                 for share in shares]
 
     def plan_devices(profiles):
-        return [_plan_device(profile, _device_budget(value, profile, profiles, cluster,
-                                                     actions), cluster, actions)
-                for profile in profiles]
+        top = (None if len(profiles) == 1 else
+               max(resolve_budget("", p, cluster)[1] for p in profiles))
+        return [_plan_device(profile, value, cluster, actions, top) for profile in profiles]
 
     segments: Optional[List[List[str]]] = None
     if groups:          # no repeated blocks: contiguous segments of the top-level sequence
