@@ -291,15 +291,22 @@ def test_plan_memory_on_a_graph_exported_at_batch_8_plans_batch_8(tmp_path, caps
                                    r"\d+\.\d%", capsys.readouterr().err)
 
 
-def test_the_default_budget_is_each_stages_device_memory():
+def _two_stages():
+    """(graph, block paths, a place plan cutting the 6-layer LLaMA 3 + 3, 4 micro-batches)."""
     from ms_efficient.graph import from_network
-    from ms_efficient.memopt.apply import memopt_pass
 
     net, inputs = _deep_llama()
     graph = from_network(net, *inputs, mode="train")
     blocks = [f"_backbone.model.layers.{i}" for i in range(6)]
     place = {"micro_batches": 4, "stages": [{"stage": 0, "device": 0, "blocks": blocks[:3]},
                                             {"stage": 1, "device": 1, "blocks": blocks[3:]}]}
+    return graph, blocks, place
+
+
+def test_the_default_budget_is_each_stages_device_memory():
+    from ms_efficient.memopt.apply import memopt_pass
+
+    graph, blocks, place = _two_stages()
     first = _profile(graph, blocks, CPU2, place=place, stage=0)
     second = _profile(graph, blocks, CPU2, place=place, stage=1)
     # all kept: the in-flight micro-batches' activations (one micro-batch's bytes each)
@@ -334,14 +341,9 @@ def test_memopt_never_plans_mindsporess_recompute_wrappers():
 
 
 def test_a_share_below_a_stages_floor_names_it_as_a_share_of_the_largest_stage():
-    from ms_efficient.graph import from_network
     from ms_efficient.memopt.apply import memopt_pass
 
-    net, inputs = _deep_llama()
-    graph = from_network(net, *inputs, mode="train")
-    blocks = [f"_backbone.model.layers.{i}" for i in range(6)]
-    place = {"micro_batches": 4, "stages": [{"stage": 0, "device": 0, "blocks": blocks[:3]},
-                                            {"stage": 1, "device": 1, "blocks": blocks[3:]}]}
+    graph, _, place = _two_stages()
     net, inputs = _deep_llama()
     with pytest.raises(ValueError, match=r"'optimize.memory_budget' \(10%, .*\) is below the "
                                          r"feasible floor .*\(on stage 0 of 2; shares are of "
