@@ -48,15 +48,18 @@ eplb_plan        DeepSeek EPLB (deepseek-ai/EPLB, "Expert Parallelism Load Balan
                  capacity, it gets one uniform capacity for all slots, each expert's capacity
                  shared among the ranks in proportion to their EMA forecast, and the smallest
                  uniform capacity whose expected per-rank drop rate meets the target; or
-                 (``dispatch="grouped"``, the "-grouped" rows) grouped dispatch with the send
-                 blocks ours would give its placement (:func:`placement.grouped_plan`), so
-                 the grouped rows compare placement and forecast alone.
+                 (``dispatch="grouped"`` or ``"counts"``, the "-grouped" and "-counts" rows)
+                 that dispatch with the send blocks ours would give its placement
+                 (:func:`placement.grouped_plan`), so those rows compare placement and
+                 forecast alone.
 greedy_plan      MindSpeed-style greedy expert placement: no replication; experts, heaviest
                  first, go to the least loaded device with a free slot (equal experts per
                  device); one uniform capacity, sized and shared as for EPLB, or grouped
                  dispatch as for EPLB.
 oracle_plan      our scheduler (:func:`placement.plan_layer`) given the true
-                 load of the step, capacities fitted exactly: a reference for the planner.
+                 load of the step, capacities fitted exactly, re-planned every step at no
+                 charge: a bound for any forecast-driven planner with the same dispatch and
+                 slots (the "oracle" row: static dispatch; "oracle-grouped": grouped).
 """
 from __future__ import annotations
 
@@ -70,7 +73,7 @@ from ms_efficient.efficientmoe.capacity import round_up, switch_capacity, unifor
 from ms_efficient.efficientmoe.cost import CostModel, check_rank_device, layer_cost
 from ms_efficient.efficientmoe.placement import (PlacementConfig, grouped_plan, plan_layer,
                                                  replica_counts_greedy, uniform_placement)
-from ms_efficient.moe.plan import ExpertPlan
+from ms_efficient.moe.plan import GROUPED_DISPATCH, ExpertPlan
 from ms_efficient.moe.split import largest_remainder, split_tokens
 
 __all__ = ["uniform_placement", "switch_plan", "dropless_static_plan", "dropless_grouped_plan",
@@ -277,23 +280,26 @@ def greedy_plan(load_RE: np.ndarray, rel_err_KRE: np.ndarray, model: CostModel,
 def _sized(slot_expert, slot_device, load, rel_err_KRE, model, config, rank_device, method,
            top_k, tokens_per_step, dispatch) -> ExpertPlan:
     """A placement baseline's plan for ``dispatch``: "static", one uniform capacity
-    (:func:`_uniform_capacity_plan`, its published form); "grouped", the block rule ours uses
-    (:func:`~ms_efficient.efficientmoe.placement.grouped_plan`, blocks at the same
-    cost-chosen per-pair drop target rule), so a grouped row differs from ours by its placement and forecast only."""
+    (:func:`_uniform_capacity_plan`, its published form); "grouped" or "counts", the block
+    rule ours uses (:func:`~ms_efficient.efficientmoe.placement.grouped_plan`, blocks at the
+    same cost-chosen per-pair drop target rule), so a grouped or counts row differs from ours
+    with that dispatch by its placement and forecast only."""
     if dispatch == "static":
         return _uniform_capacity_plan(slot_expert, slot_device, load, rel_err_KRE, config,
                                       method, top_k, tokens_per_step)
-    if dispatch != "grouped":
-        raise ValueError(f"'dispatch' must be 'static' or 'grouped', but got {dispatch!r}.")
+    if dispatch not in GROUPED_DISPATCH:
+        raise ValueError(f"'dispatch' must be one of {['static', *GROUPED_DISPATCH]}, but got "
+                         f"{dispatch!r}.")
     plan = grouped_plan(slot_expert, slot_device, load, model, np.asarray(rank_device),
                         tokens_per_step, top_k, rel_err_KRE,
-                        config=dataclasses.replace(config, dispatch="grouped"))
-    return dataclasses.replace(plan, method=f"{method}-grouped")
+                        config=dataclasses.replace(config, dispatch=dispatch))
+    return dataclasses.replace(plan, method=f"{method}-{dispatch}")
 
 
 def oracle_plan(counts_RE: np.ndarray, model: CostModel, config: PlacementConfig,
                 rank_device: np.ndarray, top_k: Optional[int] = None,
                 tokens_per_step: Optional[int] = None) -> ExpertPlan:
-    """Our scheduler with the step's true counts (int [R, E]) and exactly fitted capacities."""
+    """Our scheduler with the step's true counts (int [R, E]) and exactly fitted capacities
+    (``config.dispatch`` "grouped": blocks of exactly the step's rows, no padding, no drop)."""
     return plan_layer(counts_RE, model, config, rank_device, rel_err_KRE=None, method="oracle",
                       top_k=top_k, tokens_per_step=tokens_per_step)

@@ -50,7 +50,8 @@ import numpy as np
 
 from ms_efficient.efficientmoe.predictor import FLOOR_FRACTION
 from ms_efficient.moe.plan import ExpertPlan
-from ms_efficient.moe.split import SPLIT_UNITS, grouped_split_weights
+from ms_efficient.moe.exchange import slot_rows_by_device
+from ms_efficient.moe.split import SPLIT_UNITS, grouped_split, grouped_split_weights
 
 __all__ = ["CapacityResult", "round_up", "switch_capacity", "error_scales", "load_samples",
            "expected_drop_and_padding", "slot_capacities", "uniform_capacity",
@@ -442,13 +443,20 @@ def send_blocks(plan: ExpertPlan, load_RE: np.ndarray, rel_err_KRE: Optional[np.
     model (:func:`slot_capacities`) with each pair as one slot, its forecast rows and errors
     from :func:`pair_loads`, so the blocks meet ``drop_target`` together with the fewest
     rows (a block row is a row sent every step, full or not: padding costs communication,
-    a short block drops). The exact load (``rel_err_KRE`` None) gets its rounded-up value.
+    a short block drops). The exact load (``rel_err_KRE`` None) gets its rounded-up value;
+    whole counts get exactly the rows the layer's split sends each pair.
     Every block holds >= 1 row. ``max_rows_RD``: float [R, D], the most rows a rank can
     ever send a device (its tokens x the device's experts, at most top-k), a cap."""
     devices, load_RH, rel_KRH = pair_loads(plan, load_RE, rel_err_KRE, rank_device,
                                            devices_per_node)
     load_P = load_RH.ravel()
-    if rel_err_KRE is None:
+    load_RE = np.asarray(load_RE, dtype=np.float64)
+    if rel_err_KRE is None and np.array_equal(load_RE, np.round(load_RE)):
+        # whole counts (an oracle's): the rows the layer's integer split gives each pair
+        rows_RS = grouped_split(plan, load_RE.astype(np.int64), rank_device, devices_per_node)
+        exact_RD = slot_rows_by_device(rows_RS, plan.slot_device, int(devices.max()) + 1)
+        caps = np.maximum(exact_RD[:, devices].ravel(), 1).astype(np.float64)
+    elif rel_err_KRE is None:
         caps = np.maximum(np.ceil(load_P - 1e-9), 1)
     else:
         caps = slot_capacities(load_P, np.arange(load_P.size),

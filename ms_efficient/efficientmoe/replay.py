@@ -44,6 +44,9 @@ one static row buffer per device, after a routing-count exchange (``dispatch="gr
                      (:func:`placement.grouped_plan`, the same cost-chosen per-pair drop
                      target within ``max_block_drop_rate``): these rows differ
                      from efficientmoe only by placement and forecast.
+    eplb-ema-counts, eplb-ar-counts  EPLB's placements with the count-driven exchange, the
+                     same blocks as upper bounds: they differ from efficientmoe-counts only
+                     by placement and forecast.
     mindspeed-greedy its greedy placement fed by an EMA predictor, one capacity for all
                      slots, re-planned by the same checks and rule as ours.
     dropless-window  a realistic dropless static graph: every expert's per-rank capacity is
@@ -57,6 +60,11 @@ one static row buffer per device, after a routing-count exchange (``dispatch="gr
                      cost.
     oracle           our scheduler with the true counts of each step, exact capacities, and
                      free re-planning every step (a reference, not a reachable system).
+    oracle-grouped   the same with grouped dispatch (blocks of exactly the step's rows): the
+                     bound of any forecast-driven placement with grouped or counts dispatch
+                     and the same slots. Its gap to efficientmoe is what the unforecastable
+                     part of the routing costs (every predictor's MAPE, printed beside it,
+                     shows how much of it is step-to-step noise).
     oracle-static    ours with perfect foresight and nothing else changed: a static graph,
                      re-planned by the same checks and the same rule at the same cost, whose
                      planner is given the true counts of the rows each candidate plan would
@@ -98,7 +106,7 @@ from ms_efficient.efficientmoe.replan_loop import ReplanLoop
 from ms_efficient.efficientmoe.schedule import (DropMonitor, ReplanDecision, choose_horizon,
                                                 decide_replan, migration_time_s, plans_equal,
                                                 recompiles)
-from ms_efficient.moe.plan import ExpertPlan
+from ms_efficient.moe.plan import GROUPED_DISPATCH, ExpertPlan
 from ms_efficient.moe.trace import RoutingTrace
 
 __all__ = ["METHODS", "ReplayConfig", "ReplayResult", "cluster_for_ranks", "check_trace_fits",
@@ -106,19 +114,22 @@ __all__ = ["METHODS", "ReplayConfig", "ReplayResult", "cluster_for_ranks", "chec
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("efficientmoe", "efficientmoe-counts", "efficientmoe-static", "switch-cf1.0", "switch-cf1.25",
-           "switch-cf2.0", "dropless-static", "dropless-window", "dropless-grouped", "fastermoe",
-           "eplb-ema", "eplb-ar", "eplb-ema-grouped", "eplb-ar-grouped", "mindspeed-greedy",
-           "mindspeed-greedy-grouped", "oracle", "oracle-static")
-_ADAPTIVE = {"efficientmoe", "efficientmoe-counts", "efficientmoe-static", "eplb-ema", "eplb-ar", "eplb-ema-grouped",
-             "eplb-ar-grouped", "mindspeed-greedy", "mindspeed-greedy-grouped",
-             "oracle-static", "dropless-window"}
+METHODS = ("efficientmoe", "efficientmoe-counts", "efficientmoe-static", "switch-cf1.0",
+           "switch-cf1.25", "switch-cf2.0", "dropless-static", "dropless-window",
+           "dropless-grouped", "fastermoe", "eplb-ema", "eplb-ar", "eplb-ema-grouped",
+           "eplb-ar-grouped", "eplb-ema-counts", "eplb-ar-counts", "mindspeed-greedy",
+           "mindspeed-greedy-grouped", "oracle", "oracle-grouped", "oracle-static")
+_EPLB = {"eplb-ema", "eplb-ar", "eplb-ema-grouped", "eplb-ar-grouped", "eplb-ema-counts",
+         "eplb-ar-counts"}                    # re-balanced on their own periodic schedule
+_ADAPTIVE = _EPLB | {"efficientmoe", "efficientmoe-counts", "efficientmoe-static",
+                     "mindspeed-greedy", "mindspeed-greedy-grouped", "oracle-static",
+                     "dropless-window"}
 # our planner (planner.EfficientMoEPlanner), and the dispatch it plans for
 _OURS = {"efficientmoe": "grouped", "efficientmoe-counts": "counts",
          "efficientmoe-static": "static", "oracle-static": "static"}
-_EPLB = {"eplb-ema", "eplb-ar", "eplb-ema-grouped",
-         "eplb-ar-grouped"}                   # re-balanced on their own periodic schedule
-_OUR_PREDICTOR = {"eplb-ar", "eplb-ar-grouped"}   # baselines given our forecaster
+_OUR_PREDICTOR = {"eplb-ar", "eplb-ar-grouped", "eplb-ar-counts"}   # given our forecaster
+# the per-step oracles (our scheduler given each row's true counts), and their dispatch
+_ORACLES = {"oracle": "static", "oracle-grouped": "grouped"}
 
 
 @dataclass(frozen=True)
@@ -335,7 +346,7 @@ class _Context:
         re-planned baseline at row t, sized for ``horizon_rows`` rows (default one check
         interval)."""
         pred, rel = self.predicted(t, method, horizon_rows or self.check_rows)
-        dispatch = "grouped" if method.endswith("-grouped") else "static"
+        dispatch = method.rsplit("-", 1)[1] if method.endswith(GROUPED_DISPATCH) else "static"
         plans = []
         for layer in range(self.trace.num_layers):
             args = (pred[layer], rel[:, layer], self.model, self.placement, self.rank_device)
@@ -445,8 +456,9 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
     for t in range(config.warmup, trace.num_steps):
         extra_s = 0.0
         decision = None
-        if method == "oracle":
-            plans = [baselines.oracle_plan(counts[t, layer], ctx.model, ctx.placement,
+        if method in _ORACLES:
+            placement = ctx.planners[_ORACLES[method]].placement
+            plans = [baselines.oracle_plan(counts[t, layer], ctx.model, placement,
                                            ctx.rank_device, ctx.top_k, ctx.tokens_per_step)
                      for layer in range(trace.num_layers)]
         elif method == "fastermoe":

@@ -22,7 +22,8 @@ import numpy as np
 from ms_efficient.moe.plan import ExpertPlan
 
 __all__ = ["split_tokens", "source_rows", "static_assignments", "largest_remainder",
-           "proportional_split", "SPLIT_UNITS", "grouped_split_weights", "grouped_assignments"]
+           "proportional_split", "SPLIT_UNITS", "grouped_split_weights", "grouped_split",
+           "grouped_assignments"]
 
 # ``"grouped"`` dispatch splits a rank's tokens of an expert over its replicas in integer
 # units of 1 / SPLIT_UNITS, so the layer (int32 arithmetic in the graph) and the planners
@@ -208,6 +209,24 @@ def _split_weights(plan: ExpertPlan, num_experts: int, rank_device: np.ndarray,
     return weights
 
 
+def grouped_split(plan: ExpertPlan, counts_RE: np.ndarray, rank_device: Sequence[int],
+                  devices_per_node: Optional[int] = None) -> np.ndarray:
+    """Step 1 of :func:`grouped_assignments`, int64 [R, S]: rank r's c = counts_RE[r, e]
+    tokens of expert e over e's replicas in ascending slot order, replica j taking the arrival
+    positions [c * W_{j-1} // SPLIT_UNITS, c * W_j // SPLIT_UNITS) (W_j: cumulative
+    :func:`grouped_split_weights`), before any block or buffer limit."""
+    counts_RE = np.asarray(counts_RE, dtype=np.int64)
+    rank_device = np.asarray(rank_device, dtype=np.int64)
+    num_experts = counts_RE.shape[1]
+    weights_RS = grouped_split_weights(plan, num_experts, rank_device, devices_per_node)
+    assigned_RS = np.zeros(weights_RS.shape, dtype=np.int64)
+    for e in range(num_experts):
+        slots = plan.replicas_of(e)
+        bounds = counts_RE[:, [e]] * np.cumsum(weights_RS[:, slots], axis=1) // SPLIT_UNITS
+        assigned_RS[:, slots] = np.diff(bounds, axis=1, prepend=0)
+    return assigned_RS
+
+
 def grouped_assignments(plan: ExpertPlan, counts_RE: np.ndarray, rank_device: Sequence[int],
                         devices_per_node: Optional[int] = None) -> Tuple[np.ndarray, int]:
     """:func:`split_tokens` for ``"grouped"`` dispatch: (assigned_RS int64 [R, S], dropped).
@@ -223,15 +242,9 @@ def grouped_assignments(plan: ExpertPlan, counts_RE: np.ndarray, rank_device: Se
     A planned plan has B_d = sum_r C[r, d], so step 3 drops nothing and only a pair's
     overflow drops."""
     counts_RE = np.asarray(counts_RE, dtype=np.int64)
-    rank_device = np.asarray(rank_device, dtype=np.int64)
-    num_ranks, num_experts = counts_RE.shape
-    weights_RS = grouped_split_weights(plan, num_experts, rank_device, devices_per_node)
+    num_ranks = counts_RE.shape[0]
     # Step 1: the fixed split over replicas
-    assigned_RS = np.zeros(weights_RS.shape, dtype=np.int64)
-    for e in range(num_experts):
-        slots = plan.replicas_of(e)
-        bounds = counts_RE[:, [e]] * np.cumsum(weights_RS[:, slots], axis=1) // SPLIT_UNITS
-        assigned_RS[:, slots] = np.diff(bounds, axis=1, prepend=0)
+    assigned_RS = grouped_split(plan, counts_RE, rank_device, devices_per_node)
     buffer_D = plan.device_rows()
     block_RD = plan.send_rows(num_ranks, buffer_D.size)
     for d in np.unique(plan.slot_device):
