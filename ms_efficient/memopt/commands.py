@@ -6,7 +6,8 @@
 Benchmark run times on the 2-core build machine (shared with other jobs):
     bench memory --quick --json q.json            2 GPT + resnet50 x 1 budget     ~18 s
     bench memory --json full.json                 4 GPT + 2 mindcv x 3 budgets   ~70 s
-    --graph ../shared/data/graphs/pipedream_*.txt adds the 3 PipeDream graphs   ~90 s
+    --graph PATH/pipedream_*.txt adds PipeDream-format profiled graphs          ~90 s
+        (VGG-16, ResNet-18, GNMT in the benchmark's figures)
     --measured adds the CPU check (5 MindSpore processes, one at a time)       ~2.5-3 min
 (the first run exports the mindcv models to MINDIR, a few seconds each, cached next to
 --json.) Every run prints the per-target summary of ``bench.summarise``.
