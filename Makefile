@@ -22,7 +22,7 @@ demo: install
 	$(VENV)/bin/ms-efficient train configs/gpt_moe_tiny.yaml --out runs/demo --overwrite
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" tests

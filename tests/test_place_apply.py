@@ -94,3 +94,12 @@ def test_stages_follow_the_dataflow_between_devices():
     assert plan.stage_of_device == {0: 0, 1: 1} and plan.meta["pipeline"]
     cyclic = make_plan(build_problem(chain_graph(), toy_cluster()), np.array([0, 1, 0, 0]), "x")
     assert not cyclic.meta["pipeline"]
+
+
+def test_cli_bench_place_refuses_a_graph_dir_that_is_not_a_folder(tmp_path, capsys):
+    missing = tmp_path / "no_such_dir"
+    rc = main(["bench", "place", "--quick", "--graph-dir", str(missing),
+               "--json", str(tmp_path / "p.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--graph-dir must be a folder" in err and str(missing) in err
+    assert not (tmp_path / "p.json").exists()

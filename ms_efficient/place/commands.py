@@ -19,8 +19,6 @@ __all__ = ["add_plan_arguments", "run_plan", "add_bench_arguments", "run_bench"]
 
 logger = logging.getLogger(__name__)
 
-_SHARED_GRAPHS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.dirname(os.path.abspath(__file__))))), "shared", "data", "graphs")
 _REFERENCE_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "configs", "gpt_moe_tiny.yaml")
 _VISION_BATCH = 32   # images per training step of the mindcv workloads
@@ -142,6 +140,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "budgets (under a minute)")
     parser.add_argument("--graph", action="append", default=[], metavar="FILE",
                         help="extra graph file (JSON, MINDIR, PipeDream); repeatable")
+    parser.add_argument("--graph-dir", metavar="DIR",
+                        help="folder of PipeDream-format profiles pipedream_vgg16.txt, "
+                             "pipedream_resnet18.txt, pipedream_gnmt.txt (the benchmark's "
+                             "three profiled CNN / RNN workloads; without it they are skipped)")
     parser.add_argument("--devices", type=_positive_int, help="only this device count")
     parser.add_argument("--evaluations", type=_positive_int,
                         help="evaluations per search (default 300 quick, 3000 full)")
@@ -164,12 +166,16 @@ def _workloads(args: argparse.Namespace) -> List[Tuple[str, object]]:
                                               reference_model_graph, transformer_graph)
 
     out: List[Tuple[str, object]] = []
+    if args.graph_dir is not None and not os.path.isdir(args.graph_dir):
+        raise ValueError(f"--graph-dir must be a folder, but got {args.graph_dir!r}.")
     for stem in ("vgg16", "resnet18", "gnmt"):
-        path = os.path.join(_SHARED_GRAPHS, f"pipedream_{stem}.txt")
-        if os.path.isfile(path):
+        path = None if args.graph_dir is None else os.path.join(args.graph_dir,
+                                                                 f"pipedream_{stem}.txt")
+        if path is not None and os.path.isfile(path):
             out.append((f"pipedream-{stem}", load_graph(path)))
         else:
-            logger.info("no %s: skipping that PipeDream workload", path)
+            logger.info("no pipedream_%s.txt (--graph-dir %s): skipping that workload", stem,
+                        args.graph_dir)
     cache = os.path.join(os.path.dirname(os.path.abspath(args.json)), "place_cache")
     try:
         out.append(("gpt_moe_tiny (MINDIR)", reference_model_graph(_REFERENCE_CONFIG, cache)))
