@@ -8,7 +8,8 @@ import pytest
 from ms_efficient.core.cluster import get_cluster
 from ms_efficient.efficientmoe import baselines
 from ms_efficient.efficientmoe.capacity import device_loads, pair_loads
-from ms_efficient.efficientmoe.cost import CostModel, event_step_time_s, layer_cost
+from ms_efficient.efficientmoe.cost import (DYNAMIC_EXCHANGE_S, CostModel, event_step_time_s,
+                                            layer_cost)
 from ms_efficient.efficientmoe.placement import PlacementConfig, plan_layer
 from ms_efficient.efficientmoe.replay import ReplayConfig, cluster_for_ranks, plan_trace, replay
 from ms_efficient.efficientmoe.schedule import ReplanCosts, decide_replan, recompiles
@@ -202,7 +203,9 @@ def test_on_volatile_early_training_routing_ours_falls_back_to_the_best_dropless
     no forecast can be trusted, so ours must be no slower than the static dropless layouts
     (MegaBlocks-style grouped compute over blocks at the pair bound, per-expert static
     capacities) and drop nothing. FasterMoE's dynamic exchange sends only the routed rows, so
-    it is faster here, and by its All-to-All alone: a static graph must send the bound."""
+    net of the dynamic-shape overhead every data-dependent exchange pays (4 per layer-step)
+    its All-to-All is faster here, the only part where it leads: a static graph must send
+    the bound."""
     rng = np.random.default_rng(5)
     share = rng.dirichlet(np.full(8, 0.3), size=(40, 2, 4))          # [t, layer, rank, E]
     counts = np.stack([[[rng.multinomial(1024, p) for p in layer] for layer in row]
@@ -216,7 +219,8 @@ def test_on_volatile_early_training_routing_ours_falls_back_to_the_best_dropless
         theirs = replay(trace, other, NODE_1x8, config).iteration_time_s
         assert ours.iteration_time_s <= 1.001 * theirs, other
     faster = replay(trace, "fastermoe", NODE_1x8, config)
-    assert faster.iteration_time_s < ours.iteration_time_s
+    overhead = 2 * 4 * DYNAMIC_EXCHANGE_S                       # 2 layers x 4 exchanges
+    assert faster.a2a_time_s - overhead < ours.a2a_time_s
     assert (ours.iteration_time_s - ours.a2a_time_s
             <= faster.iteration_time_s - faster.a2a_time_s + 1e-9)
 

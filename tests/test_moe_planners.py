@@ -10,7 +10,7 @@ from ms_efficient.efficientmoe import baselines
 from ms_efficient.efficientmoe.bench import _truncate, markdown_table, run_simulated, speedups
 from ms_efficient.efficientmoe.capacity import (expected_drop_and_padding, load_samples, round_up,
                                                 slot_capacities, switch_capacity, uniform_capacity)
-from ms_efficient.efficientmoe.cost import (CostModel, event_step_time_s, layer_cost,
+from ms_efficient.efficientmoe.cost import (DYNAMIC_EXCHANGE_S, CostModel, event_step_time_s, layer_cost,
                                             uneven_alltoall_time_s)
 from ms_efficient.efficientmoe.placement import (PlacementConfig, levelled_shares, plan_layer,
                                                  replica_counts_greedy)
@@ -356,10 +356,12 @@ def test_switch_pays_its_padded_buffers_and_ours_the_count_exchange_by_hand():
     assert cost.exchange_time_s == 0.0 and cost.a2a_time_s == pytest.approx(a2a)
     assert cost.time_s == pytest.approx(a2a + 1280 * row_s)
     # ours, counts first: 256 routed rows to each peer, 512 rows per expert, plus the
-    # AllGather of the 4 x 8 int32 counts
+    # AllGather of the 4 x 8 int32 counts and the dynamic-shape overhead of its 4
+    # data-dependent All-to-Alls
     ours = ExpertPlan(switch.slot_expert, switch.slot_device, [512] * 8)
     a2a = 4 * 3 * (intra.latency_s + 256 * 512 / intra.bandwidth_Bps)
-    exchange = NODE_1x8.collective_time_s("allgather", 4 * 8 * 4, [0, 1, 2, 3])
+    exchange = (NODE_1x8.collective_time_s("allgather", 4 * 8 * 4, [0, 1, 2, 3])
+                + 4 * DYNAMIC_EXCHANGE_S)
     cost = layer_cost(ours, counts, model)
     assert exchange > 0 and cost.exchange_time_s == pytest.approx(exchange)
     assert cost.time_s == pytest.approx(exchange + a2a + 1024 * row_s)

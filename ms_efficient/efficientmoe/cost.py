@@ -8,10 +8,12 @@ For a layer with plan ``plan`` (:class:`ms_efficient.moe.plan.ExpertPlan`) and r
     exchange  = AllGather of the int32 counts, once per step: [R, E] routing counts ("alltoallv");
                 [R, R * S_b] per-slot block counts ("grouped" and "counts", S_b the most
                 slots a device holds: what the grouped layer's CountExchange gathers); for
-                "counts" plus ``a2a_passes`` x ``dynamic_exchange_s``, the dynamic-shape
-                overhead of each count-driven AlltoAllV (its receive size is data, so the
-                count matrix is read on the host before it runs; the [W, W] matrix itself is
-                derived from the gathered counts, no extra collective)
+                "counts" and "alltoallv" plus ``a2a_passes`` x ``dynamic_exchange_s``, the
+                dynamic-shape overhead of each count-driven AlltoAllV (its receive size is
+                data, so the count matrix is read on the host before it runs; the [W, W]
+                matrix itself is derived from the gathered counts, no extra collective).
+                One rule for every data-dependent exchange: FasterMoE's ("alltoallv") pays
+                it as ours ("counts") does, the cost of running that exchange on this stack
     dispatch  = rows device r sends to device d (:func:`~ms_efficient.moe.exchange.exchange_rows`,
                 what the expert-parallel layer's AlltoAllV Cells are built from): the
                 kept tokens ("alltoallv"); the planned block C[r, d], full or empty
@@ -71,6 +73,8 @@ COUNT_BYTES = 4   # one routing count in the exchange: int32
 # count matrix must also reach the host (a device-to-host copy that drains the stream, not
 # measured here): a lower bound there.
 DYNAMIC_EXCHANGE_S = 363e-6
+# the dispatch modes whose All-to-All sizes are data (a dynamic shape), charged the above
+DYNAMIC_DISPATCH = ("counts", "alltoallv")
 
 
 @dataclass(frozen=True)
@@ -83,8 +87,8 @@ class CostModel:
     a2a_passes: All-to-Alls per step of the dispatch's size (4: dispatch + combine, fwd + bwd).
     sync_replica_grads: charge an all-reduce of each replicated expert's gradients.
     static_blocks: how "static" plans send their rows, "equal" or "exact" (module docstring).
-    dynamic_exchange_s: seconds each count-driven AlltoAllV of a "counts" plan costs beyond
-        its rows (``DYNAMIC_EXCHANGE_S``, measured; module docstring).
+    dynamic_exchange_s: seconds each count-driven AlltoAllV of a "counts" or "alltoallv" plan
+        costs beyond its rows (``DYNAMIC_EXCHANGE_S``, measured; module docstring).
     """
 
     cluster: ClusterSpec
@@ -265,7 +269,7 @@ def _dispatch(plan: ExpertPlan, counts_RE: np.ndarray, model: CostModel, rd: np.
     counts_per_rank = (num_ranks * int(np.bincount(plan.slot_device).max())   # [W * S_b]
                        if plan.grouped else num_experts)
     exchange = count_exchange_time_s(num_ranks, counts_per_rank, model, rd)
-    if plan.dispatch == "counts" and num_ranks > 1:
+    if plan.dispatch in DYNAMIC_DISPATCH and num_ranks > 1:
         exchange += model.a2a_passes * model.dynamic_exchange_s
     return assigned_RS, dropped, sent_DD, exchange
 
