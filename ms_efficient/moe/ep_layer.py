@@ -87,6 +87,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from ms_efficient.core import backend
+from ms_efficient.core.params import write_parameter
 from ms_efficient.moe.alltoall import AllToAllV, CountExchange
 from ms_efficient.moe.counted_alltoall import CountedAllToAllV, device_counts
 from ms_efficient.moe.ep_migration import plan_migration
@@ -403,7 +404,7 @@ class ExpertParallelMoE(nn.Cell):
                               (self.sync_first_L, sync.first_L),
                               (self.sync_cross_L, sync.cross_L),
                               (self.sync_pick_L, sync.pick_L)):
-            param.set_data(Tensor(values))
+            write_parameter(param, values)      # in place: jit train steps see it too
 
     def construct(self, x):
         b, s, h = x.shape

@@ -13,7 +13,8 @@ the same plans):
       -> ONE exchange of the moved rows (:class:`~ms_efficient.moe.alltoall.AllToAllV`,
          counts ``rows_WW``; run op by op in PYNATIVE, so no graph is compiled) -> [R, X]
       -> new rows: kept rows unchanged, local copies from old rows, remote rows from the
-         receive buffer, rows empty in the new plan zeros -> ``set_data`` of every tensor.
+         receive buffer, rows empty in the new plan zeros -> written in place into every tensor
+         (:func:`~ms_efficient.core.params.write_parameter`).
 
 Optimizer state: every optimizer Parameter of the layer's w1/b1/w2/b2 travels with its row
 (:func:`weight_states`: nn.Adam's ``moment1.<name>``/``moment2.<name>``, nn.Momentum's
@@ -30,6 +31,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor
 
+from ms_efficient.core.params import write_parameter
 from ms_efficient.moe.alltoall import AllToAllV
 from ms_efficient.moe.ep_migration import Migration, migration_bytes_WW
 
@@ -148,7 +150,7 @@ def move_rows(migration: Migration, rank: int, tensors: Sequence[Parameter],
     for t in tensors:
         numel = int(np.prod(t.shape[1:]))
         part = new_BX[:, start:start + numel].reshape(t.shape)
-        t.set_data(Tensor(part, dtype=t.dtype))
+        write_parameter(t, part)
         start += numel
 
 

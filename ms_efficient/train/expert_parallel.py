@@ -53,6 +53,7 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 from ms_efficient.core import backend
 from ms_efficient.core.config import RunConfig, save_config
 from ms_efficient.core.fileio import atomic_write_text, atomic_write_with
+from ms_efficient.core.params import write_parameter
 from ms_efficient.models.gpt_moe import build_model
 from ms_efficient.moe.ep_layer import ExpertParallelMoE
 from ms_efficient.moe.trace import load_trace, save_trace
@@ -101,7 +102,7 @@ class GradReducer(nn.Cell):
             replicas = layer.plan.replica_counts(layer.num_experts)
             values = np.zeros(layer.budget, np.float32)
             values[:local.size] = 1.0 / replicas[local]
-            weight.set_data(Tensor(values))
+            write_parameter(weight, values)     # in place: the jit train step sees it
 
     def construct(self, grads):
         n = len(self.kind)
