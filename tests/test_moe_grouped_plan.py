@@ -2,6 +2,8 @@
 row buffer per device, its cost, the per-device buffers the planner sizes, re-plans that keep
 the compiled buffers, and the replay against the baselines. Values are hand-computed, exact
 optima or bounds."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -11,7 +13,8 @@ from ms_efficient.efficientmoe.capacity import device_loads, pair_loads
 from ms_efficient.efficientmoe.cost import (DYNAMIC_EXCHANGE_S, CostModel, event_step_time_s,
                                             layer_cost)
 from ms_efficient.efficientmoe.placement import PlacementConfig, plan_layer
-from ms_efficient.efficientmoe.replay import ReplayConfig, cluster_for_ranks, plan_trace, replay
+from ms_efficient.efficientmoe.replay import (ReplayConfig, cluster_for_ranks, plan_trace, replay,
+                                              trace_dispatch_choice)
 from ms_efficient.efficientmoe.schedule import ReplanCosts, decide_replan, recompiles
 from ms_efficient.moe.plan import ExpertPlan, load_plans, save_plans
 from ms_efficient.moe.exchange import slot_rows_by_device
@@ -264,3 +267,37 @@ def test_grouped_oracle_bounds_the_forecast_driven_rows():
     assert oracle.replans == 0 and oracle.replan_overhead_s == 0.0
     for other in ("efficientmoe", "eplb-ema-grouped", "eplb-ar-counts"):
         assert oracle.step_time_s.mean() < replay(trace, other, None, config).step_time_s.mean()
+
+
+@pytest.mark.parametrize("hidden, expected", [(256, "grouped"), (4096, "counts")])
+def test_auto_dispatch_takes_counts_where_padding_outweighs_the_dynamic_shape_overhead(
+        hidden, expected):
+    """choose_dispatch: at H = 256 a layer-step is latency-bound and the count-driven exchange's
+    4 x 363 us dynamic-shape overhead outweighs the block padding it saves; at H = 4096 the
+    padding's bytes outweigh it. The pick is the argmin of the two predictions, and the
+    auto row of the replay is then the chosen method's row exactly."""
+    trace = skewed_trace(steps=24, layers=1, seed=3, skew=1.0, hidden=hidden)
+    config = ReplayConfig(warmup=16)
+    choice = trace_dispatch_choice(trace, None, config)
+    assert set(choice.predicted_s) == {"grouped", "counts"}
+    assert choice.dispatch == min(choice.predicted_s, key=choice.predicted_s.get) == expected
+    assert all(p.dispatch == expected for p in choice.proposal.plans)
+    assert plan_trace(trace, None, dataclasses.replace(config, dispatch="auto"))[0] \
+        .dispatch == expected
+    auto = replay(trace, "efficientmoe-auto", None, config)
+    same = replay(trace, "efficientmoe" if expected == "grouped" else "efficientmoe-counts",
+                  None, config)
+    assert auto.method == "efficientmoe-auto"
+    assert auto.iteration_time_s == same.iteration_time_s and auto.drop_rate == same.drop_rate
+
+
+def test_cli_plan_moe_auto_prints_the_choice_and_both_predictions(tmp_path, capsys):
+    from ms_efficient.cli import main
+    from ms_efficient.moe.trace import save_trace
+    path = str(tmp_path / "t.npz")
+    save_trace(skewed_trace(steps=8, layers=1, seed=3, skew=1.0, hidden=256), path)
+    rc = main(["plan", "moe", "--trace", path, "--dispatch", "auto",
+               "--out", str(tmp_path / "p.yaml")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "dispatch: grouped (predicted MoE time per step: grouped" in out
+    assert load_plans(str(tmp_path / "p.yaml"))[0][0].dispatch == "grouped"

@@ -1,6 +1,6 @@
 """EfficientMoE: expert replication, placement and per-replica capacities from routing traces.
 
-    ms-efficient plan moe --trace FILE.npz [--cluster NAME] [--dispatch grouped|counts|static]
+    ms-efficient plan moe --trace FILE.npz [--cluster NAME] [--dispatch grouped|counts|static|auto]
                           --out plan.yaml
     ms-efficient bench moe [--quick] [--trace FILE.npz ...] [--cluster NAME] --json OUT
                            [--config CONFIG] [--steps N] [--init-from RUN_DIR]
@@ -36,11 +36,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, help="routing trace (.npz, see README)")
     parser.add_argument("--cluster", help="cluster preset (default: 8-chip Ascend 910B nodes, "
                                           "as many as the trace's ranks need)")
-    parser.add_argument("--dispatch", choices=("grouped", "counts", "static"),
+    parser.add_argument("--dispatch", choices=("grouped", "counts", "static", "auto"),
                         default="grouped",
                         help="grouped (default): padding-free grouped expert compute, one row "
                              "buffer per device; counts: the same with a count-driven "
-                             "exchange (Ascend only); static: per-rank, per-slot capacities")
+                             "exchange (Ascend only); static: per-rank, per-slot capacities; "
+                             "auto: grouped or counts, whichever's plans the cost model "
+                             "predicts cheaper (printed)")
     parser.add_argument("--last", type=positive_int, metavar="N",
                         help="plan from the trace's last N steps only (default: all). A trace "
                              "recorded from initialisation holds the router's early, volatile "
@@ -50,7 +52,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     from ms_efficient.core.cluster import get_cluster
-    from ms_efficient.efficientmoe.replay import ReplayConfig, plan_trace
+    from ms_efficient.efficientmoe.replay import ReplayConfig, plan_trace, trace_dispatch_choice
     from ms_efficient.moe.plan import save_plans
     from ms_efficient.moe.trace import load_trace
 
@@ -63,7 +65,13 @@ def run_plan(args: argparse.Namespace) -> int:
                                     steps=None if trace.steps is None
                                     else trace.steps[-args.last:])
     cluster = get_cluster(args.cluster) if args.cluster else None
-    plans = plan_trace(trace, cluster, ReplayConfig(dispatch=args.dispatch))
+    if args.dispatch == "auto":
+        choice = trace_dispatch_choice(trace, cluster, ReplayConfig())
+        plans = choice.proposal.plans
+        print(f"dispatch: {choice.dispatch} (predicted MoE time per step: " + ", ".join(
+            f"{d} {1e3 * t:.4g} ms" for d, t in choice.predicted_s.items()) + ")")
+    else:
+        plans = plan_trace(trace, cluster, ReplayConfig(dispatch=args.dispatch))
     save_plans(args.out, plans, trace.num_experts,
                extra={"trace": os.path.basename(args.trace), "cluster": args.cluster or "auto"})
     for layer, plan in enumerate(plans):

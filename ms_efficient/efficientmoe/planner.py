@@ -57,7 +57,8 @@ from ms_efficient.moe.plan import GROUPED_DISPATCH, ExpertPlan
 from ms_efficient.moe.split import source_rows
 
 __all__ = ["PlannerConfig", "Proposal", "EfficientMoEPlanner", "single_device_plans",
-           "capacities_LE", "planner_config", "one_device_planner", "one_device_counts"]
+           "capacities_LE", "planner_config", "one_device_planner", "one_device_counts",
+           "DispatchChoice", "choose_dispatch"]
 
 logger = logging.getLogger(__name__)
 
@@ -420,3 +421,38 @@ def one_device_counts(load_TLE: np.ndarray) -> np.ndarray:
     if load.ndim == 4:
         load = load.sum(axis=2)
     return load[:, :, None, :]
+
+
+@dataclass(frozen=True)
+class DispatchChoice:
+    """The outcome of :func:`choose_dispatch`: dispatch ("grouped" or "counts"), the chosen
+    planner's proposal, and predicted_s: {dispatch: modelled MoE seconds of one step of
+    that dispatch's proposal on the shared forecast}."""
+
+    dispatch: str
+    proposal: Proposal
+    predicted_s: dict
+
+
+def choose_dispatch(planners: dict, counts_TLRE: np.ndarray,
+                    forecaster: Optional[Forecaster] = None) -> DispatchChoice:
+    """Grouped or count-driven exchange for a run, chosen once, before the layers are built
+    (the two are different graphs). ``planners``: {"grouped": planner, "counts": planner},
+    the same settings but the dispatch. Each proposes plans for the history ``counts_TLRE``
+    (int [T, L, R, E]) with the same forecaster; the one whose plans cost least on that
+    forecast (:meth:`EfficientMoEPlanner.step_time_s`: a grouped block travels full, a
+    counts exchange sends the kept rows plus its dynamic-shape overhead) wins, ties to
+    "grouped" (static shapes). Deterministic. Big layers gain from sending no padding; small,
+    latency-bound ones lose the overhead (measured per exchange, ``cost.DYNAMIC_EXCHANGE_S``)."""
+    missing = [d for d in GROUPED_DISPATCH if d not in planners]
+    if missing:
+        raise ValueError(f"'planners' must hold a planner for each of {list(GROUPED_DISPATCH)}, "
+                         f"but lacks {missing}.")
+    proposals = {d: planners[d].propose(counts_TLRE, None, forecaster)
+                 for d in GROUPED_DISPATCH}
+    predicted = {d: planners[d].step_time_s(p.plans, p.predicted_LRE)
+                 for d, p in proposals.items()}
+    pick = min(GROUPED_DISPATCH, key=lambda d: (predicted[d], GROUPED_DISPATCH.index(d)))
+    logger.info("choose_dispatch: %s (predicted %s)", pick,
+                ", ".join(f"{d} {1e3 * t:.4g} ms" for d, t in predicted.items()))
+    return DispatchChoice(pick, proposals[pick], predicted)

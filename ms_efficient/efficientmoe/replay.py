@@ -58,6 +58,10 @@ one static row buffer per device, after a routing-count exchange (``dispatch="gr
                      paper), plus the per-step weight broadcast; dynamic shapes: count
                      exchange, then only the routed tokens; no padding, no drops, no compile
                      cost.
+    efficientmoe-auto  ours with the dispatch chosen once at the first plan, grouped or
+                     counts, whichever's plans cost less on the forecast
+                     (:func:`planner.choose_dispatch`; the layers are built for one); then
+                     the chosen row exactly.
     oracle           our scheduler with the true counts of each step, exact capacities, and
                      free re-planning every step (a reference, not a reachable system).
     oracle-grouped   the same with grouped dispatch (blocks of exactly the step's rows): the
@@ -100,7 +104,8 @@ from ms_efficient.core.cluster import PRESETS, ClusterSpec, get_cluster
 from ms_efficient.efficientmoe import baselines
 from ms_efficient.efficientmoe.cost import CostModel, layer_cost
 from ms_efficient.efficientmoe.forecaster import Forecaster
-from ms_efficient.efficientmoe.planner import EfficientMoEPlanner, PlannerConfig
+from ms_efficient.efficientmoe.planner import (DispatchChoice, EfficientMoEPlanner, PlannerConfig,
+                                               choose_dispatch)
 from ms_efficient.efficientmoe.predictor import FLOOR_FRACTION, error_floor
 from ms_efficient.efficientmoe.replan_loop import ReplanLoop
 from ms_efficient.efficientmoe.schedule import (DropMonitor, ReplanDecision, choose_horizon,
@@ -110,7 +115,7 @@ from ms_efficient.moe.plan import GROUPED_DISPATCH, ExpertPlan
 from ms_efficient.moe.trace import RoutingTrace
 
 __all__ = ["METHODS", "ReplayConfig", "ReplayResult", "cluster_for_ranks", "check_trace_fits",
-           "replay", "plan_trace"]
+           "replay", "plan_trace", "trace_dispatch_choice"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +123,8 @@ METHODS = ("efficientmoe", "efficientmoe-counts", "efficientmoe-static", "switch
            "switch-cf1.25", "switch-cf2.0", "dropless-static", "dropless-window",
            "dropless-grouped", "fastermoe", "eplb-ema", "eplb-ar", "eplb-ema-grouped",
            "eplb-ar-grouped", "eplb-ema-counts", "eplb-ar-counts", "mindspeed-greedy",
-           "mindspeed-greedy-grouped", "oracle", "oracle-grouped", "oracle-static")
+           "mindspeed-greedy-grouped", "oracle", "oracle-grouped", "oracle-static",
+           "efficientmoe-auto")
 _EPLB = {"eplb-ema", "eplb-ar", "eplb-ema-grouped", "eplb-ar-grouped", "eplb-ema-counts",
          "eplb-ar-counts"}                    # re-balanced on their own periodic schedule
 _ADAPTIVE = _EPLB | {"efficientmoe", "efficientmoe-counts", "efficientmoe-static",
@@ -127,6 +133,7 @@ _ADAPTIVE = _EPLB | {"efficientmoe", "efficientmoe-counts", "efficientmoe-static
 # our planner (planner.EfficientMoEPlanner), and the dispatch it plans for
 _OURS = {"efficientmoe": "grouped", "efficientmoe-counts": "counts",
          "efficientmoe-static": "static", "oracle-static": "static"}
+_AUTO = "efficientmoe-auto"     # ours, the dispatch chosen at the first plan (choose_dispatch)
 _OUR_PREDICTOR = {"eplb-ar", "eplb-ar-grouped", "eplb-ar-counts"}   # given our forecaster
 # the per-step oracles (our scheduler given each row's true counts), and their dispatch
 _ORACLES = {"oracle": "static", "oracle-grouped": "grouped"}
@@ -156,8 +163,9 @@ class ReplayConfig:
         or "equal" (an equal-split AlltoAll padded to the largest block).
     sync_replica_grads: charge the all-reduce of replicated experts' gradients (False: assume
         it is hidden behind other layers' backward).
-    dispatch: what ``plan moe`` (:func:`plan_trace`) plans for, "grouped" or "static"; the
-        replay's methods each keep their own.
+    dispatch: what ``plan moe`` (:func:`plan_trace`) plans for, "grouped", "counts",
+        "static" or "auto" (grouped or counts, the one predicted cheaper:
+        :func:`planner.choose_dispatch`); the replay's methods each keep their own.
     max_block_drop_rate: the most expected drops the send blocks of our "grouped"/"counts"
         plans and of the grouped baselines may cause; the per-pair target within it is chosen
         by cost (PlannerConfig, placement.choose_blocks).
@@ -324,6 +332,11 @@ class _Context:
         self.placement = self.planner.placement
         self.costs = self.planner.costs
 
+    def choose_dispatch(self, t: int) -> DispatchChoice:
+        """Grouped or counts for our planner from rows < t (:func:`choose_dispatch`)."""
+        return choose_dispatch({d: self.planners[d] for d in GROUPED_DISPATCH},
+                               self.trace.counts[:t], self.forecaster("efficientmoe", t))
+
     def ours(self, method: str) -> EfficientMoEPlanner:
         """Our planner for ``method`` (one of ``_OURS``)."""
         return self.planners[_OURS[method]]
@@ -442,6 +455,10 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
     check_trace_fits(trace, cluster)
     ctx = _Context(trace, cluster, config)
     counts = trace.counts
+    label = method
+    if method == _AUTO:        # then exactly the chosen dispatch's method, labelled auto
+        chosen = ctx.choose_dispatch(config.warmup).dispatch
+        method = "efficientmoe" if chosen == "grouped" else "efficientmoe-counts"
     plans: List[ExpertPlan] = []
     if method.startswith("switch-cf") or method in ("dropless-static", "dropless-grouped"):
         plans = ctx.static_plans(method)
@@ -512,7 +529,7 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
         rows += 1
     routed = int(counts[config.warmup:].sum())
     return ReplayResult(
-        method=method,
+        method=label,
         iteration_time_s=float(np.mean(step_times)) + overhead / (rows * ctx.stride),
         a2a_time_s=float(np.mean(a2a_times)),
         max_over_mean_load=float(np.mean(imbalance)),
@@ -522,14 +539,29 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
         step_time_s=np.array(step_times))
 
 
-def plan_trace(trace: RoutingTrace, cluster: Optional[ClusterSpec] = None,
-               config: ReplayConfig = ReplayConfig()) -> List[ExpertPlan]:
-    """EfficientMoE plans (one per layer) for the step after the trace's last row, for
-    ``config.dispatch``: what ``ms-efficient plan moe`` writes. Needs a trace of >= 2 rows."""
+def _plan_context(trace: RoutingTrace, cluster: Optional[ClusterSpec],
+                  config: ReplayConfig) -> _Context:
     cluster = cluster or cluster_for_ranks(trace.num_ranks)
     check_trace_fits(trace, cluster)
     if trace.num_steps < 2:
         raise ValueError(f"planning needs a trace of >= 2 steps, but got {trace.num_steps}.")
-    ctx = _Context(trace, cluster, dataclasses.replace(
+    return _Context(trace, cluster, dataclasses.replace(
         config, warmup=min(max(2, config.warmup), trace.num_steps - 1)))
+
+
+def plan_trace(trace: RoutingTrace, cluster: Optional[ClusterSpec] = None,
+               config: ReplayConfig = ReplayConfig()) -> List[ExpertPlan]:
+    """EfficientMoE plans (one per layer) for the step after the trace's last row, for
+    ``config.dispatch`` ("auto": :func:`trace_dispatch_choice`'s): what ``ms-efficient plan
+    moe`` writes. Needs a trace of >= 2 rows."""
+    if config.dispatch == "auto":
+        return trace_dispatch_choice(trace, cluster, config).proposal.plans
+    ctx = _plan_context(trace, cluster, config)
     return ctx.planners[config.dispatch].propose(trace.counts, None).plans
+
+
+def trace_dispatch_choice(trace: RoutingTrace, cluster: Optional[ClusterSpec] = None,
+                          config: ReplayConfig = ReplayConfig()) -> DispatchChoice:
+    """Grouped or counts for the step after the trace's last row
+    (:func:`planner.choose_dispatch` over the whole trace), with the chosen plans."""
+    return _plan_context(trace, cluster, config).choose_dispatch(trace.num_steps)
