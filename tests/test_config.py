@@ -34,6 +34,8 @@ def test_shipped_config_loads():
     ({"cluster": {"preset": "tpu-v9"}}, r"cluster.*tpu-v9"),
     ({"optimize": {"passes": ["warp-drive"]}}, r"'optimize.passes\[0\]' must be one of"),
     ({"model": {"dropout": True}}, r"'model.dropout' must be a number"),
+    ({"efficientmoe": {"dispatch": "alltoall"}},
+     r"'efficientmoe.dispatch' must be one of \['grouped', 'counts'\], but got 'alltoall'"),
 ])
 def test_bad_values_name_the_key_the_value_and_the_rule(data, match):
     with pytest.raises(ValueError, match=match):

@@ -95,14 +95,18 @@ def test_resume_with_other_workers_than_saved_is_refused(tmp_path, capsys):
 
 
 @pytest.mark.mindspore
-def test_one_rank_expert_parallel_run_equals_the_one_process_trainer(tmp_path, text_dir):
+@pytest.mark.parametrize("dispatch", ["grouped", "counts"])
+def test_one_rank_expert_parallel_run_equals_the_one_process_trainer(tmp_path, text_dir,
+                                                                     dispatch):
     """W = 1 (no msrun): the EP model, its gradient reducer and clipping against the
-    one-process trainer with grouped (dropless) experts, same seed and batches."""
+    one-process trainer with grouped (dropless) experts, same seed and batches; with
+    ``efficientmoe.dispatch`` grouped or counts (the count-driven exchange: the same rows)."""
     from ms_efficient.core.config import load_config
     from ms_efficient.train.ep_worker import worker_main
     from ms_efficient.train.trainer import Trainer
 
-    config = _config(tmp_path, text_dir, train={"steps": 4, "save_every": 4})
+    config = _config(tmp_path, text_dir, train={"steps": 4, "save_every": 4},
+                     efficientmoe={"dispatch": dispatch})
     Trainer(load_config(config, {"moe.dispatch": "grouped"}), str(tmp_path / "one")).run()
     assert worker_main([config, "--out", str(tmp_path / "ep")]) == 0
     one, ep = _losses(tmp_path / "one"), _losses(tmp_path / "ep")
@@ -111,6 +115,7 @@ def test_one_rank_expert_parallel_run_equals_the_one_process_trainer(tmp_path, t
         np.testing.assert_allclose(ep[step], one[step], rtol=1e-5)
     state = json.loads((tmp_path / "ep" / "state.json").read_text())
     assert state["world_size"] == 1 and len(state["plans"]) == 2
+    assert all(p["dispatch"] == dispatch for p in state["plans"])
     assert (tmp_path / "ep" / "ckpt" / "rank_0" / "step_000004.ckpt").is_file()
 
 

@@ -198,10 +198,17 @@ class EfficientMoEConfig:
     # Expert-parallel runs: adopt the planner's placement after this many steps even when the
     # re-plan rule finds no gain worth it (0 = never force), so a short run shows a re-plan.
     force_replan_step: int = 0
+    # Expert-parallel runs (`train --workers`): the token exchange of ExpertParallelMoE,
+    # "grouped" (static send blocks, full or empty) or "counts" (the kept rows only,
+    # ops.AlltoAllVC on Ascend; on CPU the blocks are exchanged, same values). Fixed for a
+    # run: the two are different graphs (`plan moe --dispatch auto` says which fits a trace).
+    dispatch: str = "grouped"
 
     def validate(self, path: str) -> None:
         if self.force_replan_step < 0:
             _fail(f"{path}.force_replan_step", self.force_replan_step, ">= 0 (0 = never)")
+        if self.dispatch not in ("grouped", "counts"):
+            _fail(f"{path}.dispatch", self.dispatch, "one of ['grouped', 'counts']")
         if not isinstance(self.history, str):
             _fail(f"{path}.history", self.history, "a path string or ''")
         if self.history and not os.path.isfile(history_trace_path(self.history)):

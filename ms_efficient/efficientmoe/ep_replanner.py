@@ -31,7 +31,7 @@ from ms_efficient.efficientmoe.planner import EfficientMoEPlanner, planner_confi
 from ms_efficient.efficientmoe.replan_loop import ReplanLoop
 from ms_efficient.efficientmoe.sampler import RoutingSampler
 from ms_efficient.efficientmoe.schedule import plans_equal
-from ms_efficient.moe.plan import ExpertPlan
+from ms_efficient.moe.plan import GROUPED_DISPATCH, ExpertPlan
 
 __all__ = ["dropless_plans", "slot_budget", "moved_slots", "expert_bytes", "apply_plan",
            "compiled_graphs", "rank_counts", "ExpertParallelReplanner", "load_plans_state"]
@@ -50,9 +50,10 @@ def slot_budget(num_experts: int, world: int, configured: int = 0) -> int:
 
 
 def dropless_plans(num_layers: int, num_experts: int, world: int, top_k: int,
-                   tokens_per_step: int) -> List[ExpertPlan]:
+                   tokens_per_step: int, dispatch: str = "grouped") -> List[ExpertPlan]:
     """The initial plan of every MoE layer: experts split evenly over the W ranks (expert e on
-    rank floor(e W / E)), ``dispatch="grouped"``, every (rank, device) send block at the
+    rank floor(e W / E)), ``dispatch`` "grouped" (or "counts": the same blocks as upper
+    bounds, only the kept rows sent), every (rank, device) send block at the
     rank's assignments, tokens_per_step / W x K rows (a token reaches at most K experts, so
     a rank can never send more to one device), and every device's row buffer the sum of its
     blocks, tokens_per_step x K: no assignment can be dropped under this plan or any later
@@ -60,8 +61,11 @@ def dropless_plans(num_layers: int, num_experts: int, world: int, top_k: int,
     experts, devices = uniform_placement(num_experts, np.arange(world))
     block_WD = np.full((world, world), -(-tokens_per_step // world) * top_k, np.int64)
     caps = np.full(num_experts, -(-top_k * tokens_per_step // num_experts), np.int64)
+    if dispatch not in GROUPED_DISPATCH:
+        raise ValueError(f"'dispatch' must be one of {list(GROUPED_DISPATCH)}, but got "
+                         f"{dispatch!r}.")
     plan = ExpertPlan(experts, devices, caps, top_k, tokens_per_step, "uniform-dropless",
-                      "grouped", device_buffer=block_WD.sum(axis=0), send_block=block_WD)
+                      dispatch, device_buffer=block_WD.sum(axis=0), send_block=block_WD)
     return [dataclasses.replace(plan) for _ in range(num_layers)]
 
 
@@ -146,16 +150,21 @@ class ExpertParallelReplanner:
     def __init__(self, layers: Sequence, em, cluster, tokens_per_step: int):
         if not layers:
             raise ValueError("expert-parallel re-planning needs at least one ExpertParallelMoE "
-                             "layer with dispatch 'grouped', but the network has none.")
+                             "layer with dispatch 'grouped' or 'counts', but the network has "
+                             "none.")
         first = layers[0]
+        kinds = sorted({layer.plan.dispatch for layer in layers})
+        if len(kinds) > 1 or kinds[0] not in GROUPED_DISPATCH:
+            raise ValueError(f"expert-parallel re-planning plans every layer for one dispatch, "
+                             f"'grouped' or 'counts', but the layers have {kinds}.")
         self.layers, self.em = list(layers), em
         self.world = int(first.world)
         if cluster.num_devices < self.world:
             raise ValueError(f"'cluster' ({cluster.name}) has {cluster.num_devices} devices, "
                              f"but the run has {self.world} ranks; choose a cluster with >= "
                              f"{self.world} devices.")
-        config = dataclasses.replace(planner_config(em), dispatch="grouped",
-                                     slots_per_device=int(first.budget))
+        config = dataclasses.replace(planner_config(em), dispatch=first.plan.dispatch,
+                                     slots_per_device=int(first.budget))   # the layers' own
         model = CostModel(cluster, int(first.hidden_size), int(first.w1.shape[2]), "fp32")
         self.planner = EfficientMoEPlanner(config, model, int(first.num_experts),
                                            list(range(self.world)), int(first.top_k),

@@ -156,7 +156,7 @@ class ExpertParallelTrainer:
                    build_model(mc, moe, tr.batch_size).get_parameters()}  # one-process init
         num_moe = sum((i + 1) % moe.moe_every == 0 for i in range(mc.num_layers))
         plans = dropless_plans(num_moe, moe.num_experts, self.world, moe.top_k,
-                               self.tokens_per_step)
+                               self.tokens_per_step, cfg.efficientmoe.dispatch)
         budget = slot_budget(moe.num_experts, self.world, moe.slots_per_device)
         self.net = build_model(mc, moe, self.local_batch, plans, budget)
         self.layers = [c for _, c in self.net.cells_and_names()
