@@ -100,6 +100,10 @@ class Trainer:
         self.resume = resume
         self.overwrite = overwrite
         check_fits_machine(cfg)                   # before any tensor is allocated
+        if cfg.efficientmoe.dispatch != "grouped":
+            logger.warning("efficientmoe.dispatch %r applies to expert-parallel runs (train "
+                           "--workers W > 1); this one-process run has no exchange and "
+                           "ignores it.", cfg.efficientmoe.dispatch)
         ms.set_context(mode=getattr(ms, cfg.context.mode))
         backend.use_device(cfg.context.device_target)
         ms.set_seed(cfg.context.seed)
