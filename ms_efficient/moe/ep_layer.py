@@ -336,15 +336,16 @@ class ExpertParallelMoE(nn.Cell):
     def set_weights(self, router_EH, w1_EHF, b1_E1F, w2_EFH, b2_E1H) -> None:
         """Load logical weights (numpy, all E experts): the router, and for every local slot
         its expert's rows (empty slots: zeros). Every rank must load the same values to keep
-        replicas identical."""
-        self.router.weight.set_data(Tensor(np.asarray(router_EH, np.float32)))
+        replicas identical. Written in place (:func:`~ms_efficient.core.params.write_parameter`),
+        so a jitted train step that already ran sees them too."""
+        write_parameter(self.router.weight, np.asarray(router_EH, np.float32))
         self._load_experts((w1_EHF, b1_E1F, w2_EFH, b2_E1H))
 
     def _load_experts(self, tables_E) -> None:
         """w1, b1, w2, b2 from logical [E, ...] tables: row i < S_l takes local_experts[i]."""
         for param, table in zip((self.w1, self.b1, self.w2, self.b2), tables_E):
             rows = np.asarray(table, np.float32)[self.local_experts]
-            param.set_data(Tensor(pad_rows(rows, self.budget)))
+            write_parameter(param, pad_rows(rows, self.budget))
 
     def expert_weights(self):
         """The logical expert weights, numpy float32 (w1_EHF, b1_E1F, w2_EFH, b2_E1H), each
