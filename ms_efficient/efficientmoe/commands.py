@@ -33,7 +33,7 @@ MEASURED_COLUMNS = ("workload", "method", "step_time_s", "step_time_vs_dropless"
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", required=True, help="routing trace (.npz, see README)")
+    parser.add_argument("--trace", required=True, help="routing trace (.npz, see docs/formats.md)")
     parser.add_argument("--cluster", help="cluster preset (default: 8-chip Ascend 910B nodes, "
                                           "as many as the trace's ranks need)")
     parser.add_argument("--dispatch", choices=("grouped", "counts", "static", "auto"),
