@@ -145,7 +145,7 @@ def test_steady_load_grouped_replay_is_exact_with_no_padding_or_drops():
     counts = np.full((24, 1, 4, 8), 128)
     trace = RoutingTrace(counts=counts, top_k=2, hidden=256, tokens_per_rank=512,
                          steps=np.arange(1, 25))
-    ours = replay(trace, "efficientmoe", NODE_1x8, ReplayConfig(warmup=8))
+    ours = replay(trace, "efficientmoe-grouped", NODE_1x8, ReplayConfig(warmup=8))
     assert ours.padding_fraction == 0.0 and ours.drop_rate == 0.0 and ours.replans == 0
     intra = NODE_1x8.intra_link
     exchange = NODE_1x8.collective_time_s("allgather", 4 * 8 * 4, [0, 1, 2, 3])
@@ -162,7 +162,7 @@ def test_on_skewed_top1_routing_ours_beats_every_dropless_alternative():
     grouped, or FasterMoE, and must drop almost nothing."""
     trace = skewed_trace(steps=40, layers=2, seed=3)
     config = ReplayConfig(warmup=16)
-    ours = replay(trace, "efficientmoe", None, config)
+    ours = replay(trace, "efficientmoe-grouped", None, config)
     assert ours.drop_rate < 0.005 and ours.padding_fraction < 0.05
     for other in ("dropless-static", "dropless-grouped", "fastermoe"):
         assert ours.iteration_time_s < replay(trace, other, None, config).iteration_time_s, other
@@ -216,7 +216,7 @@ def test_on_volatile_early_training_routing_ours_falls_back_to_the_best_dropless
     trace = RoutingTrace(counts=counts, top_k=2, hidden=256, tokens_per_rank=512,
                          steps=np.arange(1, 41))
     config = ReplayConfig(warmup=16)
-    ours = replay(trace, "efficientmoe", NODE_1x8, config)
+    ours = replay(trace, "efficientmoe-grouped", NODE_1x8, config)
     assert ours.drop_rate == 0.0
     for other in ("dropless-grouped", "dropless-static"):
         theirs = replay(trace, other, NODE_1x8, config).iteration_time_s
@@ -265,7 +265,7 @@ def test_grouped_oracle_bounds_the_forecast_driven_rows():
     assert oracle.drop_rate == 0.0
     assert 0.0 <= oracle.padding_fraction <= 976 / (16 * 16384 + 976)
     assert oracle.replans == 0 and oracle.replan_overhead_s == 0.0
-    for other in ("efficientmoe", "eplb-ema-grouped", "eplb-ar-counts"):
+    for other in ("efficientmoe-grouped", "eplb-ema-grouped", "eplb-ar-counts"):
         assert oracle.step_time_s.mean() < replay(trace, other, None, config).step_time_s.mean()
 
 
@@ -285,8 +285,8 @@ def test_auto_dispatch_takes_counts_where_padding_outweighs_the_dynamic_shape_ov
     assert plan_trace(trace, None, dataclasses.replace(config, dispatch="auto"))[0] \
         .dispatch == expected
     auto = replay(trace, "efficientmoe-auto", None, config)
-    same = replay(trace, "efficientmoe" if expected == "grouped" else "efficientmoe-counts",
-                  None, config)
+    same = replay(trace, "efficientmoe-grouped" if expected == "grouped"
+                  else "efficientmoe-counts", None, config)
     assert auto.method == "efficientmoe-auto"
     assert auto.iteration_time_s == same.iteration_time_s and auto.drop_rate == same.drop_rate
 

@@ -1,16 +1,23 @@
-"""EfficientMoE: per-step expert-load sampling, load prediction, hot-expert replication and
-placement, and static per-replica capacities planned before compilation.
+"""EfficientMoE: expert-load sampling and forecast, hot-expert replication and placement, and
+buffers fixed before compilation, balanced every step from the step's exact counts.
 
-Read in this order: ``sampler`` (the per-step routing counts every planner reads) ->
-``predictor`` (forecast next window's tokens per expert) -> ``forecaster`` (the planner's
-forecast and the errors of past forecasts) -> ``capacity`` (static rows per slot from a
-forecast) -> ``levels`` (few distinct capacities per device) -> ``cost`` (one MoE layer's step
-time under a plan) -> ``placement`` (replicate and place experts) -> ``schedule`` (adopt a new
-plan only when it pays for migration and recompilation; the recompile-cost model) ->
-``planner`` (the one planner: forecast, place, size, decide; the trainer, the callback, the
-``efficientmoe`` pass and the replay all call it) -> ``replan_loop`` (when the planner is
+Two levels (the default, ``efficientmoe`` in ``bench moe``): ``layout`` (the slow level: home
+placement from the forecast, spare slots, receive buffers priced from the trace; fixed
+shapes, re-planned as data) -> ``balance`` (the fast level: every step and layer, water-fill
+each expert's tokens over its holders, copy hot experts into spare slots, fit the buffers,
+cut the per-pair rows) -> ``balanced_cost`` (what a balanced step costs) -> ``two_level``
+(the trace replayed under the two levels and their baselines: MoonEP, EPLB).
+
+The one-level design of earlier rounds (forecast-sized static blocks; ``efficientmoe-grouped``,
+``-counts``, ``-static`` rows; the trainer's online capacities): ``sampler`` (per-step routing
+counts) -> ``predictor`` (forecasts and their past errors, ``Forecaster``) -> ``capacity``
+(static rows per slot from a forecast) -> ``levels`` (few distinct capacities per device) ->
+``cost`` (one MoE layer's step time under a plan) -> ``placement`` (replicate and place
+experts) -> ``schedule`` (adopt a new plan only when it pays for migration and
+recompilation) -> ``planner`` (forecast, place, size, decide, and ``ReplanLoop``: when it is
 asked) -> ``apply`` (the sampler and the planner as MindSpore callbacks, and the pass).
 ``baselines`` (Switch, dropless, FasterMoE, EPLB, MindSpeed, oracles) and ``replay`` (a trace
 replayed on a simulated cluster) feed ``bench``; ``commands`` holds ``plan moe`` /
-``bench moe``. Everything but ``apply`` (and the measured rows of ``bench``) is numpy.
+``bench moe``. Everything but ``apply`` and ``ep_replanner`` (and the measured rows of
+``bench``) is numpy.
 """

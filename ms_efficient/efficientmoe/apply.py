@@ -24,7 +24,7 @@ several ``Model.train`` calls, the callback keeps numbering steps upwards.
 
 :class:`EfficientMoECallback` is the whole online EfficientMoE for a user's ``Model.train``
 loop: it samples like the trace callback and, from ``warmup_steps`` on, polls the
-:class:`~ms_efficient.efficientmoe.replan_loop.ReplanLoop` and ``EfficientMoEPlanner`` the
+:class:`~ms_efficient.efficientmoe.planner.ReplanLoop` and ``EfficientMoEPlanner`` the
 package's trainer and the trace replay use (a check every ``replan_every`` steps, and as soon
 as the drop monitor fires: each step's drops are each expert's count beyond its capacity,
 exactly the layer's rule). When the planner adopts new per-expert capacities it sets them on
@@ -51,7 +51,7 @@ from ms_efficient.core.registry import register_pass
 from ms_efficient.efficientmoe.planner import (EfficientMoEPlanner, capacities_LE,
                                                one_device_counts, one_device_planner,
                                                single_device_plans)
-from ms_efficient.efficientmoe.replan_loop import ReplanLoop
+from ms_efficient.efficientmoe.planner import ReplanLoop
 from ms_efficient.efficientmoe.sampler import RoutingSampler
 from ms_efficient.adopt.replace import adopt_hint
 from ms_efficient.moe.layer import ROUTING_COUNTS

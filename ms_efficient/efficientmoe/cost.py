@@ -169,7 +169,7 @@ class LayerCost:
     dropped: int
 
 
-def uneven_alltoall_time_s(bytes_DD: np.ndarray, cluster: ClusterSpec) -> float:
+def uneven_alltoall_time_s(bytes_DD: np.ndarray, cluster: ClusterSpec):
     """Seconds of an All-to-All where device i sends bytes_DD[i, j] bytes to device j.
 
     Each device sends to its node peers over ``intra_link`` and to other nodes over
@@ -177,20 +177,24 @@ def uneven_alltoall_time_s(bytes_DD: np.ndarray, cluster: ClusterSpec) -> float:
     messages of one link kind serialize on one device. The time is the largest, over devices,
     of their four sums (intra send, inter send, intra receive, inter receive). For equal
     messages this is :meth:`ClusterSpec.collective_time_s` ("alltoall"). The diagonal is local.
+    bytes_DD may carry leading axes ([..., D, D], e.g. one exchange per layer): the result is
+    then an array of those leading axes, else a float.
     """
     b = np.asarray(bytes_DD, dtype=np.float64)
     num_devices = cluster.num_devices
-    if b.shape != (num_devices, num_devices):
-        raise ValueError(f"'bytes_DD' must be [{num_devices}, {num_devices}], but got {b.shape}.")
+    if b.shape[-2:] != (num_devices, num_devices):
+        raise ValueError(f"'bytes_DD' must be [..., {num_devices}, {num_devices}], but got "
+                         f"{b.shape}.")
     node = np.arange(num_devices) // cluster.devices_per_node
     same = node[:, None] == node[None, :]
     np.fill_diagonal(same, False)
     other = node[:, None] != node[None, :]
-    worst = 0.0
+    worst = np.zeros(b.shape[:-2])
     for mask, link in ((same, cluster.intra_link), (other, cluster.inter_link)):
         msg = np.where(mask & (b > 0), link.latency_s + b / link.bandwidth_Bps, 0.0)
-        worst = max(worst, float(msg.sum(axis=1).max()), float(msg.sum(axis=0).max()))
-    return worst
+        worst = np.maximum(worst, np.maximum(msg.sum(axis=-1).max(axis=-1),
+                                             msg.sum(axis=-2).max(axis=-1)))
+    return float(worst) if worst.ndim == 0 else worst
 
 
 def device_matrix(per_rank_slot_RS: np.ndarray, rank_device: np.ndarray, slot_device: np.ndarray,

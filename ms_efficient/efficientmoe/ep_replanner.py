@@ -28,7 +28,7 @@ from ms_efficient.efficientmoe.placement import (default_slots_per_device, level
                                                  place_replicas, replica_counts_greedy,
                                                  uniform_placement)
 from ms_efficient.efficientmoe.planner import EfficientMoEPlanner, planner_config
-from ms_efficient.efficientmoe.replan_loop import ReplanLoop
+from ms_efficient.efficientmoe.planner import ReplanLoop
 from ms_efficient.efficientmoe.sampler import RoutingSampler
 from ms_efficient.efficientmoe.schedule import plans_equal
 from ms_efficient.moe.plan import GROUPED_DISPATCH, ExpertPlan

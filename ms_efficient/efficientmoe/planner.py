@@ -24,10 +24,10 @@ source rank, expert]):
        (:func:`schedule.decide_replan`).
 
 Its neighbours, one concept each: :mod:`~ms_efficient.efficientmoe.sampler` records the
-history, :mod:`~ms_efficient.efficientmoe.forecaster` forecasts it (step 1),
+history, :class:`~ms_efficient.efficientmoe.predictor.Forecaster` forecasts it (step 1),
 :mod:`~ms_efficient.efficientmoe.levels` quantizes capacities (step 3),
 :mod:`~ms_efficient.efficientmoe.schedule` prices a re-plan (steps 4-5) and
-:class:`~ms_efficient.efficientmoe.replan_loop.ReplanLoop` says when to check: the first plan
+:class:`~ms_efficient.efficientmoe.planner.ReplanLoop` says when to check: the first plan
 (free: before the first compile), then every ``check_rows`` rows, and as soon as the drop
 monitor fires.
 
@@ -45,18 +45,17 @@ import numpy as np
 
 from ms_efficient.efficientmoe.capacity import expected_expert_drop_rate, expected_pair_drop_rate
 from ms_efficient.efficientmoe.cost import CostModel, check_rank_device, layer_cost
-from ms_efficient.efficientmoe.forecaster import Forecaster
 from ms_efficient.efficientmoe.levels import quantize_levels
 from ms_efficient.efficientmoe.placement import (PlacementConfig, default_slots_per_device,
                                                  device_bound, plan_layer)
-from ms_efficient.efficientmoe.predictor import PREDICTOR_NAMES
-from ms_efficient.efficientmoe.schedule import (ReplanCosts, ReplanDecision, choose_horizon,
-                                                decide_replan, migration_time_s,
+from ms_efficient.efficientmoe.predictor import PREDICTOR_NAMES, Forecaster
+from ms_efficient.efficientmoe.schedule import (DropMonitor, ReplanCosts, ReplanDecision,
+                                                choose_horizon, decide_replan, migration_time_s,
                                                 recompile_time_s, recompiles)
 from ms_efficient.moe.plan import GROUPED_DISPATCH, ExpertPlan
 from ms_efficient.moe.split import source_rows
 
-__all__ = ["PlannerConfig", "Proposal", "EfficientMoEPlanner", "single_device_plans",
+__all__ = ["ReplanLoop", "PlannerConfig", "Proposal", "EfficientMoEPlanner", "single_device_plans",
            "capacities_LE", "planner_config", "one_device_planner", "one_device_counts",
            "DispatchChoice", "choose_dispatch"]
 
@@ -456,3 +455,46 @@ def choose_dispatch(planners: dict, counts_TLRE: np.ndarray,
     logger.info("choose_dispatch: %s (predicted %s)", pick,
                 ", ".join(f"{d} {1e3 * t:.4g} ms" for d, t in predicted.items()))
     return DispatchChoice(pick, proposals[pick], predicted)
+
+
+# ---- re-plan loop: when the planner is asked for a new plan ----------------------------
+# The first plan is free (nothing is compiled yet); then a check every ``check_rows`` trace
+# rows after it, and as soon as the drop monitor (schedule.DropMonitor) fires. The trainer,
+# the EfficientMoECallback and the replay of ``bench moe`` all drive the planner through
+# this loop, so they check at the same rows.
+class ReplanLoop:
+    """When the planner is asked: the first plan (free, nothing compiled yet), then a check
+    every ``check_rows`` rows after it, and as soon as the drop monitor fires (the current
+    plan dropped more than ``max_drop_rate`` of the tokens over >= ``monitor_rows`` rows)."""
+
+    def __init__(self, planner: EfficientMoEPlanner, monitor_rows: int):
+        self.planner = planner
+        self.monitor = DropMonitor(max(1, monitor_rows), planner.config.max_drop_rate)
+        self.first_row: Optional[int] = None
+
+    def observe(self, dropped, routed) -> None:
+        """Drops the current plan had on one row: per layer (int [L]) or summed."""
+        self.monitor.record(dropped, routed)
+
+    def poll(self, row: int, counts_TLRE: np.ndarray, current: Optional[Sequence[ExpertPlan]],
+             compiled: bool = True, forecaster: Optional[Forecaster] = None,
+             max_horizon_steps: Optional[int] = None
+             ) -> Optional[Tuple[Optional[ReplanDecision], Proposal]]:
+        """At ``row`` (before it runs): None when no check is due; else (decision, candidate),
+        decision None for a first plan (``current`` None or not ``compiled``), which is
+        adopted as is. The first poll of a network already compiled with ``current`` (e.g.
+        after warm-up steps at a static capacity) checks at once."""
+        first = self.first_row is None
+        if first or current is None or not compiled:
+            self.first_row = row
+        if current is None or not compiled:
+            self.monitor.reset()
+            return None, self.planner.propose(counts_TLRE, None, forecaster, max_horizon_steps)
+        fired = self.monitor.fired()
+        due = first or (row - self.first_row) % self.planner.check_rows == 0
+        if not (due or fired):
+            return None
+        observed = self.monitor.rate() if fired else None
+        self.monitor.reset()
+        return self.planner.check(counts_TLRE, current, observed, forecaster,
+                                  max_horizon_steps)

@@ -25,7 +25,8 @@ import numpy as np
 
 from ms_efficient.core.config import PREDICTOR_NAMES
 
-__all__ = ["LastValue", "EMA", "ARRidge", "PerRank", "Predictor", "PREDICTOR_NAMES",
+__all__ = ["Forecaster", "LastValue", "EMA", "ARRidge", "PerRank", "Predictor",
+           "PREDICTOR_NAMES",
            "get_predictor", "evaluate_predictors", "mape_percent", "predict_counts",
            "relative_residuals", "error_floor", "EXTRAPOLATED_LEADS", "EXTRAPOLATION_LIMIT",
            "FLOOR_FRACTION"]
@@ -314,3 +315,29 @@ def relative_residuals(load_TLE: np.ndarray, predictor: Predictor, window: int =
     pool = np.concatenate([r / np.sqrt(m) if m > 0 else r for r, m in zip(by_lead, mse)])
     points = np.unique(np.round(np.linspace(1, horizon, EXTRAPOLATED_LEADS)).astype(int))
     return np.concatenate([pool * np.sqrt(msq(int(lead))) for lead in points])
+
+
+class Forecaster:
+    """The forecast a plan is sized from: next-row per-rank counts and their relative errors.
+
+    Replaced by a foresight object in the replay's oracle-static method (same interface)."""
+
+    def __init__(self, predictor_name: str, residual_window: int):
+        self.predictor = get_predictor(predictor_name)
+        self.residual_window = residual_window
+
+    def forecast(self, counts_TLRE: np.ndarray, horizon_rows: int):
+        """(predicted counts float64 [L, R, E], relative errors [K, L, R, E] of per-rank
+        forecasts over the next ``horizon_rows`` rows)."""
+        counts = np.asarray(counts_TLRE)
+        pred = predict_counts(counts, self.predictor)
+        steps, layers, ranks, experts = counts.shape
+        rel = relative_residuals(counts.reshape(steps, layers, ranks * experts),
+                                 PerRank(self.predictor, ranks), self.residual_window,
+                                 horizon_rows)
+        return pred, rel.reshape(-1, layers, ranks, experts)
+
+    def one_step_errors(self, counts_TLRE: np.ndarray) -> np.ndarray:
+        """Relative one-step errors of the expert totals, [K, L, E] (K = 0: none yet)."""
+        load = np.asarray(counts_TLRE).sum(axis=2)
+        return relative_residuals(load, self.predictor, self.residual_window, 1)

@@ -9,14 +9,17 @@ combine, forward and backward; expert compute on padded capacities; replica grad
 which :func:`ms_efficient.efficientmoe.cost.event_step_time_s` re-derives on the shared event
 simulator (tested equal).
 
-Methods (labels of issue 4), each run the way the system itself runs, with its own dispatch
+Methods (labels of issue 4), each run the way the system itself runs, with its own dispatch.
+The two-level methods, ``efficientmoe`` (the default), ``moonep``, ``ablation-eplb-split`` and
+``eplb-alltoallv``, are replayed by :mod:`ms_efficient.efficientmoe.two_level` (a fixed layout,
+balanced every step from the step's counts); the others here
 (:mod:`ms_efficient.moe.plan`). Static-graph methods are the package's expert-parallel layer
 (``ep_layer``) with that method's plan: every rank owns fixed rows of every slot, drops its
 overflow, and sends its rows full or empty (``dispatch="static"``; ``static_blocks``).
 "Grouped" methods compute only the rows they receive (a grouped matmul whose group sizes are
 data, each group's rows rounded up to the cube tile, ``ClusterSpec.matmul_tile_rows``) into
 one static row buffer per device, after a routing-count exchange (``dispatch="grouped"``):
-    efficientmoe     our predictor (ar-ridge) + scheduler (replication, placement) + one row
+    efficientmoe-grouped  our earlier one-level design: predictor (ar-ridge) + scheduler (replication, placement) + one row
                      buffer per device from the capacity model, grouped dispatch, re-planned
                      through :func:`ms_efficient.efficientmoe.schedule.decide_replan`; layers
                      whose loads cannot be forecast yet get no replicas and buffers for the
@@ -80,7 +83,7 @@ one static row buffer per device, after a routing-count exchange (``dispatch="gr
 Re-plan checks happen every ``check_every_steps`` training steps, and as soon as the current
 plan dropped more than 1 % of the tokens over ``monitor_steps`` (the drop monitor, what the
 trainer sees from the layer's drop counter). Ours runs
-:class:`ms_efficient.efficientmoe.replan_loop.ReplanLoop` and ``EfficientMoEPlanner``, the loop
+:class:`ms_efficient.efficientmoe.planner.ReplanLoop` and ``EfficientMoEPlanner``, the loop
 and planner of the trainer and the callback: at a check it sizes candidate plans for lifetimes
 of 1, 2, 4 or 8 check intervals and keeps the one with the least amortised step time; the
 re-planned baselines make the same choice (:meth:`_Context.baseline_candidate`). Every
@@ -103,11 +106,12 @@ import numpy as np
 from ms_efficient.core.cluster import PRESETS, ClusterSpec, get_cluster
 from ms_efficient.efficientmoe import baselines
 from ms_efficient.efficientmoe.cost import CostModel, layer_cost
-from ms_efficient.efficientmoe.forecaster import Forecaster
+from ms_efficient.efficientmoe.predictor import Forecaster
 from ms_efficient.efficientmoe.planner import (DispatchChoice, EfficientMoEPlanner, PlannerConfig,
                                                choose_dispatch)
 from ms_efficient.efficientmoe.predictor import FLOOR_FRACTION, error_floor
-from ms_efficient.efficientmoe.replan_loop import ReplanLoop
+from ms_efficient.efficientmoe.planner import ReplanLoop
+from ms_efficient.efficientmoe.two_level import TWO_LEVEL_METHODS, replay_two_level
 from ms_efficient.efficientmoe.schedule import (DropMonitor, ReplanDecision, choose_horizon,
                                                 decide_replan, migration_time_s, plans_equal,
                                                 recompiles)
@@ -119,7 +123,8 @@ __all__ = ["METHODS", "ReplayConfig", "ReplayResult", "cluster_for_ranks", "chec
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("efficientmoe", "efficientmoe-counts", "efficientmoe-static", "switch-cf1.0",
+METHODS = ("efficientmoe", "moonep", "ablation-eplb-split", "eplb-alltoallv",
+           "efficientmoe-grouped", "efficientmoe-counts", "efficientmoe-static", "switch-cf1.0",
            "switch-cf1.25", "switch-cf2.0", "dropless-static", "dropless-window",
            "dropless-grouped", "fastermoe", "eplb-ema", "eplb-ar", "eplb-ema-grouped",
            "eplb-ar-grouped", "eplb-ema-counts", "eplb-ar-counts", "mindspeed-greedy",
@@ -131,7 +136,7 @@ _ADAPTIVE = _EPLB | {"efficientmoe", "efficientmoe-counts", "efficientmoe-static
                      "mindspeed-greedy", "mindspeed-greedy-grouped", "oracle-static",
                      "dropless-window"}
 # our planner (planner.EfficientMoEPlanner), and the dispatch it plans for
-_OURS = {"efficientmoe": "grouped", "efficientmoe-counts": "counts",
+_OURS = {"efficientmoe-grouped": "grouped", "efficientmoe-counts": "counts",
          "efficientmoe-static": "static", "oracle-static": "static"}
 _AUTO = "efficientmoe-auto"     # ours, the dispatch chosen at the first plan (choose_dispatch)
 _OUR_PREDICTOR = {"eplb-ar", "eplb-ar-grouped", "eplb-ar-counts"}   # given our forecaster
@@ -222,10 +227,12 @@ class ReplayResult:
     replan_overhead_s: float = 0.0
     forced_replans: int = 0
     step_time_s: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    extra: Dict[str, float] = field(default_factory=dict)
 
     def metrics(self) -> Dict[str, float]:
-        """The issue-4 metric fields plus re-plan figures, JSON-ready."""
-        return {"iteration_time_s": self.iteration_time_s, "a2a_time_s": self.a2a_time_s,
+        """The issue-4 metric fields plus re-plan figures (and, for the two-level methods,
+        copies and weight bytes per step), JSON-ready."""
+        return {**self.extra, "iteration_time_s": self.iteration_time_s, "a2a_time_s": self.a2a_time_s,
                 "max_over_mean_load": self.max_over_mean_load,
                 "padding_fraction": self.padding_fraction, "drop_rate": self.drop_rate,
                 "replans": self.replans, "forced_replans": self.forced_replans,
@@ -454,11 +461,21 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
     cluster = cluster or cluster_for_ranks(trace.num_ranks)
     check_trace_fits(trace, cluster)
     ctx = _Context(trace, cluster, config)
+    if method in TWO_LEVEL_METHODS:
+        per_device = -(-trace.num_experts // trace.num_ranks)
+        extra = (1 if config.slots_per_device is None
+                 else config.slots_per_device - per_device)
+        if extra < 0:
+            raise ValueError(f"'slots_per_device' must be >= ceil(E / W) = {per_device}, but "
+                             f"got {config.slots_per_device}.")
+        return ReplayResult(**replay_two_level(trace, method, ctx.model, config.warmup,
+                                               ctx.check_rows, ctx.stride, extra,
+                                               config.residual_window))
     counts = trace.counts
     label = method
     if method == _AUTO:        # then exactly the chosen dispatch's method, labelled auto
         chosen = ctx.choose_dispatch(config.warmup).dispatch
-        method = "efficientmoe" if chosen == "grouped" else "efficientmoe-counts"
+        method = "efficientmoe-grouped" if chosen == "grouped" else "efficientmoe-counts"
     plans: List[ExpertPlan] = []
     if method.startswith("switch-cf") or method in ("dropless-static", "dropless-grouped"):
         plans = ctx.static_plans(method)

@@ -151,7 +151,8 @@ def load_trace(path: str) -> RoutingTrace:
                                          f"but has shape {list(value.shape)} and dtype "
                                          f"{value.dtype}.")
                     kwargs[name] = int(value.reshape(()))
-            steps = data["steps"] if "steps" in data else None
+            # 'iterations': the training iteration of each row, as some recordings name it
+            steps = next((data[k] for k in ("steps", "iterations") if k in data), None)
             return RoutingTrace(counts=data["counts"], steps=steps, **kwargs)
     except (OSError, EOFError, zipfile.BadZipFile) as err:     # missing, truncated, not a zip
         raise ValueError(f"trace file '{path}' cannot be read as .npz: {err}") from None

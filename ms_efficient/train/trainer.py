@@ -36,7 +36,7 @@ from ms_efficient.core.config import RunConfig, history_trace_path, load_config,
 from ms_efficient.core.fileio import atomic_write_text
 from ms_efficient.efficientmoe.planner import (capacities_LE, one_device_counts,
                                                one_device_planner, single_device_plans)
-from ms_efficient.efficientmoe.replan_loop import ReplanLoop
+from ms_efficient.efficientmoe.planner import ReplanLoop
 from ms_efficient.efficientmoe.sampler import RoutingSampler
 from ms_efficient.models.gpt_moe import build_model
 from ms_efficient.moe.layer import ROUTING_COUNTS, MoEFeedForward

@@ -1,0 +1,355 @@
+"""EfficientMoE's fast level: balance every step's exact routing counts inside fixed buffers.
+
+The slow level (:mod:`ms_efficient.efficientmoe.layout`) fixes, once per run, what a compiled
+graph needs to know: each device's home slots (which logical expert each holds; a re-plan
+may change this table, it is data), its number of spare slots, and its receive buffer. Every
+step and MoE layer, from that step's all-gathered counts, this module decides where every
+token is computed, vectorised over layers (numpy; the in-graph twin is
+:mod:`ms_efficient.moe.balanced_routing`, and tests check that they agree):
+
+    Step 1 (home split): an expert held by one home slot computes all its tokens there;
+        an expert held by several (a redundant home replica) is water-filled over its
+        holders, largest expert first: its tokens go to the least-loaded holders until they
+        reach one level (the largest device load as small as those copies allow).
+    Step 2 (copies): while the busiest device is above the mean load, the largest expert
+        piece on it is copied into a free spare slot of the device that does not hold that
+        expert with the least load plus copy cost, and the expert is water-filled again over
+        its holders. A copy is kept only when the rows it takes off the busiest device are
+        worth more compute time than its weight transfer (``copy_cost_rows_WW``); otherwise
+        that layer stops.
+        A copy's weights travel from a home holder (one on the copy's node when there is
+        one) that step, and in backward the copy's gradient travels back and is added to the
+        home expert's.
+    Step 3 (buffers): a device above its fixed receive buffer moves its excess to other
+        holders of the same expert with room, least-loaded first; what still does not fit
+        is dropped and counted.
+    Step 4 (per-pair rows): a holder first keeps its own rank's tokens of the expert, then
+        takes its node's, then the rest, each round a contiguous cut in source-rank and
+        device order (:func:`contiguous_cut`), giving the rows every rank sends every
+        device: the per-pair counts of the exchange (on Ascend an AlltoAllV whose counts are
+        tensors and whose receive size is the fixed buffer).
+
+Shapes: L layers, R source ranks (= W devices of the expert-parallel group, rank r on device
+r), E logical experts, S_h home slots per device. Rows are token-expert assignments (top-k
+counted k times). No MindSpore import here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["Balance", "balance_step", "water_fill", "holders_of", "contiguous_cut"]
+
+
+@dataclass
+class Balance:
+    """Where one step's tokens are computed, per layer (rows are token-expert assignments).
+
+    rows_LEW: int64 [L, E, W] rows of expert e computed on device w (kept rows only).
+    holder_LEW: bool [L, E, W] devices holding expert e this step (home slots and copies).
+    copies_LWW: int64 [L, W, W] expert copies whose weights go from device i (a home holder)
+        to device j's spare slots this step; their gradients travel back j -> i in backward.
+    copied_LE: int64 [L, E] copies of each expert made this step.
+    sent_LRW: int64 [L, R, W] rows source rank r sends device w (the exchange's per-pair
+        counts); ``sent_LRW.sum(1) == rows_LEW.sum(1)``.
+    dropped_L: int64 [L] rows dropped (over every holder's buffer).
+    """
+
+    rows_LEW: np.ndarray
+    holder_LEW: np.ndarray
+    copies_LWW: np.ndarray
+    copied_LE: np.ndarray
+    sent_LRW: np.ndarray
+    dropped_L: np.ndarray
+
+    @property
+    def load_LW(self) -> np.ndarray:
+        """Rows every device computes, int64 [L, W]."""
+        return self.rows_LEW.sum(axis=1)
+
+    @property
+    def copies_L(self) -> np.ndarray:
+        """Copies made per layer, int64 [L]."""
+        return self.copied_LE.sum(axis=1)
+
+
+def holders_of(home_LWS: np.ndarray, num_experts: int) -> np.ndarray:
+    """Home holders: bool [L, E, W], True where device w has a home slot of expert e.
+
+    home_LWS: int64 [L, W, S_h] logical expert of every home slot, -1 for an empty one."""
+    home = np.asarray(home_LWS, dtype=np.int64)
+    num_layers, num_devices, _ = home.shape
+    held = np.zeros((num_layers, num_experts + 1, num_devices), dtype=bool)
+    layer = np.arange(num_layers)[:, None, None]
+    device = np.arange(num_devices)[None, :, None]
+    held[layer, np.where(home < 0, num_experts, home), device] = True
+    return held[:, :num_experts]
+
+
+def water_fill(load_LW: np.ndarray, mask_LW: np.ndarray, amount_L: np.ndarray) -> np.ndarray:
+    """Integer rows added to every masked device so the largest one is as small as possible.
+
+    Pours ``amount_L[l]`` rows over the devices of ``mask_LW[l]`` starting from ``load_LW``:
+    the least-loaded first until all reach one level lambda (sum over the mask of
+    max(0, lambda - load) = amount). Rows are whole: the fractional parts are rounded down
+    and the remainder goes one row each to the devices with the largest fraction (ties: the
+    lower device). A layer with no masked device must have amount 0.
+    Returns int64 [L, W], zero off the mask, summing to ``amount_L``.
+    """
+    load = np.asarray(load_LW, dtype=np.float64)
+    mask = np.asarray(mask_LW, dtype=bool)
+    amount = np.asarray(amount_L, dtype=np.int64)
+    num_layers, num_devices = load.shape
+    if (amount[~mask.any(axis=1)] > 0).any():
+        raise ValueError("water_fill: a layer has rows to place but no device to hold them.")
+    ordered = np.sort(np.where(mask, load, np.inf), axis=1)               # holders first
+    finite = np.isfinite(ordered)
+    filled = np.arange(1, num_devices + 1, dtype=np.float64)[None, :]
+    level_j = (amount[:, None] + np.cumsum(np.where(finite, ordered, 0.0), axis=1)) / filled
+    # the level fills the j lowest holders when each of them is below it
+    fills = finite & (ordered < level_j)
+    fills[:, 0] |= finite[:, 0]
+    j = np.maximum(fills.sum(axis=1), 1) - 1
+    level = level_j[np.arange(num_layers), j]
+    share = np.where(mask, np.maximum(level[:, None] - load, 0.0), 0.0)
+    whole = np.where(mask, np.floor(share), 0).astype(np.int64)
+    left = amount - whole.sum(axis=1)
+    # hand out the remainder, one row each, largest fraction first
+    frac = np.where(mask, share - whole, -np.inf)
+    order = np.lexsort((np.broadcast_to(np.arange(num_devices), frac.shape), -frac), axis=1)
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(num_devices)[None, :].repeat(num_layers, 0), 1)
+    extra = (rank < left[:, None]) & mask
+    out = whole + extra
+    assert (out.sum(axis=1) == amount).all() and (out >= 0).all(), "water_fill lost rows"
+    return out
+
+
+def _cut(counts_LRE: np.ndarray, rows_LEW: np.ndarray) -> np.ndarray:
+    """Contiguous cut: each expert's tokens, in source-rank order, over its rows in device
+    order; int64 [L, R, W] (:func:`contiguous_cut`)."""
+    num_layers, num_ranks, num_experts = counts_LRE.shape
+    num_devices = rows_LEW.shape[2]
+    out = np.zeros((num_layers, num_ranks, num_devices), dtype=np.int64)
+    # chunk layers so the [l, R, E, W] intersection stays near 4M elements
+    step = max(1, 4_000_000 // max(1, num_ranks * num_experts * num_devices))
+    for lo in range(0, num_layers, step):
+        c, r = counts_LRE[lo:lo + step], rows_LEW[lo:lo + step]
+        end_r = np.cumsum(c, axis=1)[..., None]                       # [l, R, E, 1]
+        start_r = end_r - c[..., None]
+        end_w = np.cumsum(r, axis=2)[:, None]                         # [l, 1, E, W]
+        start_w = end_w - r[:, None]
+        cut = np.minimum(end_r, end_w) - np.maximum(start_r, start_w)
+        out[lo:lo + step] = np.maximum(cut, 0).sum(axis=2)
+    return out
+
+
+def contiguous_cut(counts_LRE: np.ndarray, rows_LEW: np.ndarray,
+                   devices_per_node: Optional[int] = None) -> np.ndarray:
+    """Rows every rank sends every device, int64 [L, R, W] (R = W, rank r on device r).
+
+    Nearest first, in three rounds, each a contiguous cut (each expert's remaining tokens,
+    in source-rank order, over its holders' remaining rows in device order: device w takes
+    the tokens numbered [sum_{v<w} rest[e, v], sum_{v<=w} rest[e, v]), rank r routed those
+    numbered [sum_{q<r} left[q, e], sum_{q<=r} left[q, e])):
+      1. a rank that holds expert e keeps min(its tokens of e, its rows of e) at home;
+      2. within each node of ``devices_per_node`` devices (None: skipped), the node's ranks'
+         remaining tokens over the node's holders' remaining rows;
+      3. everything left over every holder.
+    Tokens past the kept rows (a drop) are sent nowhere."""
+    counts = np.asarray(counts_LRE, dtype=np.int64)
+    rows = np.asarray(rows_LEW, dtype=np.int64)
+    num_layers, num_ranks, _ = counts.shape
+    num_devices = rows.shape[2]
+    diagonal = np.arange(num_ranks)
+    # round 1: own device
+    local_LRE = np.minimum(counts, np.swapaxes(rows, 1, 2)[:, :num_ranks])
+    left = counts - local_LRE
+    rest = rows.copy()
+    rest[:, :, :num_ranks] -= np.swapaxes(local_LRE, 1, 2)
+    out = np.zeros((num_layers, num_ranks, num_devices), dtype=np.int64)
+    out[:, diagonal, diagonal] = local_LRE.sum(axis=2)
+    # round 2: own node
+    if devices_per_node and devices_per_node < num_devices:
+        for lo in range(0, num_ranks, devices_per_node):
+            node = slice(lo, min(lo + devices_per_node, num_ranks))
+            c, r = left[:, node], rest[:, :, node]
+            supply = np.minimum(c.sum(axis=1), r.sum(axis=2))                # [L, E]
+            # the first `supply` tokens of each expert from the node's ranks, into its rows
+            c_take = np.diff(np.minimum(np.cumsum(c, axis=1), supply[:, None]), axis=1,
+                             prepend=0)
+            r_take = np.diff(np.minimum(np.cumsum(r, axis=2), supply[..., None]), axis=2,
+                             prepend=0)
+            out[:, node, node] += _cut(c_take, r_take)
+            left[:, node] -= c_take
+            rest[:, :, node] -= r_take
+    # round 3: the rest
+    out += _cut(left, rest)
+    return out
+
+
+def _home_split(counts_E: np.ndarray, held: np.ndarray) -> np.ndarray:
+    """Step 1: rows_LEW from the home holders (module docstring)."""
+    num_layers, num_experts, num_devices = held.shape
+    holders = held.sum(axis=2)                                              # [L, E]
+    rows = np.where(held & (holders == 1)[..., None], counts_E[..., None], 0)
+    load = rows.sum(axis=1)
+    shared = holders > 1
+    # replicated experts, largest first, the k-th of every layer at once
+    order = np.lexsort((np.broadcast_to(np.arange(num_experts), counts_E.shape),
+                        -np.where(shared, counts_E, -1)), axis=1)
+    layers = np.arange(num_layers)
+    for k in range(int(shared.sum(axis=1).max(initial=0))):
+        e = order[:, k]
+        live = shared[layers, e]
+        amount = np.where(live, counts_E[layers, e], 0)
+        add = water_fill(load, held[layers, e] & live[:, None], amount)
+        rows[layers, e] += add
+        load += add
+    return rows
+
+
+def _copies(counts_E, rows, held, spare_W, copy_cost_rows_WW, max_copies):
+    """Step 2: per-step copies into spare slots (module docstring). Mutates rows and held;
+    returns (copies_LWW, copied_LE)."""
+    num_layers, num_experts, num_devices = rows.shape
+    layers = np.arange(num_layers)
+    free = np.broadcast_to(np.asarray(spare_W, dtype=np.int64), (num_layers, num_devices)).copy()
+    home = held.copy()
+    copies = np.zeros((num_layers, num_devices, num_devices), dtype=np.int64)
+    copied = np.zeros((num_layers, num_experts), dtype=np.int64)
+    mean = counts_E.sum(axis=1) / num_devices
+    active = np.ones(num_layers, dtype=bool)
+    for _ in range(max_copies):
+        load = rows.sum(axis=1)
+        busiest = np.argmax(load, axis=1)
+        top = load[layers, busiest]
+        active &= top > mean + 1e-9
+        if not active.any():
+            break
+        e = np.argmax(rows[layers, :, busiest], axis=1)                     # largest piece
+        # weights come from the home holder cheapest to reach each device
+        reach = np.where(home[layers, e][:, :, None], copy_cost_rows_WW[None], np.inf)
+        source_to = np.argmin(reach, axis=1)                                 # [L, W]
+        cost_to = np.take_along_axis(reach, source_to[:, None], axis=1)[:, 0]
+        room = (free > 0) & ~held[layers, e]
+        target = np.argmin(np.where(room, load + cost_to, np.inf), axis=1)
+        can = active & room.any(axis=1)
+        mask = held[layers, e].copy()
+        mask[layers, target] |= can
+        base = load - rows[layers, e]
+        new = water_fill(base, mask, np.where(can, counts_E[layers, e], 0))
+        relief = top - (base + new)[layers, busiest]         # rows off the busiest device
+        source = source_to[layers, target]
+        keep = can & (relief > cost_to[layers, target])
+        active &= keep
+        if not keep.any():
+            break
+        k = layers[keep]
+        rows[k, e[keep]] = new[keep]
+        held[k, e[keep], target[keep]] = True
+        free[k, target[keep]] -= 1
+        copies[k, source[keep], target[keep]] += 1
+        copied[k, e[keep]] += 1
+    return copies, copied
+
+
+def _fit_buffers(rows: np.ndarray, held: np.ndarray, buffer_LW: np.ndarray) -> np.ndarray:
+    """Step 3: move each device's rows above its buffer to other holders of the same expert
+    with room (least loaded first); drop the rest. Mutates rows; returns dropped_L."""
+    num_layers = rows.shape[0]
+    dropped = np.zeros(num_layers, dtype=np.int64)
+    load = rows.sum(axis=1)
+    for layer, device in zip(*np.nonzero(load > buffer_LW)):
+        excess = int(load[layer, device] - buffer_LW[layer, device])
+        for e in np.argsort(-rows[layer, :, device], kind="stable"):
+            while excess > 0 and rows[layer, e, device] > 0:
+                room = np.where(held[layer, e], buffer_LW[layer] - load[layer], 0)
+                room[device] = 0
+                if room.max() <= 0:
+                    break
+                to = int(np.argmin(np.where(room > 0, load[layer], np.inf)))
+                moved = int(min(excess, rows[layer, e, device], room[to]))
+                rows[layer, e, device] -= moved
+                rows[layer, e, to] += moved
+                load[layer, device] -= moved
+                load[layer, to] += moved
+                excess -= moved
+            if excess == 0:
+                break
+        if excess > 0:                        # nobody has room: drop from the largest pieces
+            for e in np.argsort(-rows[layer, :, device], kind="stable"):
+                cut = int(min(excess, rows[layer, e, device]))
+                rows[layer, e, device] -= cut
+                excess -= cut
+                dropped[layer] += cut
+                if excess == 0:
+                    break
+            load[layer, device] = buffer_LW[layer, device]
+    return dropped
+
+
+def balance_step(counts_LRE: np.ndarray, home_LWS: np.ndarray, spare_W: np.ndarray,
+                 buffer_LW: Optional[np.ndarray] = None,
+                 copy_cost_rows_WW: Optional[np.ndarray] = None,
+                 even_split: bool = False,
+                 devices_per_node: Optional[int] = None) -> Balance:
+    """The fast level for one step (module docstring), every layer at once.
+
+    counts_LRE: int [L, R, E] rows each source rank routes to each expert (R = W).
+    home_LWS: int [L, W, S_h] logical expert of every home slot (-1: empty); every expert
+        must have at least one home slot in every layer.
+    spare_W: int [W] spare slots per device (0: no copies).
+    buffer_LW: int [L, W] receive buffer of every device, rows; None: unbounded (a
+        dynamic-shape system).
+    copy_cost_rows_WW: float [W, W] the weight transfer of one expert copy from device i to
+        device j, in rows of expert compute (seconds / seconds per row); None: copies free.
+    even_split: EPLB's split, tokens spread evenly over an expert's replicas (largest
+        remainder to the lower devices) instead of water-filling; no copies then.
+    devices_per_node: devices of one node, for the same-node round of the per-pair cut
+        (:func:`contiguous_cut`); None: no node round.
+    """
+    counts = np.asarray(counts_LRE, dtype=np.int64)
+    num_layers, num_ranks, num_experts = counts.shape
+    home = np.asarray(home_LWS, dtype=np.int64)
+    if home.ndim != 3 or home.shape[:2] != (num_layers, num_ranks):
+        raise ValueError(f"'home_LWS' must be [{num_layers}, {num_ranks}, S_h] (one device per "
+                         f"rank), but got {home.shape}.")
+    held = holders_of(home, num_experts)
+    if not held.any(axis=2).all():
+        layer, expert = np.argwhere(~held.any(axis=2))[0]
+        raise ValueError(f"expert {expert} of layer {layer} has no home slot; every expert "
+                         f"needs one.")
+    counts_E = counts.sum(axis=1)                                            # [L, E]
+    num_devices = num_ranks
+    spare = np.asarray(spare_W, dtype=np.int64)
+    if spare.shape != (num_devices,) or (spare < 0).any():
+        raise ValueError(f"'spare_W' must be [{num_devices}] integers >= 0, but got "
+                         f"{spare.tolist()}.")
+    # Step 1: home split
+    if even_split:
+        holders = held.sum(axis=2, keepdims=True)
+        base = counts_E[..., None] // holders
+        rank = np.cumsum(held, axis=2) - 1                                   # holder index
+        rows = np.where(held, base + (rank < (counts_E[..., None] - base * holders)), 0)
+    else:
+        rows = _home_split(counts_E, held)
+    # Step 2: copies into spare slots
+    cost = (np.zeros((num_devices, num_devices)) if copy_cost_rows_WW is None
+            else np.asarray(copy_cost_rows_WW, dtype=np.float64))
+    if even_split or not spare.any():
+        copies = np.zeros((num_layers, num_devices, num_devices), dtype=np.int64)
+        copied = np.zeros((num_layers, num_experts), dtype=np.int64)
+    else:
+        copies, copied = _copies(counts_E, rows, held, spare, cost, int(spare.sum()))
+    # Step 3: fixed buffers
+    if buffer_LW is None:
+        dropped = np.zeros(num_layers, dtype=np.int64)
+    else:
+        dropped = _fit_buffers(rows, held, np.asarray(buffer_LW, dtype=np.int64))
+    # Step 4: per-pair rows
+    sent = contiguous_cut(counts, rows, devices_per_node)
+    return Balance(rows_LEW=rows, holder_LEW=held, copies_LWW=copies, copied_LE=copied,
+                   sent_LRW=sent, dropped_L=dropped)

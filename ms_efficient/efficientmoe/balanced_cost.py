@@ -1,0 +1,125 @@
+"""Cost of one training step of balanced MoE layers (:mod:`balance`), every layer at once.
+
+What a layer built on the fast level does each step, and what this module charges for it
+(seconds, vectorised over layers; ``model`` is the :class:`~ms_efficient.efficientmoe.cost.
+CostModel` of the other MoE rows):
+
+    exchange   AllGather of the int32 routing counts [R, E] (static shape), once per step;
+               a dynamic-shape system (``dynamic=True``) also pays ``dynamic_exchange_s``
+               per count-driven All-to-All, as every data-sized exchange in this package.
+    a2a        four All-to-Alls of the per-pair rows (dispatch and combine, forward and
+               backward; :func:`~ms_efficient.efficientmoe.cost.uneven_alltoall_time_s`):
+               the forward dispatch also carries the step's expert copies (weights, dtype
+               bytes, home holder -> spare slot) and the backward dispatch-gradient carries
+               their gradients back (spare slot -> home holder). Charged on the same links
+               as the tokens, serially: no overlap with compute is claimed (on Ascend a copy
+               could start with the dispatch and overlap the home slots' compute; the model
+               does not count on it).
+    compute    per device, the grouped matmul over the rows it really computes, each expert
+               piece rounded up to the cube tile (``ClusterSpec.tiled_rows``), as the
+               roofline max(FLOPs at peak x efficiency, bytes moved / HBM bandwidth) of
+               :func:`~ms_efficient.efficientmoe.cost.compute_time_D`; the fixed buffer's
+               unused rows cost memory, not time; the largest device counts.
+    sync       all-reduce of the gradients of experts with several home slots (the
+               layout's redundant replicas), :func:`home_sync_time_L`; a copy's gradient is
+               the backward transfer above, added into its home expert.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ms_efficient.efficientmoe.balance import Balance, holders_of
+from ms_efficient.efficientmoe.cost import (CostModel, count_exchange_time_s,
+                                            uneven_alltoall_time_s)
+
+__all__ = ["BalancedCost", "balanced_cost", "home_sync_time_L", "copy_cost_rows_WW"]
+
+
+@dataclass
+class BalancedCost:
+    """One step's cost per layer, seconds, float64 [L] each (time = the sum of the others).
+
+    weight_bytes_L: bytes of expert copies sent this step (forward; the same bytes of
+    gradients return in backward)."""
+
+    time_L: np.ndarray
+    exchange_L: np.ndarray
+    a2a_L: np.ndarray
+    compute_L: np.ndarray
+    sync_L: np.ndarray
+    weight_bytes_L: np.ndarray
+
+
+def _embed(matrix_LWW: np.ndarray, num_devices: int) -> np.ndarray:
+    """[L, W, W] on the first W devices of a D-device cluster (rank r on device r)."""
+    num_layers, width, _ = matrix_LWW.shape
+    out = np.zeros((num_layers, num_devices, num_devices))
+    out[:, :width, :width] = matrix_LWW
+    return out
+
+
+def home_sync_time_L(home_LWS: np.ndarray, num_experts: int, model: CostModel) -> np.ndarray:
+    """Seconds per layer to all-reduce the gradients of experts held by several home slots on
+    different devices: the largest per-device sum, float64 [L] (a layout's constant)."""
+    held = holders_of(home_LWS, num_experts)                                  # [L, E, W]
+    sync = np.zeros(held.shape[0])
+    if not model.sync_replica_grads:
+        return sync
+    for layer in range(held.shape[0]):
+        per_device = np.zeros(held.shape[2])
+        for e in np.flatnonzero(held[layer].sum(axis=1) > 1):
+            devices = np.flatnonzero(held[layer, e])
+            per_device[devices] += model.cluster.collective_time_s(
+                "allreduce", model.grad_bytes, devices.tolist())
+        sync[layer] = per_device.max()
+    return sync
+
+
+def copy_cost_rows_WW(model: CostModel, num_devices: int) -> np.ndarray:
+    """One expert copy from device i to device j in rows of expert compute, float64 [W, W]:
+    the weight transfer forward plus its gradient's return in backward, each alpha + bytes / B
+    over the link between them, over ``model.row_time_s`` (what the fast level weighs a copy
+    against the rows it moves)."""
+    cluster = model.cluster
+    node = np.arange(num_devices) // cluster.devices_per_node
+    same = node[:, None] == node[None, :]
+    link_s = np.where(same, cluster.intra_link.latency_s
+                      + model.grad_bytes / cluster.intra_link.bandwidth_Bps,
+                      cluster.inter_link.latency_s
+                      + model.grad_bytes / cluster.inter_link.bandwidth_Bps)
+    return 2.0 * link_s / model.row_time_s
+
+
+def balanced_cost(balance: Balance, model: CostModel, sync_L: np.ndarray,
+                  dynamic: bool = False) -> BalancedCost:
+    """The cost of one balanced step (module docstring). sync_L: :func:`home_sync_time_L` of
+    the layout; dynamic: charge the dynamic-shape overhead of count-driven exchanges."""
+    cluster = model.cluster
+    num_layers, num_ranks, _ = balance.sent_LRW.shape
+    num_experts = balance.rows_LEW.shape[1]
+    exchange = count_exchange_time_s(num_ranks, num_experts, model, list(range(num_ranks)))
+    if dynamic and num_ranks > 1:
+        exchange += model.a2a_passes * model.dynamic_exchange_s
+    tokens = _embed(balance.sent_LRW * float(model.bytes_per_token), cluster.num_devices)
+    weights = _embed(balance.copies_LWW * float(model.grad_bytes), cluster.num_devices)
+    back = np.swapaxes(tokens, 1, 2)
+    a2a = (uneven_alltoall_time_s(tokens + weights, cluster)                # fwd dispatch
+           + uneven_alltoall_time_s(back, cluster)                          # fwd combine
+           + uneven_alltoall_time_s(tokens, cluster)                        # bwd combine-grad
+           + uneven_alltoall_time_s(back + np.swapaxes(weights, 1, 2), cluster))
+    a2a = a2a * (model.a2a_passes / 4.0)
+    rows = cluster.tiled_rows(balance.rows_LEW).astype(np.float64)           # [L, E, W]
+    h, f = model.hidden, model.ffn_hidden
+    flops_LW = rows.sum(axis=1) * model.row_time_s
+    bytes_LW = np.where(rows > 0, 2.0 * (rows * (h + f) + h * f) * model.dtype_bytes,
+                        0.0).sum(axis=1)
+    memory_LW = cluster.memory_time_s(model.compute_passes * bytes_LW)
+    compute = np.maximum(flops_LW, memory_LW).max(axis=1)
+    sync = np.asarray(sync_L, dtype=np.float64)
+    exchange_L = np.full(num_layers, exchange)
+    return BalancedCost(time_L=exchange_L + a2a + compute + sync, exchange_L=exchange_L,
+                        a2a_L=a2a, compute_L=compute, sync_L=sync,
+                        weight_bytes_L=balance.copies_LWW.sum(axis=(1, 2))
+                        * float(model.grad_bytes))

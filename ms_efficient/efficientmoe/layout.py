@@ -1,0 +1,294 @@
+"""EfficientMoE's slow level: the layout the compiled graph is built for, from a routing trace.
+
+A layout fixes, for every MoE layer, what a static graph must know before it compiles:
+
+    home_LWS:  int64 [L, W, S_h] logical expert of each home slot (-1: empty). Data, not a
+               shape: a re-plan rewrites this table (and moves weights), never recompiles.
+    spare_W:   int64 [W] spare slots per device, which the fast level (:mod:`balance`) fills
+               with copies of hot experts each step. Fixed for the run.
+    buffer_LW: int64 [L, W] each device's receive buffer, rows per step: its mean share
+               (R x tokens per rank x top-k / W) x (1 + slack), rounded up to the cube tile.
+               Fixed for the run.
+
+How it is planned (:func:`plan_layout`), every step a pure function of the trace:
+
+    Step 1 (forecast): each layer's expert loads [L, E], the mean of the last ``window``
+        rows of the trace.
+    Step 2 (home placement): with ``redundant`` extra home slots per device, EPLB's two rules
+        on the forecast (deepseek-ai/EPLB): each extra slot goes to the expert with the
+        largest load per replica, then replicas, heaviest first, go to the least-loaded
+        device with a free slot. ``redundant = 0`` is plain expert parallelism balanced by
+        the forecast.
+    Step 3 (the slot budget): every device has ``slots`` expert slots beyond ceil(E / W);
+        each split between redundant home slots (replicas chosen by the forecast, kept with
+        their optimizer state) and spare slots (copies chosen each step from exact counts)
+        is replayed through the fast level on the last ``window`` rows, beside plain expert
+        parallelism with every extra slot a spare (no forecast), and the cheapest kept: the
+        forecast earns a slot, and its placement, only where it beats per-step copies on
+        the recent routing.
+    Step 4 (buffers, priced from the trace): the fast level, replayed on those rows with no
+        buffer, gives each layer's largest device load over its mean; the slack is that
+        ratio's maximum over the rows plus ``margin`` (a device can only drop what exceeds
+        a load seen in the recent trace by more than the margin).
+
+A re-plan (:func:`replan_home`) repeats steps 1-2 with the same split and keeps the buffers;
+it is adopted when the replayed gain over its horizon pays for moving the weights
+(:func:`migration_bytes_WW`). No MindSpore import here.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ms_efficient.efficientmoe.balance import balance_step
+from ms_efficient.efficientmoe.balanced_cost import (balanced_cost, copy_cost_rows_WW,
+                                                     home_sync_time_L)
+from ms_efficient.efficientmoe.cost import CostModel
+
+__all__ = ["Layout", "LayoutConfig", "plan_layout", "place_home", "uniform_home",
+           "replan_home", "migration_bytes_WW", "size_buffers", "replay_cost_s"]
+
+
+@dataclass(frozen=True)
+class LayoutConfig:
+    """Slow-level settings.
+
+    slots: expert slots per device beyond ceil(E / W) (memory for replicas or copies: one
+        expert's weights and gradients each), >= 0.
+    window: trace rows the forecast and the replays look at, >= 1.
+    margin: buffer slack added to the largest balanced load seen (fraction of the mean).
+    redundant: redundant home slots per device (None: chosen by replay, step 3).
+    forecast_home: False places experts uniformly (no forecast: MoonEP's home layout).
+    """
+
+    slots: int = 1
+    window: int = 8
+    margin: float = 0.10
+    redundant: Optional[int] = None
+    forecast_home: bool = True
+
+    def __post_init__(self) -> None:
+        if self.slots < 0 or self.window < 1 or not self.margin >= 0:
+            raise ValueError(f"LayoutConfig needs slots >= 0, window >= 1 and margin >= 0, "
+                             f"but got slots={self.slots}, window={self.window}, "
+                             f"margin={self.margin}.")
+        if self.redundant is not None and not 0 <= self.redundant <= self.slots:
+            raise ValueError(f"'redundant' must be in [0, slots ({self.slots})], but got "
+                             f"{self.redundant}.")
+
+
+@dataclass
+class Layout:
+    """The slow level's plan (module docstring for the fields); slack_L: float [L], the
+    buffer slack over the mean share; redundant: redundant home slots per device."""
+
+    home_LWS: np.ndarray
+    spare_W: np.ndarray
+    buffer_LW: np.ndarray
+    slack_L: np.ndarray
+    redundant: int
+    method: str = "efficientmoe"
+
+    @property
+    def num_layers(self) -> int:
+        return self.home_LWS.shape[0]
+
+    @property
+    def num_devices(self) -> int:
+        return self.home_LWS.shape[1]
+
+    def to_dict(self) -> dict:
+        """YAML-ready: the fixed shapes and the home table."""
+        return {"method": self.method, "redundant_home_slots": self.redundant,
+                "spare_slots": self.spare_W.tolist(), "buffer_rows": self.buffer_LW.tolist(),
+                "slack": [round(float(s), 4) for s in self.slack_L],
+                "home_experts": self.home_LWS.tolist()}
+
+
+def _packing_LS(weights_LS: np.ndarray, num_devices: int, per_device: int,
+                group_LS: Optional[np.ndarray] = None) -> np.ndarray:
+    """Balanced packing of every layer's items at once: heaviest first onto the least-loaded
+    device with a free place (ties: lower device) that holds no item of the same group
+    (``group_LS``, int [L, S] >= 0: replicas of one expert; relaxed only when every device
+    with room has one). Returns the device of each item, [L, S]."""
+    num_layers, num_items = weights_LS.shape
+    layers = np.arange(num_layers)
+    order = np.lexsort((np.broadcast_to(np.arange(num_items), weights_LS.shape),
+                        -weights_LS), axis=1)
+    load = np.zeros((num_layers, num_devices))
+    room = np.full((num_layers, num_devices), per_device)
+    groups = None if group_LS is None else int(group_LS.max()) + 1
+    holds = None if groups is None else np.zeros((num_layers, num_devices, groups), bool)
+    device_of = np.zeros((num_layers, num_items), dtype=np.int64)
+    for k in range(num_items):
+        item = order[:, k]
+        free = room > 0
+        if holds is not None:
+            group = group_LS[layers, item]
+            apart = free & ~holds[layers, :, group]
+            free = np.where(apart.any(axis=1)[:, None], apart, free)
+        d = np.argmin(np.where(free, load, np.inf), axis=1)
+        device_of[layers, item] = d
+        load[layers, d] += weights_LS[layers, item]
+        room[layers, d] -= 1
+        if holds is not None:
+            holds[layers, d, group] = True
+    return device_of
+
+
+def _table(slot_expert_LS: np.ndarray, device_LS: np.ndarray, num_devices: int,
+           per_device: int) -> np.ndarray:
+    """home_LWS from each layer's slots' experts and devices (ascending expert within a
+    device; -1 fills)."""
+    num_layers = slot_expert_LS.shape[0]
+    home = np.full((num_layers, num_devices, per_device), -1, dtype=np.int64)
+    for layer in range(num_layers):
+        order = np.lexsort((slot_expert_LS[layer], device_LS[layer]))
+        devices = device_LS[layer, order]
+        position = np.arange(order.size) - np.searchsorted(devices, devices)
+        home[layer, devices, position] = slot_expert_LS[layer, order]
+    return home
+
+
+def uniform_home(num_layers: int, num_experts: int, num_devices: int) -> np.ndarray:
+    """Plain expert parallelism: expert e on device floor(e W / E), int64 [L, W, ceil(E/W)]."""
+    per_device = -(-num_experts // num_devices)
+    experts = np.arange(num_experts)
+    devices = experts * num_devices // num_experts
+    return _table(np.broadcast_to(experts, (num_layers, num_experts)),
+                  np.broadcast_to(devices, (num_layers, num_experts)), num_devices,
+                  per_device)
+
+
+def place_home(load_LE: np.ndarray, num_devices: int, redundant: int,
+               devices_per_node: Optional[int] = None) -> np.ndarray:
+    """EPLB's placement of every layer (module docstring, step 2): int64 [L, W, S_h] with
+    S_h = ceil(E / W) + ``redundant``. load_LE: float [L, E] forecast rows per expert.
+    devices_per_node: pack replicas onto nodes first, then onto the devices of each node
+    (EPLB's hierarchical policy: hot experts spread over nodes, so tokens and copies cross
+    fewer node links); None or W: one level."""
+    load = np.asarray(load_LE, dtype=np.float64)
+    num_layers, num_experts = load.shape
+    per_device = -(-num_experts // num_devices) + redundant
+    total = per_device * num_devices
+    layers = np.arange(num_layers)
+    replicas = np.ones((num_layers, num_experts), dtype=np.int64)
+    for _ in range(total - num_experts):       # each extra slot: the largest load per replica
+        e = np.argmax(load / replicas, axis=1)
+        replicas[layers, e] += 1
+    slot_expert = np.stack([np.repeat(np.arange(num_experts), r) for r in replicas])
+    per_replica = np.take_along_axis(load / replicas, slot_expert, axis=1)
+    dpn = devices_per_node or num_devices
+    if num_devices % dpn or dpn >= num_devices:
+        return _table(slot_expert, _packing_LS(per_replica, num_devices, per_device,
+                                               slot_expert), num_devices, per_device)
+    node = _packing_LS(per_replica, num_devices // dpn, per_device * dpn)       # [L, S]
+    device = np.zeros_like(node)
+    for n in range(num_devices // dpn):
+        # every node holds exactly per_device * dpn replicas: gather them per layer
+        items = np.argsort(node != n, axis=1, kind="stable")[:, :per_device * dpn]
+        local = _packing_LS(np.take_along_axis(per_replica, items, axis=1), dpn, per_device,
+                            np.take_along_axis(slot_expert, items, axis=1))
+        np.put_along_axis(device, items, n * dpn + local, axis=1)
+    return _table(slot_expert, device, num_devices, per_device)
+
+
+def size_buffers(max_over_mean_L: np.ndarray, mean_rows: float, margin: float,
+                 tile: int) -> tuple:
+    """(buffer_LW row counts int64 [L] per device, slack_L) from each layer's largest
+    balanced device load over its mean seen in the trace (step 4)."""
+    slack = np.maximum(np.asarray(max_over_mean_L, dtype=np.float64) - 1.0, 0.0) + margin
+    rows = np.ceil(mean_rows * (1.0 + slack) / tile) * tile
+    return rows.astype(np.int64), slack
+
+
+def replay_cost_s(rows_TLRE: np.ndarray, home_LWS: np.ndarray, spare_W: np.ndarray,
+                  model: CostModel, buffer_LW: Optional[np.ndarray] = None):
+    """(mean step seconds over the rows, largest load over mean per layer [L]) of the fast
+    level with this layout on ``rows_TLRE`` [T, L, R, E]."""
+    num_experts = rows_TLRE.shape[-1]
+    sync = home_sync_time_L(home_LWS, num_experts, model)
+    copy_cost = copy_cost_rows_WW(model, home_LWS.shape[1])
+    total, worst = 0.0, np.zeros(home_LWS.shape[0])
+    for counts in rows_TLRE:
+        bal = balance_step(counts, home_LWS, spare_W, buffer_LW, copy_cost,
+                           devices_per_node=model.cluster.devices_per_node)
+        total += float(balanced_cost(bal, model, sync).time_L.sum())
+        load = bal.load_LW
+        worst = np.maximum(worst, load.max(axis=1) / np.maximum(load.mean(axis=1), 1e-12))
+    return total / len(rows_TLRE), worst
+
+
+def _forecast(history_TLRE: np.ndarray, window: int) -> np.ndarray:
+    """Step 1: mean expert load of the last ``window`` rows, float64 [L, E]."""
+    return history_TLRE[-window:].sum(axis=2).mean(axis=0)
+
+
+def plan_layout(history_TLRE: np.ndarray, model: CostModel,
+                config: LayoutConfig = LayoutConfig(), method: str = "efficientmoe",
+                tile: Optional[int] = None) -> Layout:
+    """The slow level's layout from a trace's rows ``history_TLRE`` (int [T, L, R, E], R = W
+    ranks, one per device); module docstring. Deterministic: same rows, same layout."""
+    history = np.asarray(history_TLRE, dtype=np.int64)
+    if history.ndim != 4 or history.shape[0] < 1:
+        raise ValueError(f"the layout needs a trace of >= 1 row [T, L, R, E], but got shape "
+                         f"{history.shape}.")
+    _, num_layers, num_devices, num_experts = history.shape
+    recent = history[-config.window:]
+    load = _forecast(history, config.window)
+    tile = tile or model.cluster.matmul_tile_rows
+    if config.forecast_home:
+        splits = (range(config.slots + 1) if config.redundant is None
+                  else [config.redundant])
+    else:
+        splits = [0]
+    dpn = model.cluster.devices_per_node
+    candidates = [(r, place_home(load, num_devices, r, dpn)) for r in splits] \
+        if config.forecast_home else []
+    if config.redundant is None or not config.forecast_home:
+        # the forecast earns its place: plain expert parallelism stays a candidate
+        candidates.append((0, uniform_home(num_layers, num_experts, num_devices)))
+    best = None
+    for redundant, home in candidates:
+        spare = np.full(num_devices, config.slots - redundant, dtype=np.int64)
+        cost, worst = replay_cost_s(recent, home, spare, model)
+        if best is None or cost < best[0] - 1e-12:
+            best = (cost, redundant, home, spare, worst)
+    _, redundant, home, spare, worst = best
+    mean_rows = recent.sum(axis=(2, 3)).mean() / num_devices
+    buffer_L, slack = size_buffers(worst, mean_rows, config.margin, tile)
+    return Layout(home_LWS=home, spare_W=spare,
+                  buffer_LW=np.repeat(buffer_L[:, None], num_devices, axis=1),
+                  slack_L=slack, redundant=redundant, method=method)
+
+
+def migration_bytes_WW(old_LWS: np.ndarray, new_LWS: np.ndarray,
+                       bytes_per_slot: float) -> np.ndarray:
+    """Bytes to move from home table ``old`` to ``new``: float64 [W, W] [src, dst]. A new home
+    slot of expert e on device d is free when d held e before; otherwise its weights and
+    optimizer state (``bytes_per_slot``) come from a device that held e (the lowest id)."""
+    num_layers, num_devices, _ = old_LWS.shape
+    moved = np.zeros((num_devices, num_devices))
+    for layer in range(num_layers):
+        for d in range(num_devices):
+            had = set(old_LWS[layer, d].tolist())
+            for e in new_LWS[layer, d]:
+                if e < 0 or e in had:
+                    continue
+                src = int(np.flatnonzero((old_LWS[layer] == e).any(axis=1))[0])
+                moved[src, d] += bytes_per_slot
+    return moved
+
+
+def replan_home(history_TLRE: np.ndarray, layout: Layout, config: LayoutConfig,
+                devices_per_node: Optional[int] = None) -> Layout:
+    """A candidate re-plan: steps 1-2 on the recent rows with the layout's split; spare
+    slots and buffers (the compiled shapes) unchanged."""
+    if not config.forecast_home:
+        return layout
+    load = _forecast(np.asarray(history_TLRE, dtype=np.int64), config.window)
+    home = place_home(load, layout.num_devices, layout.redundant, devices_per_node)
+    return dataclasses.replace(layout, home_LWS=home)

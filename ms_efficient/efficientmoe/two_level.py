@@ -1,0 +1,136 @@
+"""Replay a routing trace under the two-level methods: a slow-level layout (:mod:`layout`)
+with the fast level (:mod:`balance`) every step, costed by :mod:`balanced_cost`.
+
+Methods (each given the same slots per device: ceil(E / W) + ``ReplayConfig.extra_slots``):
+    efficientmoe        ours: the forecast places the home experts and splits the extra
+                        slots between redundant home replicas and spare slots by replay on
+                        the recent rows; buffers priced from the trace; the fast level
+                        water-fills and copies hot experts into spare slots every step.
+                        Re-planned (home table only, no shape change, no recompile) every
+                        check interval when the replayed gain over the interval pays for
+                        moving the weights and optimizer state.
+    moonep              MoonEP-style (Moonshot's Megatron expert parallelism, 2026): no
+                        forecast; uniform home placement, every extra slot a spare slot,
+                        copies chosen each step from the exact counts so every device
+                        receives about the same rows into a fixed buffer (the same buffer
+                        rule as ours). Never re-planned.
+    ablation-eplb-split EPLB's placement (every extra slot a redundant home replica, the
+                        same forecast as ours) re-balanced on EPLB's own schedule (every
+                        check interval, whatever the gain, migration charged) with our
+                        fast level's water-filling over those replicas (no spare slots):
+                        what the fast level alone gives EPLB.
+    eplb-alltoallv      EPLB as published on a dynamic-shape stack: the same placement and
+                        schedule, tokens split evenly over an expert's replicas, no buffer
+                        (nothing drops), a count-driven exchange that pays the measured
+                        dynamic-shape overhead per All-to-All (``CostModel.dynamic_exchange_s``).
+
+Metrics as :class:`~ms_efficient.efficientmoe.replay.ReplayResult`, plus ``copies_per_step``
+(expert copies per training step, all layers) and ``weight_bytes_per_step`` (their bytes,
+forward; the same returns as gradients in backward). No MindSpore import here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+
+from ms_efficient.core.cluster import ClusterSpec
+from ms_efficient.efficientmoe.balance import balance_step
+from ms_efficient.efficientmoe.balanced_cost import (balanced_cost, copy_cost_rows_WW,
+                                                     home_sync_time_L)
+from ms_efficient.efficientmoe.cost import CostModel, uneven_alltoall_time_s
+from ms_efficient.efficientmoe.layout import (Layout, LayoutConfig, migration_bytes_WW,
+                                              plan_layout, replan_home, replay_cost_s)
+
+__all__ = ["TWO_LEVEL_METHODS", "layout_config_for", "replay_two_level", "migration_time_s"]
+
+logger = logging.getLogger(__name__)
+
+TWO_LEVEL_METHODS = ("efficientmoe", "moonep", "ablation-eplb-split", "eplb-alltoallv")
+_EPLB_SCHEDULE = {"ablation-eplb-split", "eplb-alltoallv"}     # re-balance whatever the gain
+
+
+def layout_config_for(method: str, extra_slots: int, window: int) -> LayoutConfig:
+    """The slow-level settings of a two-level method (module docstring)."""
+    if method == "efficientmoe":
+        return LayoutConfig(slots=extra_slots, window=window)
+    if method == "moonep":
+        return LayoutConfig(slots=extra_slots, window=window, forecast_home=False)
+    if method in _EPLB_SCHEDULE:
+        return LayoutConfig(slots=extra_slots, window=window, redundant=extra_slots)
+    raise ValueError(f"two-level method must be one of {list(TWO_LEVEL_METHODS)}, but got "
+                     f"{method!r}.")
+
+
+def migration_time_s(old: Layout, new: Layout, model: CostModel, bytes_per_param: float = 4.0,
+                     optimizer_states: int = 2) -> float:
+    """Seconds to move the weights and optimizer state of the home slots that change
+    (float32 weights plus ``optimizer_states`` tensors per parameter, as the trainer keeps
+    them), all layers at once over the cluster's links."""
+    per_slot = model.expert_params * bytes_per_param * (1 + optimizer_states)
+    moved = migration_bytes_WW(old.home_LWS, new.home_LWS, per_slot)
+    full = np.zeros((model.cluster.num_devices,) * 2)
+    full[:moved.shape[0], :moved.shape[1]] = moved
+    return uneven_alltoall_time_s(full, model.cluster)
+
+
+def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_rows: int,
+                     stride: int, extra_slots: int, window: int):
+    """Replay ``trace`` rows [warmup, T) under a two-level ``method``; returns the fields of
+    :class:`~ms_efficient.efficientmoe.replay.ReplayResult` as a dict (module docstring)."""
+    counts = trace.counts
+    config = layout_config_for(method, extra_slots, window)
+    layout = plan_layout(counts[:warmup], model, config, method=method)   # first compile
+    unbounded = method == "eplb-alltoallv"
+    dpn = model.cluster.devices_per_node
+    copy_cost = copy_cost_rows_WW(model, layout.num_devices)
+    sync = home_sync_time_L(layout.home_LWS, trace.num_experts, model)
+    step_times, a2a_times, imbalance, copies, weights = [], [], [], [], []
+    computed = kept = dropped = 0
+    replans, overhead = 0, 0.0
+    for t in range(warmup, trace.num_steps):
+        if config.forecast_home and t > warmup and (t - warmup) % check_rows == 0:
+            candidate = replan_home(counts[:t], layout, config, dpn)
+            cost_s = migration_time_s(layout, candidate, model)
+            if method in _EPLB_SCHEDULE:
+                adopt = cost_s > 0
+            else:
+                recent = counts[max(0, t - window):t]
+                gain_s = (replay_cost_s(recent, layout.home_LWS, layout.spare_W, model,
+                                        layout.buffer_LW)[0]
+                          - replay_cost_s(recent, candidate.home_LWS, candidate.spare_W,
+                                          model, layout.buffer_LW)[0])
+                adopt = gain_s * check_rows * stride > cost_s
+            if adopt:
+                layout, replans, overhead = candidate, replans + 1, overhead + cost_s
+                sync = home_sync_time_L(layout.home_LWS, trace.num_experts, model)
+        bal = balance_step(counts[t], layout.home_LWS,
+                           np.zeros_like(layout.spare_W) if unbounded else layout.spare_W,
+                           None if unbounded else layout.buffer_LW, copy_cost,
+                           even_split=unbounded, devices_per_node=dpn)
+        cost = balanced_cost(bal, model, sync, dynamic=unbounded)
+        step_times.append(float(cost.time_L.sum()))
+        a2a_times.append(float(cost.a2a_L.sum() + cost.exchange_L.sum()))
+        load = bal.load_LW
+        imbalance.extend(load.max(axis=1) / np.maximum(load.mean(axis=1), 1e-12))
+        copies.append(int(bal.copies_L.sum()))
+        weights.append(float(cost.weight_bytes_L.sum()))
+        computed += int(model.cluster.tiled_rows(bal.rows_LEW).sum())
+        kept += int(bal.rows_LEW.sum())
+        dropped += int(bal.dropped_L.sum())
+    rows = trace.num_steps - warmup
+    routed = int(counts[warmup:].sum())
+    return dict(
+        method=method,
+        iteration_time_s=float(np.mean(step_times)) + overhead / (rows * stride),
+        a2a_time_s=float(np.mean(a2a_times)), max_over_mean_load=float(np.mean(imbalance)),
+        padding_fraction=(computed - kept) / computed if computed else 0.0,
+        drop_rate=dropped / routed if routed else 0.0, replans=replans,
+        replan_overhead_s=overhead, step_time_s=np.array(step_times),
+        extra={"copies_per_step": float(np.mean(copies)),
+               "weight_bytes_per_step": float(np.mean(weights)),
+               "redundant_home_slots": int(layout.redundant),
+               "spare_slots": int(layout.spare_W.max()),
+               "buffer_over_mean": float(1.0 + layout.slack_L.mean()),
+               "recompiles": 0})
