@@ -238,3 +238,25 @@ def test_on_skewed_routing_the_two_levels_beat_the_dropless_and_eplb_rows():
     for other in ("dropless-grouped", "fastermoe", "eplb-alltoallv", "moonep"):
         theirs = replay(trace, other, None, config)
         assert ours.iteration_time_s <= theirs.iteration_time_s, other
+
+
+def test_plan_moe_writes_the_balanced_layout_by_default(tmp_path, capsys):
+    from ms_efficient.cli import main
+    from ms_efficient.efficientmoe.layout import load_layout
+    from ms_efficient.moe.trace import save_trace
+
+    trace = skewed_trace(steps=10, layers=2)
+    path, out = str(tmp_path / "t.npz"), str(tmp_path / "layout.yaml")
+    save_trace(trace, path)
+    assert main(["plan", "moe", "--trace", path, "--out", out]) == 0
+    printed = capsys.readouterr().out
+    assert "spare slot(s) per device" in printed and "simulated MoE time per step" in printed
+    layout = load_layout(out)
+    model = CostModel(NODE_2x8, trace.hidden, 4 * trace.hidden)
+    again = plan_layout(trace.counts, model, LayoutConfig(slots=1))
+    assert np.array_equal(layout.home_LWS, again.home_LWS)
+    assert np.array_equal(layout.buffer_LW, again.buffer_LW)
+    bad = str(tmp_path / "bad.yaml")
+    assert main(["plan", "moe", "--trace", path, "--slots", "-1", "--out", bad]) == 2
+    assert "'--slots' must be >= 0, but got -1" in capsys.readouterr().err
+    assert not (tmp_path / "bad.yaml").exists()

@@ -146,7 +146,7 @@ def test_plan_moe_last_plans_from_the_recent_steps_only(tmp_path, capsys):
         out = str(tmp_path / f"plan{last}.yaml")
         extra = [] if last is None else ["--last", str(last)]
         assert main(["plan", "moe", "--trace", path, "--cluster", "ascend910b-1x8", *extra,
-                     "--out", out]) == 0
+                     "--dispatch", "grouped", "--out", out]) == 0
         plans, _ = load_plans(out)
         sent[last] = plans[0].send_rows(4).sum(axis=1)
     assert sent[None].tolist() == [4 * 8192] * 4

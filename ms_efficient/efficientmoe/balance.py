@@ -129,21 +129,33 @@ def water_fill(load_LW: np.ndarray, mask_LW: np.ndarray, amount_L: np.ndarray) -
 
 def _cut(counts_LRE: np.ndarray, rows_LEW: np.ndarray) -> np.ndarray:
     """Contiguous cut: each expert's tokens, in source-rank order, over its rows in device
-    order; int64 [L, R, W] (:func:`contiguous_cut`)."""
+    order; int64 [L, R, W] (:func:`contiguous_cut`). Only the devices with rows of an
+    expert take part (at most H of them), so the work is L x R x E x H, not x W."""
     num_layers, num_ranks, num_experts = counts_LRE.shape
     num_devices = rows_LEW.shape[2]
-    out = np.zeros((num_layers, num_ranks, num_devices), dtype=np.int64)
-    # chunk layers so the [l, R, E, W] intersection stays near 4M elements
-    step = max(1, 4_000_000 // max(1, num_ranks * num_experts * num_devices))
+    out = np.zeros(num_layers * num_ranks * num_devices, dtype=np.int64)
+    held = rows_LEW > 0
+    width = int(held.sum(axis=2).max(initial=0))
+    if width == 0:
+        return out.reshape(num_layers, num_ranks, num_devices)
+    # the holders of each expert, in device order, then their rows
+    device_LEH = np.argsort(~held, axis=2, kind="stable")[:, :, :width]
+    rows_LEH = np.take_along_axis(rows_LEW, device_LEH, axis=2)
+    # chunk layers so the [l, R, E, H] intersection stays near 4M elements
+    step = max(1, 4_000_000 // max(1, num_ranks * num_experts * width))
     for lo in range(0, num_layers, step):
-        c, r = counts_LRE[lo:lo + step], rows_LEW[lo:lo + step]
+        c, r = counts_LRE[lo:lo + step], rows_LEH[lo:lo + step]
         end_r = np.cumsum(c, axis=1)[..., None]                       # [l, R, E, 1]
         start_r = end_r - c[..., None]
-        end_w = np.cumsum(r, axis=2)[:, None]                         # [l, 1, E, W]
-        start_w = end_w - r[:, None]
-        cut = np.minimum(end_r, end_w) - np.maximum(start_r, start_w)
-        out[lo:lo + step] = np.maximum(cut, 0).sum(axis=2)
-    return out
+        end_h = np.cumsum(r, axis=2)[:, None]                         # [l, 1, E, H]
+        start_h = end_h - r[:, None]
+        cut = np.maximum(np.minimum(end_r, end_h) - np.maximum(start_r, start_h), 0)
+        layer = np.arange(lo, lo + c.shape[0])[:, None, None, None]
+        rank = np.arange(num_ranks)[None, :, None, None]
+        index = (layer * num_ranks + rank) * num_devices + device_LEH[lo:lo + step, None]
+        out += np.bincount(index.ravel(), weights=cut.ravel(),
+                           minlength=out.size).astype(np.int64)
+    return out.reshape(num_layers, num_ranks, num_devices)
 
 
 def contiguous_cut(counts_LRE: np.ndarray, rows_LEW: np.ndarray,

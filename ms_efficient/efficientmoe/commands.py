@@ -1,7 +1,7 @@
 """EfficientMoE: expert replication, placement and per-replica capacities from routing traces.
 
-    ms-efficient plan moe --trace FILE.npz [--cluster NAME] [--dispatch grouped|counts|static|auto]
-                          --out plan.yaml
+    ms-efficient plan moe --trace FILE.npz [--cluster NAME] [--slots N]
+                          [--dispatch balanced|grouped|counts|static|auto] --out plan.yaml
     ms-efficient bench moe [--quick] [--trace FILE.npz ...] [--cluster NAME] --json OUT
                            [--config CONFIG] [--steps N] [--init-from RUN_DIR]
                            [--no-measured | --no-simulated]
@@ -36,9 +36,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, help="routing trace (.npz, see docs/formats.md)")
     parser.add_argument("--cluster", help="cluster preset (default: 8-chip Ascend 910B nodes, "
                                           "as many as the trace's ranks need)")
-    parser.add_argument("--dispatch", choices=("grouped", "counts", "static", "auto"),
-                        default="grouped",
-                        help="grouped (default): padding-free grouped expert compute, one row "
+    parser.add_argument("--dispatch", choices=("balanced", "grouped", "counts", "static", "auto"),
+                        default="balanced",
+                        help="balanced (default): EfficientMoE's two levels, a layout (home "
+                             "experts, spare slots, fixed buffers) balanced every step from "
+                             "the step's counts; the one-level plans of earlier rounds: "
+                             "grouped: padding-free grouped expert compute, one row "
                              "buffer per device; counts: the same with a count-driven "
                              "exchange (Ascend only); static: per-rank, per-slot capacities; "
                              "auto: grouped or counts, whichever's plans the cost model "
@@ -47,7 +50,45 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plan from the trace's last N steps only (default: all). A trace "
                              "recorded from initialisation holds the router's early, volatile "
                              "steps, which widen the forecast errors and so the send blocks")
+    parser.add_argument("--slots", type=int, default=1, metavar="N",
+                        help="balanced: expert slots per device beyond ceil(E / W), for "
+                             "redundant home replicas or per-step copies (default 1)")
     parser.add_argument("--out", required=True, help="plan YAML to write")
+
+
+def _plan_balanced(trace, cluster, args) -> int:
+    """``plan moe --dispatch balanced``: the slow level's layout, written as YAML, with the
+    fast level's replay on the trace's last rows printed (simulated)."""
+    from ms_efficient.efficientmoe.cost import CostModel
+    from ms_efficient.efficientmoe.layout import LayoutConfig, plan_layout, replay_cost_s, save_layout
+    from ms_efficient.efficientmoe.replay import check_trace_fits, cluster_for_ranks
+
+    if args.slots < 0:
+        raise ValueError(f"'--slots' must be >= 0, but got {args.slots}.")
+    cluster = cluster or cluster_for_ranks(trace.num_ranks)
+    check_trace_fits(trace, cluster)
+    hidden = trace.hidden or 1024
+    model = CostModel(cluster, hidden, 4 * hidden)
+    config = LayoutConfig(slots=args.slots)
+    start = time.perf_counter()
+    layout = plan_layout(trace.counts, model, config)
+    took = time.perf_counter() - start
+    recent = trace.counts[-config.window:]
+    step_s, worst_L = replay_cost_s(recent, layout.home_LWS, layout.spare_W, model,
+                                    layout.buffer_LW)
+    save_layout(args.out, layout, {"trace": os.path.basename(args.trace),
+                                   "cluster": cluster.name, "hidden": hidden})
+    mean = recent.sum(axis=(2, 3)).mean() / trace.num_ranks
+    for layer in range(layout.num_layers):
+        print(f"layer {layer}: buffer {int(layout.buffer_LW[layer, 0])} rows per device "
+              f"({layout.buffer_LW[layer, 0] / mean:.2f}x the mean share), balanced max/mean "
+              f"{worst_L[layer]:.2f} on the last {len(recent)} rows")
+    print(f"layout: {layout.redundant} redundant home slot(s) and "
+          f"{int(layout.spare_W[0])} spare slot(s) per device, planned in {took:.2f} s; "
+          f"simulated MoE time per step on the last {len(recent)} rows "
+          f"{1e3 * step_s:.4g} ms ({cluster.name}, H={hidden})")
+    print(f"layout written to {args.out}")
+    return 0
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -65,6 +106,8 @@ def run_plan(args: argparse.Namespace) -> int:
                                     steps=None if trace.steps is None
                                     else trace.steps[-args.last:])
     cluster = get_cluster(args.cluster) if args.cluster else None
+    if args.dispatch == "balanced":
+        return _plan_balanced(trace, cluster, args)
     if args.dispatch == "auto":
         choice = trace_dispatch_choice(trace, cluster, ReplayConfig())
         plans = choice.proposal.plans

@@ -39,17 +39,20 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import numpy as np
+import yaml
 
 from ms_efficient.efficientmoe.balance import balance_step
 from ms_efficient.efficientmoe.balanced_cost import (balanced_cost, copy_cost_rows_WW,
                                                      home_sync_time_L)
+from ms_efficient.core.fileio import atomic_write_text
 from ms_efficient.efficientmoe.cost import CostModel
 
 __all__ = ["Layout", "LayoutConfig", "plan_layout", "place_home", "uniform_home",
-           "replan_home", "migration_bytes_WW", "size_buffers", "replay_cost_s"]
+           "replan_home", "migration_bytes_WW", "size_buffers", "replay_cost_s",
+           "save_layout", "load_layout"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,36 @@ class Layout:
                 "spare_slots": self.spare_W.tolist(), "buffer_rows": self.buffer_LW.tolist(),
                 "slack": [round(float(s), 4) for s in self.slack_L],
                 "home_experts": self.home_LWS.tolist()}
+
+
+def save_layout(path: str, layout: Layout, extra: Optional[Mapping] = None) -> None:
+    """Write ``layout`` as YAML (atomically): ``{kind: efficientmoe-layout, ...}``."""
+    body = {"kind": "efficientmoe-layout", **dict(extra or {}), **layout.to_dict()}
+    atomic_write_text(path, yaml.safe_dump(body, sort_keys=False, default_flow_style=None))
+
+
+def load_layout(path: str) -> Layout:
+    """Read a layout written by :func:`save_layout`; errors name the file and the field."""
+    with open(path, encoding="utf-8") as fh:
+        body = yaml.safe_load(fh)
+    if not isinstance(body, dict) or body.get("kind") != "efficientmoe-layout":
+        raise ValueError(f"'{path}' is not an EfficientMoE layout (kind: efficientmoe-layout).")
+    try:
+        home = np.asarray(body["home_experts"], dtype=np.int64)
+        buffers = np.asarray(body["buffer_rows"], dtype=np.int64)
+        spare = np.asarray(body["spare_slots"], dtype=np.int64)
+        slack = np.asarray(body["slack"], dtype=np.float64)
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"'{path}': a layout needs integer 'home_experts' [L, W, S_h], "
+                         f"'buffer_rows' [L, W], 'spare_slots' [W] and 'slack' [L] ({err}).")
+    if (home.ndim != 3 or buffers.shape != home.shape[:2] or spare.shape != home.shape[1:2]
+            or slack.shape != home.shape[:1]):
+        raise ValueError(f"'{path}': layout shapes disagree: home_experts {home.shape}, "
+                         f"buffer_rows {buffers.shape}, spare_slots {spare.shape}, slack "
+                         f"{slack.shape}.")
+    return Layout(home_LWS=home, spare_W=spare, buffer_LW=buffers, slack_L=slack,
+                  redundant=int(body.get("redundant_home_slots", 0)),
+                  method=str(body.get("method", "efficientmoe")))
 
 
 def _packing_LS(weights_LS: np.ndarray, num_devices: int, per_device: int,
