@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ms_efficient.core.cluster import get_cluster
-from ms_efficient.efficientmoe.balance import balance_step, contiguous_cut, water_fill
+from ms_efficient.moe.balance import balance_step, contiguous_cut, water_fill
 from ms_efficient.efficientmoe.balanced_cost import balanced_cost, copy_cost_rows_WW
 from ms_efficient.efficientmoe.cost import CostModel
 from ms_efficient.efficientmoe.layout import (LayoutConfig, migration_bytes_WW, place_home,
@@ -115,6 +115,9 @@ def test_contiguous_cut_equals_a_token_by_token_loop(seed):
     bal = balance_step(counts, np.broadcast_to(
         np.array([[0, 4], [1, -1], [2, 0], [3, -1]]), (3, 4, 2)), np.zeros(4, int))
     cut = contiguous_cut(counts, bal.rows_LEW)
+    per_expert = contiguous_cut(counts, bal.rows_LEW, 2, by_expert=True)
+    assert (per_expert.sum(axis=(1, 3)) == bal.rows_LEW.sum(axis=2)).all()
+    assert (per_expert.sum(axis=3) <= counts).all()
     for layer in range(3):
         assert cut[layer].tolist() == _naive_cut(counts[layer], bal.rows_LEW[layer]).tolist()
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ms_efficient.efficientmoe.balance import Balance, holders_of
+from ms_efficient.moe.balance import Balance, holders_of
 from ms_efficient.efficientmoe.cost import (CostModel, count_exchange_time_s,
                                             uneven_alltoall_time_s)
 

@@ -35,10 +35,11 @@ from ms_efficient.core.cluster import ClusterSpec, get_cluster
 from ms_efficient.core.config import RunConfig
 from ms_efficient.efficientmoe.capacity import static_capacity_limit
 from ms_efficient.efficientmoe.predictor import PREDICTOR_NAMES, evaluate_predictors, get_predictor
-from ms_efficient.efficientmoe.replay import METHODS, ReplayConfig, cluster_for_ranks, replay
+from ms_efficient.efficientmoe.replay import (DEFAULT_METHODS, ReplayConfig, cluster_for_ranks,
+                                             replay)
 from ms_efficient.moe.trace import RoutingTrace, load_trace
 
-__all__ = ["run_simulated", "speedups", "markdown_table", "QUICK_ROWS", "QUICK_LAYERS",
+__all__ = ["run_simulated", "speedups", "markdown_table", "targets_table", "TARGETS", "QUICK_ROWS", "QUICK_LAYERS",
            "run_measured", "quick_config", "MEASURED_METHODS"]
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def _truncate(trace: RoutingTrace, rows: int, layers: int) -> RoutingTrace:
 
 
 def run_simulated(traces: Sequence[TraceInput], cluster: Union[None, str, ClusterSpec] = None,
-                  quick: bool = False, methods: Sequence[str] = METHODS,
+                  quick: bool = False, methods: Sequence[str] = DEFAULT_METHODS,
                   config: ReplayConfig = ReplayConfig()) -> List[Dict[str, object]]:
     """Replay every trace under every method; rows in issue 4's JSON format.
 
@@ -146,8 +147,9 @@ def markdown_table(rows: Sequence[Dict[str, object]], reference: str = REFERENCE
             if r["method"] == "efficientmoe"}
     lines = [f"| workload | method | iteration ms | speed-up vs {reference} | "
              f"efficientmoe's speed-up over it | a2a ms | a2a share % | "
-             f"max/mean load | padding % | drop % | re-plans (forced) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"max/mean load | padding % | drop % | re-plans (forced) | copies/step | "
+             f"copied GB/step |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in timed:
         t = float(r["iteration_time_s"])
         speed = f"{ref[r['workload']] / t:.2f}x" if r["workload"] in ref else "-"
@@ -158,7 +160,10 @@ def markdown_table(rows: Sequence[Dict[str, object]], reference: str = REFERENCE
                      f"{float(r['max_over_mean_load']):.2f} | "
                      f"{100 * float(r['padding_fraction']):.1f} | "
                      f"{100 * float(r['drop_rate']):.2f} | {r.get('replans', 0)} "
-                     f"({r.get('forced_replans', 0)}) |")
+                     f"({r.get('forced_replans', 0)}) | "
+                     + (f"{float(r['copies_per_step']):.1f} | "
+                        f"{float(r['weight_bytes_per_step']) / 1e9:.2f} |"
+                        if "copies_per_step" in r else "- | - |"))
     limits = [r for r in rows if r.get("method") == "static-limit"]
     if limits:
         lines += ["", "| workload | static plan held for (trace rows) | least padding % | "
@@ -174,6 +179,43 @@ def markdown_table(rows: Sequence[Dict[str, object]], reference: str = REFERENCE
                   f"{', '.join(f'{v:.1f}' for v in r.get('mape_per_layer', []))} |"
                   for r in predicted]
     return "\n".join(lines)
+
+
+# issue 32's targets for the default row: (label, other method or group, least ratio of the
+# other's iteration time to ours)
+TARGETS = (("FasterMoE", ("fastermoe",), 1.3), ("best eplb-* row", ("eplb-",), 1.2),
+           ("MoonEP", ("moonep",), 1.0), ("per-step oracle", ("oracle-grouped",), 0.8))
+
+
+def targets_table(rows: Sequence[Dict[str, object]], method: str = "efficientmoe") -> str:
+    """Per workload, ``method``'s standing against issue 32's targets (met / MISSED), with
+    the figures that explain a miss: its max/mean load, All-to-All share, copies and copied
+    bytes per step, drops. "" when ``method`` has no row."""
+    timed = [r for r in rows if "iteration_time_s" in r]
+    lines = ["| workload | target | ratio | met | why (ours: max/mean load, a2a share, "
+             "copies/step, copied GB/step, drops) |", "|---|---|---:|---|---|"]
+    for ours in (r for r in timed if r["method"] == method):
+        t = float(ours["iteration_time_s"])
+        why = (f"{float(ours['max_over_mean_load']):.2f}, "
+               f"{100 * float(ours['a2a_time_s']) / t:.0f}%, "
+               f"{float(ours.get('copies_per_step', 0)):.0f}, "
+               f"{float(ours.get('weight_bytes_per_step', 0)) / 1e9:.2f}, "
+               f"{100 * float(ours['drop_rate']):.3f}%")
+        for label, names, least in TARGETS:
+            others = [float(o["iteration_time_s"]) for o in timed
+                      if o["workload"] == ours["workload"]
+                      and any(o["method"] == n or (n.endswith("-") and o["method"].startswith(n))
+                              for n in names)]
+            if not others:
+                continue
+            ratio = min(others) / t
+            lines.append(f"| {ours['workload']} | >= {least:g}x {label} | {ratio:.2f}x | "
+                         f"{'met' if ratio >= least else 'MISSED'} | {why} |")
+        drops = float(ours["drop_rate"])
+        lines.append(f"| {ours['workload']} | drops <= 0.1% | {100 * drops:.3f}% | "
+                     f"{'met' if drops <= 0.001 else 'MISSED'} | recompiles after the first "
+                     f"compile: {int(ours.get('recompiles', 0))} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 # ---- measured rows (MindSpore on this CPU) ----------------------------------------------

@@ -156,8 +156,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "fixed at compile time (AlltoAllV, what ExpertParallelMoE sends), "
                              "or every block padded to the largest (equal-split AlltoAll)")
     parser.add_argument("--methods", nargs="+", metavar="M",
-                        help="simulated methods to replay (default: all of "
-                             "ms_efficient.efficientmoe.replay.METHODS)")
+                        help="simulated methods to replay (default: "
+                             "ms_efficient.efficientmoe.replay.DEFAULT_METHODS; any of "
+                             "METHODS)")
     parser.add_argument("--skew", nargs="*", type=float, default=[1.45], metavar="S",
                         help="Zipf exponents of the skewed 16-rank top-1 traces to replay "
                              "(moe.trace.skewed_trace; 1.45: max/mean load ~13, top-2 "
@@ -168,7 +169,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from ms_efficient.core import benchio
     from ms_efficient.core.benchio import write_bench_json
     from ms_efficient.core.config import load_config
-    from ms_efficient.efficientmoe.bench import markdown_table, run_simulated
+    from ms_efficient.efficientmoe.bench import markdown_table, run_simulated, targets_table
     from ms_efficient.moe.trace import skewed_trace, synthetic_trace
     from ms_efficient.moe.trace import load_trace
 
@@ -177,7 +178,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.no_measured and args.no_simulated:
         raise ValueError("'--no-measured' and '--no-simulated' together leave nothing to run; "
                          "give at most one of them.")
-    from ms_efficient.efficientmoe.replay import METHODS
+    from ms_efficient.efficientmoe.replay import DEFAULT_METHODS, METHODS
 
     unknown = [m for m in args.methods or () if m not in METHODS]
     if unknown:
@@ -215,7 +216,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from ms_efficient.efficientmoe.replay import ReplayConfig
 
     if not args.no_simulated:
-        rows += run_simulated(traces, args.cluster, args.quick, methods=args.methods or METHODS,
+        rows += run_simulated(traces, args.cluster, args.quick, methods=args.methods or DEFAULT_METHODS,
                               config=ReplayConfig(static_blocks=args.static_blocks))
     if measured:
         print("Measured (MindSpore GRAPH_MODE on this CPU):")
@@ -224,6 +225,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if not args.no_simulated:
         print("Simulated (trace replay on the cluster preset):")
         print(markdown_table(rows))
+        checks = targets_table(rows)
+        if checks:
+            print()
+            print(checks)
     write_bench_json(args.json, "moe", rows,
                      meta={"quick": args.quick, "seconds": round(time.perf_counter() - start, 1),
                            "config": args.config, "init_from": args.init_from,

@@ -44,11 +44,11 @@ from typing import Mapping, Optional
 import numpy as np
 import yaml
 
-from ms_efficient.efficientmoe.balance import balance_step
+from ms_efficient.core.fileio import atomic_write_text
 from ms_efficient.efficientmoe.balanced_cost import (balanced_cost, copy_cost_rows_WW,
                                                      home_sync_time_L)
-from ms_efficient.core.fileio import atomic_write_text
 from ms_efficient.efficientmoe.cost import CostModel
+from ms_efficient.moe.balance import balance_step
 
 __all__ = ["Layout", "LayoutConfig", "plan_layout", "place_home", "uniform_home",
            "replan_home", "migration_bytes_WW", "size_buffers", "replay_cost_s",

@@ -118,7 +118,7 @@ from ms_efficient.efficientmoe.schedule import (DropMonitor, ReplanDecision, cho
 from ms_efficient.moe.plan import GROUPED_DISPATCH, ExpertPlan
 from ms_efficient.moe.trace import RoutingTrace
 
-__all__ = ["METHODS", "ReplayConfig", "ReplayResult", "cluster_for_ranks", "check_trace_fits",
+__all__ = ["METHODS", "DEFAULT_METHODS", "ReplayConfig", "ReplayResult", "cluster_for_ranks", "check_trace_fits",
            "replay", "plan_trace", "trace_dispatch_choice"]
 
 logger = logging.getLogger(__name__)
@@ -130,6 +130,12 @@ METHODS = ("efficientmoe", "moonep", "ablation-eplb-split", "eplb-alltoallv",
            "eplb-ar-grouped", "eplb-ema-counts", "eplb-ar-counts", "mindspeed-greedy",
            "mindspeed-greedy-grouped", "oracle", "oracle-grouped", "oracle-static",
            "efficientmoe-auto")
+# what ``bench moe`` replays unless told (issue 32's rows): ours, MoonEP, the fast level under
+# EPLB's placement, EPLB as published with each exchange, FasterMoE, Switch, dropless grouped,
+# the per-step oracle; the one-level rows stay available through --methods
+DEFAULT_METHODS = ("efficientmoe", "moonep", "ablation-eplb-split", "eplb-alltoallv",
+                   "eplb-ema-counts", "eplb-ema-grouped", "fastermoe", "switch-cf1.25",
+                   "dropless-grouped", "oracle-grouped")
 _EPLB = {"eplb-ema", "eplb-ar", "eplb-ema-grouped", "eplb-ar-grouped", "eplb-ema-counts",
          "eplb-ar-counts"}                    # re-balanced on their own periodic schedule
 _ADAPTIVE = _EPLB | {"efficientmoe", "efficientmoe-counts", "efficientmoe-static",

@@ -30,18 +30,16 @@ forward; the same returns as gradients in backward). No MindSpore import here.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import numpy as np
 
-from ms_efficient.core.cluster import ClusterSpec
-from ms_efficient.efficientmoe.balance import balance_step
 from ms_efficient.efficientmoe.balanced_cost import (balanced_cost, copy_cost_rows_WW,
                                                      home_sync_time_L)
 from ms_efficient.efficientmoe.cost import CostModel, uneven_alltoall_time_s
 from ms_efficient.efficientmoe.layout import (Layout, LayoutConfig, migration_bytes_WW,
                                               plan_layout, replan_home, replay_cost_s)
+from ms_efficient.moe.balance import balance_step
 
 __all__ = ["TWO_LEVEL_METHODS", "layout_config_for", "replay_two_level", "migration_time_s"]
 

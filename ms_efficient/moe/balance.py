@@ -4,8 +4,10 @@ The slow level (:mod:`ms_efficient.efficientmoe.layout`) fixes, once per run, wh
 graph needs to know: each device's home slots (which logical expert each holds; a re-plan
 may change this table, it is data), its number of spare slots, and its receive buffer. Every
 step and MoE layer, from that step's all-gathered counts, this module decides where every
-token is computed, vectorised over layers (numpy; the in-graph twin is
-:mod:`ms_efficient.moe.balanced_routing`, and tests check that they agree):
+token is computed, vectorised over layers. One function for the layer and the simulator:
+the balanced expert-parallel layer (:mod:`ms_efficient.moe.balanced_ep`) runs
+:func:`balance_step` inside its compiled graph, on the all-gathered counts, and the
+simulator (``ms_efficient.efficientmoe.two_level``) replays it on a trace:
 
     Step 1 (home split): an expert held by one home slot computes all its tokens there;
         an expert held by several (a redundant home replica) is water-filled over its
@@ -52,6 +54,8 @@ class Balance:
     copies_LWW: int64 [L, W, W] expert copies whose weights go from device i (a home holder)
         to device j's spare slots this step; their gradients travel back j -> i in backward.
     copied_LE: int64 [L, E] copies of each expert made this step.
+    source_LEW: int64 [L, E, W] for a copy of expert e in a spare slot of device w, the
+        home holder its weights come from; -1 where w holds no copy of e.
     sent_LRW: int64 [L, R, W] rows source rank r sends device w (the exchange's per-pair
         counts); ``sent_LRW.sum(1) == rows_LEW.sum(1)``.
     dropped_L: int64 [L] rows dropped (over every holder's buffer).
@@ -61,6 +65,7 @@ class Balance:
     holder_LEW: np.ndarray
     copies_LWW: np.ndarray
     copied_LE: np.ndarray
+    source_LEW: np.ndarray
     sent_LRW: np.ndarray
     dropped_L: np.ndarray
 
@@ -127,17 +132,20 @@ def water_fill(load_LW: np.ndarray, mask_LW: np.ndarray, amount_L: np.ndarray) -
     return out
 
 
-def _cut(counts_LRE: np.ndarray, rows_LEW: np.ndarray) -> np.ndarray:
+def _cut(counts_LRE: np.ndarray, rows_LEW: np.ndarray, by_expert: bool) -> np.ndarray:
     """Contiguous cut: each expert's tokens, in source-rank order, over its rows in device
-    order; int64 [L, R, W] (:func:`contiguous_cut`). Only the devices with rows of an
-    expert take part (at most H of them), so the work is L x R x E x H, not x W."""
+    order; int64 [L, R, W], or [L, R, E, W] ``by_expert`` (:func:`contiguous_cut`). Only
+    the devices with rows of an expert take part (at most H of them), so the work is
+    L x R x E x H, not x W."""
     num_layers, num_ranks, num_experts = counts_LRE.shape
     num_devices = rows_LEW.shape[2]
-    out = np.zeros(num_layers * num_ranks * num_devices, dtype=np.int64)
+    shape = ((num_layers, num_ranks, num_experts, num_devices) if by_expert
+             else (num_layers, num_ranks, num_devices))
+    out = np.zeros(int(np.prod(shape)), dtype=np.int64)
     held = rows_LEW > 0
     width = int(held.sum(axis=2).max(initial=0))
     if width == 0:
-        return out.reshape(num_layers, num_ranks, num_devices)
+        return out.reshape(shape)
     # the holders of each expert, in device order, then their rows
     device_LEH = np.argsort(~held, axis=2, kind="stable")[:, :, :width]
     rows_LEH = np.take_along_axis(rows_LEW, device_LEH, axis=2)
@@ -152,15 +160,20 @@ def _cut(counts_LRE: np.ndarray, rows_LEW: np.ndarray) -> np.ndarray:
         cut = np.maximum(np.minimum(end_r, end_h) - np.maximum(start_r, start_h), 0)
         layer = np.arange(lo, lo + c.shape[0])[:, None, None, None]
         rank = np.arange(num_ranks)[None, :, None, None]
-        index = (layer * num_ranks + rank) * num_devices + device_LEH[lo:lo + step, None]
+        expert = np.arange(num_experts)[None, None, :, None] if by_expert else 0
+        per_rank = num_experts if by_expert else 1
+        index = (((layer * num_ranks + rank) * per_rank + expert) * num_devices
+                 + device_LEH[lo:lo + step, None])
         out += np.bincount(index.ravel(), weights=cut.ravel(),
                            minlength=out.size).astype(np.int64)
-    return out.reshape(num_layers, num_ranks, num_devices)
+    return out.reshape(shape)
 
 
 def contiguous_cut(counts_LRE: np.ndarray, rows_LEW: np.ndarray,
-                   devices_per_node: Optional[int] = None) -> np.ndarray:
-    """Rows every rank sends every device, int64 [L, R, W] (R = W, rank r on device r).
+                   devices_per_node: Optional[int] = None,
+                   by_expert: bool = False) -> np.ndarray:
+    """Rows every rank sends every device, int64 [L, R, W] (R = W, rank r on device r), or
+    per expert [L, R, E, W] with ``by_expert`` (what the layer's send rows follow).
 
     Nearest first, in three rounds, each a contiguous cut (each expert's remaining tokens,
     in source-rank order, over its holders' remaining rows in device order: device w takes
@@ -173,7 +186,7 @@ def contiguous_cut(counts_LRE: np.ndarray, rows_LEW: np.ndarray,
     Tokens past the kept rows (a drop) are sent nowhere."""
     counts = np.asarray(counts_LRE, dtype=np.int64)
     rows = np.asarray(rows_LEW, dtype=np.int64)
-    num_layers, num_ranks, _ = counts.shape
+    num_layers, num_ranks, num_experts = counts.shape
     num_devices = rows.shape[2]
     diagonal = np.arange(num_ranks)
     # round 1: own device
@@ -181,8 +194,12 @@ def contiguous_cut(counts_LRE: np.ndarray, rows_LEW: np.ndarray,
     left = counts - local_LRE
     rest = rows.copy()
     rest[:, :, :num_ranks] -= np.swapaxes(local_LRE, 1, 2)
-    out = np.zeros((num_layers, num_ranks, num_devices), dtype=np.int64)
-    out[:, diagonal, diagonal] = local_LRE.sum(axis=2)
+    if by_expert:
+        out = np.zeros((num_layers, num_ranks, num_experts, num_devices), dtype=np.int64)
+        out[:, diagonal, :, diagonal] = np.moveaxis(local_LRE, 1, 0)
+    else:
+        out = np.zeros((num_layers, num_ranks, num_devices), dtype=np.int64)
+        out[:, diagonal, diagonal] = local_LRE.sum(axis=2)
     # round 2: own node
     if devices_per_node and devices_per_node < num_devices:
         for lo in range(0, num_ranks, devices_per_node):
@@ -194,12 +211,14 @@ def contiguous_cut(counts_LRE: np.ndarray, rows_LEW: np.ndarray,
                              prepend=0)
             r_take = np.diff(np.minimum(np.cumsum(r, axis=2), supply[..., None]), axis=2,
                              prepend=0)
-            out[:, node, node] += _cut(c_take, r_take)
+            if by_expert:
+                out[:, node, :, node] += _cut(c_take, r_take, True)
+            else:
+                out[:, node, node] += _cut(c_take, r_take, False)
             left[:, node] -= c_take
             rest[:, :, node] -= r_take
     # round 3: the rest
-    out += _cut(left, rest)
-    return out
+    return out + _cut(left, rest, by_expert)
 
 
 def _home_split(counts_E: np.ndarray, held: np.ndarray) -> np.ndarray:
@@ -225,13 +244,14 @@ def _home_split(counts_E: np.ndarray, held: np.ndarray) -> np.ndarray:
 
 def _copies(counts_E, rows, held, spare_W, copy_cost_rows_WW, max_copies):
     """Step 2: per-step copies into spare slots (module docstring). Mutates rows and held;
-    returns (copies_LWW, copied_LE)."""
+    returns (copies_LWW, copied_LE, source_LEW)."""
     num_layers, num_experts, num_devices = rows.shape
     layers = np.arange(num_layers)
     free = np.broadcast_to(np.asarray(spare_W, dtype=np.int64), (num_layers, num_devices)).copy()
     home = held.copy()
     copies = np.zeros((num_layers, num_devices, num_devices), dtype=np.int64)
     copied = np.zeros((num_layers, num_experts), dtype=np.int64)
+    source_of = np.full((num_layers, num_experts, num_devices), -1, dtype=np.int64)
     mean = counts_E.sum(axis=1) / num_devices
     active = np.ones(num_layers, dtype=bool)
     for _ in range(max_copies):
@@ -265,7 +285,8 @@ def _copies(counts_E, rows, held, spare_W, copy_cost_rows_WW, max_copies):
         free[k, target[keep]] -= 1
         copies[k, source[keep], target[keep]] += 1
         copied[k, e[keep]] += 1
-    return copies, copied
+        source_of[k, e[keep], target[keep]] = source[keep]
+    return copies, copied, source_of
 
 
 def _fit_buffers(rows: np.ndarray, held: np.ndarray, buffer_LW: np.ndarray) -> np.ndarray:
@@ -354,8 +375,10 @@ def balance_step(counts_LRE: np.ndarray, home_LWS: np.ndarray, spare_W: np.ndarr
     if even_split or not spare.any():
         copies = np.zeros((num_layers, num_devices, num_devices), dtype=np.int64)
         copied = np.zeros((num_layers, num_experts), dtype=np.int64)
+        source_of = np.full((num_layers, num_experts, num_devices), -1, dtype=np.int64)
     else:
-        copies, copied = _copies(counts_E, rows, held, spare, cost, int(spare.sum()))
+        copies, copied, source_of = _copies(counts_E, rows, held, spare, cost,
+                                            int(spare.sum()))
     # Step 3: fixed buffers
     if buffer_LW is None:
         dropped = np.zeros(num_layers, dtype=np.int64)
@@ -364,4 +387,4 @@ def balance_step(counts_LRE: np.ndarray, home_LWS: np.ndarray, spare_W: np.ndarr
     # Step 4: per-pair rows
     sent = contiguous_cut(counts, rows, devices_per_node)
     return Balance(rows_LEW=rows, holder_LEW=held, copies_LWW=copies, copied_LE=copied,
-                   sent_LRW=sent, dropped_L=dropped)
+                   source_LEW=source_of, sent_LRW=sent, dropped_L=dropped)

@@ -1,0 +1,357 @@
+"""Expert-parallel MoE balanced every step inside fixed buffers (EfficientMoE's fast level).
+
+Shapes (names carry their dimensions): T local tokens, H hidden, F expert FFN width, E logical
+experts, K top-k, A = K*T assignments, W ranks (one device each), S_h home slots and S_s spare
+slots per device (L = S_h + S_s local slots), B_w the fixed receive buffer of device w, P_w =
+min(A, B_w) the most rows one rank can send device w, M = sum_w P_w (this rank's send layout),
+I = sum_src P_me (its receive layout), X the parameters of one expert.
+
+The layout (home table, spare slots, buffers; :mod:`ms_efficient.efficientmoe.layout`) is fixed
+when the Cell is built; the home table is a non-trainable Parameter, so :meth:`set_home`
+changes it as data (no recompile). Per step, on this rank's tokens:
+
+    x_TH -> router -> top-k (expert_ids_A, weights_TK), arrival p of each assignment
+         -> counts_E -> AllGather -> counts_WE (every rank sees every rank's counts)
+         -> fast level: :func:`~ms_efficient.moe.balance.balance_step` on counts_WE, the
+            same function the simulator replays (run in the graph as a host op on CPU,
+            :class:`FastLevel`): per (source, expert, device) rows sent_WEW, the slot of
+            every expert on every device, the expert and weight source of every spare slot
+         -> send row of every assignment: rank r's tokens of e, in arrival order, fill
+            devices in order, sent_WEW[r, e, w] each; within a (r -> w) block rows are
+            expert-major; past the sum: dropped
+         -> send buffer [M, H] -> count-driven AlltoAllV (``CountedAllToAllV``: per-pair
+            counts vary, every block within its bound P_w) -> [I, H]
+         -> compacted into the fixed buffer [B_me, H], grouped by local slot
+         -> spare slots' weights: each copy's source rank sends its home expert's weights
+            (an AlltoAll of [W, S_s, X]); backward sends the copies' gradients back and adds
+            them to the home expert's (the AlltoAll's adjoint)
+         -> grouped FFNs over the buffer (group sizes are data) -> back to [I, H]
+         -> AlltoAllV back -> every assignment reads its row, weighted; sum over K -> y_TH
+
+Gradients: a token's gradient reaches whichever slot computed it; a copy's weight gradient
+returns to its source and is summed into the home expert; redundant home replicas (several
+home slots of one expert) are tied by :class:`~ms_efficient.moe.ep_layer.ReplicaGradSum`.
+So the layer computes the function of the unbalanced layer: every expert's output for a token
+is that expert's FFN wherever it ran (tests: equal to the one-process MoE).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+from ms_efficient.core import backend
+from ms_efficient.core.params import write_parameter
+from ms_efficient.moe.alltoall import AllToAll, CountExchange
+from ms_efficient.moe.balance import balance_step, contiguous_cut
+from ms_efficient.moe.counted_alltoall import CountedAllToAllV
+from ms_efficient.moe.ep_layer import ReplicaGradSum
+from ms_efficient.moe.ep_routing import init_expert_weights, pad_rows, replica_sync
+from ms_efficient.moe.grouped_matmul import GroupedMatmul, row_groups
+from ms_efficient.moe.layer import TopKArrival, make_gelu, routing_statistics, sum_choices
+from ms_efficient.moe.plan import ExpertPlan
+
+__all__ = ["BalancedExpertParallelMoE", "FastLevel", "fast_level_tables", "home_plan"]
+
+
+def home_plan(home_WS: np.ndarray, num_experts: int) -> ExpertPlan:
+    """The home table as an :class:`ExpertPlan` (slots in device order; what migration and
+    the replica-sync tables read)."""
+    home = np.asarray(home_WS, dtype=np.int64)
+    device, _ = np.nonzero(home >= 0)
+    expert = home[home >= 0]
+    if not np.isin(np.arange(num_experts), expert).all():
+        missing = sorted(set(range(num_experts)) - set(expert.tolist()))
+        raise ValueError(f"every expert needs a home slot, but experts {missing} have none.")
+    return ExpertPlan(expert, device, np.zeros(expert.size, dtype=np.int64),
+                      dispatch="grouped")
+
+
+def fast_level_tables(counts_WE: np.ndarray, home_WS: np.ndarray, spare: int,
+                      buffer_W: np.ndarray, copy_cost_WW: Optional[np.ndarray] = None,
+                      devices_per_node: Optional[int] = None):
+    """The fast level's tables for one layer-step, int32 (what :class:`FastLevel` returns):
+
+    sent_WEW [W, E, W]: rows rank s sends device w of expert e.
+    slot_EW [E, W]: local slot of expert e on device w (home slot index, or S_h + spare
+        index), -1 where w does not compute e.
+    spare_WS [W, S_s]: expert of each spare slot (-1: empty), ascending expert per device.
+    source_WS [W, S_s]: device whose home slot sends that copy's weights (-1: empty).
+    home_slot_WE [W, E]: home slot of expert e on device w, -1 if none.
+    stats [3 + W]: copies, dropped rows, kept rows, then the rows of every device.
+    """
+    counts = np.asarray(counts_WE, dtype=np.int64)[None]
+    home = np.asarray(home_WS, dtype=np.int64)
+    world, num_experts = counts.shape[1], counts.shape[2]
+    slots_home = home.shape[1]
+    bal = balance_step(counts, home[None], np.full(world, spare, dtype=np.int64),
+                       np.asarray(buffer_W, dtype=np.int64)[None], copy_cost_WW,
+                       devices_per_node=devices_per_node)
+    sent = contiguous_cut(counts, bal.rows_LEW, devices_per_node, by_expert=True)[0]
+    home_slot = np.full((world, num_experts), -1, dtype=np.int64)
+    for w in range(world):
+        for s in range(slots_home):
+            if home[w, s] >= 0 and home_slot[w, home[w, s]] < 0:
+                home_slot[w, home[w, s]] = s
+    slot = home_slot.T.copy()                                           # [E, W]
+    spare_WS = np.full((world, max(spare, 1)), -1, dtype=np.int64)[:, :spare]
+    source_WS = spare_WS.copy()
+    copies = bal.source_LEW[0]                                          # [E, W]
+    for w in range(world):
+        for j, e in enumerate(np.flatnonzero(copies[:, w] >= 0)):
+            spare_WS[w, j], source_WS[w, j] = e, copies[e, w]
+            slot[e, w] = slots_home + j
+    stats = np.concatenate([[bal.copies_L[0], bal.dropped_L[0], bal.rows_LEW[0].sum()],
+                            bal.load_LW[0]])
+    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
+    return (i32(sent), i32(slot), i32(spare_WS), i32(source_WS), i32(home_slot), i32(stats))
+
+
+class FastLevel(nn.Cell):
+    """``construct(counts_WE int32, home_WS int32) -> the tables of`` :func:`fast_level_tables`.
+
+    On CPU a host op in the compiled graph (``ops.Custom`` of type "pyfunc") running the
+    numpy fast level itself; the tables are integers and carry no gradient. On Ascend the
+    same function needs a device kernel (not written here: ``backend`` raises there)."""
+
+    def __init__(self, world: int, num_experts: int, spare: int, buffer_W: np.ndarray,
+                 copy_cost_WW: Optional[np.ndarray], devices_per_node: Optional[int]):
+        super().__init__()
+        buffers = np.asarray(buffer_W, dtype=np.int64)
+        cost = None if copy_cost_WW is None else np.asarray(copy_cost_WW, dtype=np.float64)
+
+        def tables(counts_WE, home_WS):
+            return fast_level_tables(counts_WE, home_WS, spare, buffers, cost,
+                                     devices_per_node)
+
+        shapes = ((world, num_experts, world), (num_experts, world), (world, spare),
+                  (world, spare), (world, num_experts), (3 + world,))
+        self.op = ops.Custom(tables, out_shape=lambda *_: shapes,
+                             out_dtype=lambda *_: (ms.int32,) * 6, func_type="pyfunc")
+
+    def construct(self, counts_WE, home_WS):
+        return self.op(counts_WE, home_WS)
+
+    def bprop(self, counts_WE, home_WS, out, dout):
+        return ops.zeros_like(counts_WE), ops.zeros_like(home_WS)
+
+
+class BalancedExpertParallelMoE(nn.Cell):
+    """Expert-parallel MoE FFN balanced every step (module docstring):
+    ``construct(x_BSH) -> (y_BSH, aux_loss, counts_RE, dropped, stats)``.
+
+    Args:
+        hidden_size, ffn_hidden_size, num_experts, top_k: H, F, E, K.
+        home_WS: int [W, S_h] logical expert of every home slot of every device (-1: empty,
+            last); every expert at least once. The layout's row of this layer.
+        spare_slots: S_s spare slots per device (per-step copies).
+        buffer_W: int [W] receive buffer of every device, rows per step (fixed shapes).
+        group: expert-parallel group (default: the world group); W = its size.
+        devices_per_node: for the fast level's same-node round.
+        copy_cost_WW: float [W, W] an expert copy's weight transfer in rows of expert
+            compute (the fast level's threshold; None: copies free).
+        trace_ranks, init_std, seed: as :class:`~ms_efficient.moe.ep_layer.ExpertParallelMoE`
+            (weights from :func:`init_expert_weights`, the same on every rank).
+
+    Outputs: y_BSH; aux_loss (Switch loss of the local tokens); counts_RE int32 [R, E] of the
+    local tokens; dropped int32 (local assignments no buffer held); stats int32 [3 + W]
+    (copies made, rows dropped, rows kept, then every device's rows: the same on every rank).
+
+    Parameters: ``router.weight`` [E, H] (data-parallel), ``w1`` [S_h, H, F], ``b1``
+    [S_h, 1, F], ``w2`` [S_h, F, H], ``b2`` [S_h, 1, H] (this rank's home slots; an empty
+    slot zeros), and the non-trainable ``home_table`` int32 [W, S_h].
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
+                 home_WS: np.ndarray, spare_slots: int, buffer_W: np.ndarray,
+                 group: Optional[str] = None, devices_per_node: Optional[int] = None,
+                 copy_cost_WW: Optional[np.ndarray] = None, trace_ranks: int = 1,
+                 init_std: float = 0.02, seed: int = 0):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"'top_k' must be in [1, {num_experts}], but got {top_k}.")
+        self.world = backend.group_size(group or backend.world_group())
+        self.rank = backend.group_rank(group or backend.world_group()) if self.world > 1 else 0
+        home = np.asarray(home_WS, dtype=np.int64)
+        buffers = np.asarray(buffer_W, dtype=np.int64)
+        if home.ndim != 2 or home.shape[0] != self.world:
+            raise ValueError(f"'home_WS' must be [W={self.world}, S_h], but got {home.shape}.")
+        if buffers.shape != (self.world,) or (buffers < 1).any():
+            raise ValueError(f"'buffer_W' must be [{self.world}] positive row counts, but got "
+                             f"{buffers.tolist()}.")
+        if spare_slots < 0:
+            raise ValueError(f"'spare_slots' must be >= 0, but got {spare_slots}.")
+        self.plan = home_plan(home, num_experts)
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.trace_ranks, self.group = trace_ranks, group
+        self.devices_per_node = devices_per_node
+        self.slots_home, self.spare = home.shape[1], int(spare_slots)
+        self.buffer_W = buffers
+        self.num_rows = int(buffers[self.rank])
+        self.home_table = Parameter(Tensor(home.astype(np.int32)), name="home_table",
+                                    requires_grad=False)
+        self.fast = FastLevel(self.world, num_experts, self.spare, buffers, copy_cost_WW,
+                              devices_per_node)
+        self.count_exchange = CountExchange(self.world, self.rank, group)
+        # send layout: block w holds at most B_w rows (no rank can send device w more)
+        block_WW = np.broadcast_to(buffers[None, :], (self.world, self.world))
+        self.send_total = int(block_WW[self.rank].sum())
+        self.block_start_W = Tensor((np.cumsum(block_WW[self.rank])
+                                     - block_WW[self.rank]).astype(np.int32))
+        self.dispatch = CountedAllToAllV(block_WW, self.rank, hidden_size, group)
+        self.undispatch = CountedAllToAllV(block_WW.T, self.rank, hidden_size, group)
+        recv_W = block_WW[:, self.rank]
+        source_I = np.repeat(np.arange(self.world), recv_W)
+        first_W = np.cumsum(recv_W) - recv_W
+        self.recv_source_I = Tensor(source_I.astype(np.int32))
+        self.recv_row_I = Tensor((np.arange(source_I.size) - first_W[source_I]).astype(np.int32))
+        self.copy_exchange = AllToAll(group) if self.world > 1 and self.spare else None
+        # weights: this rank's home slots; replicas tied by ReplicaGradSum
+        local = home[self.rank][home[self.rank] >= 0]
+        sync = replica_sync(self.plan, self.rank, self.slots_home,
+                            max(0, min(num_experts, self.world * self.slots_home - num_experts))
+                            if self.world > 1 else 0)
+        self.sync = ReplicaGradSum(sync.num_cross, group) if sync.needed else None
+        self.sync_tables = tuple(Parameter(Tensor(t), name=n, requires_grad=False) for n, t in
+                                 (("sync_first_L", sync.first_L),
+                                  ("sync_cross_L", sync.cross_L),
+                                  ("sync_pick_L", sync.pick_L)))
+        router, w1, b1, w2, b2 = init_expert_weights(num_experts, hidden_size, ffn_hidden_size,
+                                                     init_std, seed, local)
+        self.router = nn.Dense(hidden_size, num_experts, has_bias=False,
+                               weight_init=Tensor(router))
+        self.w1 = Parameter(Tensor(pad_rows(w1, self.slots_home)), name="w1")
+        self.b1 = Parameter(Tensor(pad_rows(b1, self.slots_home)), name="b1")
+        self.w2 = Parameter(Tensor(pad_rows(w2, self.slots_home)), name="w2")
+        self.b2 = Parameter(Tensor(pad_rows(b2, self.slots_home)), name="b2")
+        self.shapes = tuple(tuple(p.shape[1:]) for p in (self.w1, self.b1, self.w2, self.b2))
+        self.sizes = tuple(int(np.prod(s)) for s in self.shapes)
+        self.gmm = GroupedMatmul()
+        self.gelu = make_gelu()
+        self.arrival = TopKArrival(num_experts, top_k)
+        self.arange_L = Tensor(np.arange(self.slots_home + self.spare, dtype=np.int32))
+
+    def set_weights(self, router_EH, w1_EHF, b1_E1F, w2_EFH, b2_E1H) -> None:
+        """Load logical weights (numpy, all E experts) into the router and this rank's home
+        slots (in place: a jitted step that already ran sees them)."""
+        write_parameter(self.router.weight, np.asarray(router_EH, np.float32))
+        home = self.home_table.asnumpy()[self.rank]
+        for param, table in zip((self.w1, self.b1, self.w2, self.b2),
+                                (w1_EHF, b1_E1F, w2_EFH, b2_E1H)):
+            rows = np.asarray(table, np.float32)[home[home >= 0]]
+            write_parameter(param, pad_rows(rows, self.slots_home))
+
+    def construct(self, x):
+        b, s, h = x.shape
+        t = b * s
+        k, m, world = self.top_k, self.send_total, self.world
+        x_TH = x.reshape(t, h)
+
+        # Step 1: route, count, all-gather the counts, run the fast level on them.
+        probs_TE, weights_TK, expert_ids_A, onehot_AE, position_A = self.arrival(
+            self.router(x_TH))
+        counts_WE = self.count_exchange(onehot_AE.sum(axis=0).astype(ms.int32))
+        sent_WEW, slot_EW, spare_WS, source_WS, home_slot_WE, stats = self.fast(
+            counts_WE, self.home_table)
+
+        # Step 2: send row of every assignment (m: the zero row, for drops).
+        sent_EW = sent_WEW[self.rank]
+        end_EW = ops.cumsum(sent_EW, 1)
+        end_AW = ops.gather(end_EW, expert_ids_A, 0)
+        dev_A = (end_AW <= position_A.reshape(-1, 1)).astype(ms.int32).sum(axis=-1)
+        keep_A = dev_A < world
+        dev_A = ops.minimum(dev_A, world - 1)
+        flat_A = expert_ids_A * world + dev_A
+        earlier_EW = ops.cumsum(sent_EW, 0) - sent_EW            # earlier experts' rows
+        start_A = ops.gather(end_EW.reshape(-1) - sent_EW.reshape(-1), flat_A, 0)
+        row_A = (ops.gather(self.block_start_W, dev_A, 0)
+                 + ops.gather(earlier_EW.reshape(-1), flat_A, 0) + position_A - start_A)
+        row_A = ops.select(keep_A, row_A, ops.fill(ms.int32, row_A.shape, m))
+
+        # Step 3: send buffer [M, H]; exchange; compact into the fixed buffer by local slot.
+        token_A = ops.tile(ops.arange(t, dtype=ms.int32), (k,))
+        row_token = ops.fill(ms.int32, (m + 1,), t)
+        row_token = ops.tensor_scatter_update(row_token, row_A.reshape(-1, 1), token_A)
+        x_pad = ops.concat((x_TH, ops.zeros((1, h), x_TH.dtype)), 0)
+        sent_WW = sent_WEW.sum(axis=1)
+        recv_IH = self.dispatch(ops.gather(x_pad, row_token[:m], 0), sent_WW)
+        out_IH = self._experts(recv_IH, sent_WEW, slot_EW, spare_WS, source_WS, home_slot_WE)
+
+        # Step 4: results back; every assignment reads its row, weighted; drops read 0.
+        ret_MH = self.undispatch(out_IH, sent_WW.transpose(1, 0))
+        ret_pad = ops.concat((ret_MH, ops.zeros((1, h), ret_MH.dtype)), 0)
+        gate_A = weights_TK.transpose(1, 0).reshape(-1) * keep_A.astype(ms.float32)
+        y_AH = ops.gather(ret_pad, row_A, 0) * gate_A.reshape(-1, 1).astype(x.dtype)
+        y_TH = sum_choices(y_AH, k, t)
+        aux_loss, counts_RE = routing_statistics(probs_TE, onehot_AE, k, self.trace_ranks)
+        dropped = (k * t - keep_A.astype(ms.int32).sum()).astype(ms.int32)
+        return y_TH.reshape(b, s, h), aux_loss, counts_RE, dropped, stats
+
+    def _experts(self, recv_IH, sent_WEW, slot_EW, spare_WS, source_WS, home_slot_WE):
+        """Received rows [I, H] -> the fixed buffer [B_me, H] grouped by local slot -> FFNs ->
+        back to the received layout [I, H] (unfilled rows: zeros)."""
+        n, num_e = self.num_rows, self.num_experts
+        num_local = self.slots_home + self.spare
+        to_me_WE = sent_WEW[:, :, self.rank]                      # rows each source sends me
+        ends_WE = ops.cumsum(to_me_WE, 1)
+        ends_IE = ops.gather(ends_WE, self.recv_source_I, 0)
+        e_I = (ends_IE <= self.recv_row_I.reshape(-1, 1)).astype(ms.int32).sum(axis=-1)
+        valid_I = e_I < num_e
+        e_I = ops.minimum(e_I, num_e - 1)
+        pair_I = self.recv_source_I * num_e + e_I
+        start_I = ops.gather(ends_WE.reshape(-1) - to_me_WE.reshape(-1), pair_I, 0)
+        earlier_WE = ops.cumsum(to_me_WE, 0) - to_me_WE           # earlier sources' rows
+        # local slot of every expert here, its group size and offset in the buffer
+        slot_E = slot_EW[:, self.rank]
+        rows_E = to_me_WE.sum(axis=0).astype(ms.int32)
+        expert_L = ops.concat((self.home_table[self.rank], spare_WS[self.rank]), 0)
+        owns_L = ops.gather(ops.concat((slot_E, ops.fill(ms.int32, (1,), -1)), 0),
+                            ops.select(expert_L < 0, ops.fill(ms.int32, expert_L.shape, num_e),
+                                       expert_L), 0) == self.arange_L
+        size_L = ops.select(owns_L, ops.gather(ops.concat((rows_E, ops.zeros((1,), ms.int32)),
+                                                          0), ops.maximum(expert_L, 0), 0),
+                            ops.zeros_like(expert_L)).astype(ms.int32)
+        goff_L = ops.cumsum(size_L, 0) - size_L
+        slot_I = ops.maximum(ops.gather(slot_E, e_I, 0), 0)
+        dest_I = (ops.gather(goff_L, slot_I, 0) + ops.gather(earlier_WE.reshape(-1), pair_I, 0)
+                  + self.recv_row_I - start_I)
+        dest_I = ops.select(valid_I, dest_I, ops.fill(ms.int32, dest_I.shape, n))
+        index_N = ops.fill(ms.int32, (n + 1,), self.recv_row_I.shape[0])
+        index_N = ops.tensor_scatter_update(index_N, dest_I.reshape(-1, 1),
+                                            ops.arange(self.recv_row_I.shape[0], dtype=ms.int32))
+        recv_pad = ops.concat((recv_IH, ops.zeros((1, recv_IH.shape[1]), recv_IH.dtype)), 0)
+        w1, b1, w2, b2 = self._slot_weights(spare_WS, source_WS, home_slot_WE)
+        x_NH = ops.gather(recv_pad, index_N[:n], 0)
+        group_N = row_groups(size_L, n)
+        b1_pad = ops.concat((b1.reshape(num_local, -1), ops.zeros((1, b1.shape[2]), b1.dtype)))
+        b2_pad = ops.concat((b2.reshape(num_local, -1), ops.zeros((1, b2.shape[2]), b2.dtype)))
+        hid = self.gelu(self.gmm(x_NH, w1, size_L) + ops.gather(b1_pad, group_N, 0))
+        out_NH = self.gmm(hid, w2, size_L) + ops.gather(b2_pad, group_N, 0)
+        out_pad = ops.concat((out_NH, ops.zeros((1, out_NH.shape[1]), out_NH.dtype)), 0)
+        return ops.gather(out_pad, dest_I, 0)
+
+    def _slot_weights(self, spare_WS, source_WS, home_slot_WE):
+        """(w1, b1, w2, b2) of the L local slots: the home slots' (tied replicas), then the
+        spare slots' copies, received this step from their sources."""
+        weights = (self.w1, self.b1, self.w2, self.b2)
+        if self.sync is not None:
+            weights = tuple(self.sync(w, *self.sync_tables) for w in weights)
+        if self.spare == 0:
+            return weights
+        flat_SX = ops.concat(tuple(w.reshape(self.slots_home, -1) for w in weights), 1)
+        if self.copy_exchange is None:          # one device: no copy is ever made
+            spare_SX = ops.zeros((self.spare, flat_SX.shape[1]), flat_SX.dtype)
+        else:
+            # rows this rank sends: the home weights of every copy it is the source of
+            expert_V = spare_WS.reshape(-1)
+            slot_V = ops.gather(home_slot_WE[self.rank], ops.maximum(expert_V, 0), 0)
+            mine_V = (source_WS.reshape(-1) == self.rank) & (expert_V >= 0)
+            send_VX = (ops.gather(flat_SX, ops.maximum(slot_V, 0), 0)
+                       * mine_V.astype(flat_SX.dtype).reshape(-1, 1))
+            recv_VX = self.copy_exchange(send_VX)                 # block src: src's rows
+            spare_SX = recv_VX.reshape(self.world, self.spare, -1).sum(axis=0)
+        parts = ops.split(spare_SX, self.sizes, axis=1)
+        return tuple(ops.concat((w, p.reshape((self.spare,) + shape)), 0)
+                     for w, p, shape in zip(weights, parts, self.shapes))

@@ -1,0 +1,123 @@
+"""msrun worker for tests/test_balanced_ep.py: the balanced expert-parallel layer on W CPU ranks
+(W from the launch), with a hot expert that the fast level copies into spare slots.
+
+Launched on every rank by msrun as ``python check_balanced_ep.py OUT_DIR``. Rank r feeds rows
+r*B:(r+1)*B of a global batch. It writes ``OUT_DIR/rank<r>.npz``: the outputs, the fast level's
+stats and the gradients of sum(y * dy) (x, router, home slot weights) of the first of
+TRAIN_STEPS Adam steps (router gradient summed over ranks, as data parallelism does), and the
+home slots' weights after them. The test computes the one-process reference with
+MoEFeedForward on the whole batch. Inputs and weights come from seeded generators (numpy only
+at import), shared with the test.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+
+E, H, F, K = 4, 16, 32, 2
+B, S = 2, 8                      # per rank: T_LOCAL = B * S tokens
+T_LOCAL = B * S
+TRAIN_STEPS, LR = 3, 1e-2
+SPARE = 1
+PARAM_NAMES = ("router", "w1", "b1", "w2", "b2")
+
+
+def home_table(world):
+    """Plain expert parallelism: E / W experts per device (W in 2, 4)."""
+    return np.arange(E).reshape(world, E // world)
+
+
+def buffers(world):
+    """Every device's buffer: twice its mean share (K * T_LOCAL rows), so nothing drops."""
+    return np.full(world, 2 * K * T_LOCAL)
+
+
+def logical_weights():
+    """(router_EH, w1_EHF, b1_E1F, w2_EFH, b2_E1H), float32; expert 0's router row points at
+    the inputs' mean, so expert 0 is every token's first choice (a hot expert)."""
+    from ms_efficient.moe.ep_routing import init_expert_weights
+
+    router, w1, b1, w2, b2 = init_expert_weights(E, H, F, init_std=0.3, seed=5)
+    router[0] += 0.5
+    rng = np.random.default_rng(11)
+    b1 = rng.normal(0.0, 0.1, b1.shape).astype(np.float32)
+    b2 = rng.normal(0.0, 0.1, b2.shape).astype(np.float32)
+    return router, w1, b1, w2, b2
+
+
+def global_batch(world, step=0):
+    """(x [W*B, S, H] with mean 1, dy [W*B, S, H]) of ``step``; rank r uses rows
+    r*B:(r+1)*B."""
+    rng = np.random.default_rng(100 + step)
+    shape = (world * B, S, H)
+    return (1.0 + rng.standard_normal(shape).astype(np.float32),
+            rng.standard_normal(shape).astype(np.float32))
+
+
+def run(out_dir, rank, world):
+    import mindspore as ms
+    from mindspore import Tensor, nn, ops
+
+    from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE
+
+    class WeightedOutput(nn.Cell):
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+        def construct(self, x, dy):
+            y, aux, counts, dropped, stats = self.layer(x)
+            return (y * dy).sum(), y, counts, dropped, stats
+
+    class TrainStep(nn.Cell):
+        def __init__(self, layer, params):
+            super().__init__()
+            self.optimizer = nn.Adam(params, learning_rate=LR)
+            self.value_and_grad = ms.value_and_grad(WeightedOutput(layer), grad_position=0,
+                                                    weights=self.optimizer.parameters,
+                                                    has_aux=True)
+            self.all_reduce = ops.AllReduce()
+
+        def construct(self, x, dy):
+            outputs, (dx, grads) = self.value_and_grad(x, dy)
+            self.optimizer((self.all_reduce(grads[0]),) + grads[1:])
+            return outputs, (dx, grads)
+
+    layer = BalancedExpertParallelMoE(H, F, E, K, home_table(world), SPARE, buffers(world))
+    layer.set_weights(*logical_weights())
+    params = [layer.router.weight, layer.w1, layer.b1, layer.w2, layer.b2]
+    step = TrainStep(layer, params)
+    rows = slice(rank * B, (rank + 1) * B)
+    x, dy = (Tensor(a[rows]) for a in global_batch(world))
+    (_, y, counts, dropped, stats), (dx, grads) = step(x, dy)
+    out = {"y": y, "counts": counts, "dropped": dropped, "stats": stats, "dx": dx}
+    out.update({f"grad_{n}": g for n, g in zip(PARAM_NAMES, grads)})
+    out = {k: v.asnumpy() for k, v in out.items()}
+    buffer_shape = [layer.num_rows]
+    for i in range(1, TRAIN_STEPS):
+        xs, dys = global_batch(world, i)
+        (_, _, _, _, stats_i), _ = step(Tensor(xs[rows]), Tensor(dys[rows]))
+        out[f"stats_{i}"] = stats_i.asnumpy()
+        buffer_shape.append(layer.num_rows)
+    out.update({f"trained_{n}": p.asnumpy() for n, p in zip(PARAM_NAMES, params)})
+    out["buffer_rows"] = np.array(buffer_shape)
+    np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **out)
+
+
+def main():
+    out_dir = sys.argv[1]
+    os.makedirs(out_dir, exist_ok=True)
+    import mindspore as ms
+    from mindspore.communication import get_group_size, get_rank, init
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    init()
+    rank, world = get_rank(), get_group_size()
+    run(out_dir, rank, world)
+    with open(os.path.join(out_dir, f"done_rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "world": world}, f)
+
+
+if __name__ == "__main__":
+    main()

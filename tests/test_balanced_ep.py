@@ -1,0 +1,142 @@
+"""The balanced expert-parallel layer (EfficientMoE's fast level in the graph): one process
+here (W = 1); the 2- and 4-worker runs with per-step copies are in test_balanced_ep_workers."""
+import numpy as np
+import pytest
+
+import mindspore as ms
+from mindspore import Tensor
+
+from tests import workers
+from tests.test_ep_layer import E, F, H, K, T, batch, dense_layer, grads, weights
+from ms_efficient.moe.balance import balance_step
+from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE, fast_level_tables, home_plan
+from ms_efficient.moe.layer import MoEFeedForward
+
+ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+
+
+def balanced(w, home=((0, 1, 2, 3),), spare=1, buffer=(K * T,)):
+    layer = BalancedExpertParallelMoE(H, F, E, K, np.array(home), spare, np.array(buffer))
+    layer.set_weights(*w)
+    return layer
+
+
+class _FourOutputs(ms.nn.Cell):
+    """The layer's first four outputs (what tests.test_ep_layer.grads reads)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+        self.router, self.w1, self.b1, self.w2, self.b2 = (layer.router, layer.w1, layer.b1,
+                                                           layer.w2, layer.b2)
+
+    def construct(self, x):
+        y, aux, counts, dropped, _ = self.layer(x)
+        return y, aux, counts, dropped
+
+
+def test_with_room_for_every_row_one_rank_equals_moe_feedforward():
+    w = weights()
+    x, dy = batch()
+    layer, ref = balanced(w), dense_layer(w)
+    y, aux, counts, dropped, stats = layer(x)
+    y_ref, aux_ref, counts_ref, dropped_ref = ref(x)
+    np.testing.assert_allclose(y.asnumpy(), y_ref.asnumpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(counts.asnumpy(), counts_ref.asnumpy())
+    assert int(dropped.asnumpy()) == 0 and stats.asnumpy().tolist()[:3] == [0, 0, K * T]
+    (dx, g), (dx_ref, g_ref) = grads(_FourOutputs(layer), x, dy), grads(ref, x, dy)
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-5, atol=1e-6)
+    for name in g:
+        np.testing.assert_allclose(g[name], g_ref[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_a_small_buffer_drops_what_the_numpy_fast_level_drops():
+    w = weights()
+    x, _ = batch()
+    layer = balanced(w, buffer=(20,))
+    y, _, counts, dropped, stats = layer(x)
+    counts_WE = counts.asnumpy().sum(axis=0, keepdims=True)
+    bal = balance_step(counts_WE[None], np.array([[[0, 1, 2, 3]]]), np.ones(1, int),
+                       np.array([[20]]))
+    assert int(dropped.asnumpy()) == int(bal.dropped_L[0]) == K * T - 20
+    assert stats.asnumpy().tolist() == [0, K * T - 20, 20, 20]
+
+
+def test_fast_level_tables_name_every_slot_and_copy_source():
+    # expert 0 hot on 2 devices: device 1's spare slot takes a copy of 0 from device 0
+    counts = np.array([[50, 10, 0, 0], [50, 10, 0, 0]])
+    sent, slot, spare, source, home_slot, stats = fast_level_tables(
+        counts, np.array([[0, 2], [1, 3]]), 1, np.array([100, 100]))
+    assert spare.tolist() == [[-1], [0]] and source.tolist() == [[-1], [0]]
+    assert slot[0].tolist() == [0, 2] and slot[1].tolist() == [-1, 0]
+    assert home_slot.tolist() == [[0, -1, 1, -1], [-1, 0, -1, 1]]
+    assert (sent.sum(axis=(0, 2)) == counts.sum(axis=0)).all()
+    assert stats.tolist() == [1, 0, 120, 60, 60]
+
+
+def test_a_home_table_missing_an_expert_is_refused():
+    with pytest.raises(ValueError, match=r"experts \[3\] have none"):
+        home_plan(np.array([[0, 1, 2, -1]]), 4)
+
+
+@pytest.mark.slow
+@workers.needs_msrun
+@pytest.mark.parametrize("world", [2, 4])
+def test_w_workers_with_per_step_copies_equal_one_process(tmp_path, world):
+    """Expert 0 is every token's first choice: the fast level copies it into spare slots
+    every step (asserted), yet every rank's outputs and input gradients, the router gradient
+    summed over ranks and every home expert's gradient (its own rows plus the gradients its
+    copies sent back) equal MoEFeedForward on the whole batch, and after 3 Adam steps every
+    home slot's weights equal the one-process run's. The buffers never change shape."""
+    wk = workers.load_script("check_balanced_ep")
+    launched = workers.start("check_balanced_ep", tmp_path, world)
+    w = wk.logical_weights()
+    ref = MoEFeedForward(wk.H, wk.F, wk.E, wk.K, capacity=world * wk.T_LOCAL,
+                         trace_ranks=world)
+    ref.router.weight.set_data(Tensor(w[0]))
+    for p, a in zip((ref.w1, ref.b1, ref.w2, ref.b2), w[1:]):
+        p.set_data(Tensor(a))
+    params = [ref.router.weight, ref.w1, ref.b1, ref.w2, ref.b2]
+
+    def weighted(x, dy):
+        y, _, counts, _ = ref(x)
+        return (y * dy).sum(), y, counts
+
+    x_np, dy_np = wk.global_batch(world)
+    (_, y_ref, counts_ref), (dx_ref, g_ref) = ms.value_and_grad(
+        weighted, grad_position=0, weights=params, has_aux=True)(Tensor(x_np), Tensor(dy_np))
+    g_ref = dict(zip(wk.PARAM_NAMES, (g.asnumpy() for g in g_ref)))
+
+    class Loss(ms.nn.Cell):
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+        def construct(self, x, dy):
+            return (self.layer(x)[0] * dy).sum()
+
+    step = ms.nn.TrainOneStepCell(Loss(ref), ms.nn.Adam(params, learning_rate=wk.LR))
+    for i in range(wk.TRAIN_STEPS):
+        step(*(Tensor(a) for a in wk.global_batch(world, i)))
+    trained_ref = {name: p.asnumpy() for name, p in zip(wk.PARAM_NAMES, params)}
+
+    workers.finish(*launched, world)
+    res = [np.load(launched[1] / f"rank{r}.npz") for r in range(world)]
+    home = wk.home_table(world)
+    assert all(int(r["stats"][0]) > 0 for r in res)                   # copies were made
+    assert all(int(r[f"stats_{i}"][0]) > 0 for r in res for i in range(1, wk.TRAIN_STEPS))
+    assert all(r["buffer_rows"].tolist() == [wk.buffers(world)[0]] * wk.TRAIN_STEPS
+               for r in res)
+    np.testing.assert_allclose(sum(r["grad_router"] for r in res), g_ref["router"],
+                               rtol=1e-4, atol=1e-5)
+    for rank, got in enumerate(res):
+        rows = slice(rank * wk.B, (rank + 1) * wk.B)
+        np.testing.assert_allclose(got["y"], y_ref.asnumpy()[rows], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got["dx"], dx_ref.asnumpy()[rows], rtol=1e-4, atol=1e-5)
+        assert got["counts"].tolist() == [counts_ref.asnumpy()[rank].tolist()]
+        assert int(got["dropped"]) == 0
+        for name in ("w1", "b1", "w2", "b2"):
+            np.testing.assert_allclose(got[f"grad_{name}"], g_ref[name][home[rank]],
+                                       rtol=1e-4, atol=1e-5, err_msg=f"{world} {name}")
+            np.testing.assert_allclose(got[f"trained_{name}"], trained_ref[name][home[rank]],
+                                       rtol=1e-4, atol=1e-5, err_msg=f"{world} {name}")
