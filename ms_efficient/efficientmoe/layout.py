@@ -69,7 +69,7 @@ class LayoutConfig:
 
     slots: int = 1
     window: int = 8
-    margin: float = 0.10
+    margin: float = 0.20
     redundant: Optional[int] = None
     forecast_home: bool = True
 

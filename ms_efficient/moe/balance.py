@@ -10,9 +10,10 @@ the balanced expert-parallel layer (:mod:`ms_efficient.moe.balanced_ep`) runs
 simulator (``ms_efficient.efficientmoe.two_level``) replays it on a trace:
 
     Step 1 (home split): an expert held by one home slot computes all its tokens there;
-        an expert held by several (a redundant home replica) is water-filled over its
-        holders, largest expert first: its tokens go to the least-loaded holders until they
-        reach one level (the largest device load as small as those copies allow).
+        an expert held by several (a redundant home replica) starts from an even split and
+        is water-filled over its holders, largest expert first, twice: its tokens go to the
+        least-loaded holders until they reach one level (the largest device load as small
+        as those copies allow, never above the even split's).
     Step 2 (copies): while the busiest device is above the mean load, the largest expert
         piece on it is copied into a free spare slot of the device that does not hold that
         expert with the least load plus copy cost, and the expert is water-filled again over
@@ -221,24 +222,38 @@ def contiguous_cut(counts_LRE: np.ndarray, rows_LEW: np.ndarray,
     return out + _cut(left, rest, by_expert)
 
 
-def _home_split(counts_E: np.ndarray, held: np.ndarray) -> np.ndarray:
-    """Step 1: rows_LEW from the home holders (module docstring)."""
+def _even_split(counts_E: np.ndarray, held: np.ndarray) -> np.ndarray:
+    """EPLB's split: each expert's rows spread evenly over its holders, the remainder one
+    row each to the lower devices; int64 [L, E, W]."""
+    holders = held.sum(axis=2, keepdims=True)
+    base = counts_E[..., None] // np.maximum(holders, 1)
+    index = np.cumsum(held, axis=2) - 1                                  # holder index
+    return np.where(held, base + (index < (counts_E[..., None] - base * holders)), 0)
+
+
+def _home_split(counts_E: np.ndarray, held: np.ndarray, rounds: int = 2) -> np.ndarray:
+    """Step 1: rows_LEW from the home holders (module docstring). From the even split, each
+    replicated expert, largest first, is water-filled again over its holders given the
+    others' rows, ``rounds`` times: no pass raises the largest load (a re-fill minimises the
+    largest load of its holders, the rest stay), so the result is never worse than EPLB's
+    even split."""
     num_layers, num_experts, num_devices = held.shape
-    holders = held.sum(axis=2)                                              # [L, E]
-    rows = np.where(held & (holders == 1)[..., None], counts_E[..., None], 0)
+    rows = _even_split(counts_E, held)
     load = rows.sum(axis=1)
-    shared = holders > 1
+    shared = held.sum(axis=2) > 1
     # replicated experts, largest first, the k-th of every layer at once
     order = np.lexsort((np.broadcast_to(np.arange(num_experts), counts_E.shape),
                         -np.where(shared, counts_E, -1)), axis=1)
     layers = np.arange(num_layers)
-    for k in range(int(shared.sum(axis=1).max(initial=0))):
-        e = order[:, k]
-        live = shared[layers, e]
-        amount = np.where(live, counts_E[layers, e], 0)
-        add = water_fill(load, held[layers, e] & live[:, None], amount)
-        rows[layers, e] += add
-        load += add
+    for _ in range(rounds):
+        for k in range(int(shared.sum(axis=1).max(initial=0))):
+            e = order[:, k]
+            live = shared[layers, e]
+            base = load - np.where(live[:, None], rows[layers, e], 0)
+            add = water_fill(base, held[layers, e] & live[:, None],
+                             np.where(live, counts_E[layers, e], 0))
+            rows[layers, e] = np.where(live[:, None], add, rows[layers, e])
+            load = base + np.where(live[:, None], add, 0)
     return rows
 
 
@@ -362,13 +377,7 @@ def balance_step(counts_LRE: np.ndarray, home_LWS: np.ndarray, spare_W: np.ndarr
         raise ValueError(f"'spare_W' must be [{num_devices}] integers >= 0, but got "
                          f"{spare.tolist()}.")
     # Step 1: home split
-    if even_split:
-        holders = held.sum(axis=2, keepdims=True)
-        base = counts_E[..., None] // holders
-        rank = np.cumsum(held, axis=2) - 1                                   # holder index
-        rows = np.where(held, base + (rank < (counts_E[..., None] - base * holders)), 0)
-    else:
-        rows = _home_split(counts_E, held)
+    rows = _even_split(counts_E, held) if even_split else _home_split(counts_E, held)
     # Step 2: copies into spare slots
     cost = (np.zeros((num_devices, num_devices)) if copy_cost_rows_WW is None
             else np.asarray(copy_cost_rows_WW, dtype=np.float64))
