@@ -75,21 +75,39 @@ def test_passes_that_find_nothing_to_change_say_what_they_looked_for():
     net, inputs = llama_with_loss(num_layers=2)
     with pytest.raises(ValueError, match="needs sample_inputs|sample_inputs=\\(batch"):
         ms_efficient.optimize(net, _config(passes=["memopt"], memory_budget="50%"))
-    with pytest.raises(ValueError, match="already fits 'optimize.memory_budget' .*nothing to recompute"):
-        ms_efficient.optimize(net, _config(passes=["memopt"]), sample_inputs=inputs)
+    # each a refusal: recorded with its reason (strict=True raises it), nothing applied
+    _assert_refused(net, _config(passes=["memopt"]), inputs, "memopt",
+                    "already fits 'optimize.memory_budget' .*nothing to recompute")
     dense = nn.WithLossCell(nn.Dense(4, 2), nn.MSELoss())
     x, y = np.ones((2, 4), np.float32), np.ones((2, 2), np.float32)
-    with pytest.raises(ValueError, match="found no repeated blocks"):
-        ms_efficient.optimize(dense, _config(passes=["memopt"], memory_budget="50%"),
-                              sample_inputs=(x, y))
+    _assert_refused(dense, _config(passes=["memopt"], memory_budget="50%"), (x, y), "memopt",
+                    "^memopt: found no repeated blocks")
     one_device = config_from_dict({"optimize": {"passes": ["place"]},
                                    "cluster": {"preset": "ascend910b-1x8",
                                                "devices_per_node": 1}})
-    with pytest.raises(ValueError, match="pipeline stages need >= 2"):
-        ms_efficient.optimize(net, one_device, sample_inputs=inputs)
+    _assert_refused(net, one_device, inputs, "place", "pipeline stages need >= 2")
     functional = nn.WithLossCell(_FunctionalNet(), nn.MSELoss())
-    with pytest.raises(ValueError, match="shard: no primitive of WithLossCell takes a strategy"):
-        ms_efficient.optimize(functional, _config(passes=["shard"]), sample_inputs=(x, y))
+    _assert_refused(functional, _config(passes=["shard"]), (x, y), "shard",
+                    "^shard: no primitive of WithLossCell takes a strategy")
+
+
+def _assert_refused(net, config, inputs, name, pattern):
+    """The passes of ``config`` (``name`` among them) leave ``name`` refused with a reason
+    matching ``pattern``: recorded as {"refused": reason} without strict, raised with
+    strict=True when it is the only pass."""
+    import re
+
+    from ms_efficient.passes import PassRefused
+
+    _, plans = ms_efficient.optimize(net, config, sample_inputs=inputs)
+    assert set(plans[name]) == {"refused"}, plans[name]
+    reason = plans[name]["refused"]
+    assert re.search(pattern, reason), reason
+    if list(config.optimize.passes) == [name]:
+        with pytest.raises(PassRefused) as err:
+            ms_efficient.optimize(net, config, sample_inputs=inputs, strict=True)
+        assert str(err.value) == reason
+    return plans
 
 
 class _FunctionalNet(nn.Cell):
@@ -300,10 +318,10 @@ def test_all_passes_together_plan_a_llama_moe_then_it_still_trains(tmp_path):
 def test_moe_passes_say_what_they_need():
     net, inputs = llama_with_loss(moe=None, num_layers=2)
     for name in ("efficientmoe", "mpipe"):
-        with pytest.raises(ValueError, match=f"{name}: found no MoEFeedForward"):
-            ms_efficient.optimize(net, _config(passes=[name]), sample_inputs=inputs)
+        _assert_refused(net, _config(passes=[name]), inputs, name,
+                        f"^{name}: found no MoEFeedForward")
     moe, inputs = llama_with_loss(moe=MOE, num_layers=2)
     with pytest.raises(ValueError, match="set efficientmoe.history"):
         ms_efficient.optimize(moe, _config(passes=["efficientmoe"]), sample_inputs=inputs)
-    with pytest.raises(ValueError, match="one chunk is fastest .*nothing to wrap"):
-        ms_efficient.optimize(moe, _config(passes=["mpipe"]), sample_inputs=inputs)
+    _assert_refused(moe, _config(passes=["mpipe"]), inputs, "mpipe",
+                    "one chunk is fastest .*nothing to wrap")
