@@ -13,7 +13,7 @@ import ms_efficient
 from ms_efficient.core.config import config_from_dict
 from ms_efficient.passes import PassRefused
 from tests.test_user_networks import _assert_refused
-from tests.user_models import llama_with_loss, wide_llama_with_loss
+from tests.user_models import NormMLP, llama_with_loss, wide_llama_with_loss
 
 pytestmark = pytest.mark.mindspore
 # 4 CPU workers: compute dominates the launch overhead at these sizes, so pipelining can pay
@@ -81,25 +81,13 @@ class TiedLM(nn.Cell):
         return ops.reshape(self.head(x), (-1, self.vocab))
 
 
-class _NormMLP(nn.Cell):
-    def __init__(self, hidden):
-        super().__init__()
-        self.norm = nn.LayerNorm((hidden,))
-        self.fc1 = nn.Dense(hidden, 2 * hidden)
-        self.act = nn.GELU()
-        self.fc2 = nn.Dense(2 * hidden, hidden)
-
-    def construct(self, x):
-        return self.fc2(self.act(self.fc1(self.norm(x))))
-
-
 class BranchyTiedLM(TiedLM):
     """Control flow and tied weights: a data-dependent branch after each of 4 blocks (each a
     LayerNorm and two Dense: 12 Cells) and an LM head sharing the embedding table."""
 
     def __init__(self, vocab=64, hidden=32, layers=4):
         super().__init__(vocab, hidden, layers)
-        self.blocks = nn.CellList([_NormMLP(hidden) for _ in range(layers)])
+        self.blocks = nn.CellList([NormMLP(hidden) for _ in range(layers)])
 
     def construct(self, ids):
         x = self.embed(ids)

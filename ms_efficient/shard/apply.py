@@ -42,7 +42,8 @@ from ms_efficient.core.registry import PassRefused, register_pass
 from ms_efficient.graph.cells import scope_path, user_cell_path
 
 __all__ = ["apply_shard_plan", "OpRecord", "strategy_json", "write_strategy_json", "graph_records",
-           "records_from_plan", "match_graph_plan", "apply_graph_plan", "shard_pass"]
+           "records_from_plan", "match_graph_plan", "apply_graph_plan", "check_strategy_ranks",
+           "shard_pass"]
 
 logger = logging.getLogger(__name__)
 
@@ -348,6 +349,27 @@ def match_graph_plan(network: Any, doc: Dict[str, Any]
     return applied, op_of
 
 
+def check_strategy_ranks(graph: Any, found: Dict[str, Tuple[Any, Tuple]],
+                         op_of: Dict[str, str]) -> None:
+    """ValueError naming the primitive, its strategy and the operator's input shapes when a
+    strategy does not have one entry per tensor input and one factor per input dimension of
+    the graph operator it was planned for (the operator the compiled graph runs: nn.Embedding
+    flattens its ids, so its Gather takes 1-D indices whatever the ids' rank). Operators
+    whose input shapes the graph does not know are not checked."""
+    for key, (_, strategy) in found.items():
+        node = graph[op_of[key]] if op_of[key] in graph else None
+        shapes = [tuple(s) for s in getattr(node, "input_shapes", None) or []]
+        if not shapes:
+            continue
+        ranks = [len(s) for s in shapes]
+        if [len(t) for t in strategy] != ranks:
+            raise ValueError(
+                f"shard: the strategy {[list(t) for t in strategy]} planned for '{key}' "
+                f"({node.op_type} '{node.name}') has {[len(t) for t in strategy]} factors per "
+                f"input, but its inputs {shapes} have ranks {ranks}: a strategy needs one "
+                f"entry per input and one factor per input dimension.")
+
+
 @register_pass("shard")
 def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     """Pass: the mesh and the strategies of the network's own train-step graph, chosen
@@ -379,6 +401,7 @@ def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     doc = plan_graph_doc(graph, cluster, price.step_time_s, float(opt.shard_comm_ratio), meshes)
     doc["unoptimised"] = price.to_dict()
     found, op_of = match_graph_plan(network, doc)
+    check_strategy_ranks(graph, found, op_of)
     if not found:
         raise PassRefused(f"shard: no primitive of {type(network).__name__} takes a strategy "
                           f"from the plan (looked for operators with parameters whose Cell "
