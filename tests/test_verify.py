@@ -400,3 +400,51 @@ def test_a_strategy_without_one_factor_per_input_dimension_is_an_error_naming_it
                                          r"input, but its inputs \[\(128, 64\), \(256,\)\] "
                                          r"have ranks \[2, 1\]"):
         check_strategy_ranks(graph, bad, {"emb.gather": "Default/emb-Embedding/Gather-op0"})
+
+
+def _zoo(name):
+    """(network with loss, inputs) of a network the package did not write."""
+    import mindspore as ms
+
+    from tests.test_user_network_plans import PatchEncoder, _classifier, _conv_classifier
+    from tests.test_user_networks import MOE
+    from tests.user_models import llama_with_loss
+
+    if name == "convnet":
+        return _conv_classifier()
+    if name == "nn.TransformerEncoder":
+        ms.set_seed(0)
+        x = np.random.default_rng(0).standard_normal((8, 16, 48)).astype(np.float32)
+        return _classifier(PatchEncoder(), ms.Tensor(x))
+    return llama_with_loss(moe=MOE, num_layers=2, batch=8)
+
+
+@pytest.mark.mindspore
+@pytest.mark.parametrize("name,prims", [
+    ("convnet", {"Conv2D", "MatMul", "BiasAdd"}),
+    ("nn.TransformerEncoder", {"MatMul", "BiasAdd", "LayerNorm"}),
+    ("llama with MoE", {"Gather", "MatMul", "BatchMatMul"})])
+def test_shard_plans_of_conv_encoder_and_moe_networks_are_carried_by_the_compiled_graph(
+        name, prims):
+    """Conv2D, the LayerNorm / Dense of nn.TransformerEncoder's layers and the experts'
+    BatchMatMul: each strategy shard sets is on that primitive in the compiled graph."""
+    import mindspore as ms
+
+    import ms_efficient
+    from ms_efficient.core.config import config_from_dict
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    net, inputs = _zoo(name)
+    config = config_from_dict({"optimize": {"passes": ["shard"]},
+                               "cluster": {"preset": "ascend910b-1x8"}})
+    _, plans = ms_efficient.optimize(net, config, sample_inputs=inputs, verify=True)
+    shard = plans["shard"]
+    assert {rec["prim"] for rec in shard["applied"].values()} == prims
+    checked = [(path, attr, entry) for path, cell in shard["verified"].items()
+               for attr, entry in cell["shard"].items() if attr not in ("seen", "stage")]
+    assert len(checked) == len(shard["applied"])
+    # every node of the primitive carries the planned strategy (the experts' BatchMatMul runs
+    # twice, for w1 and w2)
+    assert all(entry["ok"] and all(s == entry["planned"] for s in entry["seen"])
+               for _, _, entry in checked)
+    assert any(f > 1 for rec in shard["applied"].values() for t in rec["strategy"] for f in t)
