@@ -3,6 +3,8 @@
     import ms_efficient
     cfg = ms_efficient.load_config("my_run.yaml")      # or config_from_dict({...})
     network, plans = ms_efficient.optimize(network, cfg, sample_inputs=(ids, labels))
+    # a pass that finds nothing worth changing is plans[name] == {"refused": reason};
+    # strict=True raises it (ms_efficient.PassRefused) instead
     parallel_net = ms_efficient.parallelize(network, plans, (ids, labels))   # on Ascend
 
 ``import ms_efficient`` is cheap: planners (cluster model, simulator, graph tools, traces) are
@@ -37,7 +39,7 @@ the capabilities -> train -> passes, cli. Planners never import MindSpore.
 """
 from ms_efficient.core.config import config_from_dict, load_config
 from ms_efficient.parallel import parallelize
-from ms_efficient.passes import optimize, register_pass, registered_passes
+from ms_efficient.passes import PassRefused, optimize, register_pass, registered_passes
 
 __version__ = "0.1.0"
 
@@ -51,4 +53,5 @@ def adopt_moe(network, tokens, **kwargs):
     return adopt(network, tokens, **kwargs)
 
 
-__all__ = ["optimize", "parallelize", "adopt_moe", "load_config", "config_from_dict", "register_pass", "registered_passes", "__version__"]
+__all__ = ["optimize", "parallelize", "adopt_moe", "load_config", "config_from_dict", "register_pass",
+           "registered_passes", "PassRefused", "__version__"]

@@ -11,9 +11,13 @@ A pass is a function ``(network, context) -> (network, plan)`` registered under 
 :func:`register_pass`; ``context`` is the :class:`PassContext` (config, sample inputs, the graph
 and the Cell tree, built on first use). Every plan is a dict whose ``cells`` maps each Cell path
 the pass changed (exactly as in ``network.cells_and_names()``) to what it set there. A pass that
-finds nothing it can change raises ``ValueError`` saying what it looked for; ``optimize`` also
-refuses a plan with no ``cells``, so no pass returns success having done nothing. With no pass
-enabled the network is returned untouched.
+finds nothing worth changing (no Cell it can plan, a plan that does not pay or splits nothing)
+raises :class:`PassRefused` (a ValueError) saying what it looked for, before it changes the
+network; a plan with no ``cells`` is a refusal too, so no pass reports success having done
+nothing. ``optimize`` records a refusal as ``plans[name] = {"refused": reason}``, logs it as a
+warning and runs the other passes; ``optimize(..., strict=True)`` raises it instead. Any other
+exception of a pass (a config field out of range) is an error and always propagates. With no
+pass enabled the network is returned untouched.
 """
 from __future__ import annotations
 
@@ -23,9 +27,11 @@ import logging
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 from ms_efficient.core.config import RunConfig, load_config
-from ms_efficient.core.registry import PassFn, register_pass, registered
+from ms_efficient.core.registry import (PassFn, PassRefused, applied_plans, is_refused,
+                                        refusals, register_pass, registered)
 
-__all__ = ["register_pass", "registered_passes", "optimize", "PassContext", "PassFn"]
+__all__ = ["register_pass", "registered_passes", "optimize", "PassContext", "PassFn",
+           "PassRefused", "applied_plans", "is_refused", "refusals"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +63,8 @@ class PassContext:
 
     config: the RunConfig. sample_inputs: the batch given to ``optimize`` (or None).
     :meth:`graph` and :meth:`cell_tree` are built on first use and shared by the passes.
-    plans: {pass name: plan} of the passes run so far (later passes plan against them).
+    plans: {pass name: plan} of the passes applied so far (later passes plan against them);
+    refused: {pass name: reason} of the passes that refused (not in ``plans``).
     """
 
     def __init__(self, network: Any, config: RunConfig,
@@ -71,6 +78,8 @@ class PassContext:
         # {pass name: plan} of the passes run so far: later passes plan against them
         # (memopt on one device's share after shard and place)
         self.plans: Dict[str, Any] = {}
+        # {pass name: reason} of the passes that refused (optimize records them, not in plans)
+        self.refused: Dict[str, str] = {}
 
     def graph(self, needed_by: str = "this pass"):
         """The train-step OpGraph of the network (forward, backward and optimizer ops)."""
@@ -121,7 +130,7 @@ class PassContext:
 
 
 def optimize(network, config, sample_inputs: Optional[Sequence[Any]] = None,
-             verify: bool = False) -> Tuple[Any, Dict[str, Any]]:
+             verify: bool = False, strict: bool = False) -> Tuple[Any, Dict[str, Any]]:
     """Run the enabled passes on ``network`` (an ``nn.Cell``) before it is compiled.
 
     Args:
@@ -133,23 +142,41 @@ def optimize(network, config, sample_inputs: Optional[Sequence[Any]] = None,
             ``construct`` order); needed by every pass that plans the network's graph.
         verify: compile the optimised network once with the plan-verification graph pass
             (``ms_efficient.verify``), add ``verified`` (Cell path -> what the compiled graph
-            shows) to each plan, and raise ``PlanNotRealised`` naming each Cell whose planned
-            action left no trace. Needs a C++ compiler (``VerifyUnavailable`` otherwise).
+            shows) to each applied plan, and raise ``PlanNotRealised`` naming each Cell whose
+            planned action left no trace. Needs a C++ compiler (``VerifyUnavailable``
+            otherwise). When every pass refused there is nothing to compile-check: it is
+            skipped (logged).
+        strict: raise the first refusal (:class:`PassRefused`, a ValueError) instead of
+            recording it; the passes before it have already changed the network.
 
     Returns:
-        (network, plans): the network to compile and ``{pass name: plan}``; each plan's
-        ``cells`` names the Cells the pass changed. When a pass planned the network's graph
-        (memopt, shard, place), ``plans["summary"]`` is the combined report of all passes
-        together (``ms_efficient.plan_report.combined_report``): one simulated step time and
-        the peak bytes of every device, next to the unoptimised figures every pass priced.
-        Passes see the plans made before them: list ``memopt`` after ``shard`` and ``place``
-        so it plans one device's share of the network.
+        (network, plans): the network to compile and ``{pass name: plan}`` in pass order. An
+        applied plan's ``cells`` names the Cells the pass changed. A pass that refused (found
+        nothing worth changing: no Cell it can plan, place's pipeline slower than one stage,
+        a memory budget below the feasible floor, a shard plan that splits no dimension)
+        leaves the network as it was and is recorded as ``{"refused": reason}`` (logged as a
+        warning); the other passes plan and apply as if it were not listed.
+        ``ms_efficient.passes.applied_plans(plans)`` / ``refusals(plans)`` split the two.
+        When a pass planned the network's graph (memopt, shard, place),
+        ``plans["summary"]`` is the combined report of the applied passes together
+        (``ms_efficient.plan_report.combined_report``): one simulated step time and the
+        peak bytes of every device, next to the unoptimised figures every pass priced; its
+        ``refused`` lists the passes that refused. Passes see the plans applied before them:
+        list ``memopt`` after ``shard`` and ``place`` so it plans one device's share of the
+        network.
+
+    Raises:
+        PassRefused: only with ``strict=True``, the first pass that refused.
+        ValueError: an unknown pass name, or an error of a pass (a config field it cannot
+            use); never a refusal unless ``strict``.
     """
     if isinstance(config, str):
         config = load_config(config)
     if not isinstance(config, RunConfig):
         raise TypeError(f"optimize() takes a RunConfig or a config path, but got "
                         f"{type(config).__name__}.")
+    if not isinstance(strict, bool):
+        raise TypeError(f"'strict' must be True or False, but got {strict!r}.")
     known = registered_passes()
     context = PassContext(network, config, sample_inputs)
     plans: Dict[str, Any] = {}
@@ -159,19 +186,36 @@ def optimize(network, config, sample_inputs: Optional[Sequence[Any]] = None,
                              f"{sorted(known)}.")
         logger.info("running pass %s", name)
         before = [path for path, _ in network.cells_and_names()]
-        network, plan = known[name](network, context)
-        context.network = network
-        if [path for path, _ in network.cells_and_names()] != before:
-            context.invalidate()          # the Cell tree changed: later passes see the new one
-        if not isinstance(plan, dict) or not plan.get("cells"):
-            raise ValueError(f"pass '{name}' returned a plan that names no changed Cell "
-                             f"(its 'cells' is empty); a pass with nothing to change must "
-                             f"raise ValueError saying what it looked for.")
+        try:
+            network, plan = known[name](network, context)
+            if not isinstance(plan, dict) or not plan.get("cells") or is_refused(plan):
+                raise PassRefused(
+                    f"pass '{name}' returned a plan that names no changed Cell (its 'cells' "
+                    f"is empty): it changed nothing; a pass with nothing to change must raise "
+                    f"PassRefused saying what it looked for.")
+        except PassRefused as err:
+            if strict:
+                raise
+            plans[name] = {"refused": str(err)}
+            context.refused[name] = str(err)
+            logger.warning("pass %s refused (the other passes still apply; strict=True "
+                           "raises): %s", name, err)
+            continue
+        finally:
+            context.network = network
+            if [path for path, _ in network.cells_and_names()] != before:
+                context.invalidate()      # the Cell tree changed: later passes see the new one
         plans[name] = plan
         context.plans[name] = plan
-    from ms_efficient.verify.check import verify_after_optimize
+    applied, refused = applied_plans(plans), refusals(plans)
+    if verify and plans and not applied:
+        logger.warning("optimize(..., verify=True): every pass refused (%s); the network is "
+                       "unchanged and there is no plan to check in the compiled graph.",
+                       ", ".join(refused))
+    else:
+        from ms_efficient.verify.check import verify_after_optimize
 
-    verify_after_optimize(network, plans, context.sample_inputs, verify)
+        verify_after_optimize(network, applied, context.sample_inputs, verify)
     if context.has_graph:
         from ms_efficient.plan_report import combined_report
 

@@ -15,7 +15,9 @@ Step time, seconds:
   included) plus the change of the 1F1B step ``F(b) = sum_s b_s / M + (M - 1) max_s b_s / M``
   when every stage's busy time ``b_s`` (place's ``stage_time_s``) grows or shrinks by what
   shard's split and memopt's recomputation change on it, plus shard's communication.
-With no pass that changes anything the report is the unoptimised price: ``step_time_s`` and
+A pass that refused (``optimize`` records ``{"refused": reason}``) is not in
+``context.plans`` and changes no figure; ``refused`` names it. With no pass that changes
+anything (every one refused) the report is the unoptimised price: ``step_time_s`` and
 ``peak_memory_bytes`` equal ``unoptimised``'s.
 Peak bytes: the simulated peak of each device's share (parameter state, the activations it
 keeps for backward, in-flight micro-batches under 1F1B after place); ``devices`` lists the
@@ -68,7 +70,9 @@ def _memory_plan(profile, plans: Dict[str, Any]):
 
 def combined_report(context) -> Dict[str, Any]:
     """The combined report of the plans in ``context.plans`` (module docstring):
-    ``{"passes", "devices_needed", ["note"], "step_time_s", "peak_memory_bytes" (the
+    ``{"passes" (the applied ones), "refused" (the passes that refused, ``context.refused``;
+    their plans are not in the figures), "devices_needed", ["note"], "step_time_s",
+    "peak_memory_bytes" (the
     largest device's), "devices":
     [{"share", "devices", "peak_memory_bytes", "busy_s"}], "comm_time_s", "unoptimised",
     "evidence"}``; bytes and seconds."""
@@ -131,6 +135,7 @@ def combined_report(context) -> Dict[str, Any]:
                          f"to a mesh of {cluster.num_devices // len(place['stages'])} devices "
                          f"or plan on a cluster of {needed}")
     return {"passes": [name for name in plans],
+            "refused": list(getattr(context, "refused", {})),
             "devices_needed": needed, **extra,
             "step_time_s": float(step + comm),
             "peak_memory_bytes": int(round(max(peak for _, peak in rows))),

@@ -40,7 +40,7 @@ def main() -> int:
         cfg = config_from_dict({"optimize": {"passes": passes, "memory_budget": "90%"},
                                 "cluster": CPU2})
         try:
-            _, plans = ms_efficient.optimize(net, cfg, sample_inputs=inputs)
+            _, plans = ms_efficient.optimize(net, cfg, sample_inputs=inputs, strict=True)
         except ValueError as err:
             print(f"| {'+'.join(passes)} | error: {err} |")
             continue

@@ -49,7 +49,7 @@ def child(batch: int, budget: str, pairs: int) -> dict:
     if budget:
         config = config_from_dict({"optimize": {"passes": ["memopt"], "memory_budget": budget},
                                    "cluster": {"preset": "ascend910b-1x8"}})
-        net, plans = ms_efficient.optimize(net, config, sample_inputs=inputs)
+        net, plans = ms_efficient.optimize(net, config, sample_inputs=inputs, strict=True)
         plan = plans["memopt"]
         out.update(segments=[[layer["name"], layer["action"], len(layer["cells"])]
                              for layer in plan["layers"]],

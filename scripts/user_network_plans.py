@@ -68,7 +68,7 @@ def _run(build, cluster, passes):
     net, inputs = build()
     cfg = config_from_dict({"optimize": {"passes": passes}, "cluster": cluster})
     try:
-        return ms_efficient.optimize(net, cfg, sample_inputs=inputs)[1]
+        return ms_efficient.optimize(net, cfg, sample_inputs=inputs, strict=True)[1]
     except ValueError as err:
         return {"error": str(err)}
 

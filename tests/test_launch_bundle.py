@@ -258,6 +258,29 @@ def test_plan_bundle_without_shard_or_place_names_the_field(tmp_path, capsys):
     assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.mindspore
+def test_plan_bundle_whose_passes_all_refuse_fails_naming_the_refusal(tmp_path, capsys):
+    from ms_efficient.cli import main
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "context": {"mode": "GRAPH_MODE", "device_target": "CPU", "seed": 1},
+        "model": {"vocab_size": 64, "seq_length": 16, "hidden_size": 32, "num_layers": 2,
+                  "num_heads": 2, "ffn_hidden_size": 64},
+        "moe": {"num_experts": 4, "top_k": 2},
+        "train": {"batch_size": 4},
+        "cluster": {"preset": "cpu-local", "devices_per_node": 1},
+        "optimize": {"passes": ["place"]}}))
+    # place refuses on one device; optimize records it, and with nothing applied there is
+    # nothing to launch: a failure, not a bundle of no plan
+    assert main(["plan", "bundle", str(cfg), "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert f"'optimize.passes' of {cfg} is ['place'], but no pass a launch bundle needs " \
+           f"applied (place refused: place: cluster 'cpu-local' has 1 device; pipeline " \
+           f"stages need >= 2" in err and "nothing to launch" in err
+    assert not (tmp_path / "b").exists()
+
+
 def test_a_plan_action_the_bundle_cannot_express_is_refused():
     settings = ParallelSettings(devices=1, stages=1, micro_batches=1, dp=1, mp=1, batch=8)
     plan = {"layers": [{"name": "blocks.0", "action": "recompute", "prefetch_lead": 1},

@@ -13,6 +13,7 @@ from mindspore import nn
 import ms_efficient
 from ms_efficient.core.config import config_from_dict
 from ms_efficient.core.units import format_size
+from tests.test_user_networks import _assert_refused
 from tests.user_models import llama_with_loss
 
 pytestmark = pytest.mark.mindspore
@@ -54,18 +55,15 @@ def test_a_budget_below_the_floor_names_it_and_the_suggested_share_plans():
     peak, floor = peaks[(KEEP,) * prof.num_layers], min(peaks.values())
     pct = np.ceil(floor / peak * 1000) / 10
     assert 50 < pct < 100                     # 50% cannot fit, some share below 100% does
-    with pytest.raises(ValueError) as err:
-        ms_efficient.optimize(net, config, sample_inputs=inputs)
-    message = str(err.value)
+    message = _assert_refused(net, config, inputs, "memopt", "")["memopt"]["refused"]
     assert message.startswith(
         f"'optimize.memory_budget' (50%, {format_size(0.5 * peak)}) is below the feasible "
         f"floor {pct:.1f}% ({format_size(floor)}) of the unoptimised peak "
         f"{format_size(peak)}: ") and f"set it to at least '{pct:g}%'" in message
     # with no budget (the device's 64 GiB) the network fits; the message suggests the same
     net, inputs = llama_with_loss(num_layers=2)
-    with pytest.raises(ValueError, match=f"already fits 'optimize.memory_budget' 64.00 GiB; "
-                                         f".*e.g. '{pct:g}%'"):
-        ms_efficient.optimize(net, _config(passes=["memopt"]), sample_inputs=inputs)
+    _assert_refused(net, _config(passes=["memopt"]), inputs, "memopt",
+                    f"already fits 'optimize.memory_budget' 64.00 GiB; .*e.g. '{pct:g}%'")
     # the suggested share plans within it on a fresh copy of the network
     net, inputs = llama_with_loss(num_layers=2)
     net, plans = ms_efficient.optimize(net, _config(passes=["memopt"],
@@ -80,10 +78,9 @@ def test_a_budget_below_the_floor_names_it_and_the_suggested_share_plans():
 
 def test_a_bad_budget_size_is_below_the_floor_in_bytes():
     net, inputs = llama_with_loss(num_layers=2)
-    with pytest.raises(ValueError, match=r"^'optimize.memory_budget' \(1000 bytes\) is below "
-                                         r"the feasible floor \d+\.\d% \("):
-        ms_efficient.optimize(net, _config(passes=["memopt"], memory_budget=1000),
-                              sample_inputs=inputs)
+    _assert_refused(net, _config(passes=["memopt"], memory_budget=1000), inputs, "memopt",
+                    r"^'optimize.memory_budget' \(1000 bytes\) is below the feasible floor "
+                    r"\d+\.\d% \(")
 
 
 def test_memopt_cells_glob_matches_one_level():

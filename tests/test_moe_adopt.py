@@ -12,7 +12,7 @@ import ms_efficient
 from ms_efficient.core.config import config_from_dict
 from ms_efficient.adopt import adopt_moe, find_moe_blocks
 from ms_efficient.moe import MoEMLP, replace_cell
-from tests.test_user_networks import _record_trace, _train_steps
+from tests.test_user_networks import _assert_refused, _record_trace, _train_steps
 from tests.user_models import LlamaForCausalLM, UserStackedMoE, user_moe_with_loss
 
 pytestmark = pytest.mark.mindspore
@@ -87,10 +87,9 @@ def test_adopted_layers_are_planned_by_the_moe_passes_and_callbacks_and_train(tm
 
     net, inputs = user_moe_with_loss("stacked")
     for name in ("efficientmoe", "mpipe"):                 # before: a hint how to adopt
-        with pytest.raises(ValueError, match=r"MoE blocks of its own at \['_backbone.layers"
-                                             r".0.mlp', '_backbone.layers.1.mlp'\].*adopt_moe"):
-            ms_efficient.optimize(net, config_from_dict({"optimize": {"passes": [name]}}),
-                                  sample_inputs=inputs)
+        _assert_refused(net, config_from_dict({"optimize": {"passes": [name]}}), inputs, name,
+                        r"MoE blocks of its own at \['_backbone.layers.0.mlp', "
+                        r"'_backbone.layers.1.mlp'\].*adopt_moe")
     net, _ = adopt_moe(net, tokens=TOKENS)
     trace = _record_trace(net, inputs, tmp_path / "trace.npz")     # RoutingTraceCallback
     assert trace.counts.shape[1:] == (2, 1, 4) and trace.top_k == 2

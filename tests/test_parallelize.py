@@ -149,3 +149,19 @@ def test_a_shard_plan_alone_gives_a_one_stage_wrapper():
     wrapper = ms_efficient.parallelize(net, plans, inputs)
     assert wrapper.network is net and wrapper.get_pipeline_stages() == 1
     assert wrapper.settings.devices == 4 and wrapper._dataset_strategy_config == ((2, 1), (2,))
+
+
+def test_a_refused_pass_counts_as_absent_and_a_plan_of_refusals_names_them(planned):
+    _, plans, _ = planned
+    # place refused: the shard plan alone, one stage of its 2x1 mesh
+    only_shard = {**plans, "place": {"refused": "place: pipelining does not pay"}}
+    settings = settings_from_plans(only_shard, [(8, 32), (256,)])
+    assert (settings.stages, settings.devices, settings.dp, settings.mp) == (1, 2, 2, 1)
+    assert settings.stage_config == {}
+    refused = {"shard": {"refused": "shard: the plan on the 1x8 mesh splits no dimension"},
+               "place": {"refused": "place: pipelining does not pay"}}
+    with pytest.raises(ValueError, match=r"^'plans' holds no applied 'shard' or 'place' plan: "
+                                         r"pass shard refused: shard: the plan on the 1x8 mesh "
+                                         r"splits no dimension; pass place refused: place: "
+                                         r"pipelining does not pay$"):
+        settings_from_plans(refused, [(8, 32), (256,)])

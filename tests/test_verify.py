@@ -38,7 +38,14 @@ def test_a_cell_owns_the_nodes_whose_scope_holds_its_path_as_consecutive_segment
     assert record.nodes_of("fc1") and not record.nodes_of("blocks.1.fc2")
     assert not record.has_stage_info()
     assert parse_strategy("((2, 1), (1, 4))") == ((2, 1), (1, 4))
+    # MindSpore prints a one-element tuple without a comma: a Gather of 1-D indices, a
+    # LayerNorm's gamma and beta
+    assert parse_strategy("((1, 1), (8))") == ((1, 1), (8,))
+    assert parse_strategy("((8, 1, 1), (1), (1))") == ((8, 1, 1), (1,), (1,))
+    assert parse_strategy("((8))") == ((8,),) == parse_strategy("((8,),)")
     assert parse_strategy("true") is None
+    for bad in ("((1, 1), (8)", "()", "((),)", "((1, 2)) x", "((1.5, 2))", "(8)"):
+        assert parse_strategy(bad) is None, bad
     with pytest.raises(ValueError, match="version: 1"):
         CompiledRecord.from_dict({"nodes": []})
 
@@ -256,3 +263,188 @@ def test_recompute_all_drops_the_outputs_of_adjacent_blocks_in_one_recomputation
     verify_plans(net, plans, inputs)
     assert all(v["recompute"]["ok"] and v["unchecked"] == []
                for v in plans["memopt"]["verified"].values())
+
+
+EVERYDAY = "everyday cells"
+
+
+def _everyday_or_llama(name):
+    from tests.user_models import embed_norm_dense_with_loss, llama_with_loss
+
+    return embed_norm_dense_with_loss() if name == EVERYDAY else \
+        llama_with_loss(num_layers=2, batch=8)
+
+
+@pytest.fixture(scope="module", params=[EVERYDAY, "llama"])
+def sharded_and_verified(request):
+    """(name, network, plans, inputs): optimize(passes [shard], ascend910b-1x8, verify=True)
+    of the 4-block network of nn.Embedding, nn.LayerNorm, nn.Dense (with bias) and nn.GELU,
+    and of a LLaMA-shaped decoder."""
+    import mindspore as ms
+
+    import ms_efficient
+    from ms_efficient.core.config import config_from_dict
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    net, inputs = _everyday_or_llama(request.param)
+    config = config_from_dict({"optimize": {"passes": ["shard"]},
+                               "cluster": {"preset": "ascend910b-1x8"}})
+    net, plans = ms_efficient.optimize(net, config, sample_inputs=inputs, verify=True)
+    return request.param, net, plans, inputs
+
+
+@pytest.mark.mindspore
+def test_verify_passes_shard_plans_on_everyday_cells_as_the_compiled_graph_carries_them(
+        sharded_and_verified):
+    """Issue 33 item 1: every strategy shard sets (Gather, LayerNorm, MatMul, BiasAdd) is on a
+    primitive of the compiled graph, one entry per input dimension; the check read it in the
+    frontend graph, before any backend rewrite."""
+    from ms_efficient.graph import from_network
+    from ms_efficient.graph.cells import scope_path
+    from ms_efficient.verify.check import RECORD_STAGE
+
+    name, net, plans, inputs = sharded_and_verified
+    shard = plans["shard"]
+    assert (shard["mesh"]["dp"], shard["mesh"]["mp"]) == (8, 1)
+    verified = shard["verified"]
+    assert set(verified) == set(shard["cells"])
+    for path, entry in shard["cells"].items():
+        got = verified[path]["shard"]
+        assert got["stage"] == RECORD_STAGE
+        for attr, strategy in entry["shard"].items():
+            prim = shard["applied"][f"{path}.{attr}"]["prim"]
+            assert got[attr] == {"planned": strategy, "primitive": prim, "seen": [strategy],
+                                 "ok": True}, (path, attr)
+    # one entry per input, one factor per input dimension of the operator the graph runs
+    fresh, fresh_inputs = _everyday_or_llama(name)
+    graph = from_network(fresh, *fresh_inputs, mode="train")
+    for key, rec in shard["applied"].items():
+        path = key.rsplit(".", 1)[0]
+        ops = [n for n in graph if n.phase == "forward" and n.op_type == rec["prim"]
+               and (scope_path(n.name) == path or scope_path(n.name).endswith("." + path))]
+        assert ops and all([len(t) for t in rec["strategy"]] == [len(x) for x in n.input_shapes]
+                           for n in ops), key
+    if name == EVERYDAY:       # dp over the batch: nn.Embedding's Gather takes flat 1-D ids
+        cells = shard["cells"]
+        assert cells["_backbone.emb"]["shard"] == {"gather": [[1, 1], [8]]}
+        for i in range(4):
+            block = f"_backbone.blocks.{i}"
+            assert cells[f"{block}.norm"]["shard"] == {"layer_norm": [[8, 1, 1], [1], [1]]}
+            for fc in ("fc1", "fc2"):
+                assert cells[f"{block}.{fc}"]["shard"] == {"matmul": [[8, 1], [1, 1]],
+                                                           "bias_add": [[8, 1], [1]]}
+    else:
+        assert {a for c in shard["cells"].values() for a in c["shard"]} == {"gather", "matmul"}
+
+
+@pytest.mark.mindspore
+def test_verify_fails_a_shard_plan_the_compiled_graph_does_not_carry(sharded_and_verified):
+    """A strategy with a factor too few for LayerNorm's 3-D input, and MatMul's strategy
+    claimed for the BiasAdd beside it: both named, the BiasAdd one although a MatMul under
+    the same Cell carries that strategy."""
+    name, net, plans, inputs = sharded_and_verified
+    stage = ("read in the frontend graph (MindSpore FULL_GRAPH custom pass): after autodiff "
+             "and recompute insertion, before backend fusion and kernel selection")
+    if name != EVERYDAY:
+        failures, _ = _failures_of(net, plans, inputs, {
+            ("_backbone.model.embed_tokens", "gather"): [[1, 8], [8]]})
+        assert failures == [
+            "pass 'shard' set strategy [[1, 8], [8]] on '_backbone.model.embed_tokens.gather', "
+            f"but no forward Gather under the Cell's scope carries it (seen: [[[1, 1], [8]]]; "
+            f"{stage})."]
+        return
+    failures, wrong = _failures_of(net, plans, inputs, {
+        ("_backbone.blocks.0.norm", "layer_norm"): [[8, 1], [1], [1]],
+        ("_backbone.blocks.2.fc1", "bias_add"): [[8, 1], [1, 1]]})
+    assert failures == [
+        "pass 'shard' set strategy [[8, 1], [1], [1]] on '_backbone.blocks.0.norm.layer_norm', "
+        f"but no forward LayerNorm under the Cell's scope carries it (seen: [[[8, 1, 1], [1], "
+        f"[1]]]; {stage}).",
+        "pass 'shard' set strategy [[8, 1], [1, 1]] on '_backbone.blocks.2.fc1.bias_add', but "
+        f"no forward BiasAdd under the Cell's scope carries it (seen: [[[8, 1], [1]]]; "
+        f"{stage})."]
+    fc1 = wrong["shard"]["verified"]["_backbone.blocks.2.fc1"]["shard"]
+    assert fc1["seen"] == [[[8, 1], [1, 1]], [[8, 1], [1]]]       # the MatMul carries it
+    assert fc1["matmul"]["ok"] and not fc1["bias_add"]["ok"]
+
+
+def _failures_of(net, plans, inputs, edits):
+    """(PlanNotRealised's failures, the checked plans) of a copy of the shard plan whose
+    strategies ``edits`` ({(Cell path, attribute): strategy}) replace; the network keeps the
+    strategies optimize() set."""
+    import copy
+
+    from ms_efficient.verify import PlanNotRealised, verify_plans
+
+    wrong = copy.deepcopy({"shard": plans["shard"]})
+    for (path, attr), strategy in edits.items():
+        wrong["shard"]["cells"][path]["shard"][attr] = strategy
+    with pytest.raises(PlanNotRealised) as err:
+        verify_plans(net, wrong, inputs)
+    return err.value.failures, wrong
+
+
+def test_a_strategy_without_one_factor_per_input_dimension_is_an_error_naming_it():
+    from ms_efficient.graph.opgraph import OpGraph, OpNode
+    from ms_efficient.shard.apply import check_strategy_ranks
+
+    graph = OpGraph("g")
+    graph.add_node(OpNode("Default/emb-Embedding/Gather-op0", "Gather",
+                          input_shapes=[(128, 64), (256,)]))
+    ok = {"emb.gather": (None, ((1, 1), (8,)))}
+    check_strategy_ranks(graph, ok, {"emb.gather": "Default/emb-Embedding/Gather-op0"})
+    bad = {"emb.gather": (None, ((1, 1), (8, 1)))}          # 2-D for the 1-D flat ids
+    with pytest.raises(ValueError, match=r"^shard: the strategy \[\[1, 1\], \[8, 1\]\] "
+                                         r"planned for 'emb.gather' \(Gather 'Default/emb-"
+                                         r"Embedding/Gather-op0'\) has \[2, 2\] factors per "
+                                         r"input, but its inputs \[\(128, 64\), \(256,\)\] "
+                                         r"have ranks \[2, 1\]"):
+        check_strategy_ranks(graph, bad, {"emb.gather": "Default/emb-Embedding/Gather-op0"})
+
+
+def _zoo(name):
+    """(network with loss, inputs) of a network the package did not write."""
+    import mindspore as ms
+
+    from tests.test_user_network_plans import PatchEncoder, _classifier, _conv_classifier
+    from tests.test_user_networks import MOE
+    from tests.user_models import llama_with_loss
+
+    if name == "convnet":
+        return _conv_classifier()
+    if name == "nn.TransformerEncoder":
+        ms.set_seed(0)
+        x = np.random.default_rng(0).standard_normal((8, 16, 48)).astype(np.float32)
+        return _classifier(PatchEncoder(), ms.Tensor(x))
+    return llama_with_loss(moe=MOE, num_layers=2, batch=8)
+
+
+@pytest.mark.mindspore
+@pytest.mark.parametrize("name,prims", [
+    ("convnet", {"Conv2D", "MatMul", "BiasAdd"}),
+    ("nn.TransformerEncoder", {"MatMul", "BiasAdd", "LayerNorm"}),
+    ("llama with MoE", {"Gather", "MatMul", "BatchMatMul"})])
+def test_shard_plans_of_conv_encoder_and_moe_networks_are_carried_by_the_compiled_graph(
+        name, prims):
+    """Conv2D, the LayerNorm / Dense of nn.TransformerEncoder's layers and the experts'
+    BatchMatMul: each strategy shard sets is on that primitive in the compiled graph."""
+    import mindspore as ms
+
+    import ms_efficient
+    from ms_efficient.core.config import config_from_dict
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    net, inputs = _zoo(name)
+    config = config_from_dict({"optimize": {"passes": ["shard"]},
+                               "cluster": {"preset": "ascend910b-1x8"}})
+    _, plans = ms_efficient.optimize(net, config, sample_inputs=inputs, verify=True)
+    shard = plans["shard"]
+    assert {rec["prim"] for rec in shard["applied"].values()} == prims
+    checked = [(path, attr, entry) for path, cell in shard["verified"].items()
+               for attr, entry in cell["shard"].items() if attr not in ("seen", "stage")]
+    assert len(checked) == len(shard["applied"])
+    # every node of the primitive carries the planned strategy (the experts' BatchMatMul runs
+    # twice, for w1 and w2)
+    assert all(entry["ok"] and all(s == entry["planned"] for s in entry["seen"])
+               for _, _, entry in checked)
+    assert any(f > 1 for rec in shard["applied"].values() for t in rec["strategy"] for f in t)

@@ -147,6 +147,48 @@ def wide_llama_with_loss(layers=6, batch=8, seq=32):
     return nn.WithLossCell(net, nn.CrossEntropyLoss()), (ids, labels)
 
 
+class NormMLP(nn.Cell):
+    """An everyday block of MindSpore's own Cells: nn.LayerNorm, nn.Dense (with bias),
+    nn.GELU, nn.Dense."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.norm = nn.LayerNorm((hidden,))
+        self.fc1 = nn.Dense(hidden, 2 * hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Dense(2 * hidden, hidden)
+
+    def construct(self, x):
+        return self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class EmbedNormDense(nn.Cell):
+    """nn.Embedding, 4 residual NormMLP blocks, a final nn.LayerNorm and an nn.Dense head."""
+
+    def __init__(self, vocab=128, hidden=64, layers=4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.blocks = nn.CellList([NormMLP(hidden) for _ in range(layers)])
+        self.norm = nn.LayerNorm((hidden,))
+        self.head = nn.Dense(hidden, vocab)
+        self.vocab = vocab
+
+    def construct(self, ids):
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return ops.reshape(self.head(self.norm(x)), (-1, self.vocab))
+
+
+def embed_norm_dense_with_loss(batch=8, seq=32):
+    """(``nn.WithLossCell(EmbedNormDense, CrossEntropy)``, (ids [batch, seq], labels))."""
+    ms.set_seed(0)
+    rng = np.random.default_rng(0)
+    ids = ms.Tensor(rng.integers(0, 128, (batch, seq)).astype(np.int32))
+    labels = ms.Tensor(rng.integers(0, 128, (batch * seq,)).astype(np.int32))
+    return nn.WithLossCell(EmbedNormDense(), nn.CrossEntropyLoss()), (ids, labels)
+
+
 # --------------------------------------------------------------------------- user-written MoE
 class UserStackedMoE(nn.Cell):
     """A user's own MoE FFN as written without the package: a Dense router ``gate``, stacked

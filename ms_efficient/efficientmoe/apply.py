@@ -47,7 +47,7 @@ from mindspore.train import Callback
 
 from ms_efficient.core import backend
 from ms_efficient.core.config import EfficientMoEConfig, RunConfig, history_trace_path
-from ms_efficient.core.registry import register_pass
+from ms_efficient.core.registry import PassRefused, register_pass
 from ms_efficient.efficientmoe.planner import (EfficientMoEPlanner, capacities_LE,
                                                one_device_counts, one_device_planner,
                                                single_device_plans)
@@ -267,21 +267,22 @@ def efficientmoe_pass(network: nn.Cell, context) -> tuple:
     network (under any attribute names; the layer inside a drop-in ``MoEMLP`` and the layers
     ``ms_efficient.adopt_moe`` put in place of a user's own MoE blocks too), planned
     before compilation from the routing trace ``efficientmoe.history`` by the planner the trainer and :class:`EfficientMoECallback` use.
-    Raises ValueError without MoE layers, without a history, for a trace of other shapes, or
-    when the layers already have the planned capacities."""
+    Raises PassRefused (a ValueError) without MoE layers, with 'grouped' ones, or when the
+    layers already have the planned capacities; ValueError without a history or for a trace
+    of other shapes (config errors)."""
     from ms_efficient.moe.layer import MoEFeedForward
 
     layers = [(p, c) for p, c in network.cells_and_names() if isinstance(c, MoEFeedForward)]
     if not layers:
-        raise ValueError(f"efficientmoe: found no MoEFeedForward layer in the network; the pass "
-                         f"plans the capacities of the package's MoE layer (MoEFeedForward, "
-                         f"or MoEMLP around one).{adopt_hint(network)}")
+        raise PassRefused(f"efficientmoe: found no MoEFeedForward layer in the network; the pass "
+                          f"plans the capacities of the package's MoE layer (MoEFeedForward, "
+                          f"or MoEMLP around one).{adopt_hint(network)}")
     grouped = [p for p, c in layers if c.dispatch == "grouped"]
     if grouped:
-        raise ValueError(f"efficientmoe: MoE layers {grouped} use dispatch 'grouped': on one "
-                         f"device they compute only their routed rows and have no capacities "
-                         f"to plan; plan replicas and row buffers for an expert-parallel run "
-                         f"with `ms-efficient plan moe --dispatch grouped`.")
+        raise PassRefused(f"efficientmoe: MoE layers {grouped} use dispatch 'grouped': on one "
+                          f"device they compute only their routed rows and have no capacities "
+                          f"to plan; plan replicas and row buffers for an expert-parallel run "
+                          f"with `ms-efficient plan moe --dispatch grouped`.")
     em = context.config.efficientmoe
     if not em.history:
         raise ValueError("efficientmoe: the pass plans capacities before compilation from a "
@@ -304,8 +305,8 @@ def efficientmoe_pass(network: nn.Cell, context) -> tuple:
     caps_LE = capacities_LE(cand.plans, want[1])
     current = np.array([c.capacities for _, c in layers], np.int64)
     if np.array_equal(current, caps_LE):
-        raise ValueError("efficientmoe: the MoE layers already have the planned capacities; "
-                         "nothing to change.")
+        raise PassRefused("efficientmoe: the MoE layers already have the planned capacities; "
+                          "nothing to change.")
     for (_, layer), caps in zip(layers, caps_LE):
         layer.set_capacities([int(c) for c in caps])
     drop = planner.expected_drop_rate(cand.plans, cand.predicted_LRE, cand.rel_KLRE)

@@ -18,7 +18,7 @@ import numpy as np
 import yaml
 
 from ms_efficient.core.fileio import atomic_write_text
-from ms_efficient.core.registry import register_pass
+from ms_efficient.core.registry import PassRefused, register_pass
 from ms_efficient.memopt.env import (ACTION_NAMES, HOST_ACTIONS, KEEP, OFFLOAD, RECOMPUTE,
                                      RECOMPUTE_ALL, SWAP, MemoryPlan, StepResult,
                                      realisable_actions)
@@ -250,7 +250,7 @@ def _plan_device(profile: LayerProfile, value, cluster, actions,
     ``reference_peak`` when given (the largest unoptimised peak of several pipeline stages:
     every device has the same memory), else of this device's peak. Returns {"profile",
     "budget", "peak", "floor", "safe", "plan", "result"}; "plan" is None when the unoptimised
-    peak already fits. Raises ValueError when recompute does not pay or the budget is below
+    peak already fits. Raises PassRefused when recompute does not pay or the budget is below
     the feasible floor (``check_budget_floor``'s one message, its shares of the reference)."""
     from ms_efficient.core.units import format_size, parse_budget
     from ms_efficient.memopt.planner import budget_floor, plan_memory
@@ -267,7 +267,7 @@ def _plan_device(profile: LayerProfile, value, cluster, actions,
         return out
     where = "" if profile.meta.get("device") == "one device" else f" on {profile.meta['device']}"
     if floor_percent(safe, peak) >= 100.0:
-        raise ValueError(
+        raise PassRefused(
             f"memopt: no plan of {profile.num_layers} Cells ({profile.names[0]} ...){where} "
             f"lowers the unoptimised simulated peak {format_size(peak)} by 0.1% or more (its "
             f"floor is {format_size(safe)}): recompute does not pay on this network; leave "
@@ -278,12 +278,12 @@ def _plan_device(profile: LayerProfile, value, cluster, actions,
     except ValueError as err:
         note = where.strip() + ("" if reference_peak is None else
                                 "; shares are of the largest stage's unoptimised peak")
-        raise ValueError(f"{err}{note and ' (' + note + ')'}") from None
+        raise PassRefused(f"{err}{note and ' (' + note + ')'}") from None
     try:
         plan, result = plan_memory(profile, budget, cluster.host_link, actions=actions)
-    except ValueError:
+    except ValueError as err:
         if budget < safe:
-            raise
+            raise PassRefused(f"memopt: {err}") from None
         plan, result = plan_memory(profile, budget, cluster.host_link, actions=actions,
                                    candidates={"checkmate-milp": least})
     out.update(plan=plan, result=result)
@@ -340,9 +340,11 @@ def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
     shard and place in ``optimize.passes`` for that.
 
     Returns (network, plan dict with ``cells``, ``devices`` (per planned device / stage) and
-    ``unoptimised`` (the network's shared price on one device)). Raises ValueError when the
-    network has no Cell to plan, the budget is below the feasible floor (named as a share of
-    the unoptimised peak and in bytes) or every device's unoptimised peak already fits it."""
+    ``unoptimised`` (the network's shared price on one device)). Raises PassRefused (a
+    ValueError; ``optimize`` records it as ``{"refused": reason}``) when the network has no
+    Cell to plan, recompute does not pay, the budget is below the feasible floor (named as a
+    share of the unoptimised peak and in bytes) or every device's unoptimised peak already
+    fits it; the network is unchanged then."""
     from ms_efficient.core.units import format_size
     from ms_efficient.graph.cells import (assign_segments, assign_units, match_cells,
                                           repeated_blocks, sequence_groups, user_cell_path)
@@ -357,7 +359,7 @@ def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
     groups = [] if patterns or units else [
         g for g in sequence_groups(tree) if all(user_cell_path(c) for c in g)]
     if not units and not groups:
-        raise ValueError(
+        raise PassRefused(
             "memopt: found no repeated blocks (children of a CellList or SequentialCell, >= 2 "
             "of one class, holding parameters) and no CellList / SequentialCell with >= 2 "
             "Cells holding parameters; name the Cells to plan with optimize.memopt_cells, "
@@ -402,7 +404,7 @@ def memopt_pass(network, context) -> Tuple[Any, Dict[str, Any]]:
     if not planned:
         top = max(devices, key=lambda got: got["peak"])
         where = "" if len(devices) == 1 else f" (the largest of {len(devices)} stages)"
-        raise ValueError(
+        raise PassRefused(
             f"memopt: the unoptimised simulated peak {format_size(top['peak'])}{where} of the "
             f"{len(units)} planned Cells ({units[0]} ...) already fits 'optimize.memory_budget' "
             f"{format_size(top['budget'])}; nothing to recompute or swap. Set it between the "

@@ -19,7 +19,7 @@ import logging
 import math
 from typing import Any, Dict, Tuple
 
-from ms_efficient.core.registry import register_pass
+from ms_efficient.core.registry import PassRefused, register_pass
 
 __all__ = ["mpipe_pass"]
 
@@ -44,7 +44,7 @@ def _batch_of(graph, path: str, fallback: int) -> int:
 def mpipe_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     """Wrap each MoE layer in ``PipelinedMoE`` where more than one chunk is fastest
     (simulated on the config's cluster). Raises ValueError without MoE layers or when one
-    chunk is fastest for all of them (nothing to wrap)."""
+    chunk is fastest for all of them (nothing to wrap): PassRefused (a ValueError)."""
     from ms_efficient.adopt.replace import adopt_hint
     from ms_efficient.moe.dropin import replace_cell
     from ms_efficient.moe.layer import MoEFeedForward
@@ -53,9 +53,9 @@ def mpipe_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
 
     found = [(p, c) for p, c in network.cells_and_names() if isinstance(c, MoEFeedForward)]
     if not found:
-        raise ValueError(f"mpipe: found no MoEFeedForward layer in the network; the pass "
-                         f"chunks the package's MoE layer (MoEFeedForward, or MoEMLP around "
-                         f"one).{adopt_hint(network)}")
+        raise PassRefused(f"mpipe: found no MoEFeedForward layer in the network; the pass "
+                          f"chunks the package's MoE layer (MoEFeedForward, or MoEMLP around "
+                          f"one).{adopt_hint(network)}")
     cluster = context.config.cluster_spec()
     graph = context.graph("the mpipe pass")
     first = context.sample_inputs[0]
@@ -79,9 +79,9 @@ def mpipe_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
         cells[path] = {"wrapped_in": "PipelinedMoE", "chunks": best.chunks,
                        "layer_time_s": best.time_s, "unchunked_time_s": table[1].time_s}
     if not cells:
-        raise ValueError(f"mpipe: one chunk is fastest for every MoE layer on "
-                         f"{cluster.name!r} (simulated seconds per chunk count: "
-                         f"{next(iter(times.values()))}); nothing to wrap.")
+        raise PassRefused(f"mpipe: one chunk is fastest for every MoE layer on "
+                          f"{cluster.name!r} (simulated seconds per chunk count: "
+                          f"{next(iter(times.values()))}); nothing to wrap.")
     logger.info("mpipe: wrapped %d MoE layers", len(cells))
     return network, {"kind": "mpipe", "cluster": cluster.name, "evidence": "simulated",
                      "cells": cells}

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ms_efficient.core.fileio import atomic_write_text
+from ms_efficient.core.registry import applied_plans, refusals
 from ms_efficient.parallel.settings import ParallelSettings, stage_of_keys, stage_of_path
 
 __all__ = ["Bundle", "layer_of", "recompute_config", "swap_config", "parallel_config",
@@ -149,7 +150,7 @@ def swap_config(memopt: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
 def _records(plans: Mapping[str, Any]):
     from ms_efficient.shard.apply import records_from_plan
 
-    shard = plans.get("shard")
+    shard = applied_plans(plans).get("shard")
     return records_from_plan(shard) if shard else {}
 
 
@@ -184,7 +185,7 @@ def moe_config(moe: Optional[Mapping[str, Any]], plans: Mapping[str, Any],
         return None
     experts, top_k = int(moe["num_experts"]), int(moe["top_k"])
     cf = float(moe.get("capacity_factor") or experts / top_k)     # dropless: every token fits
-    plan = plans.get("efficientmoe")
+    plan = applied_plans(plans).get("efficientmoe")
     if plan:
         per_layer = float(plan["rows_after"]) / max(int(moe["moe_layers"]), 1)
         cf = per_layer / (tokens_per_step * top_k)
@@ -232,12 +233,16 @@ def write_bundle(out_dir: str, plans: Mapping[str, Any], settings: ParallelSetti
                  tokens_per_step: int = 0, command: Optional[str] = None) -> Bundle:
     """Write strategy.json (with a shard plan), run.yaml and launch.sh into ``out_dir``
     (created; each file written atomically). settings: ``settings_from_plans`` of the plans;
-    devices_per_node: the cluster's; moe / tokens_per_step: see :func:`moe_config`."""
+    devices_per_node: the cluster's; moe / tokens_per_step: see :func:`moe_config`. A pass
+    that refused (``{"refused": reason}`` in ``plans``) contributes nothing; a note names it."""
     import yaml
 
     _positive(devices_per_node, "devices_per_node")
     os.makedirs(out_dir, exist_ok=True)
     bundle = Bundle(out_dir=out_dir)
+    bundle.notes += [f"pass {name} refused, not in the bundle: {reason}"
+                     for name, reason in refusals(plans).items()]
+    plans = applied_plans(plans)
     records = _records(plans)
     if records:
         from ms_efficient.shard.apply import strategy_json

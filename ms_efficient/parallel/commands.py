@@ -1,7 +1,11 @@
 """``ms-efficient plan bundle CONFIG --out DIR``: plan the reference model of a run config with
 the config's passes (``optimize.passes``, which must include shard and/or place), check the
 plans build MindSpore's ``AutoParallel`` (``parallelize``, constructed, not compiled) and write
-the launch bundle (``ms_efficient.parallel.bundle``)."""
+the launch bundle (``ms_efficient.parallel.bundle``).
+
+A pass that refuses (``optimize`` records ``{"refused": reason}``) is printed as a note and left
+out of the bundle; when neither shard nor place applied there is nothing to launch and the
+command fails (exit 2) naming every refusal: no silent no-op."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +34,7 @@ def run_bundle(args: argparse.Namespace) -> int:
 
     import ms_efficient
     from ms_efficient.core import backend
+    from ms_efficient.core.registry import applied_plans, refusals
     from ms_efficient.core.config import load_config
     from ms_efficient.models.gpt_moe import build_model
     from ms_efficient.parallel.bundle import write_bundle
@@ -50,6 +55,12 @@ def run_bundle(args: argparse.Namespace) -> int:
     net = build_model(cfg.model, cfg.moe, batch)
     tokens = Tensor(np.zeros((batch, seq), np.int32))
     network, plans = ms_efficient.optimize(net, cfg, sample_inputs=(tokens, tokens))
+    if not wanted & set(applied_plans(plans)):
+        why = "; ".join(f"{name} refused: {reason}" for name, reason in refusals(plans).items()
+                        if name in wanted)
+        raise ValueError(f"'optimize.passes' of {args.config} is {list(cfg.optimize.passes)}, "
+                         f"but no pass a launch bundle needs applied ({why}); there is nothing "
+                         f"to launch.")
     wrapper = ms_efficient.parallelize(network, plans, (tokens, tokens),
                                        devices=args.devices or cluster.num_devices)
     moe = {"num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k,

@@ -125,13 +125,21 @@ def settings_from_plans(plans: Mapping[str, Any], batch_shapes: Sequence[Sequenc
 
     batch_shapes: the shape of each network input for one global batch (dim 0 = B).
     devices: ranks of the job; default the place plan's device count, else dp x mp.
-    Raises ValueError when the plans hold neither a shard nor a place plan, or break a rule.
+    A refused pass (``{"refused": reason}``) counts as absent. Raises ValueError when the
+    plans hold neither an applied shard nor place plan (naming the refusals), or break a rule.
     """
     if not isinstance(plans, Mapping):
         raise ValueError(f"'plans' must be the dict optimize() returns, but got "
                          f"{type(plans).__name__}.")
+    from ms_efficient.core.registry import applied_plans, refusals
+
+    refused = {k: v for k, v in refusals(plans).items() if k in ("shard", "place")}
+    plans = applied_plans(plans)                  # a refused pass set nothing to run
     shard, place = plans.get("shard"), plans.get("place")
     if shard is None and place is None:
+        if refused:
+            raise ValueError("'plans' holds no applied 'shard' or 'place' plan: " + "; ".join(
+                f"pass {name} refused: {reason}" for name, reason in refused.items()))
         raise ValueError(f"'plans' holds no 'shard' or 'place' plan (it has {sorted(plans)}); "
                          "enable those passes in optimize.passes.")
     if scheduler not in SCHEDULERS:

@@ -50,7 +50,9 @@ def check_strategies(network: Any, plans: Mapping[str, Any]) -> Dict[str, Any]:
     """``{Cell path.attribute: in_strategy}`` of every primitive the shard plan names, read from
     the network; ValueError naming the first one whose strategy differs from the plan (or
     that the network lacks): semi-auto parallel would run something else."""
-    shard = plans.get("shard")
+    from ms_efficient.core.registry import applied_plans
+
+    shard = applied_plans(plans).get("shard")
     if shard is None:
         return {}
     cells = dict(network.cells_and_names())

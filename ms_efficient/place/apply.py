@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 
 from ms_efficient.core.fileio import atomic_write_text
-from ms_efficient.core.registry import register_pass
+from ms_efficient.core.registry import PassRefused, register_pass
 from ms_efficient.graph.cells import scope_path, user_cell_path
 from ms_efficient.place.cost import simulate_placement
 from ms_efficient.place.problem import PlacementProblem
@@ -265,8 +265,10 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     bubble and the transfers) and ``pipeline_stage`` set on the network's Cells.
 
     ``optimize.micro_batches`` fixes M; 0 lets the pass choose among the divisors of the
-    batch. Raises ValueError on a one-device cluster, a network with fewer than two repeated
-    blocks, or when no pipeline beats one stage (saying by how much)."""
+    batch. Raises PassRefused (a ValueError; ``optimize`` records it as ``{"refused":
+    reason}``) on a one-device cluster, a network with fewer than two repeated blocks, or when
+    no pipeline beats one stage (saying by how much), before setting any stage; ValueError for
+    an ``optimize.micro_batches`` that does not divide the batch."""
     from ms_efficient.graph.cells import (assign_units, forward_subgraph, node_cell_path,
                                           repeated_blocks, strip_train_root)
     from ms_efficient.place.planner import TGAConfig
@@ -274,16 +276,16 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
 
     cluster = context.config.cluster_spec()
     if cluster.num_devices < 2:
-        raise ValueError(f"place: cluster {cluster.name!r} has {cluster.num_devices} device; "
-                         "pipeline stages need >= 2 (set the config's cluster, e.g. "
-                         "{preset: ascend910b-1x8}).")
+        raise PassRefused(f"place: cluster {cluster.name!r} has {cluster.num_devices} device; "
+                          "pipeline stages need >= 2 (set the config's cluster, e.g. "
+                          "{preset: ascend910b-1x8}).")
     full = context.graph("the place pass")
     graph = forward_subgraph(full)
     blocks = repeated_blocks(context.cell_tree())
     if len(blocks) < 2:
-        raise ValueError(f"place: found {len(blocks)} repeated blocks in "
-                         f"{type(network).__name__} (children of one class in a CellList / "
-                         "SequentialCell); every pipeline stage holds one, so it needs >= 2.")
+        raise PassRefused(f"place: found {len(blocks)} repeated blocks in "
+                          f"{type(network).__name__} (children of one class in a CellList / "
+                          "SequentialCell); every pipeline stage holds one, so it needs >= 2.")
     units = assign_units(graph, blocks)
     groups = group_of_ops(units.unit_of)
     micro = context.config.optimize.micro_batches

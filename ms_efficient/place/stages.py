@@ -14,7 +14,7 @@ contiguous splits of ``place.baselines.contiguous``, a linear partition of the b
 compute), for every candidate number of micro-batches, scores each plan with the shared
 simulator (``place.cost.simulate_placement``: the pipeline bubble and the stage-to-stage
 transfers included) and keeps the fastest. When no pipeline beats one stage it raises
-ValueError saying by how much.
+PassRefused (a ValueError) saying by how much.
 
 Micro-batching cost: every operator of a FLOP-costed graph pays its launch overhead
 (``PlacementOptions.op_overhead_s``) once per micro-batch, so a group's whole-step seconds at
@@ -44,6 +44,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from ms_efficient.core.cluster import ClusterSpec
+from ms_efficient.core.registry import PassRefused
 from ms_efficient.graph.opgraph import OpGraph, OpNode
 from ms_efficient.place.baselines import contiguous
 from ms_efficient.place.cost import simulate_placement
@@ -161,16 +162,17 @@ def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
     """Place the block groups on ``cluster`` as pipeline stages (see module docstring).
 
     micro_batches: the M values to try (e.g. :func:`micro_batch_candidates` of the batch).
-    Plans within device memory win over plans beyond it. Raises ValueError when the cluster
-    has one device, there are fewer than two blocks, or the best pipeline is not faster than
+    Plans within device memory win over plans beyond it. Raises PassRefused (a ValueError)
+    when the cluster has one device, there are fewer than two blocks, no pipeline fits the
+    devices' memory when one stage does not either, or the best pipeline is not faster than
     one stage (naming both times and the gap) while the network fits one device.
     """
     if cluster.num_devices < 2:
-        raise ValueError(f"place: cluster {cluster.name!r} has {cluster.num_devices} device; "
-                         "pipeline stages need >= 2.")
+        raise PassRefused(f"place: cluster {cluster.name!r} has {cluster.num_devices} device; "
+                          "pipeline stages need >= 2.")
     if len(names) < 2:
-        raise ValueError(f"place: the network has {len(names)} repeated block; pipeline "
-                         "stages each hold a repeated block, so they need >= 2.")
+        raise PassRefused(f"place: the network has {len(names)} repeated block; pipeline "
+                          "stages each hold a repeated block, so they need >= 2.")
     if not micro_batches or min(micro_batches) < 1:
         raise ValueError(f"'micro_batches' must be positive integers, but got "
                          f"{list(micro_batches)}.")
@@ -204,7 +206,7 @@ def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
         logger.info("place: %d micro-batches -> best pipeline simulated %.4g ms", m,
                     tried.get(m, np.nan) * 1e3)
     if best is not None and not best[1].feasible and not one_cost.feasible:
-        raise ValueError(
+        raise PassRefused(
             f"place: no pipeline of the {len(names)} blocks fits the usable memory of "
             f"{cluster.name!r} ({best[3].capacity_bytes[0]:.4g} bytes per device; the best "
             f"needs {best[1].peak_memory_bytes.max():.4g}); shard or recompute first.")
@@ -218,8 +220,8 @@ def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
             f"({(best[1].step_time_s / one_stage_s - 1) * 100:+.1f}%, "
             f"{(best[1].step_time_s - one_stage_s) * 1e3:.4g} ms slower; bubble and "
             f"stage-to-stage transfers included)")
-        raise ValueError(f"place: pipelining does not pay on {cluster.name!r}: {detail}; "
-                         f"no pipeline stage to set.")
+        raise PassRefused(f"place: pipelining does not pay on {cluster.name!r}: {detail}; "
+                          f"no pipeline stage to set.")
     m, cost, assign, problem = best
     used: List[int] = []
     for d in assign.tolist():

@@ -38,11 +38,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ms_efficient.core.fileio import atomic_write_text
-from ms_efficient.core.registry import register_pass
+from ms_efficient.core.registry import PassRefused, register_pass
 from ms_efficient.graph.cells import scope_path, user_cell_path
 
 __all__ = ["apply_shard_plan", "OpRecord", "strategy_json", "write_strategy_json", "graph_records",
-           "records_from_plan", "apply_graph_plan", "shard_pass"]
+           "records_from_plan", "match_graph_plan", "apply_graph_plan", "check_strategy_ranks",
+           "shard_pass"]
 
 logger = logging.getLogger(__name__)
 
@@ -290,14 +291,27 @@ def records_from_plan(doc: Dict[str, Any]) -> Dict[str, OpRecord]:
 
 def apply_graph_plan(network: Any, doc: Dict[str, Any]
                      ) -> Tuple[Dict[str, Tuple], Dict[str, str]]:
-    """Set ``shard()`` on the user's primitives from a graph plan (``graph_plan_to_dict``).
+    """Set ``shard()`` on the user's primitives from a graph plan (``graph_plan_to_dict``):
+    those :func:`match_graph_plan` finds. Returns ``({"<cell path>.<attribute>":
+    in_strategy}, {same key: the plan operator's name})``."""
+    found, op_of = match_graph_plan(network, doc)
+    for prim, strategy in found.values():
+        prim.shard(strategy)
+    return {key: strategy for key, (_, strategy) in found.items()}, op_of
+
+
+def match_graph_plan(network: Any, doc: Dict[str, Any]
+                     ) -> Tuple[Dict[str, Tuple[Any, Tuple]], Dict[str, str]]:
+    """The user's primitives a graph plan (``graph_plan_to_dict``) sets, and their strategies;
+    sets nothing.
 
     An operator is matched to a primitive through the parameters it reads: the Cell that owns
     the parameter (by ``parameters_and_names(expand=False)``) and, in it, the one primitive
     attribute of the operator's type (``nn.Dense.matmul``, ``nn.Embedding.gather``). Operators
     without parameters, or whose Cell holds several primitives of that type, are left to
     MindSpore's sharding propagation (their strategies are in the plan). Returns
-    ``({"<cell path>.<attribute>": in_strategy}, {same key: the plan operator's name})``.
+    ``({"<cell path>.<attribute>": (primitive, in_strategy)}, {same key: the plan operator's
+    name})``.
     """
     holders: Dict[str, List[Tuple[str, Any]]] = {}      # a tied parameter has several
     for path, cell in network.cells_and_names():
@@ -305,7 +319,7 @@ def apply_graph_plan(network: Any, doc: Dict[str, Any]
             continue
         for _, p in cell.parameters_and_names(expand=False):
             holders.setdefault(p.name, []).append((path, cell))
-    applied: Dict[str, Tuple] = {}
+    applied: Dict[str, Tuple[Any, Tuple]] = {}
     op_of: Dict[str, str] = {}
     for op_name, entry in doc["operators"].items():
         if not entry["params"]:
@@ -325,13 +339,35 @@ def apply_graph_plan(network: Any, doc: Dict[str, Any]
         path, (attr, prim) = found[0]
         strategy = tuple(tuple(int(f) for f in t) for t in entry["in_strategy"])
         key = f"{path}.{attr}" if path else attr
-        if key in applied and applied[key] != strategy:
-            logger.warning("shard: %s is called with two strategies; keeping the first", key)
+        if key in applied:
+            if applied[key][1] != strategy:
+                logger.warning("shard: %s is called with two strategies; keeping the first",
+                               key)
             continue
-        prim.shard(strategy)
-        applied[key] = strategy
+        applied[key] = (prim, strategy)
         op_of[key] = op_name
     return applied, op_of
+
+
+def check_strategy_ranks(graph: Any, found: Dict[str, Tuple[Any, Tuple]],
+                         op_of: Dict[str, str]) -> None:
+    """ValueError naming the primitive, its strategy and the operator's input shapes when a
+    strategy does not have one entry per tensor input and one factor per input dimension of
+    the graph operator it was planned for (the operator the compiled graph runs: nn.Embedding
+    flattens its ids, so its Gather takes 1-D indices whatever the ids' rank). Operators
+    whose input shapes the graph does not know are not checked."""
+    for key, (_, strategy) in found.items():
+        node = graph[op_of[key]] if op_of[key] in graph else None
+        shapes = [tuple(s) for s in getattr(node, "input_shapes", None) or []]
+        if not shapes:
+            continue
+        ranks = [len(s) for s in shapes]
+        if [len(t) for t in strategy] != ranks:
+            raise ValueError(
+                f"shard: the strategy {[list(t) for t in strategy]} planned for '{key}' "
+                f"({node.op_type} '{node.name}') has {[len(t) for t in strategy]} factors per "
+                f"input, but its inputs {shapes} have ranks {ranks}: a strategy needs one "
+                f"entry per input and one factor per input dimension.")
 
 
 @register_pass("shard")
@@ -342,8 +378,11 @@ def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     x ZeRO-1's communication on that mesh (half the unoptimised simulated step where ZeRO-1
     cannot run), never more memory per device than the best baseline within that budget.
     Sets ``shard()`` on the primitives it can name and writes the strategy JSON to
-    ``optimize.shard_strategy_file`` when set. Raises ValueError when no primitive of the
-    network takes a strategy (nothing to set)."""
+    ``optimize.shard_strategy_file`` when set. Raises PassRefused (a ValueError; ``optimize``
+    records it as ``{"refused": reason}``), setting nothing, when no primitive of the network
+    takes a strategy or when every strategy it would set is all ones (the plan splits no
+    dimension of any operator: each device would run the whole network, as without the
+    pass); ValueError when ``optimize.shard_mesh`` needs more devices than the cluster."""
     from ms_efficient.shard.mesh_search import plan_graph_doc
     from ms_efficient.shard.strategies import parse_mesh
 
@@ -361,12 +400,24 @@ def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     price = context.unoptimised("the shard pass")
     doc = plan_graph_doc(graph, cluster, price.step_time_s, float(opt.shard_comm_ratio), meshes)
     doc["unoptimised"] = price.to_dict()
-    applied, op_of = apply_graph_plan(network, doc)
-    if not applied:
-        raise ValueError(f"shard: no primitive of {type(network).__name__} takes a strategy "
-                         f"from the plan (looked for operators with parameters whose Cell "
-                         f"holds one primitive of their type, e.g. nn.Dense.matmul); "
-                         f"nothing to set.")
+    found, op_of = match_graph_plan(network, doc)
+    check_strategy_ranks(graph, found, op_of)
+    if not found:
+        raise PassRefused(f"shard: no primitive of {type(network).__name__} takes a strategy "
+                          f"from the plan (looked for operators with parameters whose Cell "
+                          f"holds one primitive of their type, e.g. nn.Dense.matmul); "
+                          f"nothing to set.")
+    if all(f == 1 for _, strategy in found.values() for t in strategy for f in t):
+        dp, mp = doc["mesh"]["dp"], doc["mesh"]["mp"]
+        keys = sorted(found)
+        raise PassRefused(
+            f"shard: the plan on the {dp}x{mp} mesh splits no dimension: all {len(found)} "
+            f"strategies it would set ({keys[0]} {[list(t) for t in found[keys[0]][1]]}"
+            f"{', ...' if len(keys) > 1 else ''}) are all ones, so every device would run "
+            f"the whole network, as without the pass; nothing to set.")
+    for prim, st in found.values():
+        prim.shard(st)
+    applied = {key: st for key, (_, st) in found.items()}
     records = graph_records(network, applied, doc, op_of)
     strategy = strategy_json(records, doc["mesh"]["dp"], doc["mesh"]["mp"])
     if opt.shard_strategy_file:

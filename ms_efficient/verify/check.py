@@ -13,7 +13,14 @@ What is checked, per Cell a plan names in its ``cells`` (the key the plan set th
                          inputs (a Depend on a copy); a call MindSpore could not order (its
                          "Can not find the nodes to depend" warning) is reported too.
     ``shard: {attr: strategy}``  a forward primitive under the Cell's scope carries that
-                         strategy in its ``in_strategy`` attribute.
+                         strategy in its ``in_strategy`` attribute, one entry per input
+                         dimension as MindSpore prints it (``((1, 1), (8))``: a one-element
+                         tuple has no trailing comma). When the plan records the primitive
+                         of ``<path>.<attr>`` (the shard pass's ``applied[...]["prim"]``),
+                         only nodes of that primitive count: a BiasAdd strategy equal to
+                         the MatMul's beside it is not taken for it. Read at
+                         :data:`RECORD_STAGE`, before any backend rewrites the graph (the
+                         CPU backend's fusions are not what Ascend compiles).
     ``swap: true``       a forward primitive under the Cell's scope carries ``offload``
                          (``Cell.offload``). That the tag reached the graph is all this shows:
                          MindSpore offloads only inside lazy_inline Cells, on Ascend.
@@ -41,12 +48,16 @@ from typing import Any, Dict, List, Sequence
 from ms_efficient.verify.plugin import VerifyUnavailable, ensure_registered, recording
 from ms_efficient.verify.record import GROUP_ATTR, CompiledRecord, RecordedNode, parse_strategy
 
-__all__ = ["PlanNotRealised", "compile_record", "check_plans", "verify_plans",
+__all__ = ["PlanNotRealised", "RECORD_STAGE", "compile_record", "check_plans", "verify_plans",
            "verify_after_optimize"]
 
 logger = logging.getLogger(__name__)
 
 CHECKED_KEYS = ("recompute", "shard", "pipeline_stage", "swap")
+# where in the compile the record is taken (kernels/cpu/verify_pass.cc): the shard entries
+# say it, so a user can tell a strategy missing from the graph from one a backend rewrote
+RECORD_STAGE = ("frontend graph (MindSpore FULL_GRAPH custom pass): after autodiff and "
+                "recompute insertion, before backend fusion and kernel selection")
 # "action" names an action whose parts are the keys above; "output_recompute" (recompute-all)
 # shows as recomputed copies like any recompute: the record cannot tell a Cell's output node
 # from its interior, so it is checked through "recompute".
@@ -100,15 +111,25 @@ def _check_recompute(copies: List[RecordedNode], unordered: List[str]) -> Dict[s
             "ordered": not floating, "ok": bool(copies) and not floating}
 
 
-def _check_shard(nodes: List[RecordedNode], planned: Dict[str, Any]) -> Dict[str, Any]:
+def _strategies(nodes: List[RecordedNode], op: Any = None) -> List[List[List[int]]]:
+    """The ``in_strategy`` of the forward nodes (of primitive ``op`` when given), as lists."""
     seen = [parse_strategy(n.prim_attrs["in_strategy"]) for n in nodes
-            if not n.backward and "in_strategy" in n.prim_attrs]
-    seen_lists = [[list(t) for t in s] for s in seen if s is not None]
-    out = {}
+            if not n.backward and "in_strategy" in n.prim_attrs and op in (None, n.op)]
+    return [[list(t) for t in s] for s in seen if s is not None]
+
+
+def _check_shard(nodes: List[RecordedNode], planned: Dict[str, Any],
+                 prims: Dict[str, str]) -> Dict[str, Any]:
+    """{attr: {"planned", "primitive", "seen", "ok"}, "seen": every strategy under the
+    scope, "stage": RECORD_STAGE}; ``prims``: {attr: primitive name} where the plan says."""
+    out: Dict[str, Any] = {}
     for attr, strategy in planned.items():
         want = [list(t) for t in strategy]
-        out[attr] = {"planned": want, "ok": want in seen_lists}
-    out["seen"] = seen_lists
+        seen = _strategies(nodes, prims.get(attr))
+        out[attr] = {"planned": want, "primitive": prims.get(attr), "seen": seen,
+                     "ok": want in seen}
+    out["seen"] = _strategies(nodes)
+    out["stage"] = RECORD_STAGE
     return out
 
 
@@ -164,13 +185,20 @@ def check_plans(record: CompiledRecord, plans: Dict[str, Any]) -> List[str]:
                         f"output and found nothing inside it to recompute, so the plan frees "
                         f"no memory.")
             if actions.get("shard"):
-                entry["shard"] = _check_shard(nodes, actions["shard"])
+                applied = plan.get("applied") or {}
+                prims = {attr: applied[f"{path}.{attr}"]["prim"] for attr in actions["shard"]
+                         if isinstance(applied.get(f"{path}.{attr}"), dict)
+                         and applied[f"{path}.{attr}"].get("prim")}
+                entry["shard"] = _check_shard(nodes, actions["shard"], prims)
                 for attr, got in entry["shard"].items():
-                    if attr != "seen" and not got["ok"]:
-                        failures.append(
-                            f"pass '{name}' set strategy {got['planned']} on '{path}.{attr}', "
-                            f"but no forward primitive under the Cell's scope carries it "
-                            f"(seen: {entry['shard']['seen']}).")
+                    if attr in ("seen", "stage") or got["ok"]:
+                        continue
+                    which = (f"forward {got['primitive']}" if got["primitive"]
+                             else "forward primitive")
+                    failures.append(
+                        f"pass '{name}' set strategy {got['planned']} on '{path}.{attr}', "
+                        f"but no {which} under the Cell's scope carries it (seen: "
+                        f"{got['seen']}; read in the {RECORD_STAGE}).")
             if actions.get("swap"):
                 tagged = sum(not n.backward and n.prim_attrs.get("offload") == "true"
                              for n in nodes)

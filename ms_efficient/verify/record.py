@@ -22,8 +22,8 @@ attribute ``recompute_sub_graph``; :meth:`CompiledRecord.recomputed_by` uses bot
 """
 from __future__ import annotations
 
-import ast
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -80,15 +80,51 @@ def _contains(names: List[str], parts: List[str]) -> bool:
     return any(names[i:i + n] == parts for i in range(len(names) - n + 1))
 
 
+_TOKEN = re.compile(r"\s*(?:(-?\d+)|([(),\[\]]))")
+
+
+def _parse_group(tokens: List[str], i: int) -> Tuple[Any, int]:
+    """One value from ``tokens[i]``: an int, or a parenthesised / bracketed group (always a
+    tuple, whatever its length or trailing comma)."""
+    if tokens[i] not in ("(", "["):
+        return int(tokens[i]), i + 1
+    close = ")" if tokens[i] == "(" else "]"
+    items: List[Any] = []
+    i += 1
+    while tokens[i] != close:
+        if tokens[i] == ",":
+            raise ValueError("empty item")
+        value, i = _parse_group(tokens, i)
+        items.append(value)
+        if tokens[i] == ",":
+            i += 1
+        elif tokens[i] != close:
+            raise ValueError(f"unexpected {tokens[i]!r}")
+    return tuple(items), i + 1
+
+
 def parse_strategy(text: str) -> Optional[Tuple[Tuple[int, ...], ...]]:
-    """A strategy attribute as MindSpore prints it (``"((2, 1), (1, 4))"``) -> nested tuples;
-    None when it is not a tuple of int tuples."""
+    """A strategy attribute as MindSpore prints it -> nested tuples, one per input, one int
+    per input dimension; None when it is not a tuple of int tuples.
+
+    MindSpore prints a one-element tuple without a trailing comma: the strategy of a Gather
+    of 1-D indices is ``"((1, 1), (8))"``, of a LayerNorm ``"((8, 1, 1), (1), (1))"``;
+    every parenthesised group is read as a tuple (``(8)`` is ``(8,)``)."""
+    tokens: List[str] = []
+    pos = 0
+    text = str(text).strip()
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if m is None:
+            return None
+        tokens.append(m.group(1) or m.group(2))
+        pos = m.end()
     try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
+        value, end = _parse_group(tokens, 0) if tokens else (None, 0)
+    except (ValueError, IndexError):
         return None
-    if not isinstance(value, tuple) or not all(
-            isinstance(t, tuple) and all(isinstance(d, int) for d in t) for t in value):
+    if end != len(tokens) or not isinstance(value, tuple) or not value or not all(
+            isinstance(t, tuple) and t and all(isinstance(d, int) for d in t) for t in value):
         return None
     return value
 
