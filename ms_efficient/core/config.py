@@ -202,13 +202,27 @@ class EfficientMoEConfig:
     # "grouped" (static send blocks, full or empty) or "counts" (the kept rows only,
     # ops.AlltoAllVC on Ascend; on CPU the blocks are exchanged, same values). Fixed for a
     # run: the two are different graphs (`plan moe --dispatch auto` says which fits a trace).
+    # "balanced": EfficientMoE's two levels (BalancedExpertParallelMoE): a fixed layout
+    # (home experts, `moe.slots_per_device` minus ceil(E / W) spare slots, receive buffers)
+    # balanced every step from that step's exact counts, hot experts copied into spare slots.
     dispatch: str = "grouped"
+    # "balanced" runs: each device's receive buffer is its mean share x (1 + buffer_slack),
+    # fixed at the first compile (no history trace); with `history`, priced from that trace
+    # (efficientmoe.layout). Rows above every holder's buffer are dropped and counted.
+    buffer_slack: float = 0.5
 
     def validate(self, path: str) -> None:
         if self.force_replan_step < 0:
             _fail(f"{path}.force_replan_step", self.force_replan_step, ">= 0 (0 = never)")
-        if self.dispatch not in ("grouped", "counts"):
-            _fail(f"{path}.dispatch", self.dispatch, "one of ['grouped', 'counts']")
+        if self.dispatch not in ("grouped", "counts", "balanced"):
+            _fail(f"{path}.dispatch", self.dispatch, "one of ['grouped', 'counts', 'balanced']")
+        if not 0.0 <= self.buffer_slack <= 64.0:
+            _fail(f"{path}.buffer_slack", self.buffer_slack, "in [0, 64]")
+        if self.dispatch == "balanced" and self.enabled:
+            _fail(f"{path}.enabled", self.enabled,
+                  "false with dispatch 'balanced' (the fast level balances every step; "
+                  "re-placing its home experts during a run is not built yet: plan the "
+                  "layout from a trace with `efficientmoe.history` instead)")
         if not isinstance(self.history, str):
             _fail(f"{path}.history", self.history, "a path string or ''")
         if self.history and not os.path.isfile(history_trace_path(self.history)):

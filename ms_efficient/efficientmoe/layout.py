@@ -48,11 +48,11 @@ from ms_efficient.core.fileio import atomic_write_text
 from ms_efficient.efficientmoe.balanced_cost import (balanced_cost, copy_cost_rows_WW,
                                                      home_sync_time_L)
 from ms_efficient.efficientmoe.cost import CostModel
-from ms_efficient.moe.balance import balance_step
+from ms_efficient.moe.balance import BalancedSpec, balance_step
 
 __all__ = ["Layout", "LayoutConfig", "plan_layout", "place_home", "uniform_home",
            "replan_home", "migration_bytes_WW", "size_buffers", "replay_cost_s",
-           "save_layout", "load_layout"]
+           "save_layout", "load_layout", "training_specs"]
 
 
 @dataclass(frozen=True)
@@ -325,3 +325,30 @@ def replan_home(history_TLRE: np.ndarray, layout: Layout, config: LayoutConfig,
     load = _forecast(np.asarray(history_TLRE, dtype=np.int64), config.window)
     home = place_home(load, layout.num_devices, layout.redundant, devices_per_node)
     return dataclasses.replace(layout, home_LWS=home)
+
+
+def training_specs(num_layers: int, num_experts: int, world: int, spare_slots: int,
+                   mean_rows: float, model: CostModel, buffer_slack: float,
+                   history_TLRE: Optional[np.ndarray] = None) -> list:
+    """One :class:`~ms_efficient.moe.balance.BalancedSpec` per MoE layer of a training run
+    on ``world`` ranks: with ``history_TLRE`` (int [T, L, W, E], the run's ranks), the layout
+    :func:`plan_layout` makes of it (``spare_slots`` extra slots per device, split by
+    replay); without, plain expert parallelism (:func:`uniform_home`), ``spare_slots`` spare
+    slots and buffers of ``mean_rows`` (rows a device computes per step on average) x
+    (1 + ``buffer_slack``), on the cube tile. The copy cost follows ``model``'s cluster."""
+    tile = model.cluster.matmul_tile_rows
+    if history_TLRE is not None:
+        history = np.asarray(history_TLRE, dtype=np.int64)
+        if history.shape[1:] != (num_layers, world, num_experts):
+            raise ValueError(f"the history trace must be [T, {num_layers} MoE layers, {world} "
+                             f"ranks, {num_experts} experts], but got {history.shape}.")
+        layout = plan_layout(history, model, LayoutConfig(slots=spare_slots), tile=tile)
+        homes, spares, buffers = layout.home_LWS, layout.spare_W, layout.buffer_LW
+    else:
+        homes = uniform_home(num_layers, num_experts, world)
+        spares = np.full(world, spare_slots, dtype=np.int64)
+        rows = int(np.ceil(mean_rows * (1.0 + buffer_slack) / tile) * tile)
+        buffers = np.full((num_layers, world), rows, dtype=np.int64)
+    cost = copy_cost_rows_WW(model, world)
+    return [BalancedSpec(homes[layer], int(spares[0]), buffers[layer], cost,
+                         model.cluster.devices_per_node) for layer in range(num_layers)]

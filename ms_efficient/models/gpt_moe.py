@@ -18,6 +18,8 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from ms_efficient.core.config import ModelConfig, MoEConfig
+from ms_efficient.moe.balance import BalancedSpec
+from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE
 from ms_efficient.moe.ep_layer import ExpertParallelMoE
 from ms_efficient.moe.layer import MoEFeedForward, TopKArrival, expert_capacity, make_gelu
 
@@ -152,7 +154,14 @@ class GPTMoE(nn.Cell):
             raise ValueError(f"'plans' must give one expert plan per MoE block ({num_moe}), "
                              f"but got {len(plans)}.")
         for i in range(model.num_layers):
-            if (i + 1) % moe.moe_every == 0 and plans is not None:
+            if (i + 1) % moe.moe_every == 0 and isinstance(plans, (list, tuple)) and \
+                    isinstance(plans[len(moe_layers)], BalancedSpec):
+                ffn = BalancedExpertParallelMoE.from_spec(
+                    h, model.ffn_hidden_size, moe.num_experts, moe.top_k,
+                    plans[len(moe_layers)], trace_ranks=trace_ranks, init_std=std,
+                    seed=len(moe_layers))
+                moe_layers.append(i)
+            elif (i + 1) % moe.moe_every == 0 and plans is not None:
                 ffn = ExpertParallelMoE(h, model.ffn_hidden_size, moe.num_experts, moe.top_k,
                                         plans[len(moe_layers)], trace_ranks=trace_ranks,
                                         init_std=std, seed=len(moe_layers),
@@ -166,7 +175,8 @@ class GPTMoE(nn.Cell):
                 ffn = DenseFeedForward(h, model.ffn_hidden_size, moe.num_experts, trace_ranks,
                                        std)
             aux = (GlobalRouterAux(moe.num_experts, moe.top_k, ffn.world)
-                   if isinstance(ffn, ExpertParallelMoE) and ffn.world > 1 else None)
+                   if isinstance(ffn, (ExpertParallelMoE, BalancedExpertParallelMoE))
+                   and ffn.world > 1 else None)
             blocks.append(Block(h, model.num_heads, model.seq_length, ffn, std, model.dropout,
                                 aux))
         self.blocks = nn.CellList(blocks)
@@ -204,7 +214,8 @@ def build_model(model: ModelConfig, moe: MoEConfig, batch_size: int, plans=None,
     """The reference network for a config (float32 master weights).
 
     plans: None for the one-process network (``MoEFeedForward``, ``moe.trace_ranks`` trace
-    groups); else one "grouped" ExpertPlan per MoE block: ``ExpertParallelMoE`` layers over
+    groups); one ``BalancedSpec`` per MoE block: ``BalancedExpertParallelMoE`` layers (the
+    two-level EfficientMoE); else one "grouped" ExpertPlan per MoE block: ``ExpertParallelMoE`` layers over
     the initialised world group (``batch_size`` is then this rank's batch, one trace group
     per rank) with ``slots_per_device`` weight slots each. Their initial weights come from
     ``init_expert_weights``; load the one-process network's with ``set_weights`` to start

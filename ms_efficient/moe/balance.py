@@ -43,7 +43,20 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["Balance", "balance_step", "water_fill", "holders_of", "contiguous_cut"]
+__all__ = ["Balance", "BalancedSpec", "balance_step", "water_fill", "holders_of", "contiguous_cut"]
+
+
+@dataclass(frozen=True)
+class BalancedSpec:
+    """What a :class:`BalancedExpertParallelMoE` is built for (one MoE layer of a layout):
+    home_WS int [W, S_h], spare_slots S_s, buffer_W int [W] rows, copy_cost_WW float [W, W]
+    (rows of expert compute one copy costs; None: free), devices_per_node."""
+
+    home_WS: np.ndarray
+    spare_slots: int
+    buffer_W: np.ndarray
+    copy_cost_WW: Optional[np.ndarray] = None
+    devices_per_node: Optional[int] = None
 
 
 @dataclass

@@ -45,7 +45,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from ms_efficient.core import backend
 from ms_efficient.core.params import write_parameter
 from ms_efficient.moe.alltoall import AllToAll, CountExchange
-from ms_efficient.moe.balance import balance_step, contiguous_cut
+from ms_efficient.moe.balance import BalancedSpec, balance_step, contiguous_cut
 from ms_efficient.moe.counted_alltoall import CountedAllToAllV
 from ms_efficient.moe.ep_layer import ReplicaGradSum
 from ms_efficient.moe.ep_routing import init_expert_weights, pad_rows, replica_sync
@@ -53,7 +53,8 @@ from ms_efficient.moe.grouped_matmul import GroupedMatmul, row_groups
 from ms_efficient.moe.layer import TopKArrival, make_gelu, routing_statistics, sum_choices
 from ms_efficient.moe.plan import ExpertPlan
 
-__all__ = ["BalancedExpertParallelMoE", "FastLevel", "fast_level_tables", "home_plan"]
+__all__ = ["BalancedExpertParallelMoE", "BalancedSpec", "FastLevel", "fast_level_tables",
+           "home_plan"]
 
 
 def home_plan(home_WS: np.ndarray, num_experts: int) -> ExpertPlan:
@@ -140,7 +141,9 @@ class FastLevel(nn.Cell):
 
 class BalancedExpertParallelMoE(nn.Cell):
     """Expert-parallel MoE FFN balanced every step (module docstring):
-    ``construct(x_BSH) -> (y_BSH, aux_loss, counts_RE, dropped, stats)``.
+    ``construct(x_BSH) -> (y_BSH, aux_loss, counts_RE, dropped)``, the interface of
+    :class:`~ms_efficient.moe.ep_layer.ExpertParallelMoE`; the step's fast-level figures go
+    to the ``balance_stats`` Parameter.
 
     Args:
         hidden_size, ffn_hidden_size, num_experts, top_k: H, F, E, K.
@@ -156,8 +159,9 @@ class BalancedExpertParallelMoE(nn.Cell):
             (weights from :func:`init_expert_weights`, the same on every rank).
 
     Outputs: y_BSH; aux_loss (Switch loss of the local tokens); counts_RE int32 [R, E] of the
-    local tokens; dropped int32 (local assignments no buffer held); stats int32 [3 + W]
-    (copies made, rows dropped, rows kept, then every device's rows: the same on every rank).
+    local tokens; dropped int32 (local assignments no buffer held). ``balance_stats``
+    (non-trainable int32 [3 + W], written every step): copies made, rows dropped, rows kept,
+    then every device's rows; the same on every rank.
 
     Parameters: ``router.weight`` [E, H] (data-parallel), ``w1`` [S_h, H, F], ``b1``
     [S_h, 1, F], ``w2`` [S_h, F, H], ``b2`` [S_h, 1, H] (this rank's home slots; an empty
@@ -210,6 +214,7 @@ class BalancedExpertParallelMoE(nn.Cell):
         self.copy_exchange = AllToAll(group) if self.world > 1 and self.spare else None
         # weights: this rank's home slots; replicas tied by ReplicaGradSum
         local = home[self.rank][home[self.rank] >= 0]
+        self.budget, self.local_experts = self.slots_home, local      # as ExpertParallelMoE
         sync = replica_sync(self.plan, self.rank, self.slots_home,
                             max(0, min(num_experts, self.world * self.slots_home - num_experts))
                             if self.world > 1 else 0)
@@ -232,6 +237,16 @@ class BalancedExpertParallelMoE(nn.Cell):
         self.gelu = make_gelu()
         self.arrival = TopKArrival(num_experts, top_k)
         self.arange_L = Tensor(np.arange(self.slots_home + self.spare, dtype=np.int32))
+        self.balance_stats = Parameter(Tensor(np.zeros(3 + self.world, np.int32)),
+                                       name="balance_stats", requires_grad=False)
+
+    @classmethod
+    def from_spec(cls, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
+                  spec: BalancedSpec, group: Optional[str] = None, **kwargs):
+        """The layer of one :class:`BalancedSpec`."""
+        return cls(hidden_size, ffn_hidden_size, num_experts, top_k, spec.home_WS,
+                   spec.spare_slots, spec.buffer_W, group, spec.devices_per_node,
+                   spec.copy_cost_WW, **kwargs)
 
     def set_weights(self, router_EH, w1_EHF, b1_E1F, w2_EFH, b2_E1H) -> None:
         """Load logical weights (numpy, all E experts) into the router and this rank's home
@@ -287,7 +302,8 @@ class BalancedExpertParallelMoE(nn.Cell):
         y_TH = sum_choices(y_AH, k, t)
         aux_loss, counts_RE = routing_statistics(probs_TE, onehot_AE, k, self.trace_ranks)
         dropped = (k * t - keep_A.astype(ms.int32).sum()).astype(ms.int32)
-        return y_TH.reshape(b, s, h), aux_loss, counts_RE, dropped, stats
+        ops.assign(self.balance_stats, stats)
+        return y_TH.reshape(b, s, h), aux_loss, counts_RE, dropped
 
     def _experts(self, recv_IH, sent_WEW, slot_EW, spare_WS, source_WS, home_slot_WE):
         """Received rows [I, H] -> the fixed buffer [B_me, H] grouped by local slot -> FFNs ->

@@ -55,6 +55,7 @@ from ms_efficient.core.config import RunConfig, save_config
 from ms_efficient.core.fileio import atomic_write_text, atomic_write_with
 from ms_efficient.core.params import write_parameter
 from ms_efficient.models.gpt_moe import build_model
+from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE
 from ms_efficient.moe.ep_layer import ExpertParallelMoE
 from ms_efficient.moe.trace import load_trace, save_trace
 from ms_efficient.train.data import load_corpus
@@ -155,12 +156,16 @@ class ExpertParallelTrainer:
         initial = {p.name: p.asnumpy() for p in
                    build_model(mc, moe, tr.batch_size).get_parameters()}  # one-process init
         num_moe = sum((i + 1) % moe.moe_every == 0 for i in range(mc.num_layers))
-        plans = dropless_plans(num_moe, moe.num_experts, self.world, moe.top_k,
-                               self.tokens_per_step, cfg.efficientmoe.dispatch)
         budget = slot_budget(moe.num_experts, self.world, moe.slots_per_device)
+        self.balanced = cfg.efficientmoe.dispatch == "balanced"
+        if self.balanced:
+            plans = self._balanced_specs(num_moe, budget)
+        else:
+            plans = dropless_plans(num_moe, moe.num_experts, self.world, moe.top_k,
+                                   self.tokens_per_step, cfg.efficientmoe.dispatch)
         self.net = build_model(mc, moe, self.local_batch, plans, budget)
         self.layers = [c for _, c in self.net.cells_and_names()
-                       if isinstance(c, ExpertParallelMoE)]
+                       if isinstance(c, (ExpertParallelMoE, BalancedExpertParallelMoE))]
         _load_initial(self.net, self.layers, initial)
         self.optimizer = make_optimizer(self.net, tr)
         params = self.optimizer.parameters
@@ -171,6 +176,41 @@ class ExpertParallelTrainer:
         self._build_steps()
         self.step, self.metrics, self.counts = 0, [], []
         self.pending: Optional[Dict] = None          # a re-plan waiting for its next step
+
+    def _balanced_specs(self, num_moe: int, budget: int):
+        """The layout of a "balanced" run (:func:`~ms_efficient.efficientmoe.layout.
+        training_specs`): from ``efficientmoe.history`` when given, else plain expert
+        parallelism with the extra slots as spares and buffers of the mean share x
+        (1 + ``efficientmoe.buffer_slack``)."""
+        from ms_efficient.core.config import history_trace_path
+        from ms_efficient.efficientmoe.cost import CostModel
+        from ms_efficient.efficientmoe.layout import training_specs
+
+        cfg, moe = self.cfg, self.cfg.moe
+        em = cfg.efficientmoe
+        history = (load_trace(history_trace_path(em.history)).counts if em.history else None)
+        model = CostModel(cfg.cluster_spec(), cfg.model.hidden_size, cfg.model.ffn_hidden_size,
+                          "fp32")
+        spare = budget - -(-moe.num_experts // self.world)
+        mean_rows = self.tokens_per_step * moe.top_k / self.world
+        return training_specs(num_moe, moe.num_experts, self.world, spare, mean_rows, model,
+                              em.buffer_slack, history)
+
+    def _balance_row(self) -> List[Dict]:
+        """Per MoE layer, the fast level's figures of the last step: copies made, their weight
+        bytes (float32 here), rows per device and the fixed buffers, rows dropped."""
+        if not self.balanced:
+            return []
+        rows = []
+        for j, layer in enumerate(self.layers):
+            stats = layer.balance_stats.asnumpy().astype(int)
+            expert_bytes = 4 * sum(int(np.prod(p.shape[1:]))
+                                   for p in (layer.w1, layer.b1, layer.w2, layer.b2))
+            rows.append({"layer": j, "copies": int(stats[0]),
+                         "weight_bytes": int(stats[0]) * expert_bytes,
+                         "rows_per_device": stats[3:].tolist(),
+                         "buffer_rows": layer.buffer_W.tolist(), "dropped": int(stats[1])})
+        return rows
 
     def _build_steps(self) -> None:
         net, optimizer, reducer, world = self.net, self.optimizer, self.reducer, self.world
@@ -330,9 +370,12 @@ class ExpertParallelTrainer:
             if self.step % tr.log_every == 0 or self.step == tr.steps:
                 elapsed = time.perf_counter() - window_start
                 tps = window_steps * self.tokens_per_step / max(elapsed, 1e-9)
-                self.metrics.append({"kind": "train", "step": self.step, "loss": round(loss, 5),
-                                     "ce": round(ce, 5), "tokens_per_s": round(tps, 1),
-                                     "drop_rate": round(1.0 - kept / max(1, assigned), 5)})
+                row = {"kind": "train", "step": self.step, "loss": round(loss, 5),
+                       "ce": round(ce, 5), "tokens_per_s": round(tps, 1),
+                       "drop_rate": round(1.0 - kept / max(1, assigned), 5)}
+                if self.balanced:
+                    row["balance"] = self._balance_row()
+                self.metrics.append(row)
                 logger.info("step %d/%d  loss %.4f  ce %.4f  %.0f tok/s  ETA %s", self.step,
                             tr.steps, loss, ce, tps, _fmt_eta((tr.steps - self.step) * elapsed
                                                               / window_steps))
@@ -355,7 +398,7 @@ def _load_initial(net, layers: List[ExpertParallelMoE], initial: Dict[str, np.nd
     router and experts through ``set_weights`` (each rank keeps its own slots)."""
     prefixes = {}
     for name, cell in net.cells_and_names():
-        if isinstance(cell, ExpertParallelMoE):
+        if isinstance(cell, (ExpertParallelMoE, BalancedExpertParallelMoE)):
             prefixes[id(cell)] = name + "."
     for layer in layers:
         pre = prefixes[id(layer)]

@@ -67,8 +67,8 @@ def run(out_dir, rank, world):
             self.layer = layer
 
         def construct(self, x, dy):
-            y, aux, counts, dropped, stats = self.layer(x)
-            return (y * dy).sum(), y, counts, dropped, stats
+            y, aux, counts, dropped = self.layer(x)
+            return (y * dy).sum(), y, counts, dropped
 
     class TrainStep(nn.Cell):
         def __init__(self, layer, params):
@@ -90,15 +90,16 @@ def run(out_dir, rank, world):
     step = TrainStep(layer, params)
     rows = slice(rank * B, (rank + 1) * B)
     x, dy = (Tensor(a[rows]) for a in global_batch(world))
-    (_, y, counts, dropped, stats), (dx, grads) = step(x, dy)
-    out = {"y": y, "counts": counts, "dropped": dropped, "stats": stats, "dx": dx}
+    (_, y, counts, dropped), (dx, grads) = step(x, dy)
+    out = {"y": y, "counts": counts, "dropped": dropped, "stats": layer.balance_stats,
+           "dx": dx}
     out.update({f"grad_{n}": g for n, g in zip(PARAM_NAMES, grads)})
     out = {k: v.asnumpy() for k, v in out.items()}
     buffer_shape = [layer.num_rows]
     for i in range(1, TRAIN_STEPS):
         xs, dys = global_batch(world, i)
-        (_, _, _, _, stats_i), _ = step(Tensor(xs[rows]), Tensor(dys[rows]))
-        out[f"stats_{i}"] = stats_i.asnumpy()
+        step(Tensor(xs[rows]), Tensor(dys[rows]))
+        out[f"stats_{i}"] = layer.balance_stats.asnumpy()
         buffer_shape.append(layer.num_rows)
     out.update({f"trained_{n}": p.asnumpy() for n, p in zip(PARAM_NAMES, params)})
     out["buffer_rows"] = np.array(buffer_shape)

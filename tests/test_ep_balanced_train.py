@@ -1,0 +1,90 @@
+"""``train --workers W`` with ``efficientmoe.dispatch: balanced`` (BalancedExpertParallelMoE,
+the fast level every step): one rank in process against the one-process trainer, and (slow)
+2 and 4 msrun workers: loss per step equal to the one-process run with copies made, the fast
+level's figures on every log line, receive buffers that never change."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tests.test_ep_train import MSRUN, _config, _losses, _rows, needs_msrun
+from ms_efficient.cli import main
+
+STEPS = 20
+
+
+def test_one_rank_balanced_run_equals_the_one_process_trainer(tmp_path, text_dir):
+    from ms_efficient.core.config import load_config
+    from ms_efficient.train.ep_worker import worker_main
+    from ms_efficient.train.trainer import Trainer
+
+    config = _config(tmp_path, text_dir, train={"steps": 4, "save_every": 4},
+                     efficientmoe={"dispatch": "balanced"})
+    Trainer(load_config(config, {"moe.dispatch": "grouped"}), str(tmp_path / "one")).run()
+    assert worker_main([config, "--out", str(tmp_path / "ep")]) == 0
+    one, ep = _losses(tmp_path / "one"), _losses(tmp_path / "ep")
+    assert sorted(ep) == [1, 2, 3, 4]
+    for step in one:
+        np.testing.assert_allclose(ep[step], one[step], rtol=1e-5)
+    row = _rows(tmp_path / "ep", "train")[-1]
+    # one device: every row stays home, no copy, the buffer holds the mean share x 1.5
+    assert [b["copies"] for b in row["balance"]] == [0, 0]
+    assert row["balance"][0]["rows_per_device"] == [4 * 32 * 2]
+    assert row["balance"][0]["buffer_rows"] == [4 * 32 * 2 * 3 // 2]
+
+
+def test_balanced_dispatch_refuses_online_replans(tmp_path, text_dir, capsys):
+    config = _config(tmp_path, text_dir, efficientmoe={"dispatch": "balanced",
+                                                       "enabled": True})
+    assert main(["train", config, "--workers", "2", "--out", str(tmp_path / "x")]) == 2
+    assert "'efficientmoe.enabled' must be false with dispatch 'balanced'" in \
+        capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "x")
+
+
+@pytest.fixture(scope="module")
+def balanced_runs(tmp_path_factory):
+    """2- and 4-worker balanced runs of one config and its one-process run."""
+    if MSRUN is None:
+        pytest.skip("msrun is not on PATH")
+    from ms_efficient.core.config import load_config
+    from ms_efficient.train.trainer import Trainer
+
+    tmp = tmp_path_factory.mktemp("ep_balanced")
+    corpus = tmp / "corpus"
+    corpus.mkdir()
+    for i in range(40):
+        (corpus / f"mod_{i:02d}.py").write_text("".join(
+            f"def function_{i}_{j}(x):\n    return x * {j} + {i}\n" for j in range(40)))
+    config = _config(tmp, str(corpus), train={"steps": STEPS},
+                     efficientmoe={"dispatch": "balanced"})
+    runs = {}
+    for world in (2, 4):
+        runs[world] = tmp / f"ep{world}"
+        assert main(["train", config, "--workers", str(world), "--out", str(runs[world])]) == 0
+    Trainer(load_config(config, {"moe.dispatch": "grouped"}), str(tmp / "one")).run()
+    return runs, tmp / "one"
+
+
+@pytest.mark.slow
+@needs_msrun
+@pytest.mark.parametrize("world", [2, 4])
+def test_balanced_workers_match_the_one_process_loss_with_copies(balanced_runs, world):
+    runs, one = balanced_runs
+    a, b = _losses(runs[world]), _losses(one)
+    assert sorted(a) == list(range(1, STEPS + 1)) and sorted(b) == sorted(a)
+    for step in a:
+        np.testing.assert_allclose(a[step], b[step], rtol=1e-3, err_msg=f"step {step}")
+    rows = _rows(runs[world], "train")
+    copies = sum(b["copies"] for r in rows for b in r["balance"])
+    assert copies > 0                                       # the fast level copied experts
+    first = [b["buffer_rows"] for b in rows[0]["balance"]]
+    for r in rows:
+        assert [b["buffer_rows"] for b in r["balance"]] == first       # fixed shapes
+        for b in r["balance"]:
+            assert len(b["rows_per_device"]) == world and b["dropped"] == 0
+            assert b["weight_bytes"] == b["copies"] * 4 * (2 * 32 * 64 + 64 + 32)
+            assert max(b["rows_per_device"]) <= b["buffer_rows"][0]
+    state = json.loads((runs[world] / "state.json").read_text())
+    assert state["world_size"] == world
