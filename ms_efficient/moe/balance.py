@@ -148,39 +148,46 @@ def water_fill(load_LW: np.ndarray, mask_LW: np.ndarray, amount_L: np.ndarray) -
 
 def _cut(counts_LRE: np.ndarray, rows_LEW: np.ndarray, by_expert: bool) -> np.ndarray:
     """Contiguous cut: each expert's tokens, in source-rank order, over its rows in device
-    order; int64 [L, R, W], or [L, R, E, W] ``by_expert`` (:func:`contiguous_cut`). Only
-    the devices with rows of an expert take part (at most H of them), so the work is
-    L x R x E x H, not x W."""
+    order; int64 [L, R, W], or [L, R, E, W] ``by_expert`` (:func:`contiguous_cut`).
+
+    Per (layer, expert) group, the ranks' cumulative token counts and the holders'
+    cumulative rows are two sorted lists of cut points; merged, every piece between two
+    consecutive points belongs to one rank (the points of the ranks at or below its start)
+    and one holder. All groups are merged at once, each shifted by its own offset, so the
+    work is sorting L x E x (R + H) points (H: the most holders of an expert)."""
     num_layers, num_ranks, num_experts = counts_LRE.shape
     num_devices = rows_LEW.shape[2]
     shape = ((num_layers, num_ranks, num_experts, num_devices) if by_expert
              else (num_layers, num_ranks, num_devices))
-    out = np.zeros(int(np.prod(shape)), dtype=np.int64)
     held = rows_LEW > 0
     width = int(held.sum(axis=2).max(initial=0))
     if width == 0:
-        return out.reshape(shape)
+        return np.zeros(shape, dtype=np.int64)
+    groups = num_layers * num_experts
     # the holders of each expert, in device order, then their rows
-    device_LEH = np.argsort(~held, axis=2, kind="stable")[:, :, :width]
-    rows_LEH = np.take_along_axis(rows_LEW, device_LEH, axis=2)
-    # chunk layers so the [l, R, E, H] intersection stays near 4M elements
-    step = max(1, 4_000_000 // max(1, num_ranks * num_experts * width))
-    for lo in range(0, num_layers, step):
-        c, r = counts_LRE[lo:lo + step], rows_LEH[lo:lo + step]
-        end_r = np.cumsum(c, axis=1)[..., None]                       # [l, R, E, 1]
-        start_r = end_r - c[..., None]
-        end_h = np.cumsum(r, axis=2)[:, None]                         # [l, 1, E, H]
-        start_h = end_h - r[:, None]
-        cut = np.maximum(np.minimum(end_r, end_h) - np.maximum(start_r, start_h), 0)
-        layer = np.arange(lo, lo + c.shape[0])[:, None, None, None]
-        rank = np.arange(num_ranks)[None, :, None, None]
-        expert = np.arange(num_experts)[None, None, :, None] if by_expert else 0
-        per_rank = num_experts if by_expert else 1
-        index = (((layer * num_ranks + rank) * per_rank + expert) * num_devices
-                 + device_LEH[lo:lo + step, None])
-        out += np.bincount(index.ravel(), weights=cut.ravel(),
-                           minlength=out.size).astype(np.int64)
-    return out.reshape(shape)
+    device_GH = np.argsort(~held, axis=2, kind="stable")[:, :, :width].reshape(groups, width)
+    rows_GH = np.take_along_axis(rows_LEW, device_GH.reshape(num_layers, num_experts, width),
+                                 axis=2).reshape(groups, width)
+    end_GR = np.cumsum(np.swapaxes(counts_LRE, 1, 2).reshape(groups, num_ranks), axis=1)
+    end_GH = np.cumsum(rows_GH, axis=1)
+    span = int(max(end_GR[:, -1].max(), end_GH[:, -1].max())) + 1
+    offset = np.arange(groups, dtype=np.int64)[:, None] * span
+    rank_points = (end_GR + offset).ravel()                  # sorted: groups are apart
+    holder_points = (end_GH + offset).ravel()
+    points = np.unique(np.concatenate([rank_points, holder_points, offset.ravel()]))
+    start, length = points[:-1], np.diff(points)
+    group = start // span
+    rank = np.searchsorted(rank_points, start, side="right") - group * num_ranks
+    holder = np.searchsorted(holder_points, start, side="right") - group * width
+    keep = (rank < num_ranks) & (holder < width) & (length > 0)
+    start, length, group, rank, holder = (a[keep] for a in (start, length, group, rank,
+                                                             holder))
+    device = device_GH[group, holder]
+    layer, expert = group // num_experts, group % num_experts
+    index = ((layer * num_ranks + rank) * num_experts + expert) * num_devices + device \
+        if by_expert else (layer * num_ranks + rank) * num_devices + device
+    out = np.bincount(index, weights=length, minlength=int(np.prod(shape)))
+    return out.astype(np.int64).reshape(shape)
 
 
 def contiguous_cut(counts_LRE: np.ndarray, rows_LEW: np.ndarray,

@@ -1,0 +1,89 @@
+#!/usr/bin/env python
+"""Time EfficientMoE's slow level (``efficientmoe.layout.plan_layout``: one re-plan of every
+layer, its buffers priced by replaying the fast level on the last window of rows) on:
+
+- a routing trace given by path (``--trace``, e.g. a 24-layer x 16-rank x 32-expert recording),
+- a synthetic trace of DeepSeek-V3's shape: 58 MoE layers x 64 ranks x 256 experts, top-8,
+  4,096 tokens per rank, hidden 7,168, expert FFN 2,048 (``moe.trace.synthetic_trace``).
+
+Each case runs in a fresh process (so peak memory is its own: ``ru_maxrss``) twice, and the
+two layouts must be identical (deterministic planner). Prints a table and JSON (``--json``).
+
+    python scripts/time_moe_planner.py --trace TRACE.npz [--json out.json]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from ms_efficient.core.fileio import atomic_write_text  # noqa: E402
+
+CHILD = r"""
+import hashlib, json, resource, sys, time
+import numpy as np
+from ms_efficient.efficientmoe.cost import CostModel
+from ms_efficient.efficientmoe.layout import LayoutConfig, plan_layout
+from ms_efficient.efficientmoe.replay import cluster_for_ranks
+from ms_efficient.moe.trace import load_trace, synthetic_trace
+case = sys.argv[1]
+if case == "deepseek-v3":
+    trace = synthetic_trace(steps=8, layers=58, ranks=64, experts=256, top_k=8,
+                            tokens_per_rank=4096, hidden=7168)
+    hidden, ffn = 7168, 2048
+else:
+    trace = load_trace(case)
+    hidden = trace.hidden or 1024
+    ffn = 4 * hidden
+model = CostModel(cluster_for_ranks(trace.num_ranks), hidden, ffn)
+digests, seconds = [], []
+for _ in range(2):
+    start = time.perf_counter()
+    layout = plan_layout(trace.counts, model, LayoutConfig())
+    seconds.append(time.perf_counter() - start)
+    digests.append(hashlib.sha256(layout.home_LWS.tobytes() + layout.buffer_LW.tobytes()
+                                  + layout.spare_W.tobytes()).hexdigest())
+print(json.dumps({"layers": trace.num_layers, "ranks": trace.num_ranks,
+                  "experts": trace.num_experts, "top_k": trace.top_k,
+                  "seconds": max(seconds), "peak_rss_bytes":
+                  resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "deterministic": digests[0] == digests[1]}))
+"""
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", action="append", default=[], help="routing trace .npz")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    rows = []
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    for case in args.trace + ["deepseek-v3"]:
+        if case != "deepseek-v3" and not os.path.isfile(case):
+            print(f"time_moe_planner: error: '--trace' {case!r} is not a file.", file=sys.stderr)
+            return 2
+        out = subprocess.run([sys.executable, "-c", CHILD, case], capture_output=True,
+                             text=True, cwd=root, env=dict(os.environ, PYTHONPATH=root))
+        if out.returncode != 0:
+            print(out.stderr[-2000:], file=sys.stderr)
+            return 1
+        rows.append({"case": os.path.basename(case), **json.loads(out.stdout.splitlines()[-1])})
+    print("| case | layers x ranks x experts, top-k | one re-plan, s (worst of 2) | peak "
+          "memory, MiB | same plan twice |")
+    print("|---|---|---:|---:|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['layers']} x {r['ranks']} x {r['experts']}, top-{r['top_k']}"
+              f" | {r['seconds']:.2f} | {r['peak_rss_bytes'] / 2**20:.0f} | "
+              f"{r['deterministic']} |")
+    text = json.dumps({"evidence": "measured (planner wall time on this CPU)", "rows": rows},
+                      indent=1)
+    print(text)
+    if args.json:
+        atomic_write_text(args.json, text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
