@@ -38,7 +38,8 @@ from mindspore import Tensor, nn, ops  # noqa: E402
 
 from ms_efficient.moe import grouped_matmul as G  # noqa: E402
 from ms_efficient.moe.kernels import MoeUnpermuteCombine  # noqa: E402
-from ms_efficient.moe.layer import MoEFeedForward, expert_capacity, routing_statistics  # noqa: E402
+from ms_efficient.moe.layer import MoEFeedForward, routing_statistics  # noqa: E402
+from ms_efficient.moe.split import switch_capacity  # noqa: E402
 
 
 class DynamicGrouped(MoEFeedForward):
@@ -130,7 +131,7 @@ def bench_size(b, s, h, f, e, k, repeat, threads, library, seed=0):
     rng = np.random.default_rng(seed)
     x = Tensor(rng.standard_normal((b, s, h)).astype(np.float32))
     g = rng.standard_normal((b, s, h)).astype(np.float32)
-    cap125 = expert_capacity(t, e, k, 1.25)
+    cap125 = switch_capacity(t, e, k, 1.25)
     layers = {
         "grouped-gmm": (MoEFeedForward(h, f, e, k, capacity=t, dispatch="grouped"), t * k),
         "grouped-dynamic": (DynamicGrouped(h, f, e, k, capacity=t, dispatch="grouped"), t * k),

@@ -35,7 +35,10 @@ def test_shipped_config_loads():
     ({"optimize": {"passes": ["warp-drive"]}}, r"'optimize.passes\[0\]' must be one of"),
     ({"model": {"dropout": True}}, r"'model.dropout' must be a number"),
     ({"efficientmoe": {"dispatch": "alltoall"}},
-     r"'efficientmoe.dispatch' must be one of \['grouped', 'counts'\], but got 'alltoall'"),
+     r"'efficientmoe.dispatch' must be one of \['grouped', 'counts', 'balanced'\], but got "
+     r"'alltoall'"),
+    ({"efficientmoe": {"buffer_slack": -0.5}},
+     r"'efficientmoe.buffer_slack' must be in \[0, 64\], but got -0.5"),
 ])
 def test_bad_values_name_the_key_the_value_and_the_rule(data, match):
     with pytest.raises(ValueError, match=match):

@@ -5,7 +5,8 @@ import pytest
 import mindspore as ms
 from mindspore import Tensor
 
-from ms_efficient.moe.layer import MoEFeedForward, expert_capacity
+from ms_efficient.moe.layer import MoEFeedForward
+from ms_efficient.moe.split import switch_capacity
 
 ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
 
@@ -27,8 +28,8 @@ def dense_ffn(x_TH, w1, b1, w2, b2):
     (64, 4, 2, 0, 1, 64),           # dropless: every token
     (10, 2, 2, 4.0, 1, 10),         # never more slots than tokens
 ])
-def test_expert_capacity(tokens, experts, k, cf, multiple, expected):
-    assert expert_capacity(tokens, experts, k, cf, multiple) == expected
+def test_switch_capacity(tokens, experts, k, cf, multiple, expected):
+    assert switch_capacity(tokens, experts, k, cf, multiple) == expected
 
 
 def test_one_expert_moe_equals_the_dense_ffn_forward_and_gradients():

@@ -9,7 +9,7 @@ from ms_efficient.core.cluster import get_cluster
 from ms_efficient.efficientmoe import baselines
 from ms_efficient.efficientmoe.bench import _truncate, markdown_table, run_simulated, speedups
 from ms_efficient.efficientmoe.capacity import (expected_drop_and_padding, load_samples, round_up,
-                                                slot_capacities, switch_capacity, uniform_capacity)
+                                                slot_capacities, uniform_capacity)
 from ms_efficient.efficientmoe.cost import (DYNAMIC_EXCHANGE_S, CostModel, event_step_time_s, layer_cost,
                                             uneven_alltoall_time_s)
 from ms_efficient.efficientmoe.placement import (PlacementConfig, levelled_shares, plan_layer,
@@ -21,7 +21,7 @@ from ms_efficient.efficientmoe.replay import ReplayConfig, cluster_for_ranks, pl
 from ms_efficient.efficientmoe.schedule import (ReplanCosts, choose_horizon, decide_replan,
                                                 migration_bytes_DD)
 from ms_efficient.moe.plan import ExpertPlan, load_plans, save_plans
-from ms_efficient.moe.split import largest_remainder, source_rows, split_tokens
+from ms_efficient.moe.split import largest_remainder, source_rows, split_tokens, switch_capacity
 from ms_efficient.moe.trace import RoutingTrace, synthetic_trace
 
 CLUSTER_2x8 = cluster_for_ranks(16)
@@ -244,8 +244,10 @@ def test_far_leads_reuse_every_observed_sample_and_stop_growing_at_the_limit():
 # ---------------------------------------------------------------- capacity
 def test_capacity_rounding_to_hardware_multiples():
     assert round_up([0, 1, 16, 17, 33.5], 16).tolist() == [0, 16, 16, 32, 48]
-    assert switch_capacity(1024 * 2, 8, 1.25) == 320          # ceil(1.25 * 2048 / 8)
-    assert switch_capacity(100, 8, 1.3, multiple=8) == 24      # ceil(16.25) = 17 -> 24
+    assert switch_capacity(1024, 8, 2, 1.25) == 320           # ceil(1.25 * 2048 / 8)
+    assert switch_capacity(100, 8, 1, 1.3, multiple=8) == 24   # ceil(16.25) = 17 -> 24
+    assert switch_capacity(100, 4, 1, 1.1) == 28              # 27.500000000000004: 28
+    assert switch_capacity(100, 10, 1, 1.1) == 11             # 11.000000000000002: 11
     # no forecast error: capacity = prediction rounded up, at least one multiple
     res = slot_capacities(np.array([100.0, 0.0, 33.0]), np.arange(3), np.zeros((4, 3)))
     assert res.capacity_S.tolist() == [112, 16, 48]

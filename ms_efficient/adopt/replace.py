@@ -46,7 +46,8 @@ from mindspore import Tensor, nn
 from ms_efficient.adopt.blocks import (BlockSpec, block_spec, find_moe_blocks, moe_blocks,
                                      with_gating)
 from ms_efficient.moe.dropin import MoEMLP, replace_cell
-from ms_efficient.moe.layer import DISPATCH_MODES, MoEFeedForward, expert_capacity
+from ms_efficient.moe.layer import DISPATCH_MODES, MoEFeedForward
+from ms_efficient.moe.split import switch_capacity
 
 __all__ = ["adopt_moe", "find_moe_blocks", "adopt_hint", "AdoptedBlock"]
 
@@ -139,7 +140,7 @@ def adopt_moe(network: nn.Cell, tokens: int, capacity_factor: float = 0.0,
     Args:
         network: the user's Cell (a ``nn.WithLossCell`` around it works too).
         tokens: T = B * S tokens one forward of each block sees; sets the capacities.
-        capacity_factor: slots per expert ceil(cf * T * k / E) (:func:`expert_capacity`);
+        capacity_factor: slots per expert ceil(cf * T * k / E) (:func:`switch_capacity`);
             0 (default) is dropless: the adopted network computes what the original did.
         top_k, renormalize, activation: override the block's attributes / detection.
         aux_loss_coef: the load-balancing loss's weight in the gradients (see
@@ -187,7 +188,7 @@ def adopt_moe(network: nn.Cell, tokens: int, capacity_factor: float = 0.0,
             chosen.append((spec,) + _probe(spec))
         # Step 2: replace
         for spec, act, renorm, err in chosen:
-            cap = expert_capacity(tokens, spec.num_experts, spec.top_k, capacity_factor)
+            cap = switch_capacity(tokens, spec.num_experts, spec.top_k, capacity_factor)
             layer = _layer(spec, cap, act, renorm, trace_ranks, dispatch)
             replace_cell(network, spec.path, MoEMLP(layer=layer, aux_loss_coef=aux_loss_coef),
                          names)

@@ -378,8 +378,8 @@ class RunConfig:
     def validate(self, path: str = "") -> None:
         if self.moe.dispatch == "grouped" and self.efficientmoe.enabled:
             _fail("efficientmoe.enabled", self.efficientmoe.enabled,
-                  "false with moe.dispatch 'grouped' (EfficientMoE plans static capacities; "
-                  "a grouped layer has none)")
+                  "false with moe.dispatch 'grouped' (the one-process trainer's EfficientMoE "
+                  "plans per-expert capacities; a grouped layer has none)")
         if self.train.batch_size % self.moe.trace_ranks:
             _fail("train.batch_size", self.train.batch_size,
                   f"a multiple of moe.trace_ranks ({self.moe.trace_ranks})")

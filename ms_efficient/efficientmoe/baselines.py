@@ -69,12 +69,12 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from ms_efficient.efficientmoe.capacity import round_up, switch_capacity, uniform_capacity
+from ms_efficient.efficientmoe.capacity import round_up, uniform_capacity
 from ms_efficient.efficientmoe.cost import CostModel, check_rank_device, layer_cost
 from ms_efficient.efficientmoe.placement import (PlacementConfig, grouped_plan, plan_layer,
                                                  replica_counts_greedy, uniform_placement)
 from ms_efficient.moe.plan import GROUPED_DISPATCH, ExpertPlan
-from ms_efficient.moe.split import largest_remainder, split_tokens
+from ms_efficient.moe.split import largest_remainder, split_tokens, switch_capacity
 
 __all__ = ["uniform_placement", "switch_plan", "dropless_static_plan", "dropless_grouped_plan",
            "fastermoe_plan",
@@ -101,7 +101,8 @@ def switch_plan(num_experts: int, devices: Sequence[int], num_ranks: int,
     C = ceil(cf * assignments_per_rank / E) in every expert (``assignments_per_rank`` = tokens
     per rank * top_k), static dispatch with equal shares: each expert has R * C rows."""
     slot_expert, slot_device = uniform_placement(num_experts, devices)
-    per_rank = switch_capacity(assignments_per_rank, num_experts, capacity_factor)
+    k = top_k or 1
+    per_rank = switch_capacity(assignments_per_rank // k, num_experts, k, capacity_factor)
     caps = _equal_per_rank(slot_expert, np.full(num_experts, per_rank), num_ranks)
     tokens = num_ranks * assignments_per_rank // top_k if top_k else None
     return ExpertPlan(slot_expert, slot_device, caps, top_k=top_k, tokens_per_step=tokens,

@@ -53,7 +53,7 @@ from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.exchange import slot_rows_by_device
 from ms_efficient.moe.split import SPLIT_UNITS, grouped_split, grouped_split_weights
 
-__all__ = ["CapacityResult", "round_up", "switch_capacity", "error_scales", "load_samples",
+__all__ = ["CapacityResult", "round_up", "error_scales", "load_samples",
            "expected_drop_and_padding", "slot_capacities", "uniform_capacity",
            "expected_expert_drop_rate", "hindsight_capacities",
            "static_capacity_limit", "pair_loads", "device_loads", "send_blocks",
@@ -85,16 +85,6 @@ def round_up(x, multiple: int) -> np.ndarray:
         raise ValueError(f"'multiple' must be a positive integer, but got {multiple!r}.")
     arr = np.ceil(np.asarray(x, dtype=np.float64) / multiple - 1e-9)
     return (np.maximum(arr, 0) * multiple).astype(np.int64)
-
-
-def switch_capacity(assignments_per_step: int, num_experts: int, capacity_factor: float,
-                    multiple: int = 1) -> int:
-    """Switch/GShard capacity of every expert, tokens: ceil(cf * assignments / E), rounded up
-    to ``multiple`` (assignments = tokens * top_k of the group the capacity is for)."""
-    if capacity_factor <= 0:
-        raise ValueError(f"'capacity_factor' must be > 0, but got {capacity_factor!r}.")
-    cap = math.ceil(capacity_factor * assignments_per_step / num_experts - 1e-9)
-    return int(round_up(max(cap, 1), multiple))
 
 
 def error_scales(rel_err_KE: np.ndarray, prior_samples: float = PRIOR_SAMPLES,

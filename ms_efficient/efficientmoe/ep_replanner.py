@@ -259,7 +259,8 @@ class ExpertParallelReplanner:
         (:func:`~ms_efficient.efficientmoe.placement.replica_counts_greedy`, at most one
         copy per device) and placed by :func:`~ms_efficient.efficientmoe.placement.
         place_replicas` on ``load_RE`` (float [W, E]); slot capacities are the levelled
-        shares. What a forced re-plan adopts when the planner's candidate moves nothing."""
+        shares; the layers' own dispatch ("grouped" or "counts"). What a forced re-plan adopts
+        when the planner's candidate moves nothing."""
         planner, budget = self.planner, int(self.layers[0].budget)
         load_E = load_RE.sum(axis=0)
         replicas = np.minimum(replica_counts_greedy(load_E, budget * self.world), self.world)
@@ -269,8 +270,8 @@ class ExpertParallelReplanner:
         rows = levelled_shares(slot_expert, slot_device, load_E, self.world)
         caps = np.maximum(np.ceil(rows - 1e-9), 1).astype(np.int64)
         return ExpertPlan(slot_expert, slot_device, caps, planner.top_k,
-                          planner.tokens_per_step, "efficientmoe-spread", "grouped",
-                          rank_share=load_RE)
+                          planner.tokens_per_step, "efficientmoe-spread",
+                          self.layers[0].plan.dispatch, rank_share=load_RE)
 
     def _within_buffers(self, plan: ExpertPlan, now: ExpertPlan) -> ExpertPlan:
         """``plan`` with the compiled send blocks and buffers: the layer's graph stays as it

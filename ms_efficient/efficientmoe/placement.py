@@ -1,9 +1,9 @@
 """EfficientMoE's scheduler: replicate hot experts, place experts and replicas on devices.
 
 Given a layer's predicted routing counts ``load_RE`` (tokens rank r sends to expert e next
-step), a ClusterSpec and a slot budget per device, :func:`plan_layer` returns a static
-ExpertPlan (``dispatch="static"``, the way the package's expert-parallel layer runs) that
-minimises the predicted MoE iteration time of the layer, evaluated by
+step), a ClusterSpec and a slot budget per device, :func:`plan_layer` returns an ExpertPlan
+for ``PlacementConfig.dispatch`` ("static": per-rank, per-slot capacities; "grouped" or
+"counts": send blocks and row buffers, :func:`grouped_plan`) that minimises the predicted MoE iteration time of the layer, evaluated by
 :func:`ms_efficient.efficientmoe.cost.layer_cost` (All-to-All of the rows each rank owns, expert
 compute on padded capacities, replica gradient sync).
 

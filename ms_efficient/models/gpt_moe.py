@@ -21,7 +21,8 @@ from ms_efficient.core.config import ModelConfig, MoEConfig
 from ms_efficient.moe.balance import BalancedSpec
 from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE
 from ms_efficient.moe.ep_layer import ExpertParallelMoE
-from ms_efficient.moe.layer import MoEFeedForward, TopKArrival, expert_capacity, make_gelu
+from ms_efficient.moe.layer import MoEFeedForward, TopKArrival, make_gelu
+from ms_efficient.moe.split import switch_capacity
 
 __all__ = ["GPTMoE", "CausalSelfAttention", "DenseFeedForward", "Block", "GlobalRouterAux",
            "build_model"]
@@ -145,7 +146,7 @@ class GPTMoE(nn.Cell):
         self.embed = nn.Embedding(model.vocab_size, h, embedding_table=Normal(std))
         self.pos = Parameter(initializer(Normal(std), (1, model.seq_length, h), ms.float32),
                              name="pos_embedding")
-        capacity = expert_capacity(tokens, moe.num_experts, moe.top_k, moe.capacity_factor,
+        capacity = switch_capacity(tokens, moe.num_experts, moe.top_k, moe.capacity_factor,
                                    moe.capacity_multiple)
         blocks = []
         moe_layers = []

@@ -221,23 +221,30 @@ def contiguous_cut(counts_LRE: np.ndarray, rows_LEW: np.ndarray,
     else:
         out = np.zeros((num_layers, num_ranks, num_devices), dtype=np.int64)
         out[:, diagonal, diagonal] = local_LRE.sum(axis=2)
-    # round 2: own node
-    if devices_per_node and devices_per_node < num_devices:
-        for lo in range(0, num_ranks, devices_per_node):
-            node = slice(lo, min(lo + devices_per_node, num_ranks))
-            c, r = left[:, node], rest[:, :, node]
-            supply = np.minimum(c.sum(axis=1), r.sum(axis=2))                # [L, E]
-            # the first `supply` tokens of each expert from the node's ranks, into its rows
-            c_take = np.diff(np.minimum(np.cumsum(c, axis=1), supply[:, None]), axis=1,
-                             prepend=0)
-            r_take = np.diff(np.minimum(np.cumsum(r, axis=2), supply[..., None]), axis=2,
-                             prepend=0)
+    # round 2: own node, every node of every layer in one cut ([L * N, n, ...] blocks)
+    dpn = devices_per_node
+    if dpn and dpn < num_devices and num_ranks % dpn == 0 and num_devices == num_ranks:
+        nodes = num_ranks // dpn
+        c = left.reshape(num_layers, nodes, dpn, num_experts)            # [L, N, n, E]
+        r = rest.reshape(num_layers, num_experts, nodes, dpn)            # [L, E, N, n]
+        supply = np.minimum(c.sum(axis=2), np.moveaxis(r.sum(axis=3), 2, 1))  # [L, N, E]
+        # the first `supply` tokens of each expert from the node's ranks, into its rows
+        c_take = np.diff(np.minimum(np.cumsum(c, axis=2), supply[:, :, None]), axis=2,
+                         prepend=0)
+        r_take = np.diff(np.minimum(np.cumsum(r, axis=3), np.moveaxis(supply, 1, 2)[..., None]),
+                         axis=3, prepend=0)
+        blocks = _cut(c_take.reshape(num_layers * nodes, dpn, num_experts),
+                      np.moveaxis(r_take, 2, 1).reshape(num_layers * nodes, num_experts, dpn),
+                      by_expert)
+        for n in range(nodes):
+            node = slice(n * dpn, (n + 1) * dpn)
+            block = blocks[n::nodes]
             if by_expert:
-                out[:, node, :, node] += _cut(c_take, r_take, True)
+                out[:, node, :, node] += block
             else:
-                out[:, node, node] += _cut(c_take, r_take, False)
-            left[:, node] -= c_take
-            rest[:, :, node] -= r_take
+                out[:, node, node] += block
+        left -= c_take.reshape(left.shape)
+        rest -= r_take.reshape(rest.shape)
     # round 3: the rest
     return out + _cut(left, rest, by_expert)
 

@@ -30,9 +30,9 @@ shares of each expert's total capacity by default), because every rank must know
 communication, how many rows it owns in every slot. Static shapes, so the graph compiles once;
 a rank that routes more than its share of an expert drops the excess even if another rank
 left room (count-based dispatch would not; it needs dynamic shapes). This is the path of
-every plan whose ``dispatch`` is not ``"grouped"``.
+every plan whose ``dispatch`` is ``"static"`` or ``"alltoallv"``.
 
-Grouped dispatch (``plan.dispatch == "grouped"``, padding-free experts) runs the package's rule
+Grouped dispatch (``plan.dispatch`` ``"grouped"`` or ``"counts"``, padding-free experts) runs the package's rule
 :func:`~ms_efficient.moe.split.grouped_assignments` in the graph, on the step's counts:
 
     arrival p of (this rank, e) -> replica v of e by the fixed integer split (c_e local

@@ -29,7 +29,6 @@ its capacity allows. Capacities are static: changing them changes the compiled g
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -40,30 +39,16 @@ from mindspore.common.initializer import Normal, initializer
 from ms_efficient.moe.activations import TanhGELU, make_gelu
 from ms_efficient.moe.grouped_matmul import GroupedMatmul, row_groups
 from ms_efficient.moe.kernels import MoeTokenPermute, MoeTokenUnpermute
+from ms_efficient.moe.split import switch_capacity
 
 __all__ = ["MoEFeedForward", "DISPATCH_MODES", "TopKArrival", "TanhGELU", "routing_statistics", "sum_choices",
-           "expert_capacity", "ROUTING_COUNTS", "routing_counts_buffer", "make_gelu",
+           "switch_capacity", "ROUTING_COUNTS", "routing_counts_buffer", "make_gelu",
            "group_tables"]
 
 # name of the per-layer buffer holding the last forward's counts [R, E] (int32): read by
 # ms_efficient.efficientmoe.apply.RoutingTraceCallback, never checkpointed (not model state)
 ROUTING_COUNTS = "routing_counts"
 DISPATCH_MODES = ("static", "grouped")  # per-expert capacities / padding-free grouped rows
-
-
-def expert_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float,
-                    multiple: int = 1) -> int:
-    """Slots per expert: ceil(cf * tokens * top_k / num_experts), rounded up to ``multiple``.
-
-    ``capacity_factor == 0`` means dropless: ``tokens`` slots (an expert appears at most once
-    in a token's top-k, so it can never receive more than ``tokens`` assignments).
-    """
-    if capacity_factor == 0:
-        cap = tokens
-    else:
-        cap = math.ceil(capacity_factor * tokens * top_k / num_experts)
-    cap = max(1, min(cap, tokens))
-    return int(math.ceil(cap / multiple) * multiple)
 
 
 class TopKArrival(nn.Cell):
@@ -151,7 +136,7 @@ class MoEFeedForward(nn.Cell):
         ffn_hidden_size: F, width of every expert's FFN.
         num_experts: E.
         top_k: K experts per token (gate weights: see ``renormalize``).
-        capacity: C slots per expert (see :func:`expert_capacity`), or a sequence of E
+        capacity: C slots per expert (see :func:`~ms_efficient.moe.split.switch_capacity`), or a sequence of E
             per-expert capacities C_e >= 1.
         trace_ranks: R; the T tokens are split into R equal groups (R virtual source ranks,
             as data-parallel ranks would see them) and per-group expert counts are returned.

@@ -5,7 +5,9 @@ simulated is what runs. Notation as in :mod:`ms_efficient.moe.plan` (R source ra
 S slots).
 
 - :func:`split_tokens`: per-rank routing counts ``counts_RE`` -> per-slot assignments
-  ``assigned_RS`` and the drop count, for either dispatch mode of a plan;
+  ``assigned_RS`` and the drop count, for the dispatch mode of the plan (``"alltoallv"``,
+  ``"static"``, ``"grouped"`` or ``"counts"``; the two-level layer's rule is
+  :mod:`ms_efficient.moe.balance`);
 - :func:`source_rows`: the rows of every slot each rank owns under ``"static"`` dispatch
   (fixed before compilation), and :func:`static_assignments`, a step's tokens in those rows;
 - :func:`grouped_split_weights` and :func:`grouped_assignments`: the same for ``"grouped"``
@@ -21,7 +23,7 @@ import numpy as np
 
 from ms_efficient.moe.plan import ExpertPlan
 
-__all__ = ["split_tokens", "source_rows", "static_assignments", "largest_remainder",
+__all__ = ["switch_capacity", "split_tokens", "source_rows", "static_assignments", "largest_remainder",
            "proportional_split", "SPLIT_UNITS", "grouped_split_weights", "grouped_split",
            "grouped_assignments"]
 
@@ -31,6 +33,25 @@ __all__ = ["split_tokens", "source_rows", "static_assignments", "largest_remaind
 # to 524,287 assignments of one rank.
 SPLIT_UNITS = 4096
 
+
+
+def switch_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float,
+                    multiple: int = 1) -> int:
+    """Switch / GShard capacity of every expert, rows: ceil(cf * tokens * top_k / E), at least
+    1 and at most ``tokens`` (an expert appears at most once in a token's top-k), rounded up
+    to ``multiple``; ``capacity_factor == 0`` means dropless (``tokens`` rows). The one
+    formula every capacity of the package uses (the MoE layer, the Switch baseline, the
+    memory estimate); a 1e-9 tolerance keeps float products such as 1.1 * 100 from rounding
+    up past an exact integer."""
+    if capacity_factor < 0 or not np.isfinite(capacity_factor):
+        raise ValueError(f"'capacity_factor' must be >= 0 (0: dropless), but got "
+                         f"{capacity_factor!r}.")
+    if capacity_factor == 0:
+        cap = tokens
+    else:
+        cap = int(np.ceil(capacity_factor * tokens * top_k / num_experts - 1e-9))
+    cap = max(1, min(cap, tokens))
+    return int(-(-cap // multiple) * multiple)
 
 def proportional_split(total: int, room: np.ndarray) -> np.ndarray:
     """Split ``total`` integer tokens over bins in proportion to ``room`` (int [n]), never

@@ -19,10 +19,11 @@ so the decision is the same on a busy machine.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
+
+from ms_efficient.moe.split import switch_capacity
 
 __all__ = ["Footprint", "estimate_footprint", "machine_memory_bytes", "check_fits_machine"]
 
@@ -56,11 +57,7 @@ def estimate_footprint(cfg) -> Footprint:
     experts = moe_layers * (e * (2 * h * f + f + h) + h * e)
     dense = dense_layers * (2 * h * f + f + h)
     params = embed + attn + experts + dense + 2 * h
-    if moe.capacity_factor == 0:
-        cap = t
-    else:
-        cap = max(1, min(t, math.ceil(moe.capacity_factor * t * k / e)))
-    cap = math.ceil(cap / moe.capacity_multiple) * moe.capacity_multiple
+    cap = switch_capacity(t, e, k, moe.capacity_factor, moe.capacity_multiple)
     act_attn = L * (3 * tr.batch_size * m.num_heads * m.seq_length ** 2 + 16 * t * h)
     act_route = moe_layers * 3 * t * k * e
     act_rows = moe_layers * 3 * e * cap * (h + f)
