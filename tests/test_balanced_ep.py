@@ -10,7 +10,6 @@ from tests import workers
 from tests.test_ep_layer import E, F, H, K, T, batch, dense_layer, grads, weights
 from ms_efficient.moe.balance import balance_step
 from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE, fast_level_tables, home_plan
-from ms_efficient.moe.layer import MoEFeedForward
 
 ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
 
@@ -78,12 +77,8 @@ def test_w_workers_with_per_step_copies_equal_one_process(tmp_path, world):
     home slot's weights equal the one-process run's. The buffers never change shape."""
     wk = workers.load_script("check_balanced_ep")
     launched = workers.start("check_balanced_ep", tmp_path, world)
-    w = wk.logical_weights()
-    ref = MoEFeedForward(wk.H, wk.F, wk.E, wk.K, capacity=world * wk.T_LOCAL,
-                         trace_ranks=world)
-    ref.router.weight.set_data(Tensor(w[0]))
-    for p, a in zip((ref.w1, ref.b1, ref.w2, ref.b2), w[1:]):
-        p.set_data(Tensor(a))
+    assert (wk.E, wk.H, wk.F, wk.K) == (E, H, F, K)       # test_ep_layer's reference sizes
+    ref = dense_layer(wk.logical_weights(), capacity=world * wk.T_LOCAL, trace_ranks=world)
     params = [ref.router.weight, ref.w1, ref.b1, ref.w2, ref.b2]
 
     def weighted(x, dy):
