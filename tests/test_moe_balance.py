@@ -263,3 +263,33 @@ def test_plan_moe_writes_the_balanced_layout_by_default(tmp_path, capsys):
     assert main(["plan", "moe", "--trace", path, "--slots", "-1", "--out", bad]) == 2
     assert "'--slots' must be >= 0, but got -1" in capsys.readouterr().err
     assert not (tmp_path / "bad.yaml").exists()
+
+
+def test_layer_balance_hand_computed():
+    from ms_efficient.moe.trace import layer_balance
+
+    counts = np.array([[[3, 1, 0, 0], [1, 3, 0, 0]],          # experts 4, 4, 0, 0: mean 2
+                       [[1, 1, 1, 1], [1, 1, 1, 1]]])
+    rows = layer_balance(counts, np.array([5, 0]))
+    assert rows[0] == {"layer": 0, "expert_max_over_mean": 2.0, "expert_cv": 1.0,
+                       "dead_experts": 2, "dropped": 5}
+    assert rows[1]["expert_max_over_mean"] == 1.0 and rows[1]["expert_cv"] == 0.0
+
+
+def test_the_report_gives_balance_percentiles_over_layers_and_a_device_heat_map(tmp_path):
+    import json
+
+    from ms_efficient.train.report import write_report
+
+    rows = [{"kind": "train", "step": s, "loss": 3.0, "ce": 3.0, "tokens_per_s": 10.0,
+             "drop_rate": 0.0,
+             "balance": [{"layer": j, "expert_max_over_mean": 1.0 + j, "expert_cv": 0.1 * j,
+                          "dead_experts": 0, "dropped": 0, "copies": j,
+                          "device_max_over_mean": 1.0 + 0.1 * j} for j in range(4)]}
+            for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = open(write_report(str(tmp_path))).read()
+    # layers 0..3: max/mean 1, 2, 3, 4 -> p50 2.5, p95 3.85, max 4
+    assert "| tokens per expert, max / mean | 2.5 | 3.85 | 4 |" in text
+    assert "| expert copies (fast level) | 1.5 | 2.85 | 3 |" in text
+    assert (tmp_path / "device_load.png").stat().st_size > 0

@@ -22,7 +22,7 @@ import numpy as np
 
 from ms_efficient.core.fileio import atomic_write_with
 
-__all__ = ["RoutingTrace", "load_trace", "save_trace", "synthetic_trace", "skewed_trace"]
+__all__ = ["layer_balance", "RoutingTrace", "load_trace", "save_trace", "synthetic_trace", "skewed_trace"]
 
 _META = ("top_k", "hidden", "tokens_per_rank")
 # Largest token count a trace may hold per step and layer (and the largest metadata value):
@@ -224,3 +224,25 @@ def skewed_trace(steps: int = 100, seed: int = 0, skew: float = 1.45, layers: in
     return synthetic_trace(steps=steps, layers=layers, ranks=16, experts=32, skew=skew,
                            seed=seed, tokens_per_rank=16384, top_k=1, hidden=hidden,
                            step_stride=5)
+
+
+def layer_balance(counts_LRE: np.ndarray, dropped_L: Optional[np.ndarray] = None) -> list:
+    """Per MoE layer, the balance of one step's routing (what every train row of
+    ``metrics.jsonl`` carries): tokens per expert, max over mean and coefficient of variation
+    (std / mean), experts that got no token (dead) and the rows dropped.
+
+    counts_LRE: int [L, R, E] rows each source rank routed to each expert (top-k counted
+    k times). dropped_L: int [L] rows dropped, or None. Returns one dict per layer."""
+    counts = np.asarray(counts_LRE, dtype=np.int64)
+    per_expert = counts.sum(axis=1).astype(np.float64)                  # [L, E]
+    mean = np.maximum(per_expert.mean(axis=1), 1e-12)
+    out = []
+    for layer in range(counts.shape[0]):
+        row = {"layer": layer,
+               "expert_max_over_mean": round(float(per_expert[layer].max() / mean[layer]), 4),
+               "expert_cv": round(float(per_expert[layer].std() / mean[layer]), 4),
+               "dead_experts": int((per_expert[layer] == 0).sum())}
+        if dropped_L is not None:
+            row["dropped"] = int(dropped_L[layer])
+        out.append(row)
+    return out

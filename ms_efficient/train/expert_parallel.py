@@ -57,7 +57,7 @@ from ms_efficient.core.params import write_parameter
 from ms_efficient.models.gpt_moe import build_model
 from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE
 from ms_efficient.moe.ep_layer import ExpertParallelMoE
-from ms_efficient.moe.trace import load_trace, save_trace
+from ms_efficient.moe.trace import layer_balance, load_trace, save_trace
 from ms_efficient.train.data import load_corpus
 from ms_efficient.efficientmoe.ep_replanner import (ExpertParallelReplanner, compiled_graphs,
                                           dropless_plans, load_plans_state, slot_budget)
@@ -198,7 +198,8 @@ class ExpertParallelTrainer:
 
     def _balance_row(self) -> List[Dict]:
         """Per MoE layer, the fast level's figures of the last step: copies made, their weight
-        bytes (float32 here), rows per device and the fixed buffers, rows dropped."""
+        bytes (float32 here), rows per device (and their max over mean) and the fixed
+        buffers, rows dropped."""
         if not self.balanced:
             return []
         rows = []
@@ -206,9 +207,12 @@ class ExpertParallelTrainer:
             stats = layer.balance_stats.asnumpy().astype(int)
             expert_bytes = 4 * sum(int(np.prod(p.shape[1:]))
                                    for p in (layer.w1, layer.b1, layer.w2, layer.b2))
+            device = stats[3:]
             rows.append({"layer": j, "copies": int(stats[0]),
                          "weight_bytes": int(stats[0]) * expert_bytes,
-                         "rows_per_device": stats[3:].tolist(),
+                         "rows_per_device": device.tolist(),
+                         "device_max_over_mean": round(float(device.max() / max(
+                             device.mean(), 1e-12)), 4),
                          "buffer_rows": layer.buffer_W.tolist(), "dropped": int(stats[1])})
         return rows
 
@@ -373,8 +377,10 @@ class ExpertParallelTrainer:
                 row = {"kind": "train", "step": self.step, "loss": round(loss, 5),
                        "ce": round(ce, 5), "tokens_per_s": round(tps, 1),
                        "drop_rate": round(1.0 - kept / max(1, assigned), 5)}
-                if self.balanced:
-                    row["balance"] = self._balance_row()
+                row["balance"] = layer_balance(counts_LWE, dropped_L)
+                if self.balanced:           # the fast level's figures of the last step
+                    for entry, fast in zip(row["balance"], self._balance_row()):
+                        entry.update(fast)
                 self.metrics.append(row)
                 logger.info("step %d/%d  loss %.4f  ce %.4f  %.0f tok/s  ETA %s", self.step,
                             tr.steps, loss, ce, tps, _fmt_eta((tr.steps - self.step) * elapsed

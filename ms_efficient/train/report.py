@@ -74,6 +74,27 @@ def _plot_expert_load(load_SLE: np.ndarray, path: str) -> None:
     plt.close(fig)
 
 
+def _plot_device_load(rows: List[Dict], path: str) -> None:
+    """Heat map of every MoE layer's rows-per-device max over mean over the logged steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = np.array([[b.get("device_max_over_mean", np.nan) for b in r["balance"]]
+                     for r in rows]).T                                   # [layer, step]
+    fig, ax = plt.subplots(figsize=(8, 0.4 * grid.shape[0] + 1.5))
+    image = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest",
+                      extent=(rows[0]["step"] - 0.5, rows[-1]["step"] + 0.5,
+                              grid.shape[0] - 0.5, -0.5))
+    ax.set_xlabel("step")
+    ax.set_ylabel("MoE layer")
+    fig.colorbar(image, ax=ax, label="rows per device, max / mean")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def write_report(run_dir: str) -> str:
     """Write ``report.md``, ``loss.png`` and ``expert_load.png`` into ``run_dir``; returns the
     report's path."""
@@ -107,6 +128,28 @@ def write_report(run_dir: str) -> str:
             lines.append(f"- mean padding fraction (computed slot rows holding no token): "
                          f"{np.mean(pads):.4f}")
         lines.append("")
+    balanced = [m for m in train if m.get("balance")]
+    if balanced:
+        last = balanced[-1]["balance"]
+        lines += ["## Routing balance per MoE layer", "",
+                  f"From the last logged step ({balanced[-1]['step']}); p50 / p95 over the "
+                  f"{len(last)} MoE layers.", "",
+                  "| figure | p50 | p95 | max |", "|---|---:|---:|---:|"]
+        for key, label in (("expert_max_over_mean", "tokens per expert, max / mean"),
+                           ("expert_cv", "tokens per expert, coefficient of variation"),
+                           ("device_max_over_mean", "rows per device, max / mean"),
+                           ("dead_experts", "experts with no token"),
+                           ("copies", "expert copies (fast level)"),
+                           ("dropped", "rows dropped")):
+            values = [b[key] for b in last if key in b]
+            if values:
+                lines.append(f"| {label} | {np.percentile(values, 50):.3g} | "
+                             f"{np.percentile(values, 95):.3g} | {max(values):.3g} |")
+        lines.append("")
+        if any("device_max_over_mean" in b for b in last):
+            _plot_device_load(balanced, os.path.join(run_dir, "device_load.png"))
+            lines += ["Rows per device over max over mean, every MoE layer and logged step "
+                      "(the fast level's balance):", "", "![device load](device_load.png)", ""]
     plans = [m for m in rows if m["kind"] == "plan"]
     if plans:
         lines += ["## EfficientMoE re-plans", "",

@@ -40,7 +40,7 @@ from ms_efficient.efficientmoe.planner import ReplanLoop
 from ms_efficient.efficientmoe.sampler import RoutingSampler
 from ms_efficient.models.gpt_moe import build_model
 from ms_efficient.moe.layer import ROUTING_COUNTS, MoEFeedForward
-from ms_efficient.moe.trace import load_trace, save_trace
+from ms_efficient.moe.trace import layer_balance, load_trace, save_trace
 from ms_efficient.train import checkpoint as run_ckpt
 from ms_efficient.train.data import Corpus, load_corpus
 from ms_efficient.train.footprint import check_fits_machine
@@ -399,7 +399,9 @@ class Trainer:
                        "ce": round(float(ce.asnumpy()), 5), "tokens_per_s": round(tps, 1),
                        "drop_rate": round(drop, 5),
                        "padding_fraction": round(1.0 - kept / max(1, rows), 5),
-                       "sampler_overhead_s": round(sample_s / window_steps, 6)}
+                       "sampler_overhead_s": round(sample_s / window_steps, 6),
+                       # the last step's routing balance, per MoE layer
+                       "balance": layer_balance(counts, dropped_L)}
                 sample_s, kept, rows, assigned = 0.0, 0, 0, 0
                 self.metrics.append(row)
                 eta = (total - self.step) * elapsed / max(1, window_steps)
