@@ -293,3 +293,12 @@ def test_the_report_gives_balance_percentiles_over_layers_and_a_device_heat_map(
     assert "| tokens per expert, max / mean | 2.5 | 3.85 | 4 |" in text
     assert "| expert copies (fast level) | 1.5 | 2.85 | 3 |" in text
     assert (tmp_path / "device_load.png").stat().st_size > 0
+
+
+def test_a_copy_too_dear_for_balance_is_still_made_to_avoid_a_drop():
+    counts = np.array([[[50, 10], [50, 10]]])
+    cost = np.array([[0.0, 45.0], [45.0, 0.0]])          # not worth it for balance alone
+    bal = balance_step(counts, _home([[0], [1]]), np.ones(2, int), np.array([[70, 70]]),
+                       copy_cost_rows_WW=cost)
+    assert bal.copies_L.tolist() == [1] and bal.dropped_L.tolist() == [0]
+    assert bal.load_LW.tolist() == [[60, 60]]

@@ -17,9 +17,10 @@ simulator (``ms_efficient.efficientmoe.two_level``) replays it on a trace:
     Step 2 (copies): while the busiest device is above the mean load, the largest expert
         piece on it is copied into a free spare slot of the device that does not hold that
         expert with the least load plus copy cost, and the expert is water-filled again over
-        its holders. A copy is kept only when the rows it takes off the busiest device are
-        worth more compute time than its weight transfer (``copy_cost_rows_WW``); otherwise
-        that layer stops.
+        its holders. A copy is kept when the rows it takes off the busiest device are worth
+        more compute time than its weight transfer (``copy_cost_rows_WW``), or whatever it
+        costs while the busiest device is above its buffer (no row is dropped while a spare
+        slot can take it); otherwise that layer stops.
         A copy's weights travel from a home holder (one on the copy's node when there is
         one) that step, and in backward the copy's gradient travels back and is added to the
         home expert's.
@@ -284,7 +285,7 @@ def _home_split(counts_E: np.ndarray, held: np.ndarray, rounds: int = 2) -> np.n
     return rows
 
 
-def _copies(counts_E, rows, held, spare_W, copy_cost_rows_WW, max_copies):
+def _copies(counts_E, rows, held, spare_W, copy_cost_rows_WW, max_copies, buffer_LW=None):
     """Step 2: per-step copies into spare slots (module docstring). Mutates rows and held;
     returns (copies_LWW, copied_LE, source_LEW)."""
     num_layers, num_experts, num_devices = rows.shape
@@ -317,7 +318,11 @@ def _copies(counts_E, rows, held, spare_W, copy_cost_rows_WW, max_copies):
         new = water_fill(base, mask, np.where(can, counts_E[layers, e], 0))
         relief = top - (base + new)[layers, busiest]         # rows off the busiest device
         source = source_to[layers, target]
-        keep = can & (relief > cost_to[layers, target])
+        # worth its weights, or needed: the busiest device is above its buffer (a drop
+        # costs more than any copy)
+        over = (np.zeros_like(can) if buffer_LW is None
+                else top > buffer_LW[layers, busiest])
+        keep = can & (relief > 0) & ((relief > cost_to[layers, target]) | over)
         active &= keep
         if not keep.any():
             break
@@ -413,8 +418,9 @@ def balance_step(counts_LRE: np.ndarray, home_LWS: np.ndarray, spare_W: np.ndarr
         copied = np.zeros((num_layers, num_experts), dtype=np.int64)
         source_of = np.full((num_layers, num_experts, num_devices), -1, dtype=np.int64)
     else:
-        copies, copied, source_of = _copies(counts_E, rows, held, spare, cost,
-                                            int(spare.sum()))
+        copies, copied, source_of = _copies(
+            counts_E, rows, held, spare, cost, int(spare.sum()),
+            None if buffer_LW is None else np.asarray(buffer_LW, dtype=np.int64))
     # Step 3: fixed buffers
     if buffer_LW is None:
         dropped = np.zeros(num_layers, dtype=np.int64)
