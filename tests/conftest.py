@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny config and a tiny text corpus built inside tests/ (no ../shared)."""
+"""Shared fixtures: a tiny config and a tiny text corpus built inside tests/ (no ../shared), and
+the 2-worker msrun checks' results (one job for the session, see tests/workers.py)."""
 import os
 import sys
 
@@ -7,6 +8,25 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+import workers  # noqa: E402  (tests/workers.py)
+
+
+def pytest_collection_finish(session):
+    """Start the one msrun job of the 2-worker checks as soon as a selected test reads it, so
+    its start-up overlaps the tests before those."""
+    if any("dist_checks" in getattr(item, "fixturenames", ()) for item in session.items):
+        workers.start_checks()
+
+
+def pytest_sessionfinish(session):
+    workers.stop_checks(remove=True)
+
+
+@pytest.fixture(scope="session")
+def dist_checks():
+    """The folder of the 2-worker checks' results: tests/dist/NAME.py's are in NAME/."""
+    return workers.checks_dir()
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ and ``--resume`` after kill -9 continuing with the same losses.
 """
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,9 +18,8 @@ from conftest import tiny_config_dict
 from ms_efficient.cli import main
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.efficientmoe.ep_replanner import dropless_plans, moved_slots, slot_budget
+from workers import MSRUN, needs_msrun
 
-MSRUN = shutil.which("msrun") or shutil.which("msrun", path=os.path.dirname(sys.executable))
-needs_msrun = pytest.mark.skipif(MSRUN is None, reason="msrun is not on PATH")
 STEPS = 20          # steps compared with the one-process run
 REPLAN_AT = 6       # efficientmoe.force_replan_step
 KILL_AFTER = 10     # the interrupted run is killed once its state.json reaches this step
@@ -240,24 +238,13 @@ def test_resume_after_kill_9_continues_with_the_same_losses(two_workers, tmp_pat
 
 @pytest.mark.slow
 @needs_msrun
-def test_efficientmoe_callback_replaces_expert_parallel_layers_in_model_train(tmp_path):
-    """Model.train on 2 ranks (tests/dist/check_ep_callback.py): the callback's forced re-plan
+def test_efficientmoe_callback_replaces_expert_parallel_layers_in_model_train(dist_checks):
+    """Model.train on 2 ranks (tests/dist/check_ep_callback.py, in the session's one msrun job
+    of the 2-worker checks): the callback's forced re-plan
     moves fewer bytes than the expert table, compiles nothing, and the replicas it creates
     gives every slot the optimizer moments its (new) expert had before the switch."""
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist",
-                          "check_ep_callback.py")
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([os.path.dirname(MSRUN), env.get("PATH", "")])
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in [os.path.dirname(os.path.dirname(script)), env.get("PYTHONPATH")] if p)
-    out, logs = tmp_path / "out", tmp_path / "log"
-    port = __import__("ms_efficient.train.ep_launch", fromlist=["_free_port"])._free_port()
-    proc = subprocess.run([MSRUN, "--worker_num=2", "--local_worker_num=2",
-                           "--master_addr=127.0.0.1", f"--master_port={port}", "--join=True",
-                           "--cluster_time_out=60", f"--log_dir={logs}", script, str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    results = [out / f"callback_rank{r}.json" for r in range(2)]
-    assert proc.returncode == 0 and all(p.is_file() for p in results), proc.stdout[-2000:]
+    results = [dist_checks / "check_ep_callback" / f"callback_rank{r}.json" for r in range(2)]
+    assert all(p.is_file() for p in results)
     ranks = [json.loads(p.read_text()) for p in results]
     assert ranks[0]["plans"] == ranks[1]["plans"]
     records = ranks[0]["plans"]
