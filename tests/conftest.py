@@ -29,15 +29,26 @@ def dist_checks():
     return workers.checks_dir()
 
 
-@pytest.fixture
-def text_dir(tmp_path):
-    """A folder of 40 small generated text files (about 60 kB)."""
-    folder = tmp_path / "corpus"
+def write_corpus(folder) -> str:
+    """Write 40 small generated text files (about 60 kB) into a new ``folder``; its path."""
     folder.mkdir()
     for i in range(40):
         lines = [f"def function_{i}_{j}(x):\n    return x * {j} + {i}\n" for j in range(40)]
         (folder / f"mod_{i:02d}.py").write_text("".join(lines))
     return str(folder)
+
+
+@pytest.fixture
+def text_dir(tmp_path):
+    """A folder of 40 small generated text files (about 60 kB), the test's own."""
+    return write_corpus(tmp_path / "corpus")
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory):
+    """The same corpus as ``text_dir``, one for the session (module fixtures; not to be
+    changed)."""
+    return write_corpus(tmp_path_factory.mktemp("shared") / "corpus")
 
 
 def tiny_config_dict(data_path: str, out_dir: str) -> dict:

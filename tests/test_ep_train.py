@@ -92,22 +92,34 @@ def test_resume_with_other_workers_than_saved_is_refused(tmp_path, capsys):
 # --- one rank in process ---------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def one_process_4_steps(tmp_path_factory, corpus_dir):
+    """The one-process trainer's 4 steps with grouped (dropless) experts: (corpus, run
+    folder). It ignores ``efficientmoe.dispatch``, so one run serves both dispatches below."""
+    from ms_efficient.core.config import load_config
+    from ms_efficient.train.trainer import Trainer
+
+    tmp = tmp_path_factory.mktemp("one_process")
+    config = _config(tmp, corpus_dir, train={"steps": 4, "save_every": 4})
+    Trainer(load_config(config, {"moe.dispatch": "grouped"}), str(tmp / "one")).run()
+    return corpus_dir, tmp / "one"
+
+
 @pytest.mark.mindspore
 @pytest.mark.parametrize("dispatch", ["grouped", "counts"])
-def test_one_rank_expert_parallel_run_equals_the_one_process_trainer(tmp_path, text_dir,
+def test_one_rank_expert_parallel_run_equals_the_one_process_trainer(tmp_path,
+                                                                     one_process_4_steps,
                                                                      dispatch):
     """W = 1 (no msrun): the EP model, its gradient reducer and clipping against the
     one-process trainer with grouped (dropless) experts, same seed and batches; with
     ``efficientmoe.dispatch`` grouped or counts (the count-driven exchange: the same rows)."""
-    from ms_efficient.core.config import load_config
     from ms_efficient.train.ep_worker import worker_main
-    from ms_efficient.train.trainer import Trainer
 
-    config = _config(tmp_path, text_dir, train={"steps": 4, "save_every": 4},
+    corpus, one_dir = one_process_4_steps
+    config = _config(tmp_path, corpus, train={"steps": 4, "save_every": 4},
                      efficientmoe={"dispatch": dispatch})
-    Trainer(load_config(config, {"moe.dispatch": "grouped"}), str(tmp_path / "one")).run()
     assert worker_main([config, "--out", str(tmp_path / "ep")]) == 0
-    one, ep = _losses(tmp_path / "one"), _losses(tmp_path / "ep")
+    one, ep = _losses(one_dir), _losses(tmp_path / "ep")
     assert sorted(ep) == [1, 2, 3, 4]
     for step in one:
         np.testing.assert_allclose(ep[step], one[step], rtol=1e-5)
@@ -121,7 +133,7 @@ def test_one_rank_expert_parallel_run_equals_the_one_process_trainer(tmp_path, t
 
 
 @pytest.fixture(scope="module")
-def two_workers(tmp_path_factory):
+def two_workers(tmp_path_factory, corpus_dir):
     """One uninterrupted 2-worker run with EfficientMoE (a re-plan forced at step 6) and the
     one-process run of the same config (EfficientMoE off: nothing to plan on one device
     with grouped experts); returns (config, ep run, one-process run, seconds of each)."""
@@ -131,12 +143,7 @@ def two_workers(tmp_path_factory):
     from ms_efficient.train.trainer import Trainer
 
     tmp = tmp_path_factory.mktemp("ep_train")
-    corpus = tmp / "corpus"
-    corpus.mkdir()
-    for i in range(40):
-        (corpus / f"mod_{i:02d}.py").write_text("".join(
-            f"def function_{i}_{j}(x):\n    return x * {j} + {i}\n" for j in range(40)))
-    config = _config(tmp, str(corpus), efficientmoe={
+    config = _config(tmp, corpus_dir, efficientmoe={
         "enabled": True, "warmup_steps": 4, "replan_every": 4, "window": 4,
         "force_replan_step": REPLAN_AT})
     start = time.perf_counter()
