@@ -13,14 +13,17 @@ import workers  # noqa: E402  (tests/workers.py)
 
 
 def pytest_collection_finish(session):
-    """Start the one msrun job of the 2-worker checks as soon as a selected test reads it, so
-    its start-up overlaps the tests before those."""
-    if any("dist_checks" in getattr(item, "fixturenames", ()) for item in session.items):
+    """Start the one msrun job of the 2-worker checks, and the fixtures computed in the
+    background (tests/workers.py), as soon as a selected test reads them, so their start-up
+    and child processes overlap the tests before those."""
+    used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    if "dist_checks" in used:
         workers.start_checks()
+    workers.start_background(used)
 
 
 def pytest_sessionfinish(session):
-    workers.stop_checks(remove=True)
+    workers.cleanup()
 
 
 @pytest.fixture(scope="session")

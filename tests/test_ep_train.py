@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import tiny_config_dict
+import workers
+from conftest import tiny_config_dict, write_corpus
 from ms_efficient.cli import main
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.efficientmoe.ep_replanner import dropless_plans, moved_slots, slot_budget
@@ -132,8 +133,35 @@ def test_one_rank_expert_parallel_run_equals_the_one_process_trainer(tmp_path,
 # --- 2 msrun workers -------------------------------------------------------------------------
 
 
+def _cli_env():
+    """This environment with the repository first on PYTHONPATH (for ``python -m``)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                    env.get("PYTHONPATH")] if p)
+    return env
+
+
+@workers.in_background("two_workers")
+def _two_workers_run():
+    """The 2-worker run of ``two_workers`` (``ms-efficient train --workers 2`` in a child
+    process, from the session's start: tests/workers.py): (config, run folder, seconds)."""
+    if MSRUN is None:
+        return None
+    tmp = workers.temporary_dir("ep_train_")
+    config = _config(tmp, write_corpus(tmp / "corpus"), efficientmoe={
+        "enabled": True, "warmup_steps": 4, "replan_every": 4, "window": 4,
+        "force_replan_step": REPLAN_AT})
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "ms_efficient.cli", "train", config,
+                           "--workers", "2", "--out", str(tmp / "ep")], env=_cli_env(),
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return config, tmp / "ep", time.perf_counter() - start
+
+
 @pytest.fixture(scope="module")
-def two_workers(tmp_path_factory, corpus_dir):
+def two_workers(tmp_path_factory):
     """One uninterrupted 2-worker run with EfficientMoE (a re-plan forced at step 6) and the
     one-process run of the same config (EfficientMoE off: nothing to plan on one device
     with grouped experts); returns (config, ep run, one-process run, seconds of each)."""
@@ -142,17 +170,12 @@ def two_workers(tmp_path_factory, corpus_dir):
     from ms_efficient.core.config import load_config
     from ms_efficient.train.trainer import Trainer
 
-    tmp = tmp_path_factory.mktemp("ep_train")
-    config = _config(tmp, corpus_dir, efficientmoe={
-        "enabled": True, "warmup_steps": 4, "replan_every": 4, "window": 4,
-        "force_replan_step": REPLAN_AT})
-    start = time.perf_counter()
-    assert main(["train", config, "--workers", "2", "--out", str(tmp / "ep")]) == 0
-    ep_s = time.perf_counter() - start
+    config, ep, ep_s = workers.background_result("two_workers")
+    one = tmp_path_factory.mktemp("ep_train") / "one"
     start = time.perf_counter()
     cfg = load_config(config, {"moe.dispatch": "grouped", "efficientmoe.enabled": False})
-    Trainer(cfg, str(tmp / "one")).run()
-    return config, tmp / "ep", tmp / "one", (ep_s, time.perf_counter() - start)
+    Trainer(cfg, str(one)).run()
+    return config, ep, one, (ep_s, time.perf_counter() - start)
 
 
 @pytest.mark.slow
@@ -210,12 +233,8 @@ def test_two_workers_replan_without_recompiling_and_save_every_rank(two_workers)
 def test_resume_after_kill_9_continues_with_the_same_losses(two_workers, tmp_path):
     config, ep, _, _ = two_workers
     part = tmp_path / "part"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                    env.get("PYTHONPATH")] if p)
     proc = subprocess.Popen([sys.executable, "-m", "ms_efficient.cli", "train", config,
-                             "--workers", "2", "--out", str(part)], env=env,
+                             "--workers", "2", "--out", str(part)], env=_cli_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     state_path, reached = part / "state.json", 0

@@ -6,6 +6,10 @@ Each msrun launch costs ~15-20 s of start-up on 2 cores, so the checks share one
 starts it in the background once the selected tests are known (``start_checks``), and the
 session fixture ``dist_checks`` waits for it (``checks_dir``): check NAME's results are in
 ``checks_dir() / NAME``. A failed job fails every test that reads it, with the workers' logs.
+
+Other slow fixtures whose work mostly waits on child processes are computed the same way, in
+a thread started once the selected tests are known: ``in_background`` registers the function,
+``background_result`` waits for its value (or its exception).
 """
 import importlib.util
 import os
@@ -15,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -60,7 +65,7 @@ def start_checks() -> None:
     waiting; once per session."""
     if _job.proc is not None or MSRUN is None:
         return
-    _job.run_dir = Path(tempfile.mkdtemp(prefix="ms_efficient_checks_"))
+    _job.run_dir = temporary_dir("checks_")
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([os.path.dirname(MSRUN), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)
@@ -98,11 +103,52 @@ def checks_dir() -> Path:
     return out_dir
 
 
-def stop_checks(remove: bool = False) -> None:
-    """Kill the job if it still runs (msrun, its scheduler and workers: its process group);
-    ``remove``: delete its folder too (at the session's end)."""
+def stop_checks() -> None:
+    """Kill the job if it still runs (msrun, its scheduler and workers: its process group)."""
     if _job.proc is not None and _job.proc.poll() is None:
         os.killpg(_job.proc.pid, signal.SIGKILL)
         _job.proc.wait()
-    if remove and _job.run_dir is not None:
-        shutil.rmtree(_job.run_dir, ignore_errors=True)
+
+
+_BACKGROUND = {}             # fixture name -> the function computing its value
+_FUTURES = {}                # fixture name -> its Future, once started
+_DIRS = []                   # temporary_dir's folders
+
+
+def temporary_dir(prefix: str) -> Path:
+    """A fresh folder for work started before any test (no tmp_path yet), deleted by
+    ``cleanup`` at the session's end."""
+    _DIRS.append(Path(tempfile.mkdtemp(prefix="ms_efficient_" + prefix)))
+    return _DIRS[-1]
+
+
+def cleanup() -> None:
+    """At the session's end: stop the checks' job if it still runs, delete the folders."""
+    stop_checks()
+    for folder in _DIRS:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def in_background(fixture_name: str):
+    """Decorator: ``fn()`` computes the value of fixture ``fixture_name`` in a thread,
+    started when collection ends if a selected test uses that fixture (conftest), so its
+    child processes overlap the tests that run before it."""
+    def register(fn):
+        _BACKGROUND[fixture_name] = fn
+        return fn
+    return register
+
+
+def start_background(fixture_names) -> None:
+    """Start the registered computations of ``fixture_names`` that have not started."""
+    for name in sorted(set(fixture_names) & set(_BACKGROUND) - set(_FUTURES)):
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        _FUTURES[name] = pool.submit(_BACKGROUND[name])
+        pool.shutdown(wait=False)
+
+
+def background_result(fixture_name: str):
+    """The value of a registered computation (starting it if nobody has); re-raises its
+    exception."""
+    start_background([fixture_name])
+    return _FUTURES[fixture_name].result()
