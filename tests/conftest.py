@@ -12,14 +12,21 @@ if ROOT not in sys.path:
 import workers  # noqa: E402  (tests/workers.py)
 
 
+def _background_fixtures(item):
+    return [n for n in getattr(item, "fixturenames", ()) if n in workers._BACKGROUND]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Tests reading a fixture computed in the background (tests/workers.py: the 2-worker
+    checks, the EP training run, the measured memopt check) run last, in their order, so the
+    fixtures' child processes overlap every other test."""
+    items[:] = ([i for i in items if not _background_fixtures(i)]
+                + [i for i in items if _background_fixtures(i)])
+
+
 def pytest_collection_finish(session):
-    """Start the one msrun job of the 2-worker checks, and the fixtures computed in the
-    background (tests/workers.py), as soon as a selected test reads them, so their start-up
-    and child processes overlap the tests before those."""
-    used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
-    if "dist_checks" in used:
-        workers.start_checks()
-    workers.start_background(used)
+    """Queue the background fixtures the selected tests read, in the order they are read."""
+    workers.start_background([n for item in session.items for n in _background_fixtures(item)])
 
 
 def pytest_sessionfinish(session):
@@ -29,7 +36,7 @@ def pytest_sessionfinish(session):
 @pytest.fixture(scope="session")
 def dist_checks():
     """The folder of the 2-worker checks' results: tests/dist/NAME.py's are in NAME/."""
-    return workers.checks_dir()
+    return workers.background_result("dist_checks")
 
 
 def write_corpus(folder) -> str:

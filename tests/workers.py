@@ -2,14 +2,15 @@
 one msrun job that runs all of them (tests/dist/run_checks.py, through
 scripts/msrun_launcher.sh, so the launcher is tested too).
 
-Each msrun launch costs ~15-20 s of start-up on 2 cores, so the checks share one job: conftest
-starts it in the background once the selected tests are known (``start_checks``), and the
-session fixture ``dist_checks`` waits for it (``checks_dir``): check NAME's results are in
-``checks_dir() / NAME``. A failed job fails every test that reads it, with the workers' logs.
+Each msrun launch costs ~15-20 s of start-up on 2 cores, so the checks share one job
+(``start_checks``, ``checks_dir``): check NAME's results are in ``checks_dir() / NAME``. A
+failed job fails every test that reads it, with the workers' logs.
 
-Other slow fixtures whose work mostly waits on child processes are computed the same way, in
-a thread started once the selected tests are known: ``in_background`` registers the function,
-``background_result`` waits for its value (or its exception).
+That job and the other slow fixtures whose work is child processes are computed in a
+background thread while the suite runs: ``in_background`` registers the function of a
+fixture, conftest moves the tests that use one to the end of the session and queues the
+functions once the selected tests are known, and ``background_result`` waits for a value (or
+re-raises its exception). The session fixture ``dist_checks`` is the checks' folder.
 """
 import importlib.util
 import os
@@ -111,7 +112,8 @@ def stop_checks() -> None:
 
 
 _BACKGROUND = {}             # fixture name -> the function computing its value
-_FUTURES = {}                # fixture name -> its Future, once started
+_FUTURES = {}                # fixture name -> its Future, once queued
+_POOL = None                 # the thread that computes them
 _DIRS = []                   # temporary_dir's folders
 
 
@@ -140,15 +142,25 @@ def in_background(fixture_name: str):
 
 
 def start_background(fixture_names) -> None:
-    """Start the registered computations of ``fixture_names`` that have not started."""
-    for name in sorted(set(fixture_names) & set(_BACKGROUND) - set(_FUTURES)):
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        _FUTURES[name] = pool.submit(_BACKGROUND[name])
-        pool.shutdown(wait=False)
+    """Queue the registered computations of ``fixture_names`` (in that order) that are not
+    queued yet. One thread runs them one after another: with the tests in the main thread,
+    that is about what 2 cores hold."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background")
+    for name in fixture_names:
+        if name in _BACKGROUND and name not in _FUTURES:
+            _FUTURES[name] = _POOL.submit(_BACKGROUND[name])
 
 
 def background_result(fixture_name: str):
-    """The value of a registered computation (starting it if nobody has); re-raises its
+    """The value of a registered computation (queueing it if nobody has); re-raises its
     exception."""
     start_background([fixture_name])
     return _FUTURES[fixture_name].result()
+
+
+@in_background("dist_checks")
+def _run_checks() -> Path:
+    start_checks()
+    return checks_dir()
