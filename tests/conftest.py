@@ -25,8 +25,11 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_collection_finish(session):
-    """Queue the background fixtures the selected tests read, in the order they are read."""
-    workers.start_background([n for item in session.items for n in _background_fixtures(item)])
+    """Queue the background fixtures the selected tests read, in the order they are read
+    (nothing for --collect-only)."""
+    if not session.config.option.collectonly:
+        workers.start_background([n for item in session.items
+                                  for n in _background_fixtures(item)])
 
 
 def pytest_sessionfinish(session):

@@ -125,16 +125,20 @@ def temporary_dir(prefix: str) -> Path:
 
 
 def cleanup() -> None:
-    """At the session's end: stop the checks' job if it still runs, delete the folders."""
+    """At the session's end (also an early one, -x or Ctrl-C): drop the background
+    computations not started yet, stop the checks' job if it still runs, delete the
+    folders."""
+    if _POOL is not None:
+        _POOL.shutdown(wait=False, cancel_futures=True)
     stop_checks()
     for folder in _DIRS:
         shutil.rmtree(folder, ignore_errors=True)
 
 
 def in_background(fixture_name: str):
-    """Decorator: ``fn()`` computes the value of fixture ``fixture_name`` in a thread,
-    started when collection ends if a selected test uses that fixture (conftest), so its
-    child processes overlap the tests that run before it."""
+    """Decorator: ``fn()`` computes the value of fixture ``fixture_name`` in the background
+    thread, queued when collection ends if a selected test uses that fixture (conftest), so
+    its child processes overlap the tests that run before it."""
     def register(fn):
         _BACKGROUND[fixture_name] = fn
         return fn
