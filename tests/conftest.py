@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny config and a tiny text corpus built inside tests/ (no ../shared)."""
+"""Shared fixtures: a tiny config and a tiny text corpus built inside tests/ (no ../shared), and
+the 2-worker msrun checks' results (one job for the session, see tests/workers.py)."""
 import os
 import sys
 
@@ -8,16 +9,59 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import workers  # noqa: E402  (tests/workers.py)
 
-@pytest.fixture
-def text_dir(tmp_path):
-    """A folder of 40 small generated text files (about 60 kB)."""
-    folder = tmp_path / "corpus"
+
+def _background_fixtures(item):
+    return [n for n in getattr(item, "fixturenames", ()) if n in workers._BACKGROUND]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Tests reading a fixture computed in the background (tests/workers.py: the 2-worker
+    checks, the EP training run, the measured memopt check) run last, in their order, so the
+    fixtures' child processes overlap every other test."""
+    items[:] = ([i for i in items if not _background_fixtures(i)]
+                + [i for i in items if _background_fixtures(i)])
+
+
+def pytest_collection_finish(session):
+    """Queue the background fixtures the selected tests read, in the order they are read
+    (nothing for --collect-only)."""
+    if not session.config.option.collectonly:
+        workers.start_background([n for item in session.items
+                                  for n in _background_fixtures(item)])
+
+
+def pytest_sessionfinish(session):
+    workers.cleanup()
+
+
+@pytest.fixture(scope="session")
+def dist_checks():
+    """The folder of the 2-worker checks' results: tests/dist/NAME.py's are in NAME/."""
+    return workers.background_result("dist_checks")
+
+
+def write_corpus(folder) -> str:
+    """Write 40 small generated text files (about 60 kB) into a new ``folder``; its path."""
     folder.mkdir()
     for i in range(40):
         lines = [f"def function_{i}_{j}(x):\n    return x * {j} + {i}\n" for j in range(40)]
         (folder / f"mod_{i:02d}.py").write_text("".join(lines))
     return str(folder)
+
+
+@pytest.fixture
+def text_dir(tmp_path):
+    """A folder of 40 small generated text files (about 60 kB), the test's own."""
+    return write_corpus(tmp_path / "corpus")
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory):
+    """The same corpus as ``text_dir``, one for the session (module fixtures; not to be
+    changed)."""
+    return write_corpus(tmp_path_factory.mktemp("shared") / "corpus")
 
 
 def tiny_config_dict(data_path: str, out_dir: str) -> dict:

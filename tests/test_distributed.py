@@ -1,82 +1,27 @@
 """Multi-process checks on CPU: data-parallel training and the All-to-All used by expert parallelism.
 
-The slow tests launch 2 local CPU workers once, through scripts/msrun_launcher.sh (so the
-launcher is tested too), running tests/dist/check_collectives.py, which writes its results to a
-temporary directory; the expected values are computed here with numpy. The launch takes about
-20 s on 2 cores. msrun must be on PATH and the `python` beside it must have mindspore.
+The slow tests read the results of tests/dist/check_collectives.py, which ran on 2 local CPU
+workers in GRAPH_MODE in the session's one msrun job of the 2-worker checks (launched through
+scripts/msrun_launcher.sh, so the launcher is tested too; see tests/workers.py); the expected
+values are computed here with numpy. msrun must be on PATH and the `python` beside it must
+have mindspore.
 """
-import importlib.util
-import os
-import shutil
-import sys
-import socket
-import subprocess
-from pathlib import Path
+import json
 
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER_SCRIPT = REPO / "tests" / "dist" / "check_collectives.py"
-LAUNCHER = REPO / "scripts" / "msrun_launcher.sh"
-WORLD = 2
-LAUNCH_TIMEOUT_S = 240
+import workers
+from workers import WORLD, needs_msrun
 
-# msrun from PATH, else the one installed beside this interpreter (the project's venv)
-MSRUN = shutil.which("msrun") or shutil.which("msrun", path=os.path.dirname(sys.executable))
-needs_msrun = pytest.mark.skipif(
-    MSRUN is None, reason="msrun is not on PATH (put the venv's bin first on PATH, e.g. PATH=.venv/bin:$PATH)"
-)
-
-
-def _load_worker_module():
-    """The worker script as a module: its constants and seeded input generators (numpy only)."""
-    spec = importlib.util.spec_from_file_location("check_collectives", WORKER_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _load_worker_module()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _log_tail(log_dir: Path, chars: int = 3000) -> str:
-    parts = []
-    for log in sorted(log_dir.glob("*.log")):
-        parts.append(f"--- {log.name} ---\n{log.read_text(errors='replace')[-chars:]}")
-    return "\n".join(parts)
+worker = workers.load_script("check_collectives")
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """Run the workers once (GRAPH_MODE); return a loader `load(name, rank) -> np.ndarray`."""
-    if MSRUN is None:
-        pytest.skip("msrun is not on PATH")
-    run_dir = tmp_path_factory.mktemp("msrun")  # msrun's working dir: MindSpore may write rank_*/ here
-    out_dir, log_dir = run_dir / "out", run_dir / "log"
-    env = dict(os.environ)
-    # Workers run the `python` first on PATH: use the one installed beside msrun.
-    env["PATH"] = os.pathsep.join([os.path.dirname(MSRUN), env.get("PATH", "")])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)
-    command = [
-        "bash", str(LAUNCHER), f"python {WORKER_SCRIPT} {out_dir} graph",
-        str(WORLD), str(WORLD), "127.0.0.1", str(_free_port()), "0", str(log_dir), "True", "60",
-    ]  # fmt: skip
-    proc = subprocess.run(
-        command, cwd=run_dir, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
-    )
-    done = [out_dir / f"done_rank{r}.json" for r in range(WORLD)]
-    if proc.returncode != 0 or not all(p.exists() for p in done):
-        pytest.fail(
-            f"msrun failed (rc={proc.returncode}).\nstdout:\n{proc.stdout[-2000:]}\n"
-            f"stderr:\n{proc.stderr[-2000:]}\n{_log_tail(log_dir)}"
-        )
+def results(dist_checks):
+    """The workers' results (GRAPH_MODE) as a loader `load(name, rank) -> np.ndarray`."""
+    out_dir = dist_checks / "check_collectives"
+    assert json.loads((out_dir / "done_rank0.json").read_text())["mode"] == "graph"
     return lambda name, rank: np.load(out_dir / f"{name}_rank{rank}.npy")
 
 

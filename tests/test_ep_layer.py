@@ -3,8 +3,8 @@ replicas, grouped dispatch (drops as split.grouped_assignments), and a 2-worker 
 compared with one process.
 
 Fast tests run in one process (W = 1, no communication init) in GRAPH_MODE. The slow test
-launches tests/dist/check_ep_moe.py on 2 CPU workers through scripts/msrun_launcher.sh (about
-35-45 s on 2 shared cores) and compares with MoEFeedForward on the whole batch here.
+reads tests/dist/check_ep_moe.py's results on 2 CPU workers (the session's one msrun job of
+the 2-worker checks, tests/workers.py) and compares with MoEFeedForward on the whole batch here.
 """
 import dataclasses
 
@@ -551,7 +551,7 @@ def test_set_plan_refuses_plans_that_need_new_shapes():
 
 @pytest.mark.slow
 @workers.needs_msrun
-def test_two_workers_match_one_process_on_the_whole_batch(tmp_path):
+def test_two_workers_match_one_process_on_the_whole_batch(dist_checks):
     """Each rank feeds half the batch: outputs, counts, input gradients and every slot's
     gradient (= its logical expert's, summed over replicas) equal MoEFeedForward on the whole
     batch, with experts spread over the ranks, the same in 2 MPipeMoE chunks (PipelinedMoE),
@@ -562,8 +562,7 @@ def test_two_workers_match_one_process_on_the_whole_batch(tmp_path):
     Adam steps the hot expert's replicas are
     identical on both ranks and every weight matches the one-process run."""
     wk = workers.load_script("check_ep_moe")
-    launched = workers.start("check_ep_moe", tmp_path, wk.WORLD)
-    # the single-process reference, computed while the workers start up
+    # the single-process reference
     w = wk.logical_weights()
     x_np, dy_np = wk.global_batch()
     ref = MoEFeedForward(wk.H, wk.F, wk.E, wk.K, capacity=wk.FULL, trace_ranks=wk.WORLD)
@@ -594,8 +593,7 @@ def test_two_workers_match_one_process_on_the_whole_batch(tmp_path):
         step(*(Tensor(a) for a in wk.global_batch(i)))
     trained_ref = {name: p.asnumpy() for name, p in zip(wk.PARAM_NAMES, params)}
 
-    workers.finish(*launched, wk.WORLD)
-    out_dir = launched[1]
+    out_dir = dist_checks / "check_ep_moe"
     for plan in (p for p in wk.PLANS if p not in wk.DROPPING):
         res = [np.load(out_dir / f"{plan}_rank{r}.npz") for r in range(wk.WORLD)]
         router_sum = sum(r["grad_router"] for r in res)

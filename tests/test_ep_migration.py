@@ -3,9 +3,9 @@ built from it, and ExpertParallelMoE.set_plan moving weight rows with their Adam
 
 Numpy tests first; then one process (W = 1, GRAPH_MODE): after set_plan(plan, optimizer) a
 training step equals the step of a fresh layer built with the new plan and given the same
-expert weights and moments; the slow test launches tests/dist/check_ep_migration.py on 2 CPU
-workers (msrun; 38-45 s measured on the 2 shared cores, up to 80 s while others load them)
-and compares with MoEFeedForward trained on the whole batch.
+expert weights and moments; the slow test reads tests/dist/check_ep_migration.py's results on
+2 CPU workers (the session's one msrun job of the 2-worker checks, tests/workers.py) and
+compares with MoEFeedForward trained on the whole batch.
 """
 
 import numpy as np
@@ -292,16 +292,15 @@ def test_weight_states_finds_adam_and_momentum_state_and_refuses_foreign_optimiz
 
 @pytest.mark.slow
 @workers.needs_msrun
-def test_two_workers_move_experts_and_adam_state_and_train_as_if_nothing_moved(tmp_path):
+def test_two_workers_move_experts_and_adam_state_and_train_as_if_nothing_moved(dist_checks):
     """A grouped layer on 2 ranks takes an Adam step, set_plan moves expert 2 from rank 0 to
     rank 1, swaps experts 1 and 3 and replicates expert 0 on rank 1 (one AlltoAllV whose
     counts are plan_migration's), and takes another step on the compiled graph: outputs,
     weights and Adam moments of every slot equal MoEFeedForward trained on the whole batch."""
     wk = workers.load_script("check_ep_migration")
-    launched = workers.start("check_ep_migration", tmp_path, wk.WORLD)
-    out_dir = launched[1]
+    out_dir = dist_checks / "check_ep_migration"
 
-    # the reference, while the workers run: the whole batch on one dense layer, never moved
+    # the reference: the whole batch on one dense layer, never moved
     w = wk.logical_weights()
     ref = MoEFeedForward(wk.H, wk.F, wk.E, wk.K, capacity=wk.WORLD * wk.T_LOCAL)
     params = [ref.router.weight, ref.w1, ref.b1, ref.w2, ref.b2]
@@ -329,8 +328,6 @@ def test_two_workers_move_experts_and_adam_state_and_train_as_if_nothing_moved(t
     migration = plan_migration(ExpertPlan(**wk.BEFORE), ExpertPlan(**wk.AFTER), wk.BUDGET,
                                wk.WORLD)
     assert migration.rows_WW.tolist() == wk.EXPECTED_ROWS_WW
-
-    workers.finish(*launched, wk.WORLD)
 
     slot_expert = np.asarray(wk.AFTER["slot_expert"])
     for r in range(wk.WORLD):

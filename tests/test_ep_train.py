@@ -5,7 +5,6 @@ and ``--resume`` after kill -9 continuing with the same losses.
 """
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,13 +14,13 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import tiny_config_dict
+import workers
+from conftest import tiny_config_dict, write_corpus
 from ms_efficient.cli import main
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.efficientmoe.ep_replanner import dropless_plans, moved_slots, slot_budget
+from workers import MSRUN, needs_msrun
 
-MSRUN = shutil.which("msrun") or shutil.which("msrun", path=os.path.dirname(sys.executable))
-needs_msrun = pytest.mark.skipif(MSRUN is None, reason="msrun is not on PATH")
 STEPS = 20          # steps compared with the one-process run
 REPLAN_AT = 6       # efficientmoe.force_replan_step
 KILL_AFTER = 10     # the interrupted run is killed once its state.json reaches this step
@@ -94,22 +93,34 @@ def test_resume_with_other_workers_than_saved_is_refused(tmp_path, capsys):
 # --- one rank in process ---------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def one_process_4_steps(tmp_path_factory, corpus_dir):
+    """The one-process trainer's 4 steps with grouped (dropless) experts: (corpus, run
+    folder). It ignores ``efficientmoe.dispatch``, so one run serves both dispatches below."""
+    from ms_efficient.core.config import load_config
+    from ms_efficient.train.trainer import Trainer
+
+    tmp = tmp_path_factory.mktemp("one_process")
+    config = _config(tmp, corpus_dir, train={"steps": 4, "save_every": 4})
+    Trainer(load_config(config, {"moe.dispatch": "grouped"}), str(tmp / "one")).run()
+    return corpus_dir, tmp / "one"
+
+
 @pytest.mark.mindspore
 @pytest.mark.parametrize("dispatch", ["grouped", "counts"])
-def test_one_rank_expert_parallel_run_equals_the_one_process_trainer(tmp_path, text_dir,
+def test_one_rank_expert_parallel_run_equals_the_one_process_trainer(tmp_path,
+                                                                     one_process_4_steps,
                                                                      dispatch):
     """W = 1 (no msrun): the EP model, its gradient reducer and clipping against the
     one-process trainer with grouped (dropless) experts, same seed and batches; with
     ``efficientmoe.dispatch`` grouped or counts (the count-driven exchange: the same rows)."""
-    from ms_efficient.core.config import load_config
     from ms_efficient.train.ep_worker import worker_main
-    from ms_efficient.train.trainer import Trainer
 
-    config = _config(tmp_path, text_dir, train={"steps": 4, "save_every": 4},
+    corpus, one_dir = one_process_4_steps
+    config = _config(tmp_path, corpus, train={"steps": 4, "save_every": 4},
                      efficientmoe={"dispatch": dispatch})
-    Trainer(load_config(config, {"moe.dispatch": "grouped"}), str(tmp_path / "one")).run()
     assert worker_main([config, "--out", str(tmp_path / "ep")]) == 0
-    one, ep = _losses(tmp_path / "one"), _losses(tmp_path / "ep")
+    one, ep = _losses(one_dir), _losses(tmp_path / "ep")
     assert sorted(ep) == [1, 2, 3, 4]
     for step in one:
         np.testing.assert_allclose(ep[step], one[step], rtol=1e-5)
@@ -122,6 +133,33 @@ def test_one_rank_expert_parallel_run_equals_the_one_process_trainer(tmp_path, t
 # --- 2 msrun workers -------------------------------------------------------------------------
 
 
+def _cli_env():
+    """This environment with the repository first on PYTHONPATH (for ``python -m``)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                    env.get("PYTHONPATH")] if p)
+    return env
+
+
+@workers.in_background("two_workers")
+def _two_workers_run():
+    """The 2-worker run of ``two_workers`` (``ms-efficient train --workers 2`` in a child
+    process, from the session's start: tests/workers.py): (config, run folder, seconds)."""
+    if MSRUN is None:
+        return None
+    tmp = workers.temporary_dir("ep_train_")
+    config = _config(tmp, write_corpus(tmp / "corpus"), efficientmoe={
+        "enabled": True, "warmup_steps": 4, "replan_every": 4, "window": 4,
+        "force_replan_step": REPLAN_AT})
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "ms_efficient.cli", "train", config,
+                           "--workers", "2", "--out", str(tmp / "ep")], env=_cli_env(),
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return config, tmp / "ep", time.perf_counter() - start
+
+
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):
     """One uninterrupted 2-worker run with EfficientMoE (a re-plan forced at step 6) and the
@@ -132,22 +170,12 @@ def two_workers(tmp_path_factory):
     from ms_efficient.core.config import load_config
     from ms_efficient.train.trainer import Trainer
 
-    tmp = tmp_path_factory.mktemp("ep_train")
-    corpus = tmp / "corpus"
-    corpus.mkdir()
-    for i in range(40):
-        (corpus / f"mod_{i:02d}.py").write_text("".join(
-            f"def function_{i}_{j}(x):\n    return x * {j} + {i}\n" for j in range(40)))
-    config = _config(tmp, str(corpus), efficientmoe={
-        "enabled": True, "warmup_steps": 4, "replan_every": 4, "window": 4,
-        "force_replan_step": REPLAN_AT})
-    start = time.perf_counter()
-    assert main(["train", config, "--workers", "2", "--out", str(tmp / "ep")]) == 0
-    ep_s = time.perf_counter() - start
+    config, ep, ep_s = workers.background_result("two_workers")
+    one = tmp_path_factory.mktemp("ep_train") / "one"
     start = time.perf_counter()
     cfg = load_config(config, {"moe.dispatch": "grouped", "efficientmoe.enabled": False})
-    Trainer(cfg, str(tmp / "one")).run()
-    return config, tmp / "ep", tmp / "one", (ep_s, time.perf_counter() - start)
+    Trainer(cfg, str(one)).run()
+    return config, ep, one, (ep_s, time.perf_counter() - start)
 
 
 @pytest.mark.slow
@@ -205,12 +233,8 @@ def test_two_workers_replan_without_recompiling_and_save_every_rank(two_workers)
 def test_resume_after_kill_9_continues_with_the_same_losses(two_workers, tmp_path):
     config, ep, _, _ = two_workers
     part = tmp_path / "part"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                    env.get("PYTHONPATH")] if p)
     proc = subprocess.Popen([sys.executable, "-m", "ms_efficient.cli", "train", config,
-                             "--workers", "2", "--out", str(part)], env=env,
+                             "--workers", "2", "--out", str(part)], env=_cli_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     state_path, reached = part / "state.json", 0
@@ -240,24 +264,13 @@ def test_resume_after_kill_9_continues_with_the_same_losses(two_workers, tmp_pat
 
 @pytest.mark.slow
 @needs_msrun
-def test_efficientmoe_callback_replaces_expert_parallel_layers_in_model_train(tmp_path):
-    """Model.train on 2 ranks (tests/dist/check_ep_callback.py): the callback's forced re-plan
+def test_efficientmoe_callback_replaces_expert_parallel_layers_in_model_train(dist_checks):
+    """Model.train on 2 ranks (tests/dist/check_ep_callback.py, in the session's one msrun job
+    of the 2-worker checks): the callback's forced re-plan
     moves fewer bytes than the expert table, compiles nothing, and the replicas it creates
     gives every slot the optimizer moments its (new) expert had before the switch."""
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist",
-                          "check_ep_callback.py")
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([os.path.dirname(MSRUN), env.get("PATH", "")])
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in [os.path.dirname(os.path.dirname(script)), env.get("PYTHONPATH")] if p)
-    out, logs = tmp_path / "out", tmp_path / "log"
-    port = __import__("ms_efficient.train.ep_launch", fromlist=["_free_port"])._free_port()
-    proc = subprocess.run([MSRUN, "--worker_num=2", "--local_worker_num=2",
-                           "--master_addr=127.0.0.1", f"--master_port={port}", "--join=True",
-                           "--cluster_time_out=60", f"--log_dir={logs}", script, str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    results = [out / f"callback_rank{r}.json" for r in range(2)]
-    assert proc.returncode == 0 and all(p.is_file() for p in results), proc.stdout[-2000:]
+    results = [dist_checks / "check_ep_callback" / f"callback_rank{r}.json" for r in range(2)]
+    assert all(p.is_file() for p in results)
     ranks = [json.loads(p.read_text()) for p in results]
     assert ranks[0]["plans"] == ranks[1]["plans"]
     records = ranks[0]["plans"]

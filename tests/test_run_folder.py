@@ -31,19 +31,10 @@ def _temporaries(run_dir):
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("corpus")
-    for i in range(40):
-        lines = [f"def function_{i}_{j}(x):\n    return x * {j} + {i}\n" for j in range(40)]
-        (folder / f"mod_{i:02d}.py").write_text("".join(lines))
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def config(tmp_path_factory, corpus):
+def config(tmp_path_factory, corpus_dir):
     """6 steps, a checkpoint every 3 (steps 3 and 6 kept)."""
     folder = tmp_path_factory.mktemp("cfg")
-    cfg = tiny_config_dict(corpus, str(folder / "unused"))
+    cfg = tiny_config_dict(corpus_dir, str(folder / "unused"))
     cfg["train"].update(steps=6, save_every=3, eval_every=3, log_every=3)
     path = folder / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg))

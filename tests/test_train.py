@@ -100,7 +100,10 @@ def test_a_run_killed_with_sigkill_loses_at_most_one_checkpoint_interval(tmp_pat
 
     from conftest import ROOT
 
-    steps = 120     # long enough that the kill lands mid-run even on an idle machine
+    # long enough that the kill lands mid-run even on an idle machine: it follows the first
+    # checkpoint (step 4) within a 20 ms poll, and the other 56 steps take ~2 s there (40
+    # steps with a 1 s pause before the kill did finish first once)
+    steps = 60
     config = _write_config(tmp_path, text_dir, steps=steps, save_every=4, eval_every=steps,
                            log_every=4)
     killed = str(tmp_path / "killed")

@@ -1,12 +1,26 @@
-"""Launching the 2-worker msrun checks of the tests (tests/dist/*.py) through
-scripts/msrun_launcher.sh: one place for the worker-script loader, the free port, the launch
-and the wait that fails with the workers' logs."""
+"""The 2-worker msrun checks of the tests (tests/dist/*.py): the worker-script loader, and the
+one msrun job that runs all of them (tests/dist/run_checks.py, through
+scripts/msrun_launcher.sh, so the launcher is tested too).
+
+Each msrun launch costs ~15-20 s of start-up on 2 cores, so the checks share one job
+(``start_checks``, ``checks_dir``): check NAME's results are in ``checks_dir() / NAME``. A
+failed job fails every test that reads it, with the workers' logs.
+
+That job and the other slow fixtures whose work is child processes are computed in a
+background thread while the suite runs: ``in_background`` registers the function of a
+fixture, conftest moves the tests that use one to the end of the session and queues the
+functions once the selected tests are known, and ``background_result`` waits for a value (or
+re-raises its exception). The session fixture ``dist_checks`` is the checks' folder.
+"""
 import importlib.util
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -33,31 +47,124 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(name: str, run_dir: Path, world: int):
-    """Launch ``python tests/dist/<name>.py OUT_DIR`` on ``world`` local workers without
-    waiting: (process, out_dir, log_dir)."""
-    out_dir, log_dir = run_dir / "out", run_dir / "log"
+WORLD = 2                    # workers of the checks' job
+TIMEOUT_S = 480              # for the whole job (each check alone took 20-45 s, 80 s loaded)
+
+
+class _Job:
+    """The checks' msrun job: Popen, its run folder, and the failure message once finished."""
+    proc = run_dir = error = None
+    finished = False
+
+
+_job = _Job()
+
+
+def start_checks() -> None:
+    """Launch ``python tests/dist/run_checks.py OUT_DIR`` on WORLD local workers in a fresh
+    temporary folder (msrun's working dir: MindSpore may write rank_*/ there), without
+    waiting; once per session."""
+    if _job.proc is not None or MSRUN is None:
+        return
+    _job.run_dir = temporary_dir("checks_")
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([os.path.dirname(MSRUN), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)
-    script = REPO / "tests" / "dist" / f"{name}.py"
-    command = ["bash", str(LAUNCHER), f"python {script} {out_dir}", str(world), str(world),
-               "127.0.0.1", str(free_port()), "0", str(log_dir), "True", "60"]
-    proc = subprocess.Popen(command, cwd=run_dir, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    return proc, out_dir, log_dir
+    script = REPO / "tests" / "dist" / "run_checks.py"
+    command = ["bash", str(LAUNCHER), f"python {script} {_job.run_dir / 'out'}", str(WORLD),
+               str(WORLD), "127.0.0.1", str(free_port()), "0", str(_job.run_dir / "log"),
+               "True", "60"]
+    _job.proc = subprocess.Popen(command, cwd=_job.run_dir, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def finish(proc, out_dir: Path, log_dir: Path, world: int, timeout_s: float = 240) -> None:
-    """Wait for the workers; fail with their logs unless every rank wrote done_rank<r>.json."""
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
-    if proc.returncode != 0 or not all((out_dir / f"done_rank{r}.json").exists()
-                                       for r in range(world)):
-        logs = "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-3000:]}"
-                         for p in sorted(log_dir.glob("*.log")))
-        pytest.fail(f"msrun failed (rc={proc.returncode}).\n{stdout[-2000:]}\n"
-                    f"{stderr[-2000:]}\n{logs}")
+def checks_dir() -> Path:
+    """Wait for the job (starting it if nobody has) and return its OUT_DIR; fail with the
+    workers' logs unless every rank finished every check (wrote NAME/done_rank<r>.json)."""
+    if MSRUN is None:
+        pytest.skip("msrun is not on PATH")
+    start_checks()
+    out_dir, log_dir = _job.run_dir / "out", _job.run_dir / "log"
+    if not _job.finished:
+        _job.finished = True
+        try:
+            stdout, stderr = _job.proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            stop_checks()
+            stdout, stderr = _job.proc.communicate()
+        names = load_script("run_checks").CHECKS
+        if _job.proc.returncode != 0 or not all((out_dir / n / f"done_rank{r}.json").exists()
+                                                for n in names for r in range(WORLD)):
+            logs = "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-3000:]}"
+                             for p in sorted(log_dir.glob("*.log")))
+            _job.error = (f"msrun failed (rc={_job.proc.returncode}).\n{stdout[-2000:]}\n"
+                          f"{stderr[-2000:]}\n{logs}")
+    if _job.error:
+        pytest.fail(_job.error)
+    return out_dir
+
+
+def stop_checks() -> None:
+    """Kill the job if it still runs (msrun, its scheduler and workers: its process group)."""
+    if _job.proc is not None and _job.proc.poll() is None:
+        os.killpg(_job.proc.pid, signal.SIGKILL)
+        _job.proc.wait()
+
+
+_BACKGROUND = {}             # fixture name -> the function computing its value
+_FUTURES = {}                # fixture name -> its Future, once queued
+_POOL = None                 # the thread that computes them
+_DIRS = []                   # temporary_dir's folders
+
+
+def temporary_dir(prefix: str) -> Path:
+    """A fresh folder for work started before any test (no tmp_path yet), deleted by
+    ``cleanup`` at the session's end."""
+    _DIRS.append(Path(tempfile.mkdtemp(prefix="ms_efficient_" + prefix)))
+    return _DIRS[-1]
+
+
+def cleanup() -> None:
+    """At the session's end (also an early one, -x or Ctrl-C): drop the background
+    computations not started yet, stop the checks' job if it still runs, delete the
+    folders."""
+    if _POOL is not None:
+        _POOL.shutdown(wait=False, cancel_futures=True)
+    stop_checks()
+    for folder in _DIRS:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def in_background(fixture_name: str):
+    """Decorator: ``fn()`` computes the value of fixture ``fixture_name`` in the background
+    thread, queued when collection ends if a selected test uses that fixture (conftest), so
+    its child processes overlap the tests that run before it."""
+    def register(fn):
+        _BACKGROUND[fixture_name] = fn
+        return fn
+    return register
+
+
+def start_background(fixture_names) -> None:
+    """Queue the registered computations of ``fixture_names`` (in that order) that are not
+    queued yet. One thread runs them one after another: with the tests in the main thread,
+    that is about what 2 cores hold."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background")
+    for name in fixture_names:
+        if name in _BACKGROUND and name not in _FUTURES:
+            _FUTURES[name] = _POOL.submit(_BACKGROUND[name])
+
+
+def background_result(fixture_name: str):
+    """The value of a registered computation (queueing it if nobody has); re-raises its
+    exception."""
+    start_background([fixture_name])
+    return _FUTURES[fixture_name].result()
+
+
+@in_background("dist_checks")
+def _run_checks() -> Path:
+    start_checks()
+    return checks_dir()

@@ -1,12 +1,11 @@
 """msrun worker for tests/test_distributed.py: data-parallel training, AllToAll and AllToAllV checks.
 
-Launched on every rank by msrun as ``python check_collectives.py OUT_DIR [graph|pynative]``.
-Each rank writes its results to OUT_DIR as ``<name>_rank<r>.npy`` plus ``done_rank<r>.json``;
+Run on every rank by tests/dist/run_checks.py (``check``; alone: ``python check_collectives.py
+OUT_DIR [graph|pynative]``). Each rank writes its results to its folder as ``<name>_rank<r>.npy``;
 the test process computes the expected values with numpy and compares. Rank r's inputs come
 from seeds that depend only on r and the step, so the test can regenerate them too
 (see `dp_global_batch`, `alltoall_inputs`).
 """
-import json
 import os
 import sys
 
@@ -129,21 +128,19 @@ def check_data_parallel(out_dir, rank, world):
         np.save(os.path.join(out_dir, f"dp_param{i}_rank{rank}.npy"), p.asnumpy())
 
 
-def main():
-    out_dir = sys.argv[1]
-    mode = sys.argv[2] if len(sys.argv) > 2 else "graph"
-    os.makedirs(out_dir, exist_ok=True)
+def check(out_dir, rank, world):
+    """Both checks on this rank (run_checks.py has called init())."""
     import mindspore as ms
-    from mindspore.communication import get_group_size, get_rank, init
 
-    ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
-    init()
-    rank, world = get_rank(), get_group_size()
     check_alltoall(out_dir, rank, world)
     check_data_parallel(out_dir, rank, world)
-    with open(os.path.join(out_dir, f"done_rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "world": world, "mode": mode, "device_target": ms.get_context("device_target")}, f)
+    mode = "graph" if ms.get_context("mode") == ms.GRAPH_MODE else "pynative"
+    return {"mode": mode, "device_target": ms.get_context("device_target")}
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import run_checks
+
+    run_checks.main(sys.argv[1], ["check_collectives"],
+                    sys.argv[2] if len(sys.argv) > 2 else "graph")

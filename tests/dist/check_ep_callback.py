@@ -1,10 +1,11 @@
 """msrun worker for tests/test_ep_train.py: ``Model.train`` on 2 CPU ranks of a network holding
 a grouped ``ExpertParallelMoE``, with ``EfficientMoECallback`` re-placing its experts.
 
-Launched on every rank as ``python check_ep_callback.py OUT_DIR``. The train cell reduces
+Run on every rank by tests/dist/run_checks.py (alone: ``python check_ep_callback.py OUT_DIR``,
+results in OUT_DIR/check_ep_callback). The train cell reduces
 gradients as ``train.expert_parallel.GradReducer`` does (router averaged over ranks, experts
 divided by W); EfficientMoE checks every 3 steps and forces a re-plan at step FORCE_AT. Writes
-``OUT_DIR/callback_rank<r>.json``: the callback's re-plan records, the losses, and, after
+``callback_rank<r>.json`` in its folder: the callback's re-plan records, the losses, and, after
 training, the local slots' experts and weights, and at every step's end, before and after the
 callback, every local slot's expert and optimizer state (Adam's moments), so the test can
 check that a re-plan gives every slot the moments its expert had.
@@ -20,13 +21,11 @@ B, S = 2, 8                       # per rank
 STEPS, FORCE_AT = 10, 4
 
 
-def main():
-    out_dir = sys.argv[1]
-    os.makedirs(out_dir, exist_ok=True)
+def check(out_dir, rank, world):
+    """Model.train on this rank (run_checks.py has called init())."""
     import mindspore as ms
     import mindspore.dataset as ds
     from mindspore import nn
-    from mindspore.communication import get_group_size, get_rank, init
     from mindspore.train import Model
 
     from ms_efficient.core.config import EfficientMoEConfig
@@ -39,9 +38,6 @@ def main():
     import logging
 
     logging.basicConfig(level=logging.DEBUG if os.environ.get("EP_DEBUG") else logging.INFO)
-    ms.set_context(mode=ms.GRAPH_MODE)
-    init()
-    rank, world = get_rank(), get_group_size()
     (plan,) = dropless_plans(1, E, world, K, world * B * S)
     layer = ExpertParallelMoE(H, F, E, K, plan, slots_per_device=E // world + 1, seed=3)
 
@@ -108,4 +104,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import run_checks
+
+    run_checks.main(sys.argv[1], ["check_ep_callback"])

@@ -1,17 +1,17 @@
 """msrun worker for tests/test_ep_migration.py: a re-plan moves expert rows and Adam state
 between 2 CPU ranks.
 
-Launched on every rank by msrun as ``python check_ep_migration.py OUT_DIR``. Rank r feeds rows
+Run on every rank by tests/dist/run_checks.py (alone: ``python check_ep_migration.py OUT_DIR``,
+results in OUT_DIR/check_ep_migration). Rank r feeds rows
 r*B:(r+1)*B of the global batches. A grouped ExpertParallelMoE of plan BEFORE takes one Adam
 step (batch 0); ``set_plan(AFTER, optimizer)`` moves expert 2 from rank 0 to rank 1, swaps
 experts 1 (rank 0) and 3 (rank 1) and adds a replica of expert 0 on rank 1; a second step
-(batch 1) follows on the graph compiled for BEFORE. Written to ``OUT_DIR/rank<r>.npz``: the
+(batch 1) follows on the graph compiled for BEFORE. Written to ``rank<r>.npz`` in its folder: the
 second step's outputs, the weights and Adam moments after it, the local slots, the
 migration record, what the exchange Cell carried (counts and rows received), and the graphs
 compiled after the re-plan. The test compares with MoEFeedForward trained on the whole batch
 (it never moved anything). Numpy only at import (shared with the test).
 """
-import json
 import os
 import sys
 
@@ -137,21 +137,22 @@ def run(out_dir, rank):
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **out)
 
 
-def main():
-    out_dir = sys.argv[1]
-    os.makedirs(out_dir, exist_ok=True)
-    import mindspore as ms
-    from mindspore.communication import get_group_size, get_rank, init
+def check(out_dir, rank, world):
+    """The move on this rank (run_checks.py has called init()); the package's AllToAllV is
+    put back afterwards for the checks that follow in the process."""
+    from ms_efficient.moe import ep_replan
 
-    ms.set_context(mode=ms.GRAPH_MODE)
-    init()
-    rank, world = get_rank(), get_group_size()
     if world != WORLD:
         raise SystemExit(f"check_ep_migration.py expects {WORLD} workers, but got {world}.")
-    run(out_dir, rank)
-    with open(os.path.join(out_dir, f"done_rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "world": world}, f)
+    package_alltoallv = ep_replan.AllToAllV
+    try:
+        run(out_dir, rank)
+    finally:
+        ep_replan.AllToAllV = package_alltoallv
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import run_checks
+
+    run_checks.main(sys.argv[1], ["check_ep_migration"])

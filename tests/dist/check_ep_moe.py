@@ -1,15 +1,15 @@
 """msrun worker for tests/test_ep_layer.py: the expert-parallel MoE layer on 2 CPU ranks.
 
-Launched on every rank by msrun as ``python check_ep_moe.py OUT_DIR``. Rank r feeds rows
+Run on every rank by tests/dist/run_checks.py (alone: ``python check_ep_moe.py OUT_DIR``,
+results in OUT_DIR/check_ep_moe). Rank r feeds rows
 r*B:(r+1)*B of a global batch; for every plan in PLANS it writes, to
-``OUT_DIR/<plan>_rank<r>.npz``: the layer's outputs, the gradients of sum(y * dy) (x, router,
+``<plan>_rank<r>.npz`` in its folder: the layer's outputs, the gradients of sum(y * dy) (x, router,
 local slot weights) and the local slot ids. On TRAIN_PLAN these come from the first of
 TRAIN_STEPS Adam steps on batches 0, 1, ... (the router's gradient summed over ranks, as data
 parallelism does; the experts' summed by the layer), and the final weights are saved too.
 The test computes the single-process reference with MoEFeedForward. Inputs and weights come
 from seeded generators here (numpy only at import), shared with the test.
 """
-import json
 import os
 import sys
 
@@ -191,21 +191,15 @@ def count_compiles(patch=setattr):
     return compiled
 
 
-def main():
-    out_dir = sys.argv[1]
-    os.makedirs(out_dir, exist_ok=True)
-    import mindspore as ms
-    from mindspore.communication import get_group_size, get_rank, init
-
-    ms.set_context(mode=ms.GRAPH_MODE)
-    init()
-    rank, world = get_rank(), get_group_size()
+def check(out_dir, rank, world):
+    """Every plan on this rank (run_checks.py has called init()); seconds per phase."""
     if world != WORLD:
         raise SystemExit(f"check_ep_moe.py expects {WORLD} workers, but got {world}.")
-    seconds = run(out_dir, rank, world)
-    with open(os.path.join(out_dir, f"done_rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "world": world, **seconds}, f)
+    return run(out_dir, rank, world)
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import run_checks
+
+    run_checks.main(sys.argv[1], ["check_ep_moe"])
