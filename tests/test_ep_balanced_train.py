@@ -44,20 +44,16 @@ def test_balanced_dispatch_refuses_online_replans(tmp_path, text_dir, capsys):
 
 
 @pytest.fixture(scope="module")
-def balanced_runs(tmp_path_factory):
-    """2- and 4-worker balanced runs of one config and its one-process run."""
+def balanced_runs(tmp_path_factory, corpus_dir):
+    """2- and 4-worker balanced runs of one config (the 2-worker one twice) and its
+    one-process run."""
     if MSRUN is None:
         pytest.skip("msrun is not on PATH")
     from ms_efficient.core.config import load_config
     from ms_efficient.train.trainer import Trainer
 
     tmp = tmp_path_factory.mktemp("ep_balanced")
-    corpus = tmp / "corpus"
-    corpus.mkdir()
-    for i in range(40):
-        (corpus / f"mod_{i:02d}.py").write_text("".join(
-            f"def function_{i}_{j}(x):\n    return x * {j} + {i}\n" for j in range(40)))
-    config = _config(tmp, str(corpus), train={"steps": STEPS},
+    config = _config(tmp, str(corpus_dir), train={"steps": STEPS},
                      efficientmoe={"dispatch": "balanced"})
     runs = {}
     for world in (2, 4, "2-again"):          # the 2-worker run twice: reproducibility
