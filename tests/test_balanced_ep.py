@@ -6,8 +6,8 @@ import pytest
 import mindspore as ms
 from mindspore import Tensor
 
-from tests import workers
-from tests.test_ep_layer import E, F, H, K, T, batch, dense_layer, grads, weights
+import workers
+from test_ep_layer import E, F, H, K, T, batch, dense_layer, grads, weights
 from ms_efficient.moe.balance import balance_step
 from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE, fast_level_tables, home_plan
 
@@ -123,3 +123,12 @@ def test_w_workers_with_per_step_copies_equal_one_process(tmp_path, world):
                                        rtol=1e-4, atol=1e-5, err_msg=f"{world} {name}")
             np.testing.assert_allclose(got[f"trained_{name}"], trained_ref[name][home[rank]],
                                        rtol=1e-4, atol=1e-5, err_msg=f"{world} {name}")
+
+
+def test_the_fast_level_refuses_a_target_it_has_no_kernel_for(monkeypatch):
+    from ms_efficient.core import backend
+    from ms_efficient.moe.balanced_ep import FastLevel
+
+    monkeypatch.setattr(backend, "device_target", lambda: "Ascend")
+    with pytest.raises(ValueError, match="host op on CPU only .its Ascend kernel is not built"):
+        FastLevel(2, 4, 1, np.array([8, 8]), None, None)

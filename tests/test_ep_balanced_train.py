@@ -4,11 +4,15 @@ the fast level every step): one rank in process against the one-process trainer,
 level's figures on every log line, receive buffers that never change."""
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from tests.test_ep_train import MSRUN, _config, _losses, _rows, needs_msrun
+import workers
+from conftest import write_corpus
+from test_ep_train import MSRUN, _cli_env, _config, _losses, _rows, needs_msrun
 from ms_efficient.cli import main
 
 STEPS = 20
@@ -43,8 +47,28 @@ def test_balanced_dispatch_refuses_online_replans(tmp_path, text_dir, capsys):
     assert not os.path.exists(tmp_path / "x")
 
 
+@workers.in_background("balanced_runs")
+def _balanced_runs():
+    """The msrun runs of ``balanced_runs`` (child processes, from the session's start:
+    tests/workers.py): 2 and 4 workers, and the 2-worker run again; (config, {name: folder})."""
+    if MSRUN is None:
+        return None
+    tmp = workers.temporary_dir("ep_balanced_")
+    config = _config(tmp, write_corpus(tmp / "corpus"), train={"steps": STEPS},
+                     efficientmoe={"dispatch": "balanced"})
+    runs = {}
+    for name in (2, 4, "2-again"):          # the 2-worker run twice: reproducibility
+        runs[name] = tmp / f"ep{name}"
+        proc = subprocess.run([sys.executable, "-m", "ms_efficient.cli", "train", config,
+                               "--workers", str(name).split("-")[0], "--out",
+                               str(runs[name])], env=_cli_env(), capture_output=True,
+                              text=True)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return config, runs
+
+
 @pytest.fixture(scope="module")
-def balanced_runs(tmp_path_factory, corpus_dir):
+def balanced_runs(tmp_path_factory):
     """2- and 4-worker balanced runs of one config (the 2-worker one twice) and its
     one-process run."""
     if MSRUN is None:
@@ -52,16 +76,10 @@ def balanced_runs(tmp_path_factory, corpus_dir):
     from ms_efficient.core.config import load_config
     from ms_efficient.train.trainer import Trainer
 
-    tmp = tmp_path_factory.mktemp("ep_balanced")
-    config = _config(tmp, str(corpus_dir), train={"steps": STEPS},
-                     efficientmoe={"dispatch": "balanced"})
-    runs = {}
-    for world in (2, 4, "2-again"):          # the 2-worker run twice: reproducibility
-        runs[world] = tmp / f"ep{world}"
-        workers_ = str(world).split("-")[0]
-        assert main(["train", config, "--workers", workers_, "--out", str(runs[world])]) == 0
-    Trainer(load_config(config, {"moe.dispatch": "grouped"}), str(tmp / "one")).run()
-    return runs, tmp / "one"
+    config, runs = workers.background_result("balanced_runs")
+    one = tmp_path_factory.mktemp("ep_balanced") / "one"
+    Trainer(load_config(config, {"moe.dispatch": "grouped"}), str(one)).run()
+    return runs, one
 
 
 @pytest.mark.slow

@@ -97,7 +97,7 @@ def fast_level_tables(counts_WE: np.ndarray, home_WS: np.ndarray, spare: int,
             if home[w, s] >= 0 and home_slot[w, home[w, s]] < 0:
                 home_slot[w, home[w, s]] = s
     slot = home_slot.T.copy()                                           # [E, W]
-    spare_WS = np.full((world, max(spare, 1)), -1, dtype=np.int64)[:, :spare]
+    spare_WS = np.full((world, spare), -1, dtype=np.int64)
     source_WS = spare_WS.copy()
     copies = bal.source_LEW[0]                                          # [E, W]
     for w in range(world):
@@ -115,11 +115,16 @@ class FastLevel(nn.Cell):
 
     On CPU a host op in the compiled graph (``ops.Custom`` of type "pyfunc") running the
     numpy fast level itself; the tables are integers and carry no gradient. On Ascend the
-    same function needs a device kernel (not written here: ``backend`` raises there)."""
+    same function needs a device kernel, not written here: building it for another target
+    raises."""
 
     def __init__(self, world: int, num_experts: int, spare: int, buffer_W: np.ndarray,
                  copy_cost_WW: Optional[np.ndarray], devices_per_node: Optional[int]):
         super().__init__()
+        if backend.device_target() != backend.CPU:
+            raise ValueError(f"the balanced layer's fast level runs as a host op on CPU only "
+                             f"(its {backend.device_target()} kernel is not built); use "
+                             f"efficientmoe.dispatch 'grouped' or 'counts' there.")
         buffers = np.asarray(buffer_W, dtype=np.int64)
         cost = None if copy_cost_WW is None else np.asarray(copy_cost_WW, dtype=np.float64)
 
