@@ -66,17 +66,32 @@ def test_a_home_table_missing_an_expert_is_refused():
         home_plan(np.array([[0, 1, 2, -1]]), 4)
 
 
+@workers.in_background("balanced_layer_runs")
+def _balanced_layer_runs():
+    """tests/dist/check_balanced_ep.py on 2 and on 4 msrun workers (child processes, from
+    the session's start: tests/workers.py): {world: OUT_DIR}."""
+    if workers.MSRUN is None:
+        return None
+    return {world: workers.run("check_balanced_ep", world) for world in (2, 4)}
+
+
+@pytest.fixture(scope="module")
+def balanced_layer_runs():
+    if workers.MSRUN is None:
+        pytest.skip("msrun is not on PATH")
+    return workers.background_result("balanced_layer_runs")
+
+
 @pytest.mark.slow
 @workers.needs_msrun
 @pytest.mark.parametrize("world", [2, 4])
-def test_w_workers_with_per_step_copies_equal_one_process(tmp_path, world):
+def test_w_workers_with_per_step_copies_equal_one_process(balanced_layer_runs, world):
     """Expert 0 is every token's first choice: the fast level copies it into spare slots
     every step (asserted), yet every rank's outputs and input gradients, the router gradient
     summed over ranks and every home expert's gradient (its own rows plus the gradients its
     copies sent back) equal MoEFeedForward on the whole batch, and after 3 Adam steps every
     home slot's weights equal the one-process run's. The buffers never change shape."""
     wk = workers.load_script("check_balanced_ep")
-    launched = workers.start("check_balanced_ep", tmp_path, world)
     assert (wk.E, wk.H, wk.F, wk.K) == (E, H, F, K)       # test_ep_layer's reference sizes
     ref = dense_layer(wk.logical_weights(), capacity=world * wk.T_LOCAL, trace_ranks=world)
     params = [ref.router.weight, ref.w1, ref.b1, ref.w2, ref.b2]
@@ -103,8 +118,7 @@ def test_w_workers_with_per_step_copies_equal_one_process(tmp_path, world):
         step(*(Tensor(a) for a in wk.global_batch(world, i)))
     trained_ref = {name: p.asnumpy() for name, p in zip(wk.PARAM_NAMES, params)}
 
-    workers.finish(*launched, world)
-    res = [np.load(launched[1] / f"rank{r}.npz") for r in range(world)]
+    res = [np.load(balanced_layer_runs[world] / f"rank{r}.npz") for r in range(world)]
     home = wk.home_table(world)
     assert all(int(r["stats"][0]) > 0 for r in res)                   # copies were made
     assert all(int(r[f"stats_{i}"][0]) > 0 for r in res for i in range(1, wk.TRAIN_STEPS))

@@ -67,15 +67,41 @@ def start_checks() -> None:
     if _job.proc is not None or MSRUN is None:
         return
     _job.run_dir = temporary_dir("checks_")
+    _job.proc = launch("run_checks", _job.run_dir, WORLD)
+
+
+def launch(name: str, run_dir: Path, world: int) -> subprocess.Popen:
+    """Start ``python tests/dist/<name>.py RUN_DIR/out`` on ``world`` local msrun workers
+    (logs in RUN_DIR/log, msrun's working dir RUN_DIR), without waiting."""
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([os.path.dirname(MSRUN), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)
-    script = REPO / "tests" / "dist" / "run_checks.py"
-    command = ["bash", str(LAUNCHER), f"python {script} {_job.run_dir / 'out'}", str(WORLD),
-               str(WORLD), "127.0.0.1", str(free_port()), "0", str(_job.run_dir / "log"),
+    script = REPO / "tests" / "dist" / f"{name}.py"
+    command = ["bash", str(LAUNCHER), f"python {script} {run_dir / 'out'}", str(world),
+               str(world), "127.0.0.1", str(free_port()), "0", str(run_dir / "log"),
                "True", "60"]
-    _job.proc = subprocess.Popen(command, cwd=_job.run_dir, env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(command, cwd=run_dir, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def run(name: str, world: int, timeout_s: float = TIMEOUT_S) -> Path:
+    """:func:`launch` in a fresh temporary folder and wait: its OUT_DIR once every rank
+    wrote done_rank<r>.json; else an AssertionError with the workers' logs."""
+    run_dir = temporary_dir(f"{name}_{world}_")
+    proc = launch(name, run_dir, world)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+    out_dir = run_dir / "out"
+    if proc.returncode != 0 or not all((out_dir / f"done_rank{r}.json").exists()
+                                       for r in range(world)):
+        logs = "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-3000:]}"
+                         for p in sorted((run_dir / "log").glob("*.log")))
+        raise AssertionError(f"msrun {name} on {world} workers failed (rc={proc.returncode})."
+                             f"\n{stdout[-2000:]}\n{stderr[-2000:]}\n{logs}")
+    return out_dir
 
 
 def checks_dir() -> Path:
