@@ -59,6 +59,11 @@ def test_fast_level_tables_name_every_slot_and_copy_source():
     assert home_slot.tolist() == [[0, -1, 1, -1], [-1, 0, -1, 1]]
     assert (sent.sum(axis=(0, 2)) == counts.sum(axis=0)).all()
     assert stats.tolist() == [1, 0, 120, 60, 60]
+    # what the layer's exchange sends per pair is what the simulator charges
+    simulated = balance_step(counts[None], np.array([[[0, 2], [1, 3]]]), np.ones(2, int),
+                             np.array([[100, 100]]))
+    assert sent.sum(axis=1).tolist() == simulated.sent_LRW[0].tolist()
+    assert simulated.copies_LWW[0].tolist() == [[0, 1], [0, 0]]
 
 
 def test_a_home_table_missing_an_expert_is_refused():

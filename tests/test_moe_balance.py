@@ -117,6 +117,8 @@ def test_contiguous_cut_equals_a_token_by_token_loop(seed):
     cut = contiguous_cut(counts, bal.rows_LEW)
     per_expert = contiguous_cut(counts, bal.rows_LEW, 2, by_expert=True)
     assert (per_expert.sum(axis=(1, 3)) == bal.rows_LEW.sum(axis=2)).all()
+    # the layer sends per expert (by_expert), the simulator charges the per-pair sums
+    assert (per_expert.sum(axis=2) == contiguous_cut(counts, bal.rows_LEW, 2)).all()
     assert (per_expert.sum(axis=3) <= counts).all()
     for layer in range(3):
         assert cut[layer].tolist() == _naive_cut(counts[layer], bal.rows_LEW[layer]).tolist()
