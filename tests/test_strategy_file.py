@@ -2,7 +2,6 @@
 mesh (where split factors alone cannot tell the axes apart), optimizer shard groups."""
 import json
 
-import numpy as np
 import pytest
 
 from ms_efficient.shard.apply import OpRecord, strategy_json
@@ -52,7 +51,6 @@ def test_zero_shards_the_optimizer_state_over_the_replica_group():
 @pytest.mark.mindspore
 def test_the_shard_pass_on_a_2x2_mesh_writes_maps_that_agree_with_its_strategies(tmp_path):
     ms = pytest.importorskip("mindspore")
-    from mindspore import nn
 
     import ms_efficient
     from ms_efficient.core.config import config_from_dict
