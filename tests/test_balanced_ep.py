@@ -8,8 +8,8 @@ from mindspore import Tensor
 
 import workers
 from test_ep_layer import E, F, H, K, T, batch, dense_layer, grads, weights
-from ms_efficient.moe.balance import balance_step
-from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE, fast_level_tables, home_plan
+from ms_efficient.moe.balance import balance_step, home_plan
+from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE, fast_level_tables
 
 ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
 

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ms_efficient.moe.balance import Balance, holders_of
-from ms_efficient.efficientmoe.cost import (CostModel, count_exchange_time_s,
+from ms_efficient.efficientmoe.cost import (CostModel, _sync_time_D, count_exchange_time_s,
                                             uneven_alltoall_time_s)
+from ms_efficient.moe.balance import Balance, home_plan
 
 __all__ = ["BalancedCost", "balanced_cost", "home_sync_time_L", "copy_cost_rows_WW"]
 
@@ -62,19 +62,10 @@ def _embed(matrix_LWW: np.ndarray, num_devices: int) -> np.ndarray:
 
 def home_sync_time_L(home_LWS: np.ndarray, num_experts: int, model: CostModel) -> np.ndarray:
     """Seconds per layer to all-reduce the gradients of experts held by several home slots on
-    different devices: the largest per-device sum, float64 [L] (a layout's constant)."""
-    held = holders_of(home_LWS, num_experts)                                  # [L, E, W]
-    sync = np.zeros(held.shape[0])
-    if not model.sync_replica_grads:
-        return sync
-    for layer in range(held.shape[0]):
-        per_device = np.zeros(held.shape[2])
-        for e in np.flatnonzero(held[layer].sum(axis=1) > 1):
-            devices = np.flatnonzero(held[layer, e])
-            per_device[devices] += model.cluster.collective_time_s(
-                "allreduce", model.grad_bytes, devices.tolist())
-        sync[layer] = per_device.max()
-    return sync
+    different devices: the largest per-device sum, float64 [L] (a layout's constant), the
+    one-level plans' rule (``cost._sync_time_D``) on the home table as a plan."""
+    return np.array([_sync_time_D(home_plan(home, num_experts), num_experts, model).max()
+                     for home in np.asarray(home_LWS)])
 
 
 def copy_cost_rows_WW(model: CostModel, num_devices: int) -> np.ndarray:

@@ -44,7 +44,9 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["Balance", "BalancedSpec", "balance_step", "water_fill", "holders_of", "contiguous_cut"]
+from ms_efficient.moe.plan import ExpertPlan
+
+__all__ = ["Balance", "BalancedSpec", "balance_step", "home_plan", "water_fill", "holders_of", "contiguous_cut"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,8 @@ class Balance:
     sent_LRW: int64 [L, R, W] rows source rank r sends device w (the exchange's per-pair
         counts); ``sent_LRW.sum(1) == rows_LEW.sum(1)``.
     dropped_L: int64 [L] rows dropped (over every holder's buffer).
+    sent_LREW: int64 [L, R, E, W] the same rows per expert (what the layer's send rows
+        follow), when asked for (``balance_step(..., by_expert=True)``), else None.
     """
 
     rows_LEW: np.ndarray
@@ -83,6 +87,7 @@ class Balance:
     source_LEW: np.ndarray
     sent_LRW: np.ndarray
     dropped_L: np.ndarray
+    sent_LREW: Optional[np.ndarray] = None
 
     @property
     def load_LW(self) -> np.ndarray:
@@ -93,6 +98,19 @@ class Balance:
     def copies_L(self) -> np.ndarray:
         """Copies made per layer, int64 [L]."""
         return self.copied_LE.sum(axis=1)
+
+
+def home_plan(home_WS: np.ndarray, num_experts: int) -> ExpertPlan:
+    """The home table as an :class:`ExpertPlan` (slots in device order; what migration and
+    the replica-sync tables read)."""
+    home = np.asarray(home_WS, dtype=np.int64)
+    device, _ = np.nonzero(home >= 0)
+    expert = home[home >= 0]
+    if not np.isin(np.arange(num_experts), expert).all():
+        missing = sorted(set(range(num_experts)) - set(expert.tolist()))
+        raise ValueError(f"every expert needs a home slot, but experts {missing} have none.")
+    return ExpertPlan(expert, device, np.zeros(expert.size, dtype=np.int64),
+                      dispatch="grouped")
 
 
 def holders_of(home_LWS: np.ndarray, num_experts: int) -> np.ndarray:
@@ -375,7 +393,8 @@ def balance_step(counts_LRE: np.ndarray, home_LWS: np.ndarray, spare_W: np.ndarr
                  buffer_LW: Optional[np.ndarray] = None,
                  copy_cost_rows_WW: Optional[np.ndarray] = None,
                  even_split: bool = False,
-                 devices_per_node: Optional[int] = None) -> Balance:
+                 devices_per_node: Optional[int] = None,
+                 by_expert: bool = False) -> Balance:
     """The fast level for one step (module docstring), every layer at once.
 
     counts_LRE: int [L, R, E] rows each source rank routes to each expert (R = W).
@@ -390,6 +409,7 @@ def balance_step(counts_LRE: np.ndarray, home_LWS: np.ndarray, spare_W: np.ndarr
         remainder to the lower devices) instead of water-filling; no copies then.
     devices_per_node: devices of one node, for the same-node round of the per-pair cut
         (:func:`contiguous_cut`); None: no node round.
+    by_expert: also return the per-pair rows per expert (``Balance.sent_LREW``).
     """
     counts = np.asarray(counts_LRE, dtype=np.int64)
     num_layers, num_ranks, num_experts = counts.shape
@@ -427,6 +447,10 @@ def balance_step(counts_LRE: np.ndarray, home_LWS: np.ndarray, spare_W: np.ndarr
     else:
         dropped = _fit_buffers(rows, held, np.asarray(buffer_LW, dtype=np.int64))
     # Step 4: per-pair rows
-    sent = contiguous_cut(counts, rows, devices_per_node)
+    per_expert = (contiguous_cut(counts, rows, devices_per_node, by_expert=True)
+                  if by_expert else None)
+    sent = (per_expert.sum(axis=2) if by_expert
+            else contiguous_cut(counts, rows, devices_per_node))
     return Balance(rows_LEW=rows, holder_LEW=held, copies_LWW=copies, copied_LE=copied,
-                   source_LEW=source_of, sent_LRW=sent, dropped_L=dropped)
+                   source_LEW=source_of, sent_LRW=sent, dropped_L=dropped,
+                   sent_LREW=per_expert)

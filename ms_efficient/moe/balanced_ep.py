@@ -45,29 +45,15 @@ from mindspore import Parameter, Tensor, nn, ops
 from ms_efficient.core import backend
 from ms_efficient.core.params import write_parameter
 from ms_efficient.moe.alltoall import AllToAll, CountExchange
-from ms_efficient.moe.balance import BalancedSpec, balance_step, contiguous_cut
+from ms_efficient.moe.balance import BalancedSpec, balance_step, home_plan
 from ms_efficient.moe.counted_alltoall import CountedAllToAllV
 from ms_efficient.moe.ep_layer import ReplicaGradSum
 from ms_efficient.moe.ep_routing import init_expert_weights, pad_rows, replica_sync
 from ms_efficient.moe.grouped_matmul import GroupedMatmul, row_groups
 from ms_efficient.moe.layer import TopKArrival, make_gelu, routing_statistics, sum_choices
-from ms_efficient.moe.plan import ExpertPlan
 
 __all__ = ["BalancedExpertParallelMoE", "BalancedSpec", "FastLevel", "fast_level_tables",
            "home_plan"]
-
-
-def home_plan(home_WS: np.ndarray, num_experts: int) -> ExpertPlan:
-    """The home table as an :class:`ExpertPlan` (slots in device order; what migration and
-    the replica-sync tables read)."""
-    home = np.asarray(home_WS, dtype=np.int64)
-    device, _ = np.nonzero(home >= 0)
-    expert = home[home >= 0]
-    if not np.isin(np.arange(num_experts), expert).all():
-        missing = sorted(set(range(num_experts)) - set(expert.tolist()))
-        raise ValueError(f"every expert needs a home slot, but experts {missing} have none.")
-    return ExpertPlan(expert, device, np.zeros(expert.size, dtype=np.int64),
-                      dispatch="grouped")
 
 
 def fast_level_tables(counts_WE: np.ndarray, home_WS: np.ndarray, spare: int,
@@ -89,8 +75,8 @@ def fast_level_tables(counts_WE: np.ndarray, home_WS: np.ndarray, spare: int,
     slots_home = home.shape[1]
     bal = balance_step(counts, home[None], np.full(world, spare, dtype=np.int64),
                        np.asarray(buffer_W, dtype=np.int64)[None], copy_cost_WW,
-                       devices_per_node=devices_per_node)
-    sent = contiguous_cut(counts, bal.rows_LEW, devices_per_node, by_expert=True)[0]
+                       devices_per_node=devices_per_node, by_expert=True)
+    sent = bal.sent_LREW[0]
     home_slot = np.full((world, num_experts), -1, dtype=np.int64)
     for w in range(world):
         for s in range(slots_home):
