@@ -18,7 +18,7 @@ import workers
 from conftest import tiny_config_dict, write_corpus
 from ms_efficient.cli import main
 from ms_efficient.moe.plan import ExpertPlan
-from ms_efficient.efficientmoe.ep_replanner import dropless_plans, moved_slots, slot_budget
+from ms_efficient.efficientmoe.ep_replanner import dropless_plans, experts_to_fetch, slot_budget
 from workers import MSRUN, needs_msrun
 
 STEPS = 20          # steps compared with the one-process run
@@ -59,13 +59,13 @@ def test_dropless_plans_split_experts_evenly_with_buffers_for_every_assignment()
     assert plan.device_rows(2).tolist() == [192, 192]          # 96 tokens x top-2
 
 
-def test_moved_slots_counts_expert_copies_a_device_did_not_hold():
+def test_experts_to_fetch_counts_expert_copies_a_device_did_not_hold():
     old = ExpertPlan([0, 1, 2, 3], [0, 0, 1, 1], [1] * 4, dispatch="grouped")
     swap = ExpertPlan([0, 3, 2, 1], [0, 0, 1, 1], [1] * 4, dispatch="grouped")
     replica = ExpertPlan([0, 1, 2, 2, 3], [0, 0, 0, 1, 1], [1] * 5, dispatch="grouped")
-    assert moved_slots(old, old, 2) == 0
-    assert moved_slots(old, swap, 2) == 2         # 3 to device 0, 1 to device 1
-    assert moved_slots(old, replica, 2) == 1      # a copy of expert 2 on device 0
+    assert experts_to_fetch(old, old, 2) == 0
+    assert experts_to_fetch(old, swap, 2) == 2         # 3 to device 0, 1 to device 1
+    assert experts_to_fetch(old, replica, 2) == 1      # a copy of expert 2 on device 0
 
 
 def test_slot_budget_defaults_to_one_spare_slot_and_rejects_too_few():

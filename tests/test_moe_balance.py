@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 from ms_efficient.core.cluster import get_cluster
-from ms_efficient.moe.balance import balance_step, contiguous_cut, water_fill
+from ms_efficient.moe.balance import (balance_step, contiguous_cut, holders_of, home_split,
+                                      water_fill)
 from ms_efficient.efficientmoe.balanced_cost import balanced_cost, copy_cost_rows_WW
 from ms_efficient.efficientmoe.cost import CostModel
 from ms_efficient.efficientmoe.layout import (LayoutConfig, migration_bytes_WW, place_home,
-                                              plan_layout, uniform_home)
+                                              plan_layout, refine_home, uniform_home)
 from ms_efficient.moe.trace import skewed_trace
 
 NODE_2x8 = get_cluster("ascend910b-1x8").with_overrides(nodes=2, name="2x8")
@@ -184,6 +185,60 @@ def test_hierarchical_placement_spreads_the_hot_experts_over_nodes():
     node_of = {e: d // 2 for d in range(4) for e in home[0, d] if e >= 0}
     assert node_of[0] != node_of[1]
     assert sorted(home[0].ravel().tolist()) == list(range(8))
+
+
+def _largest_home_load(home_LWS, rows_TLE):
+    """Mean over the rows of each layer's largest device load under the home split, [L]."""
+    num_rows, num_layers, num_experts = rows_TLE.shape
+    held = np.tile(holders_of(home_LWS, num_experts), (num_rows, 1, 1))
+    split = home_split(rows_TLE.reshape(-1, num_experts), held)
+    return split.sum(axis=1).max(axis=1).reshape(num_rows, num_layers).mean(axis=0)
+
+
+def test_refine_breaks_an_island_and_reaches_the_brute_force_optimum():
+    """Expert A (100 rows) has replicas on devices 0 and 1 beside cold experts, B (20) on 2
+    and 3: A's devices can shed nothing, 50 + 10 = 60 rows. Over every table of the same
+    slots (brute force) the best is 55; the swaps reach it."""
+    a, b, c, d, e, f = range(6)
+    rows = np.array([[[100, 20, 10, 10, 10, 10]]])
+    start = np.array([[[a, c], [a, d], [b, e], [b, f]]])
+    assert _largest_home_load(start, rows)[0] == 60
+    best = min(_largest_home_load(np.array(p).reshape(1, 4, 2), rows)[0]
+               for p in set(itertools.permutations([a, a, b, b, c, d, e, f]))
+               if all(p[2 * i] != p[2 * i + 1] for i in range(4)))
+    assert best == 55
+    refined = refine_home(start, rows)
+    assert _largest_home_load(refined, rows)[0] == 55
+    assert sorted(refined.ravel().tolist()) == sorted(start.ravel().tolist())
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_refine_never_worsens_keeps_the_slots_and_stays_in_the_node(seed):
+    trace = skewed_trace(steps=8, layers=4, seed=seed)
+    rows = trace.counts.sum(axis=2)                                   # [T, L, E]
+    home = place_home(rows.mean(axis=0), 16, 1, devices_per_node=8)
+    refined = refine_home(home, rows, devices_per_node=8)
+    before, after = _largest_home_load(home, rows), _largest_home_load(refined, rows)
+    assert (after <= before).all() and (after < before).any()
+    for layer in range(4):
+        for node in (slice(0, 8), slice(8, 16)):    # a swap never leaves its node
+            assert (sorted(refined[layer, node].ravel().tolist())
+                    == sorted(home[layer, node].ravel().tolist()))
+        assert all(len(set(r.tolist())) == r.size for r in refined[layer])
+    assert np.array_equal(refined, refine_home(home, rows, devices_per_node=8))
+
+
+def test_eplb_rows_keep_eplbs_placement_and_ours_refines_it():
+    from ms_efficient.efficientmoe.two_level import layout_config_for
+
+    assert not layout_config_for("eplb-alltoallv", 1, 8).refine
+    assert not layout_config_for("ablation-eplb-split", 1, 8).refine
+    assert layout_config_for("efficientmoe", 1, 8).refine
+    trace = skewed_trace(steps=8, layers=2)
+    model = CostModel(NODE_2x8, 256, 1024)
+    eplb = plan_layout(trace.counts, model, LayoutConfig(redundant=1, refine=False))
+    load = trace.counts[-8:].sum(axis=2).mean(axis=0)
+    assert np.array_equal(eplb.home_LWS, place_home(load, 16, 1, 8))
 
 
 def test_migration_moves_only_the_home_slots_that_change():

@@ -33,7 +33,7 @@ from ms_efficient.efficientmoe.sampler import RoutingSampler
 from ms_efficient.efficientmoe.schedule import plans_equal
 from ms_efficient.moe.plan import GROUPED_DISPATCH, ExpertPlan
 
-__all__ = ["dropless_plans", "slot_budget", "moved_slots", "expert_bytes", "apply_plan",
+__all__ = ["dropless_plans", "slot_budget", "experts_to_fetch", "expert_bytes", "apply_plan",
            "compiled_graphs", "rank_counts", "ExpertParallelReplanner", "load_plans_state"]
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def dropless_plans(num_layers: int, num_experts: int, world: int, top_k: int,
     return [dataclasses.replace(plan) for _ in range(num_layers)]
 
 
-def moved_slots(old: ExpertPlan, new: ExpertPlan, world: int) -> int:
+def experts_to_fetch(old: ExpertPlan, new: ExpertPlan, world: int) -> int:
     """Expert copies a switch from ``old`` to ``new`` must bring to a rank: per device, the
     experts of its new slots not already held there (with multiplicity), summed."""
     moved = 0
@@ -247,7 +247,7 @@ class ExpertParallelReplanner:
         renamed = dataclasses.replace(
             plan, slot_expert=plan.slot_expert[order],
             slot_device=rename[plan.slot_device][order], slot_capacity=plan.slot_capacity[order])
-        if moved_slots(now, renamed, world) >= moved_slots(now, plan, world):
+        if experts_to_fetch(now, renamed, world) >= experts_to_fetch(now, plan, world):
             return plan
         step = self.planner.step_time_s
         if step([renamed], load_RE[None]) > (1 + tolerance) * step([plan], load_RE[None]):

@@ -18,7 +18,12 @@ How it is planned (:func:`plan_layout`), every step a pure function of the trace
         on the forecast (deepseek-ai/EPLB): each extra slot goes to the expert with the
         largest load per replica, then replicas, heaviest first, go to the least-loaded
         device with a free slot. ``redundant = 0`` is plain expert parallelism balanced by
-        the forecast.
+        the forecast. Then ours (``refine``, :func:`refine_home`): EPLB packs the mean load,
+        but the fast level splits each step's tokens only among an expert's holders, so
+        devices whose replicas belong to the same few experts form islands that cannot
+        shed load to the rest. Swaps of two home slots between each layer's busiest device
+        and another device of its node are kept while they lower the largest device load
+        the fast level's home split gives, averaged over the last ``window`` rows.
     Step 3 (the slot budget): every device has ``slots`` expert slots beyond ceil(E / W);
         each split between redundant home slots (replicas chosen by the forecast, kept with
         their optimizer state) and spare slots (copies chosen each step from exact counts)
@@ -48,9 +53,10 @@ from ms_efficient.core.fileio import atomic_write_text
 from ms_efficient.efficientmoe.balanced_cost import (balanced_cost, copy_cost_rows_WW,
                                                      home_sync_time_L)
 from ms_efficient.efficientmoe.cost import CostModel
-from ms_efficient.moe.balance import BalancedSpec, balance_step
+from ms_efficient.moe.balance import (BalancedSpec, balance_step, holders_of, home_split,
+                                      water_fill)
 
-__all__ = ["Layout", "LayoutConfig", "plan_layout", "place_home", "uniform_home",
+__all__ = ["Layout", "LayoutConfig", "plan_layout", "place_home", "refine_home", "uniform_home",
            "replan_home", "migration_bytes_WW", "size_buffers", "replay_cost_s",
            "save_layout", "load_layout", "training_specs"]
 
@@ -65,6 +71,8 @@ class LayoutConfig:
     margin: buffer slack added to the largest balanced load seen (fraction of the mean).
     redundant: redundant home slots per device (None: chosen by replay, step 3).
     forecast_home: False places experts uniformly (no forecast: MoonEP's home layout).
+    refine: swap home slots after EPLB's packing (step 2, :func:`refine_home`); False keeps
+        EPLB's placement as published.
     """
 
     slots: int = 1
@@ -72,6 +80,7 @@ class LayoutConfig:
     margin: float = 0.20
     redundant: Optional[int] = None
     forecast_home: bool = True
+    refine: bool = True
 
     def __post_init__(self) -> None:
         if self.slots < 0 or self.window < 1 or not self.margin >= 0:
@@ -229,6 +238,131 @@ def place_home(load_LE: np.ndarray, num_devices: int, redundant: int,
     return _table(slot_expert, device, num_devices, per_device)
 
 
+_FULL_CHECKS = 4      # swaps re-split in full per layer and round (refine_home)
+_REFINE_CELLS = 2_000_000    # refine_home's rows x layers x experts x devices at full detail
+
+
+def _swap_candidates(num_slots: int, partners: int) -> tuple:
+    """(busiest device's slot, partner index, partner's slot) of every candidate swap, int
+    [C] each, C = num_slots^2 x partners."""
+    s, p, s2 = np.meshgrid(np.arange(num_slots), np.arange(partners), np.arange(num_slots),
+                           indexing="ij")
+    return s.ravel(), p.ravel(), s2.ravel()
+
+
+def refine_home(home_LWS: np.ndarray, rows_TLE: np.ndarray,
+                devices_per_node: Optional[int] = None,
+                max_rounds: Optional[int] = None,
+                max_cells: int = _REFINE_CELLS) -> np.ndarray:
+    """Swap home slots so that the fast level's home split balances (module docstring, step
+    2). Every layer at once, round after round: on each layer's busiest device (the largest
+    mean load over the rows under :func:`~ms_efficient.moe.balance.home_split`), every swap
+    of one of its slots with a slot of another device of its node (of any device when
+    ``devices_per_node`` is None or W) that holds neither expert is priced by re-splitting
+    the two swapped experts over their new holders, the other experts' rows kept; the swap
+    that most lowers the mean over the rows of the largest device load is made, and the
+    layer stops at the first round where none does (or where the full re-split disagrees).
+
+    home_LWS: int [L, W, S_h] (-1: empty). rows_TLE: int [T, L, E] rows per expert of the
+    rows to balance. max_rounds: swaps per layer at most (None: W x S_h). max_cells: above
+    T x L x E x W cells (a DeepSeek-V3-sized layout: 58 x 256 x 64 per row) the rows are
+    replaced by their mean and one swap per layer and round is re-split in full, so that a
+    re-plan of that shape stays within seconds.
+    Returns the new int64 [L, W, S_h]; deterministic (ties: lower slot and device)."""
+    home = np.array(home_LWS, dtype=np.int64)
+    rows = np.asarray(rows_TLE, dtype=np.int64)
+    num_layers, num_devices, num_slots = home.shape
+    checks = _FULL_CHECKS
+    if rows.size * num_devices > max_cells:
+        rows, checks = np.rint(rows.mean(axis=0, keepdims=True)).astype(np.int64), 1
+    num_rows, num_experts = rows.shape[0], rows.shape[2]
+    dpn = devices_per_node if devices_per_node and num_devices % devices_per_node == 0 \
+        else num_devices
+    partners = dpn - 1
+    if partners < 1 or num_slots < 1:
+        return home
+    s_C, p_C, s2_C = _swap_candidates(num_slots, partners)
+    num_cand = s_C.size
+
+    def split(table_nWS, which_n):      # home split of tables of layers ``which``
+        # -> rows_TnEW, loads_TnW
+        held = np.tile(holders_of(table_nWS, num_experts), (num_rows, 1, 1))
+        counts = rows[:, which_n].reshape(-1, num_experts)
+        out = home_split(counts, held).reshape(num_rows, len(which_n), num_experts,
+                                                num_devices)
+        return out, out.sum(axis=2)
+
+    layers = np.arange(num_layers)
+    split_TLEW, load_TLW = split(home, layers)
+    objective = load_TLW.max(axis=2).mean(axis=0)                               # [L]
+    active = np.ones(num_layers, dtype=bool)
+    pad = num_experts              # the expert index of an empty slot: no rows, never held
+    for _ in range(max_rounds or num_devices * num_slots):
+        live = layers[active]
+        if live.size == 0:
+            break
+        n = live.size
+        busiest = np.argmax(load_TLW[:, live].mean(axis=0), axis=1)               # [n]
+        # the other devices of the busiest one's node, in device order
+        others = busiest[:, None] // dpn * dpn + np.arange(dpn)[None, :]
+        others = np.sort(np.where(others == busiest[:, None], -1, others), axis=1)[:, 1:]
+        a = home[live, busiest][:, s_C]                                         # [n, C]
+        partner = others[:, p_C]                                               # [n, C]
+        b = home[live[:, None], partner, s2_C[None, :]]                         # [n, C]
+        a_i, b_i = np.where(a < 0, pad, a), np.where(b < 0, pad, b)
+        n_i = np.arange(n)[:, None]
+        slots_of = np.zeros((n, num_experts + 1, num_devices), dtype=np.int64)
+        np.add.at(slots_of, (n_i[:, :, None], np.where(home[live] < 0, pad, home[live]),
+                             np.arange(num_devices)[None, :, None]), 1)
+        valid = ((a != b) & ((a >= 0) | (b >= 0))
+                 & (slots_of[n_i, a_i, partner] == 0)
+                 & (slots_of[n_i, b_i, busiest[:, None]] == 0))
+        # holders of a and b after the swap, [n, C, W]
+        cand = np.arange(num_cand)[None, :]
+        hold_a, hold_b = slots_of[n_i, a_i], slots_of[n_i, b_i]
+        hold_a[n_i, cand, busiest[:, None]] -= 1
+        hold_a[n_i, cand, partner] += 1
+        hold_b[n_i, cand, partner] -= 1
+        hold_b[n_i, cand, busiest[:, None]] += 1
+        # price every candidate on every row: a, then b, re-split over their new holders,
+        # the other experts' rows kept
+        zero = np.zeros((num_rows, n, 1, num_devices), dtype=np.int64)
+        pieces = np.concatenate([split_TLEW[:, live], zero], axis=2)           # [T, n, E+1, W]
+        count = np.concatenate([rows[:, live], zero[..., 0]], axis=2)          # [T, n, E+1]
+        base = (load_TLW[:, live][:, :, None, :] - pieces[:, n_i, a_i]
+                - pieces[:, n_i, b_i] * (a_i != b_i)[None, :, :, None])        # [T, n, C, W]
+        shape = base.shape
+        ok = np.broadcast_to(valid[None], shape[:3]).reshape(-1)
+        flat = base.reshape(-1, num_devices).astype(np.float64)
+        for hold, amount in ((hold_a, count[:, n_i, a_i]), (hold_b, count[:, n_i, b_i])):
+            mask = np.broadcast_to(hold[None] > 0, shape).reshape(-1, num_devices)
+            flat = flat + water_fill(flat, mask | ~ok[:, None],
+                                     np.where(ok, amount.reshape(-1), 0))
+        price = np.where(valid, flat.max(axis=1).reshape(shape[:3]).mean(axis=0), np.inf)
+        # the few cheapest by that price, re-split in full at once: the best that helps is
+        # made
+        order = np.argsort(price, axis=1, kind="stable")[:, :checks]      # [n, J]
+        jobs = order.shape[1]
+        kc = order.ravel()
+        kn = np.repeat(np.arange(n), jobs)
+        trial = np.repeat(home[live], jobs, axis=0)                             # [n J, W, S]
+        j_i = np.arange(n * jobs)
+        trial[j_i, busiest[kn], s_C[kc]] = b[kn, kc]
+        trial[j_i, partner[kn, kc], s2_C[kc]] = a[kn, kc]
+        new_split, new_load = split(trial, np.repeat(live, jobs))
+        new_objective = new_load.max(axis=2).mean(axis=0).reshape(n, jobs)
+        new_objective = np.where(np.isfinite(price[n_i, order]), new_objective, np.inf)
+        pick = np.argmin(new_objective, axis=1)
+        gain = new_objective[np.arange(n), pick] < objective[live] * (1 - 1e-9)
+        chosen = np.arange(n)[gain] * jobs + pick[gain]
+        k = live[gain]
+        home[k] = trial[chosen]
+        split_TLEW[:, k], load_TLW[:, k] = new_split[:, chosen], new_load[:, chosen]
+        objective[k] = new_objective[gain, pick[gain]]
+        active[live[~gain]] = False
+    return home
+
+
 def size_buffers(max_over_mean_L: np.ndarray, mean_rows: float, margin: float,
                  tile: int) -> tuple:
     """(buffer_LW row counts int64 [L] per device, slack_L) from each layer's largest
@@ -260,6 +394,16 @@ def _forecast(history_TLRE: np.ndarray, window: int) -> np.ndarray:
     return history_TLRE[-window:].sum(axis=2).mean(axis=0)
 
 
+def _placed(load_LE: np.ndarray, recent_TLRE: np.ndarray, redundant: int,
+            config: LayoutConfig, devices_per_node: Optional[int]) -> np.ndarray:
+    """Step 2: EPLB's placement of the forecast, refined on the recent rows when
+    ``config.refine``."""
+    home = place_home(load_LE, recent_TLRE.shape[2], redundant, devices_per_node)
+    if config.refine:
+        home = refine_home(home, recent_TLRE.sum(axis=2), devices_per_node)
+    return home
+
+
 def plan_layout(history_TLRE: np.ndarray, model: CostModel,
                 config: LayoutConfig = LayoutConfig(), method: str = "efficientmoe",
                 tile: Optional[int] = None) -> Layout:
@@ -279,7 +423,7 @@ def plan_layout(history_TLRE: np.ndarray, model: CostModel,
     else:
         splits = [0]
     dpn = model.cluster.devices_per_node
-    candidates = [(r, place_home(load, num_devices, r, dpn)) for r in splits] \
+    candidates = [(r, _placed(load, recent, r, config, dpn)) for r in splits] \
         if config.forecast_home else []
     if config.redundant is None or not config.forecast_home:
         # the forecast earns its place: plain expert parallelism stays a candidate
@@ -322,8 +466,9 @@ def replan_home(history_TLRE: np.ndarray, layout: Layout, config: LayoutConfig,
     slots and buffers (the compiled shapes) unchanged."""
     if not config.forecast_home:
         return layout
-    load = _forecast(np.asarray(history_TLRE, dtype=np.int64), config.window)
-    home = place_home(load, layout.num_devices, layout.redundant, devices_per_node)
+    history = np.asarray(history_TLRE, dtype=np.int64)
+    home = _placed(_forecast(history, config.window), history[-config.window:],
+                   layout.redundant, config, devices_per_node)
     return dataclasses.replace(layout, home_LWS=home)
 
 

@@ -46,7 +46,8 @@ import numpy as np
 
 from ms_efficient.moe.plan import ExpertPlan
 
-__all__ = ["Balance", "BalancedSpec", "balance_step", "home_plan", "water_fill", "holders_of", "contiguous_cut"]
+__all__ = ["Balance", "BalancedSpec", "balance_step", "home_plan", "home_split", "water_fill",
+           "holders_of", "contiguous_cut"]
 
 
 @dataclass(frozen=True)
@@ -277,7 +278,7 @@ def _even_split(counts_E: np.ndarray, held: np.ndarray) -> np.ndarray:
     return np.where(held, base + (index < (counts_E[..., None] - base * holders)), 0)
 
 
-def _home_split(counts_E: np.ndarray, held: np.ndarray, rounds: int = 2) -> np.ndarray:
+def home_split(counts_E: np.ndarray, held: np.ndarray, rounds: int = 2) -> np.ndarray:
     """Step 1: rows_LEW from the home holders (module docstring). From the even split, each
     replicated expert, largest first, is water-filled again over its holders given the
     others' rows, ``rounds`` times: no pass raises the largest load (a re-fill minimises the
@@ -429,7 +430,7 @@ def balance_step(counts_LRE: np.ndarray, home_LWS: np.ndarray, spare_W: np.ndarr
         raise ValueError(f"'spare_W' must be [{num_devices}] integers >= 0, but got "
                          f"{spare.tolist()}.")
     # Step 1: home split
-    rows = _even_split(counts_E, held) if even_split else _home_split(counts_E, held)
+    rows = _even_split(counts_E, held) if even_split else home_split(counts_E, held)
     # Step 2: copies into spare slots
     cost = (np.zeros((num_devices, num_devices)) if copy_cost_rows_WW is None
             else np.asarray(copy_cost_rows_WW, dtype=np.float64))
