@@ -46,6 +46,8 @@ import numpy as np
 
 from ms_efficient.moe.plan import ExpertPlan
 
+SPLIT_ROUNDS = 16     # home_split's rounds at most (it stops when a round changes nothing)
+
 __all__ = ["Balance", "BalancedSpec", "balance_step", "home_plan", "home_split", "water_fill",
            "holders_of", "contiguous_cut"]
 
@@ -278,12 +280,15 @@ def _even_split(counts_E: np.ndarray, held: np.ndarray) -> np.ndarray:
     return np.where(held, base + (index < (counts_E[..., None] - base * holders)), 0)
 
 
-def home_split(counts_E: np.ndarray, held: np.ndarray, rounds: int = 2) -> np.ndarray:
+def home_split(counts_E: np.ndarray, held: np.ndarray, rounds: int = SPLIT_ROUNDS) -> np.ndarray:
     """Step 1: rows_LEW from the home holders (module docstring). From the even split, each
     replicated expert, largest first, is water-filled again over its holders given the
-    others' rows, ``rounds`` times: no pass raises the largest load (a re-fill minimises the
-    largest load of its holders, the rest stay), so the result is never worse than EPLB's
-    even split."""
+    others' rows; rounds of that repeat, on the layers whose rows a round changed, at most
+    ``rounds`` times. No pass raises the largest load (a re-fill minimises the largest load
+    of its holders, the rest stay), so the result is never worse than EPLB's even split;
+    each round moves it toward the least largest load the holders allow (coordinate
+    descent: experts that share devices pass load along chains of holders, one link a
+    round)."""
     num_layers, num_experts, num_devices = held.shape
     rows = _even_split(counts_E, held)
     load = rows.sum(axis=1)
@@ -292,15 +297,22 @@ def home_split(counts_E: np.ndarray, held: np.ndarray, rounds: int = 2) -> np.nd
     order = np.lexsort((np.broadcast_to(np.arange(num_experts), counts_E.shape),
                         -np.where(shared, counts_E, -1)), axis=1)
     layers = np.arange(num_layers)
+    active = shared.any(axis=1)
     for _ in range(rounds):
+        if not active.any():
+            break
+        changed = np.zeros(num_layers, dtype=bool)
         for k in range(int(shared.sum(axis=1).max(initial=0))):
             e = order[:, k]
-            live = shared[layers, e]
-            base = load - np.where(live[:, None], rows[layers, e], 0)
+            live = shared[layers, e] & active
+            old = rows[layers, e]
+            base = load - np.where(live[:, None], old, 0)
             add = water_fill(base, held[layers, e] & live[:, None],
                              np.where(live, counts_E[layers, e], 0))
-            rows[layers, e] = np.where(live[:, None], add, rows[layers, e])
+            rows[layers, e] = np.where(live[:, None], add, old)
             load = base + np.where(live[:, None], add, 0)
+            changed |= live & (add != old).any(axis=1)
+        active &= changed
     return rows
 
 
