@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -287,8 +288,10 @@ class ExpertParallelReplanner:
                                    send_block=now.send_rows(self.world, self.world))
 
     def _apply(self, step: int, plans: List[ExpertPlan], optimizer, reason: str) -> Dict:
+        start = time.perf_counter()
         moved = [apply_plan(layer, plan, optimizer) for layer, plan in zip(self.layers, plans)]
         record = {"kind": "replan", "step": int(step),
+                  "seconds": round(time.perf_counter() - start, 4),
                   "moved_slots": sum(m["moved_slots"] for m in moved),
                   "moved_bytes": sum(m["moved_bytes"] for m in moved),
                   "state_bytes": sum(m["state_bytes"] for m in moved),

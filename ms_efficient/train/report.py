@@ -74,8 +74,9 @@ def _plot_expert_load(load_SLE: np.ndarray, path: str) -> None:
     plt.close(fig)
 
 
-def _plot_device_load(rows: List[Dict], path: str) -> None:
-    """Heat map of every MoE layer's rows-per-device max over mean over the logged steps."""
+def _plot_device_load(rows: List[Dict], path: str, replan_steps: List[int] = ()) -> None:
+    """Heat map of every MoE layer's rows-per-device max over mean over the logged steps,
+    a dashed line after each step in ``replan_steps`` (an expert re-placement)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -87,7 +88,9 @@ def _plot_device_load(rows: List[Dict], path: str) -> None:
     image = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest",
                       extent=(rows[0]["step"] - 0.5, rows[-1]["step"] + 0.5,
                               grid.shape[0] - 0.5, -0.5))
-    ax.set_xlabel("step")
+    for step in replan_steps:
+        ax.axvline(step + 0.5, color="white", linestyle="--", linewidth=1.0)
+    ax.set_xlabel("step" + (" (dashed: expert re-placement)" if replan_steps else ""))
     ax.set_ylabel("MoE layer")
     fig.colorbar(image, ax=ax, label="rows per device, max / mean")
     fig.tight_layout()
@@ -128,6 +131,7 @@ def write_report(run_dir: str) -> str:
             lines.append(f"- mean padding fraction (computed slot rows holding no token): "
                          f"{np.mean(pads):.4f}")
         lines.append("")
+    replans = [m for m in rows if m["kind"] == "replan"]
     balanced = [m for m in train if m.get("balance")]
     if balanced:
         last = balanced[-1]["balance"]
@@ -147,9 +151,21 @@ def write_report(run_dir: str) -> str:
                              f"{np.percentile(values, 95):.3g} | {max(values):.3g} |")
         lines.append("")
         if any("device_max_over_mean" in b for b in last):
-            _plot_device_load(balanced, os.path.join(run_dir, "device_load.png"))
+            _plot_device_load(balanced, os.path.join(run_dir, "device_load.png"),
+                              [r["step"] for r in replans])
             lines += ["Rows per device over max over mean, every MoE layer and logged step "
                       "(the fast level's balance):", "", "![device load](device_load.png)", ""]
+    if replans:
+        lines += ["## Expert re-placements (expert-parallel run)", "",
+                  "What each re-plan moved and what it cost (measured wall time of the "
+                  "exchange that moved the weights and optimizer state, every layer).", "",
+                  "| after step | reason | slots moved | weight bytes | optimizer-state bytes "
+                  "| seconds |", "|---:|---|---:|---:|---:|---:|"]
+        lines += [f"| {r['step']} | {r.get('reason', '')} | {r['moved_slots']} | "
+                  f"{r['moved_bytes']} | {r.get('state_bytes', 0)} | "
+                  + (f"{r['seconds']:.3f}" if "seconds" in r else "-") + " |"
+                  for r in replans]
+        lines.append("")
     plans = [m for m in rows if m["kind"] == "plan"]
     if plans:
         lines += ["## EfficientMoE re-plans", "",
