@@ -88,12 +88,12 @@ def launch(workers: int, config: Optional[str], out: Optional[str] = None,
         raise ValueError(f"'--workers' must be >= 2 for an expert-parallel run, but got "
                          f"{workers}; without --workers the run uses one process.")
     if resume:
-        cfg = load_config(os.path.join(resume, "config.yaml"))
         run_dir, saved = resume, saved_world_size(resume)
         if saved != workers and not is_expert_parallel_run(resume):
             raise ValueError(f"--resume: '{resume}' was trained in one process (its state.json "
                              f"has no expert 'plans'), but --workers is {workers}; resume it "
                              f"without --workers.")
+        cfg = load_config(os.path.join(resume, "config.yaml"))
         if saved != workers:
             logger.info("resuming %s, saved by %d ranks, on %d ranks", resume, saved, workers)
     else:

@@ -43,13 +43,14 @@ def rank_slots(plan: ExpertPlan, rank: int) -> np.ndarray:
     return np.flatnonzero(plan.slot_device == rank)
 
 
-def home_slots(plan: ExpertPlan, num_experts: int) -> np.ndarray:
+def home_slots(plan: ExpertPlan, num_experts: int, where: str = "expert plan") -> np.ndarray:
     """int64 [E]: the home copy of every expert, the slot read for it: its replica on the
     lowest rank holding it, first row there (the source :func:`~ms_efficient.moe.ep_routing.
-    expert_sources` uses). ValueError naming the experts that have no slot."""
+    expert_sources` uses). ValueError (naming the plan as ``where``) unless every expert
+    0..E-1, and no other, has a slot."""
     replicas = plan.replica_counts(num_experts)
     if replicas.size > num_experts or (replicas == 0).any():
-        raise ValueError(f"expert plan 'slot_expert' {plan.slot_expert.tolist()} must name "
+        raise ValueError(f"{where} 'slot_expert' {plan.slot_expert.tolist()} must name "
                          f"every expert 0..{num_experts - 1} at least once and no other.")
     home = np.empty(num_experts, dtype=np.int64)
     for e in range(num_experts):
@@ -73,7 +74,7 @@ def check_run_plan(plan: ExpertPlan, num_experts: int, world: int, budget: int,
         r = int(np.argmax(held))
         raise ValueError(f"{where} puts {int(held[r])} slots on rank {r}, but its checkpoint "
                          f"has {budget} weight rows per MoE table (at most {budget} allowed).")
-    home_slots(plan, num_experts)        # every expert has a slot, no unknown expert
+    home_slots(plan, num_experts, where)     # every expert has a slot, no unknown expert
 
 
 def gather_experts(plan: ExpertPlan, tables: Sequence[np.ndarray], num_experts: int,
