@@ -161,6 +161,105 @@ def test_export_refuses_a_folder_without_a_run(tmp_path, capsys):
     assert not (tmp_path / "m.ckpt").exists()
 
 
+# --- export of hand-made rank checkpoints (MindSpore, no msrun) ------------------------------
+
+# layer 0: expert 3 replicated (rank 0 holds experts 1, 3; rank 1 holds 0, 2, 3); layer 1
+# plain: rank 0 holds 0, 1 and rank 1 holds 2, 3; three weight rows per rank
+HAND_PLANS = [([1, 3, 0, 2, 3], [0, 0, 1, 1, 1]), ([0, 1, 2, 3], [0, 0, 1, 1])]
+RANK_EXPERTS = [([1, 3], [0, 2, 3]), ([0, 1], [2, 3])]       # [layer][rank], row order
+
+
+def _hand_made_run(tmp_path, home_tables=None, replica_gap=0.0):
+    """A 2-rank run folder of the tiny model whose checkpoints are written here from random
+    logical values: (run folder, {one-process name: value}). Rank r's expert tables hold
+    the rows RANK_EXPERTS[layer][r] of the logical ones, then zero rows; ``home_tables``:
+    per layer an int [2, S_h] table written as ``home_table`` (a balanced layer's);
+    ``replica_gap`` is added to rank 1's copy of expert 3 in adam_v of layer 0's w1."""
+    import mindspore as ms
+
+    from ms_efficient.core.config import load_config
+    from ms_efficient.train.logical_state import reference_network
+
+    run = tmp_path / "run"
+    (run / "ckpt").mkdir(parents=True)
+    cfg = tiny_config_dict("stdlib", str(run))
+    cfg["moe"].update(capacity_factor=0, trace_ranks=1)
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    net, opt = reference_network(load_config(str(run / "config.yaml")))
+    rng = np.random.default_rng(3)
+    logical = {p.name: rng.standard_normal(p.shape).astype(np.float32)
+               for p in opt.get_parameters()
+               if p.name != "global_step" and not p.name.endswith("routing_counts")}
+    logical["global_step"] = np.array([4], np.int32)
+    for rank in range(2):
+        values = dict(logical)
+        for layer, experts in enumerate(RANK_EXPERTS):
+            prefix = f"blocks.{layer}.ffn."
+            values[prefix + "plan_expert_V"] = np.arange(6, dtype=np.int32)   # layout table
+            if home_tables is not None:
+                values[prefix + "home_table"] = np.array(home_tables[layer], np.int32)
+            for name in [n for n in logical if n.endswith(tuple(prefix + t for t in
+                                                                ("w1", "b1", "w2", "b2")))]:
+                rows = np.zeros((3,) + logical[name].shape[1:], np.float32)
+                rows[:len(experts[rank])] = logical[name][experts[rank]]
+                if (replica_gap and rank == 1 and layer == 0
+                        and name == "adam_v.blocks.0.ffn.w1"):
+                    rows[2] += replica_gap
+                values[name] = rows
+        folder = run / "ckpt" / f"rank_{rank}"
+        folder.mkdir()
+        ms.save_checkpoint([{"name": n, "data": ms.Tensor(v)} for n, v in values.items()],
+                           str(folder / "step_000004.ckpt"))
+    plans = [{"slot_expert": e, "slot_device": d, "slot_capacity": [8] * len(e),
+              "dispatch": "grouped"} for e, d in HAND_PLANS]
+    (run / "state.json").write_text(json.dumps(dict(STATE, plans=plans)))
+    return run, logical
+
+
+@pytest.mark.mindspore
+@pytest.mark.parametrize("optimizer", [False, True])
+def test_export_gives_every_logical_expert_and_moment_back(tmp_path, optimizer):
+    import mindspore as ms
+
+    from ms_efficient.core.config import load_config
+    from ms_efficient.train.logical_state import reference_network
+
+    run, logical = _hand_made_run(tmp_path)
+    out = tmp_path / "model.ckpt"
+    args = ["checkpoint", "export", str(run), "--out", str(out)]
+    assert main(args + (["--optimizer"] if optimizer else [])) == 0
+    loaded = ms.load_checkpoint(str(out))
+    net, opt = reference_network(load_config(str(run / "config.yaml")))
+    assert ms.load_param_into_net(net, loaded, strict_load=True)[0] == []
+    names = {p.name for p in net.get_parameters()}
+    if optimizer:
+        names |= {p.name for p in opt.get_parameters()}
+        assert "adam_v.blocks.0.ffn.w1" in names and "global_step" in names
+    assert set(loaded) == names
+    for name, param in loaded.items():
+        if name.endswith("routing_counts"):
+            assert not param.asnumpy().any()
+        else:
+            np.testing.assert_array_equal(param.asnumpy(), logical[name], err_msg=name)
+
+
+@pytest.mark.mindspore
+def test_export_refuses_differing_replicas_and_a_home_table_that_contradicts_the_plan(
+        tmp_path, capsys):
+    run, _ = _hand_made_run(tmp_path / "a", replica_gap=0.5)
+    out = tmp_path / "model.ckpt"
+    assert main(["checkpoint", "export", str(run), "--out", str(out)]) == 2
+    assert ("'adam_v.blocks.0.ffn.w1' of " in capsys.readouterr().err)
+    # a balanced layer's home table: layer 1's says rank 1 holds experts 3, 2 (plan: 2, 3)
+    run, _ = _hand_made_run(tmp_path / "b", home_tables=[[[1, 3, -1], [0, 2, 3]],
+                                                         [[0, 1], [3, 2]]])
+    assert main(["checkpoint", "export", str(run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert ("rank_0/step_000004.ckpt' parameter 'blocks.1.ffn.home_table' [[0, 1], [3, 2]] "
+            "does not match state.json 'plans'[1]") in err, err
+    assert not out.exists()
+
+
 # --- msrun: 2 workers resumed at 1, 2 and 4 ----------------------------------------------------
 
 BASE_STEPS = 4       # the 2-worker run (a re-plan forced at step 3 moves experts)
