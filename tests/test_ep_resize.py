@@ -262,8 +262,8 @@ def test_export_refuses_differing_replicas_and_a_home_table_that_contradicts_the
 
 # --- msrun: 2 workers resumed at 1, 2 and 4 ----------------------------------------------------
 
-BASE_STEPS = 4       # the 2-worker run (a re-plan forced at step 3 moves experts)
-TOTAL = 14           # every continuation trains to here (--steps): 10 more steps
+BASE_STEPS = 7       # the 2-worker run; the re-plan forced at step 6 adds replicas
+TOTAL = 17           # every continuation trains to here (--steps): 10 more steps
 
 
 def _env():
@@ -281,8 +281,9 @@ def _cli(*args):
 
 @workers.in_background("resized_runs")
 def _resized_runs():
-    """A 2-worker run of BASE_STEPS steps, then copies of it resumed to TOTAL steps on 2, 1
-    and 4 workers, and its export: (base, {workers: run folder}, model.ckpt, seconds)."""
+    """A 2-worker run of BASE_STEPS steps (replicas in its final plans), then copies of it
+    resumed to TOTAL steps on 2, 1 and 4 workers, and its export: (base, {workers: run
+    folder}, model.ckpt, seconds)."""
     if MSRUN is None:
         return None
     tmp = workers.temporary_dir("ep_resize_")
@@ -291,7 +292,7 @@ def _resized_runs():
     cfg["train"].update(steps=BASE_STEPS, log_every=1, eval_every=BASE_STEPS,
                         save_every=BASE_STEPS)
     cfg["efficientmoe"] = {"enabled": True, "warmup_steps": 3, "replan_every": 3, "window": 3,
-                           "force_replan_step": 3}
+                           "force_replan_step": 6}
     cfg["cluster"] = {"preset": "cpu-local", "devices_per_node": 4}    # room for 4 ranks
     (tmp / "ep.yaml").write_text(yaml.safe_dump(cfg))
     seconds = {}
@@ -328,6 +329,8 @@ def test_resumed_at_another_size_follows_the_run_continued_at_two(resized_runs, 
     """The same loss per step (1e-3 relative) for the 10 steps after the resume, and the same
     validation loss at the end; the step and the LR schedule continue (steps 5..14, once)."""
     base, runs, _, seconds = resized_runs
+    plans = json.loads((base / "state.json").read_text())["plans"]
+    assert max(len(p["slot_expert"]) for p in plans) > 4          # replicated experts
     two = {r["step"]: r["loss"] for r in _rows(runs[2], "train")}
     other = {r["step"]: r["loss"] for r in _rows(runs[workers_n], "train")}
     assert sorted(other) == sorted(two) == list(range(1, TOTAL + 1))
