@@ -172,7 +172,8 @@ RANK_EXPERTS = [([1, 3], [0, 2, 3]), ([0, 1], [2, 3])]       # [layer][rank], ro
 def _hand_made_run(tmp_path, home_tables=None, replica_gap=0.0):
     """A 2-rank run folder of the tiny model whose checkpoints are written here from random
     logical values: (run folder, {one-process name: value}). Rank r's expert tables hold
-    the rows RANK_EXPERTS[layer][r] of the logical ones, then zero rows; ``home_tables``:
+    the rows RANK_EXPERTS[layer][r] of the logical ones, then zero rows (its corpus is gone:
+    export does not need it); ``home_tables``:
     per layer an int [2, S_h] table written as ``home_table`` (a balanced layer's);
     ``replica_gap`` is added to rank 1's copy of expert 3 in adam_v of layer 0's w1."""
     import mindspore as ms
@@ -182,10 +183,11 @@ def _hand_made_run(tmp_path, home_tables=None, replica_gap=0.0):
 
     run = tmp_path / "run"
     (run / "ckpt").mkdir(parents=True)
-    cfg = tiny_config_dict("stdlib", str(run))
+    cfg = tiny_config_dict(str(tmp_path / "corpus no longer here"), str(run))
     cfg["moe"].update(capacity_factor=0, trace_ranks=1)
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
-    net, opt = reference_network(load_config(str(run / "config.yaml")))
+    net, opt = reference_network(load_config(str(run / "config.yaml"),
+                                             {"data.path": "stdlib"}))
     rng = np.random.default_rng(3)
     logical = {p.name: rng.standard_normal(p.shape).astype(np.float32)
                for p in opt.get_parameters()
@@ -229,7 +231,7 @@ def test_export_gives_every_logical_expert_and_moment_back(tmp_path, optimizer):
     args = ["checkpoint", "export", str(run), "--out", str(out)]
     assert main(args + (["--optimizer"] if optimizer else [])) == 0
     loaded = ms.load_checkpoint(str(out))
-    net, opt = reference_network(load_config(str(run / "config.yaml")))
+    net, opt = reference_network(load_config(str(run / "config.yaml"), {"data.path": "stdlib"}))
     assert ms.load_param_into_net(net, loaded, strict_load=True)[0] == []
     names = {p.name for p in net.get_parameters()}
     if optimizer:

@@ -35,7 +35,9 @@ Run folder (``out_dir``) as the one-process trainer's, plus per-rank checkpoints
                                  "moved_bytes", "recompiled": false, ...} per re-plan
     trace.npz                   routing counts [step, MoE layer, rank, expert] of every rank
 
-Rank 0 writes the shared files after every rank has written its checkpoint.
+Rank 0 writes the shared files after every rank has written its checkpoint. ``--resume`` with
+another number of ranks reads every saved rank's checkpoint as the one-process state and lays
+the experts out by this job's initial plans (:meth:`ExpertParallelTrainer._restore_resized`).
 """
 from __future__ import annotations
 

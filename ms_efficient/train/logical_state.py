@@ -31,6 +31,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ms_efficient.core.config import RunConfig, load_config
+from ms_efficient.moe.balance import home_plan
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.train import checkpoint as run_ckpt
 from ms_efficient.train.relayout import check_run_plan, gather_experts
@@ -75,7 +76,8 @@ def read_run(run_dir: str) -> RunCheckpoints:
     config = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(config):
         raise ValueError(f"'{run_dir}' has no config.yaml: not a run folder to load from.")
-    cfg = load_config(config)
+    # only the model's shape is read here: a corpus no longer on this machine does not matter
+    cfg = load_config(config, {"data.path": "stdlib"})
     step = state["step"]
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"'{run_ckpt.state_path(run_dir)}' field 'step' must be an integer "
@@ -130,8 +132,6 @@ def _layer_plan(run: RunCheckpoints, j: int, prefix: str,
                 ranks: List[Dict[str, np.ndarray]]) -> ExpertPlan:
     """Plan of MoE layer j: state.json's; a balanced layer's home table (in every rank's
     checkpoint) must give the same slots."""
-    from ms_efficient.moe.balance import home_plan
-
     plan = run.plans[j]
     name = prefix + "home_table"
     for r, params in enumerate(ranks):
