@@ -104,6 +104,17 @@ def test_trace_ranks_merge_exactly_or_not_at_all():
     assert resumed_counts(rows, None, 2, 3) == (None, 2)
 
 
+def test_overwrite_removes_the_traces_a_resize_kept_and_nothing_else(tmp_path):
+    from ms_efficient.train.checkpoint import clear_run
+
+    for name in ("trace_world2_step7.npz", "trace_ranks4_step10.npz", "trace_notes.npz",
+                 "state.json"):
+        (tmp_path / name).write_text("x")
+    assert sorted(clear_run(str(tmp_path))) == ["state.json", "trace_ranks4_step10.npz",
+                                                "trace_world2_step7.npz"]
+    assert os.listdir(tmp_path) == ["trace_notes.npz"]
+
+
 # --- run folder checks (no msrun) --------------------------------------------------------------
 
 
