@@ -4,6 +4,9 @@
                                                          train the reference MoE model
     ms-efficient train --resume DIR [--steps N]          continue a run from its checkpoint
     ms-efficient train CONFIG --workers W [--out DIR]    expert-parallel over W msrun ranks
+    ms-efficient train --resume DIR --workers N          continue an expert-parallel run on N
+                                                         ranks (1: one process)
+    ms-efficient checkpoint export DIR --out FILE.ckpt   one checkpoint of the one-process model
     ms-efficient graph CONFIG_OR_FILE [--mode M] [--out graph.json]
     ms-efficient report RUN_DIR                          rebuild a run's report.md and plots
     ms-efficient plan KIND ...                           run a planner, write plan YAML
@@ -58,13 +61,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
         overrides["efficientmoe.enabled"] = args.efficientmoe == "on"
     workers = args.workers
     if args.resume:
-        from ms_efficient.train.ep_launch import saved_world_size
+        from ms_efficient.train.ep_launch import is_expert_parallel_run, saved_world_size
 
         saved = saved_world_size(args.resume)
-        if workers is not None and workers != saved:
-            raise ValueError(f"--resume: '{args.resume}' was trained with world_size {saved}, "
-                             f"but --workers is {workers}; resume it with --workers {saved}.")
-        workers = saved
+        if workers == 1 and is_expert_parallel_run(args.resume):
+            # the one-process trainer continues it: the EP run's dropless experts are
+            # moe.dispatch "grouped" there, whose capacities EfficientMoE does not plan
+            logger.info("resuming the %d-rank run %s in one process (moe.dispatch grouped, "
+                        "efficientmoe off)", saved, args.resume)
+            overrides.update({"moe.dispatch": "grouped", "efficientmoe.enabled": False})
+        workers = saved if workers is None else workers
     if (workers or 1) > 1:
         return _train_expert_parallel(args, workers)
     result = train(args.config, out_dir=args.out, steps=args.steps, resume=args.resume,
@@ -100,6 +106,19 @@ def _train_expert_parallel(args: argparse.Namespace, workers: int) -> int:
         f"; step {r['step']}: {r['moved_slots']} slots, {r['moved_bytes']} bytes moved, "
         f"recompiled {str(r.get('recompiled')).lower()}" for r in replans))
     print(f"report: {write_report(out)}")
+    return 0
+
+
+def _cmd_checkpoint_export(args: argparse.Namespace) -> int:
+    """``checkpoint export RUN --out FILE``: the run's latest state as one checkpoint of the
+    one-process reference model (ms_efficient.train.logical_state)."""
+    from ms_efficient.train.logical_state import export_checkpoint
+
+    if not args.out.endswith(".ckpt"):
+        raise ValueError(f"'--out' must name a .ckpt file, but got '{args.out}'.")
+    done = export_checkpoint(args.run_dir, args.out, optimizer=args.optimizer)
+    print(f"exported step {done['step']} of {args.run_dir} (world_size {done['world_size']}): "
+          f"{done['parameters']} parameters of the one-process model in {done['path']}")
     return 0
 
 
@@ -216,6 +235,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="for a config: forward graph, or the whole train step")
     p.add_argument("--out", help="write the graph as JSON here")
     p.set_defaults(func=_cmd_graph)
+
+    p = sub.add_parser("checkpoint", help="convert a run's checkpoints")
+    checkpoint_sub = p.add_subparsers(dest="action", required=True)
+    p = checkpoint_sub.add_parser(
+        "export", help="write a run's latest state (any world size) as one checkpoint of the "
+                       "one-process reference model")
+    p.add_argument("run_dir", help="run folder (state.json, config.yaml, ckpt/)")
+    p.add_argument("--out", required=True, help="checkpoint file to write (.ckpt)")
+    p.add_argument("--optimizer", action="store_true",
+                   help="also write the optimizer state (global_step, Adam moments, "
+                        "learning_rate), as the one-process trainer's checkpoints hold")
+    p.set_defaults(func=_cmd_checkpoint_export)
 
     p = sub.add_parser("report", help="rebuild report.md and plots of a run folder")
     p.add_argument("run_dir")

@@ -82,12 +82,14 @@ def test_workers_must_divide_the_batch(tmp_path, text_dir, capsys):
             in capsys.readouterr().err)
 
 
-def test_resume_with_other_workers_than_saved_is_refused(tmp_path, capsys):
+def test_resume_of_a_state_without_plans_on_other_workers_is_refused(tmp_path, capsys):
+    """Only an expert-parallel run (expert plans in state.json) can change its world size
+    (tests/test_ep_resize.py)."""
     run = tmp_path / "run"
     run.mkdir()
     (run / "state.json").write_text(json.dumps({"step": 5, "world_size": 2}))
     assert main(["train", "--resume", str(run), "--workers", "4"]) == 2
-    assert "trained with world_size 2, but --workers is 4" in capsys.readouterr().err
+    assert "has no expert 'plans'), but --workers is 4" in capsys.readouterr().err
 
 
 # --- one rank in process ---------------------------------------------------------------------

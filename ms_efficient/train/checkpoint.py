@@ -49,6 +49,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -62,9 +63,11 @@ __all__ = ["RunLock", "acquire_lock", "check_fresh", "clear_run", "save_checkpoi
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = "run.lock"
-# What a run writes into its folder (clear_run removes these and nothing else).
+# What a run writes into its folder (clear_run removes these and nothing else), and the
+# routing traces a resume at another world size keeps (trace_world{W}_step{S}.npz, ...).
 RUN_FILES = ("ckpt", "state.json", "metrics.jsonl", "trace.npz", "config.yaml", "report.md",
              "loss.png", "expert_load.png")
+KEPT_TRACE = re.compile(r"trace_(world|ranks)\d+_step\d+\.npz")
 
 _HELD: Dict[str, "RunLock"] = {}       # realpath of a lock file -> this process's lock
 
@@ -164,9 +167,11 @@ def check_fresh(run_dir: str, overwrite: bool = False) -> None:
 
 
 def clear_run(run_dir: str) -> List[str]:
-    """Delete the files of :data:`RUN_FILES` from ``run_dir``; returns the names removed."""
+    """Delete the files of :data:`RUN_FILES` and the kept traces (:data:`KEPT_TRACE`) from
+    ``run_dir``; returns the names removed."""
     removed = []
-    for name in RUN_FILES:
+    kept_traces = sorted(n for n in _contents(run_dir) if KEPT_TRACE.fullmatch(n))
+    for name in RUN_FILES + tuple(kept_traces):
         path = os.path.join(run_dir, name)
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)

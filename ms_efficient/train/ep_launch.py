@@ -19,7 +19,7 @@ from typing import List, Optional
 
 from ms_efficient.core.config import load_config
 
-__all__ = ["launch", "saved_world_size", "worker_command"]
+__all__ = ["launch", "saved_world_size", "is_expert_parallel_run", "worker_command"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,11 +29,25 @@ PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath
 
 def saved_world_size(run_dir: str) -> int:
     """``world_size`` of a run folder's state.json (1 for a one-process run or none)."""
+    return _saved_state(run_dir).get("world_size", 1)
+
+
+def is_expert_parallel_run(run_dir: str) -> bool:
+    """True when the run folder's state.json records expert plans (``train --workers``)."""
+    return "plans" in _saved_state(run_dir)
+
+
+def _saved_state(run_dir: str) -> dict:
     path = os.path.join(run_dir, "state.json")
     if not os.path.isfile(path):
-        return 1
+        return {}
     with open(path, encoding="utf-8") as fh:
-        return int(json.load(fh).get("world_size", 1))
+        state = json.load(fh)
+    world = state.get("world_size", 1)
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"'{path}' field 'world_size' must be an integer >= 1, but got "
+                         f"{world!r}.")
+    return state
 
 
 def worker_command(config: Optional[str], out: Optional[str], steps: Optional[int],
@@ -65,18 +79,23 @@ def launch(workers: int, config: Optional[str], out: Optional[str] = None,
     """Run the expert-parallel training on ``workers`` local ranks; returns the run folder.
 
     Checks first (ValueError naming the field): the config loads, ``train.batch_size`` is
-    divisible by ``workers``, and a resumed run was trained with as many ranks.
+    divisible by ``workers``, and a resumed run with another number of ranks was trained
+    expert-parallel (its experts are then laid out again for ``workers`` ranks by the workers,
+    :mod:`ms_efficient.train.logical_state`).
     ``timeout_s``: msrun's ``--cluster_time_out`` (seconds for every rank to join).
     Raises RuntimeError when msrun fails, with the tail of the rank logs."""
     if workers < 2:
         raise ValueError(f"'--workers' must be >= 2 for an expert-parallel run, but got "
                          f"{workers}; without --workers the run uses one process.")
     if resume:
-        cfg = load_config(os.path.join(resume, "config.yaml"))
         run_dir, saved = resume, saved_world_size(resume)
+        if saved != workers and not is_expert_parallel_run(resume):
+            raise ValueError(f"--resume: '{resume}' was trained in one process (its state.json "
+                             f"has no expert 'plans'), but --workers is {workers}; resume it "
+                             f"without --workers.")
+        cfg = load_config(os.path.join(resume, "config.yaml"))
         if saved != workers:
-            raise ValueError(f"--resume: '{resume}' was trained with world_size {saved}, but "
-                             f"--workers is {workers}; resume it with --workers {saved}.")
+            logger.info("resuming %s, saved by %d ranks, on %d ranks", resume, saved, workers)
     else:
         cfg = load_config(config)
         run_dir = out or cfg.train.out_dir

@@ -35,7 +35,9 @@ Run folder (``out_dir``) as the one-process trainer's, plus per-rank checkpoints
                                  "moved_bytes", "recompiled": false, ...} per re-plan
     trace.npz                   routing counts [step, MoE layer, rank, expert] of every rank
 
-Rank 0 writes the shared files after every rank has written its checkpoint.
+Rank 0 writes the shared files after every rank has written its checkpoint. ``--resume`` with
+another number of ranks reads every saved rank's checkpoint as the one-process state and lays
+the experts out by this job's initial plans (:meth:`ExpertParallelTrainer._restore_resized`).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from typing import Dict, List, Optional
 
@@ -59,6 +62,7 @@ from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE
 from ms_efficient.moe.ep_layer import ExpertParallelMoE
 from ms_efficient.moe.trace import layer_balance, load_trace, save_trace
 from ms_efficient.train.data import load_corpus
+from ms_efficient.train.relayout import resumed_counts
 from ms_efficient.efficientmoe.ep_replanner import (ExpertParallelReplanner, compiled_graphs,
                                           dropless_plans, load_plans_state, slot_budget)
 from ms_efficient.train.trainer import _fmt_eta, _is_scratch, make_optimizer
@@ -175,6 +179,7 @@ class ExpertParallelTrainer:
                           if cfg.efficientmoe.enabled else None)
         self._build_steps()
         self.step, self.metrics, self.counts = 0, [], []
+        self.trace_start = 0                         # steps before the trace's first row
         self.pending: Optional[Dict] = None          # a re-plan waiting for its next step
 
     def _balanced_specs(self, num_moe: int, budget: int):
@@ -272,7 +277,7 @@ class ExpertParallelTrainer:
         if self.counts:
             moe = self.cfg.moe
             save_trace(_trace(self.counts, moe.top_k, self.cfg.model.hidden_size,
-                              self.local_batch * self.cfg.model.seq_length),
+                              self.local_batch * self.cfg.model.seq_length, self.trace_start),
                        os.path.join(self.out_dir, "trace.npz"))
         atomic_write_text(os.path.join(self.out_dir, "metrics.jsonl"),
                           "".join(json.dumps(m) + "\n" for m in self.metrics))
@@ -291,10 +296,13 @@ class ExpertParallelTrainer:
         with open(path, encoding="utf-8") as fh:
             state = json.load(fh)
         saved = int(state.get("world_size", 1))
-        if saved != self.world or "plans" not in state:
+        if "plans" not in state:
             raise ValueError(f"--resume: '{self.out_dir}' was trained with world_size {saved} "
-                             f"{'' if 'plans' in state else '(one process) '}but this job "
-                             f"has {self.world} ranks; resume it with --workers {saved}.")
+                             f"(one process) but this job has {self.world} ranks; resume it "
+                             f"without --workers.")
+        if saved != self.world:
+            self._restore_resized()
+            return
         for layer, plan in zip(self.layers, load_plans_state(state["plans"])):
             if plan.to_dict() != layer.plan.to_dict():
                 layer.set_plan(plan)          # layout first; the checkpoint has the values
@@ -309,19 +317,87 @@ class ExpertParallelTrainer:
                                  f"{missing[:5]}.")
         self.reducer.set_plans(self.layers)
         self.step = int(state["step"])
-        trace_path = os.path.join(self.out_dir, "trace.npz")
-        if os.path.isfile(trace_path):
-            self.counts = list(load_trace(trace_path).counts[:self.step])
+        self._saved_counts(saved)
         if self.replanner is not None:
             self.replanner.load_state(state.get("replan", {}), np.array(self.counts))
+        self._restore_history()
+        if "pending_replan" in state:      # a restarted process compiles anyway: unknown
+            self.metrics.append(dict(state["pending_replan"], recompiled=None))
+        logger.info("rank %d: resumed %s at step %d", self.rank, self.out_dir, self.step)
+
+    def _saved_counts(self, run_world: int) -> None:
+        """``counts`` and ``trace_start`` from the saved trace (rows up to the restored step,
+        merged to this job's ranks); when it cannot be merged the trace restarts here and
+        rank 0 keeps the saved one as ``trace_world{run_world}_step{step}.npz``."""
+        path = os.path.join(self.out_dir, "trace.npz")
+        if not os.path.isfile(path):
+            return
+        trace = load_trace(path)
+        counts, self.trace_start = resumed_counts(trace.counts, trace.steps, self.step,
+                                                  self.world)
+        self.counts = [] if counts is None else list(counts)
+        if counts is None and self.rank == 0:
+            kept = os.path.join(self.out_dir, f"trace_world{run_world}_step{self.step}.npz")
+            atomic_write_with(kept, lambda tmp: shutil.copyfile(path, tmp), suffix=".npz")
+            logger.info("routing trace of %d ranks kept as %s; the new one starts at step %d",
+                        run_world, kept, self.step + 1)
+
+    def _restore_history(self) -> None:
+        """Metrics up to the restored step."""
         metrics = os.path.join(self.out_dir, "metrics.jsonl")
         if os.path.isfile(metrics):
             with open(metrics, encoding="utf-8") as fh:
                 rows = [json.loads(line) for line in fh if line.strip()]
             self.metrics = [m for m in rows if m["step"] <= self.step]
-        if "pending_replan" in state:      # a restarted process compiles anyway: unknown
-            self.metrics.append(dict(state["pending_replan"], recompiled=None))
-        logger.info("rank %d: resumed %s at step %d", self.rank, self.out_dir, self.step)
+
+    def _restore_resized(self) -> None:
+        """Resume a run saved by another number of ranks: every rank reads all the saved
+        ranks' checkpoints as the logical (one-process) state
+        (:func:`~ms_efficient.train.logical_state.logical_state`) and takes its rows of the
+        plans this job started with (a new run's at W ranks): dense parameters, router,
+        expert weights and Adam's moments, the step (LR schedule, data position). The
+        routing trace's rank axis is merged when the saved W is a multiple of this W
+        (:func:`~ms_efficient.train.relayout.merge_trace_ranks`), else it restarts at this
+        step and rank 0 keeps the old one as ``trace_world{W}_step{N}.npz``; the re-planner
+        starts a new observation window."""
+        from ms_efficient.train.logical_state import (EXPERT_TABLES, MOMENTS, logical_state,
+                                                      read_run)
+        from ms_efficient.train.relayout import scatter_experts
+
+        run = read_run(self.out_dir)
+        values = logical_state(run)
+        prefixes = {id(c): n + "." for n, c in self.net.cells_and_names()}
+        experts = {}                    # parameter name -> its layer
+        for layer in self.layers:
+            pre = prefixes[id(layer)]
+            for t in EXPERT_TABLES:
+                for name in [pre + t] + [m + pre + t for m in MOMENTS]:
+                    experts[name] = layer
+        loaded = set()
+        params = list(self.net.get_parameters()) + list(self.optimizer.get_parameters())
+        for p in params:
+            if p.name in loaded or p.name == "learning_rate" or _is_scratch(p.name):
+                continue
+            if p.name in experts:
+                layer = experts[p.name]
+                write_parameter(p, scatter_experts(layer.plan, values[p.name], self.rank,
+                                                   layer.budget))
+            elif p.name in values:
+                write_parameter(p, values[p.name])
+            elif p.requires_grad or p.name.startswith(MOMENTS) or p.name == "global_step":
+                raise ValueError(f"the checkpoints of '{self.out_dir}' lack '{p.name}' of "
+                                 f"this model.")
+            else:
+                continue                # this layout's own tables (plan, replica sync)
+            loaded.add(p.name)
+        self.reducer.set_plans(self.layers)
+        self.step = run.step
+        self._saved_counts(run.world)
+        if self.replanner is not None and self.counts:
+            self.replanner.load_state({}, np.array(self.counts))
+        self._restore_history()
+        logger.info("rank %d: resumed %s at step %d, saved by %d ranks, on %d ranks", self.rank,
+                    self.out_dir, self.step, run.world, self.world)
 
     # ------------------------------------------------------------------ loop
     def evaluate(self) -> float:
@@ -420,9 +496,11 @@ def _load_initial(net, layers: List[ExpertParallelMoE], initial: Dict[str, np.nd
         p.set_data(Tensor(initial[p.name]))
 
 
-def _trace(counts: List[np.ndarray], top_k: int, hidden: int, tokens_per_rank: int):
+def _trace(counts: List[np.ndarray], top_k: int, hidden: int, tokens_per_rank: int,
+           start: int = 0):
+    """The routing trace of steps start + 1 .. start + len(counts)."""
     from ms_efficient.moe.trace import RoutingTrace
 
     rows = np.stack(counts)
     return RoutingTrace(counts=rows, top_k=top_k, hidden=hidden, tokens_per_rank=tokens_per_rank,
-                        steps=np.arange(1, len(rows) + 1))
+                        steps=np.arange(start + 1, start + len(rows) + 1))

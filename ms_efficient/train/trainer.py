@@ -44,6 +44,7 @@ from ms_efficient.moe.trace import layer_balance, load_trace, save_trace
 from ms_efficient.train import checkpoint as run_ckpt
 from ms_efficient.train.data import Corpus, load_corpus
 from ms_efficient.train.footprint import check_fits_machine
+from ms_efficient.train.relayout import resumed_counts
 
 __all__ = ["Trainer", "TrainResult", "lr_schedule", "make_optimizer", "train"]
 
@@ -115,6 +116,7 @@ class Trainer:
                            if isinstance(c, MoEFeedForward)]
         self._build_steps()
         self.step = 0
+        self.trace_start = 0        # steps before the routing trace's first row (resumed)
         self.sampler = RoutingSampler()
         self.metrics: List[Dict] = []
         self.compile_s = 0.0
@@ -266,6 +268,7 @@ class Trainer:
         trace = self.sampler.trace(
             top_k=mc.top_k, hidden=self.cfg.model.hidden_size,
             tokens_per_rank=self.cfg.train.batch_size * self.cfg.model.seq_length // mc.trace_ranks)
+        trace.steps = trace.steps + self.trace_start
         save_trace(trace, os.path.join(self.out_dir, "trace.npz"))
 
     def _save_metrics(self) -> None:
@@ -284,10 +287,19 @@ class Trainer:
         ``checkpoint`` and ``capacities``).
         """
         state = run_ckpt.read_state(run_dir)
-        record, _ = run_ckpt.verified_latest(run_dir, state)
-        state = dict(state, step=int(record["step"]), checkpoint=record["path"],
-                     **({"capacities": record["capacities"]} if "capacities" in record else {}))
-        params = ms.load_checkpoint(os.path.join(run_dir, state["checkpoint"]))
+        if "plans" in state:        # expert-parallel: all ranks' checkpoints, logical layout
+            from ms_efficient.train.logical_state import logical_state, read_run
+
+            run = read_run(run_dir)
+            params = {n: ms.Parameter(Tensor(v), name=n)
+                      for n, v in logical_state(run).items()}
+            state = dict(state, step=run.step)
+        else:
+            record, _ = run_ckpt.verified_latest(run_dir, state)
+            state = dict(state, step=int(record["step"]), checkpoint=record["path"],
+                         **({"capacities": record["capacities"]} if "capacities" in record
+                            else {}))
+            params = ms.load_checkpoint(os.path.join(run_dir, state["checkpoint"]))
         # The learning-rate table is rebuilt from the config (--steps may have changed it).
         skip = {"learning_rate"} if keep_step else {"learning_rate", "global_step"}
         for name in skip:
@@ -310,7 +322,16 @@ class Trainer:
             self.set_capacities(np.array(state["capacities"], np.int64))
         trace_path = os.path.join(self.out_dir, "trace.npz")
         if os.path.isfile(trace_path):
-            for row in load_trace(trace_path).counts[: self.step]:
+            trace = load_trace(trace_path)     # an expert-parallel run's: one group per rank
+            rows, self.trace_start = resumed_counts(trace.counts, trace.steps, self.step,
+                                                    self.cfg.moe.trace_ranks)
+            if rows is None:
+                kept = os.path.join(self.out_dir, f"trace_ranks{trace.counts.shape[2]}_step"
+                                                  f"{self.step}.npz")
+                os.replace(trace_path, kept)
+                logger.info("routing trace of %d source ranks kept as %s; the new one starts "
+                            "at step %d", trace.counts.shape[2], kept, self.step + 1)
+            for row in [] if rows is None else rows:
                 self.sampler.record(row)
         metrics_path = os.path.join(self.out_dir, "metrics.jsonl")
         if os.path.isfile(metrics_path):
