@@ -219,5 +219,7 @@ def optimize(network, config, sample_inputs: Optional[Sequence[Any]] = None,
     if context.has_graph:
         from ms_efficient.plan_report import combined_report
 
+        logger.info("combining the plans of %d applied passes into plans['summary']",
+                    len(applied))
         plans["summary"] = combined_report(context)
     return network, plans
