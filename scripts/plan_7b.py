@@ -3,7 +3,7 @@ peak resident memory of the graph extraction and of each pass (a table, then JSO
 
     PATH=.venv/bin:$PATH PYTHONPATH=. python scripts/plan_7b.py [--json OUT] \
         [--layers 32 --hidden 4096 --heads 32 --ffn 11008 --vocab 32000 --seq 2048 --batch 8] \
-        [--passes shard,place,memopt] [--cluster ascend910b-4x8] [--weights]
+        [--passes shard,place,memopt] [--cluster ascend910b-4x8] [--weights] [--no-phase-peaks]
 
 The network is ``tests/user_models.py``'s ``LlamaForCausalLM`` (nn.Embedding, nn.Dense, RMSNorm,
 attention by MatMul/Softmax, SwiGLU MLP) with a cross-entropy loss, built under
@@ -13,7 +13,8 @@ SGD's two states) are shapes only, never allocated (``--weights``: built with it
 
 Figures per phase: wall time (s) and peak RSS (GiB, the process's ``VmHWM``, reset at the start
 of each phase through ``/proc/self/clear_refs``; when the kernel does not allow the reset, the
-process's peak so far). Phases are cut where ``optimize`` logs "running pass <name>" and
+process's peak so far). The reset also resets the maximum RSS the kernel reports at exit (what
+``/usr/bin/time -v`` prints): ``--no-phase-peaks`` keeps it, each row then shows the peak so far. Phases are cut where ``optimize`` logs "running pass <name>" and
 "extracted the train-step graph"; "summary" is the combined report after the last pass.
 """
 from __future__ import annotations
@@ -65,15 +66,15 @@ class PhaseClock(logging.Handler):
     """Cuts the run into phases at ``optimize``'s log lines and records each phase's wall time
     (s) and peak RSS (bytes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reset_peaks: bool = True) -> None:
         super().__init__(level=logging.INFO)
         self.rows = []
-        self.peak_resets = True
+        self.peak_resets = reset_peaks
         self._name, self._start = None, 0.0
 
     def begin(self, name: str) -> None:
         self.end()
-        self.peak_resets = _reset_peak() and self.peak_resets
+        self.peak_resets = self.peak_resets and _reset_peak()
         self._name, self._start = name, time.perf_counter()
 
     def end(self) -> None:
@@ -123,10 +124,13 @@ def main(argv=None) -> int:
     parser.add_argument("--weights", action="store_true",
                         help="build the network with its weights (initialised), as a user "
                              "who did not use no_init_parameters")
+    parser.add_argument("--no-phase-peaks", action="store_true",
+                        help="do not reset the peak RSS per phase (keeps the process's peak "
+                             "for /usr/bin/time)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    clock = PhaseClock()
+    clock = PhaseClock(reset_peaks=not args.no_phase_peaks)
     passes_logger = logging.getLogger("ms_efficient.passes")
     passes_logger.setLevel(logging.INFO)
     passes_logger.addHandler(clock)

@@ -112,3 +112,20 @@ def test_the_split_layout_of_a_large_export_is_read_by_its_name(tmp_path, monkey
     with pytest.raises(ValueError, match="'.*gone.mindir' does not exist, nor does "
                                          "'.*gone_graph.mindir'"):
         load_graph(str(tmp_path / "gone.mindir"))
+
+
+def test_the_graph_command_reads_a_split_export_by_its_name(tmp_path, monkeypatch, capsys):
+    import mindspore as ms
+    from mindspore import nn
+    from mindspore.train import serialization
+
+    from ms_efficient.cli import main
+
+    monkeypatch.setattr(serialization, "TOTAL_SAVE", 0)
+    ms.export(nn.Dense(16, 8), ms.Tensor(np.ones((4, 16), np.float32)),
+              file_name=str(tmp_path / "dense"), file_format="MINDIR")
+    assert main(["graph", str(tmp_path / "dense.mindir"), "--out", str(tmp_path / "g.json")]) == 0
+    assert "| MatMul | 1 |" in capsys.readouterr().out
+    assert load_graph(str(tmp_path / "g.json")).total_param_bytes == (16 * 8 + 8) * FLOAT
+    assert main(["graph", str(tmp_path / "gone.mindir")]) == 2
+    assert "gone_graph.mindir' (the graph file" in capsys.readouterr().err
