@@ -1,9 +1,9 @@
 """Build an OpGraph from a MindSpore network or a MINDIR file.
 
 The only module of ``ms_efficient.graph`` that imports MindSpore, and only inside functions.
-A network is exported with ``mindspore.export(..., file_format="MINDIR")`` into a temporary
-folder and the protobuf (``mindspore.train.mind_ir_pb2.ModelProto``) is read back by
-``mindir_reader.MindIRReader`` (see there how nodes, shapes, scopes and parameters map).
+A network is compiled by ``mindspore.export(..., file_format="MINDIR")`` and its protobuf
+(``mindspore.train.mind_ir_pb2.ModelProto``) is read by ``mindir_reader.MindIRReader`` (see
+there how nodes, shapes, scopes and parameters map); a MINDIR file is parsed into the same.
 
 Caveats (MindSpore 2.10):
 - Scopes are fixed when a Cell is first compiled: a network exported on its own and then
@@ -27,8 +27,10 @@ The default optimizer of ``mode="train"`` is built the same way, so its per-para
 
 MINDIR files written by ``mindspore.export``: a network whose parameters exceed 1 GiB
 (``mindspore.train.serialization.TOTAL_SAVE``, in KiB) is not written to ``<name>.mindir`` but
-split into ``<name>_graph.mindir`` (the graph; each parameter's ``external_data`` points into
-the folder) and ``<name>_variables/data_0, data_1, ...`` (the weights, up to 1 GiB each).
+split into ``<name>_graph.mindir`` (the graph; each parameter's ``external_data`` names a
+file of the folder, offset and length) and ``<name>_variables/data_0, data_1, ...`` (the
+weights, about 1 GiB each; ``PARAMETER_SPLIT_SIZE``). Before this reader knew the layout,
+extracting a network that large failed with ``FileNotFoundError`` on ``<name>.mindir``.
 ``from_mindir_file`` reads either layout, given the ``_graph.mindir`` file or the name that
 was passed to export.
 """
