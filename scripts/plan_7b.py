@@ -110,6 +110,26 @@ def build(args):
     return nn.WithLossCell(net, nn.CrossEntropyLoss()), (ids, labels)
 
 
+def _figures(plans) -> dict:
+    """What the applied plans chose and their simulated price (bytes, seconds)."""
+    out = {}
+    shard = plans.get("shard", {})
+    if "summary" in shard:
+        out["shard"] = {"mesh": f"{shard['mesh']['dp']}x{shard['mesh']['mp']}",
+                        **{k: shard["summary"][k] for k in (
+                            "memory_per_device_bytes", "comm_time_s", "ilp_groups",
+                            "operators")}}
+    place = plans.get("place", {})
+    if "stages" in place:
+        out["place"] = {"stages": len(place["stages"]), "micro_batches": place["micro_batches"],
+                        "step_time_s": place["step_time_s"]}
+    summary = plans.get("summary")
+    if summary:
+        out["combined"] = {k: summary[k] for k in ("step_time_s", "peak_memory_bytes",
+                                                   "devices_needed")}
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=32)
@@ -155,6 +175,7 @@ def main(argv=None) -> int:
         "per_phase_peak": clock.peak_resets,
         "plans": {name: ("refused: " + plan["refused"]) if "refused" in plan else "applied"
                   for name, plan in plans.items() if name != "summary"},
+        "figures": _figures(plans),
     }
     print(f"{'phase':<30} {'time (s)':>9} {'peak RSS (GiB)':>15}")
     for row in clock.rows:

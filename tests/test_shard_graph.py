@@ -165,10 +165,11 @@ def test_truncated_traces_and_binary_configs_are_one_line_errors(tmp_path, capsy
     assert not os.path.exists(out)                                 # nothing half-written
 
 
-def test_blocks_whose_scopes_hold_a_neighbours_ops_are_still_tied_op_by_op():
+def test_blocks_whose_scopes_hold_a_neighbours_ops_tie_the_middle_blocks():
     """Exported LLaMA blocks: the first block's scope also holds the start of its norm (every
     later block's export files that under the block before), the last holds the final norm.
-    The common sequence is tied across all blocks; the extra ops stay on their own."""
+    The blocks with the common op sequence are tied op by op; the first and last stay untied
+    (their own strategies, as before any tying)."""
     from ms_efficient.shard.graph_ops import _tie
     from ms_efficient.shard.strategies import OpSpec, TensorRef
 
@@ -177,20 +178,24 @@ def test_blocks_whose_scopes_hold_a_neighbours_ops_are_still_tied_op_by_op():
                       ("b", "h"))
 
     body = [("Mul", 8), ("MatMul", 8), ("SiLU", 16), ("MatMul", 16)]
-    units = []
-    for i in range(4):
-        ops = ([("ReduceMean", 8), ("Rsqrt", 8)] if i == 0 else []) + body + \
-              ([("Add", 8), ("Mul", 4)] if i == 3 else [])
-        units.append([op(f"L{i}.{k}", prim, h) for k, (prim, h) in enumerate(ops)])
-    specs = {s.name: s for unit in units for s in unit}
-    _tie(specs, [[s.name for s in unit] for unit in units])
-    keys = [[specs[s.name].tie_key for s in unit] for unit in units]
+
+    def tie_keys(n_blocks, middle=body):
+        units = []
+        for i in range(n_blocks):
+            ops = ([("ReduceMean", 8), ("Rsqrt", 8)] + body if i == 0 else
+                   body + [("Add", 8), ("Mul", 4)] if i == n_blocks - 1 else middle)
+            units.append([op(f"L{i}.{k}", prim, h) for k, (prim, h) in enumerate(ops)])
+        specs = {s.name: s for unit in units for s in unit}
+        _tie(specs, [[s.name for s in unit] for unit in units])
+        return [[specs[s.name].tie_key for s in unit] for unit in units]
+
+    keys = tie_keys(5)
+    assert keys[1] == keys[2] == keys[3] == ["tie0:Mul", "tie1:MatMul", "tie2:SiLU",
+                                             "tie3:MatMul"]
+    assert keys[0] == [f"L0.{k}" for k in range(6)] and keys[4] == [f"L4.{k}" for k in range(6)]
+    # one middle block: nothing to tie it to
+    keys = tie_keys(3)
+    assert all(key.startswith("L") for unit in keys for key in unit)
+    # the middle blocks tie among themselves whatever the first and last blocks hold
+    keys = tie_keys(4, middle=[("Mul", 8), ("MatMul", 8), ("SiLU", 32), ("MatMul", 32)])
     assert keys[1] == keys[2] == ["tie0:Mul", "tie1:MatMul", "tie2:SiLU", "tie3:MatMul"]
-    assert keys[0] == ["L0.0", "L0.1"] + keys[1]            # the norm's start stays untied
-    assert keys[3] == keys[1] + ["L3.4", "L3.5"]
-    # a block that lacks an op of the common sequence is left untied as a whole
-    units[2] = units[2][:2]
-    specs = {s.name: s for unit in units for s in unit}
-    _tie(specs, [[s.name for s in unit] for unit in units])
-    assert [specs[s.name].tie_key for s in units[2]] == ["L2.0", "L2.1"]
-    assert specs["L3.2"].tie_key == specs["L1.2"].tie_key == "tie2:SiLU"

@@ -572,51 +572,32 @@ def specs_from_graph(graph, tie_units: Optional[Sequence[Sequence[str]]] = None)
 def _tie(specs: Dict[str, OpSpec], units: Sequence[Sequence[str]]) -> None:
     """Tie the k-th specs of the units when their signatures match (in place).
 
-    Equally long units are tied position by position. Units of different lengths (a
-    block's scope also names a neighbour's parameter-free ops: the first block holds the
-    start of its own RMSNorm, which every later block's export files under the block before
-    it; the last holds the final norm) are aligned on the signature sequence of one unit
-    (``_aligned``): each unit is searched in order for that sequence (its first match of every
-    element); the ops outside the match, and a unit without a full match, are left untied."""
+    Equally long units are tied position by position. When the lengths differ (a block's
+    scope also names a neighbour's parameter-free ops: in an exported LLaMA the first block
+    holds the start of its own RMSNorm, which every later block's export files under the
+    block before it, and the last holds the final norm), the units whose whole signature
+    sequence is the most common one are tied and the others (those boundary blocks) are left
+    untied: they keep their own strategies, as every op did before, and the ILP has one copy
+    of the middle blocks instead of one per block."""
     members = [[n for n in unit if n in specs] for unit in units]
     if len(members) < 2:
         return
-    if len({len(m) for m in members}) == 1:
-        aligned = members
-    else:
-        aligned = _aligned(specs, members)
-    if len(aligned) < 2:
-        return
-    for k in range(len(aligned[0])):
-        group = [specs[m[k]] for m in aligned]
+    tied = members
+    if len({len(m) for m in members}) > 1:
+        sequences = [tuple(specs[n].signature() for n in m) for m in members]
+        counts: Dict[tuple, int] = {}
+        for seq in sequences:
+            counts[seq] = counts.get(seq, 0) + 1
+        common = max(counts, key=lambda seq: (counts[seq], len(seq)))
+        tied = [m for m, seq in zip(members, sequences) if seq == common]
+        if len(tied) < 2 or not common:
+            return
+        logger.info("tied %d of %d repeated blocks (%d ops each); the %d others have "
+                    "other op sequences and are planned op by op", len(tied), len(members),
+                    len(common), len(members) - len(tied))
+    for k in range(len(tied[0])):
+        group = [specs[m[k]] for m in tied]
         if len({s.signature() for s in group}) == 1:
             key = f"tie{k}:{group[0].prim}"
             for s in group:
                 specs[s.name] = replace(s, tie=key)
-    if len(aligned) < len(members) or any(len(m) != len(aligned[0]) for m in members):
-        logger.info("tied %d of %d repeated blocks on %d ops each; %d ops left untied",
-                    len(aligned), len(members), len(aligned[0]),
-                    sum(len(m) for m in members) - len(aligned) * len(aligned[0]))
-
-
-def _aligned(specs: Dict[str, OpSpec], members: Sequence[Sequence[str]]) -> List[List[str]]:
-    """The units holding, in order, the signature sequence of one unit, each cut to the ops
-    that match it: of the units' sequences, the one that ties away the most ops ((units
-    holding it - 1) x its length); [] when no sequence is held by two units."""
-    sequences = [tuple(specs[n].signature() for n in m) for m in members]
-
-    def match(names: Sequence[str], seq: tuple, template: tuple) -> Optional[List[str]]:
-        picked, k = [], 0
-        for name, sig in zip(names, seq):
-            if k < len(template) and sig == template[k]:
-                picked.append(name)
-                k += 1
-        return picked if k == len(template) else None
-
-    best: List[List[str]] = []
-    for template in sorted(set(sequences), key=len, reverse=True):
-        found = [m for m in (match(names, seq, template)
-                             for names, seq in zip(members, sequences)) if m is not None]
-        if (len(found) - 1) * len(template) > (len(best) - 1) * len(best[0] if best else ()):
-            best = found                    # ties away the most ops
-    return best if len(best) >= 2 and best[0] else []
