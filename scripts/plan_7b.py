@@ -149,6 +149,11 @@ def main(argv=None) -> int:
                              "for /usr/bin/time)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
+    for key in ("layers", "hidden", "heads", "ffn", "vocab", "seq", "batch"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key} must be >= 1, but got {getattr(args, key)}.")
+    if args.hidden % args.heads:
+        parser.error(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads}).")
     logging.basicConfig(level=logging.WARNING)
     clock = PhaseClock(reset_peaks=not args.no_phase_peaks)
     passes_logger = logging.getLogger("ms_efficient.passes")
