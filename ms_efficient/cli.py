@@ -146,7 +146,9 @@ def _graph_from_config(path: str, mode: str):
 def _cmd_graph(args: argparse.Namespace) -> int:
     from ms_efficient.graph import graph_summary_table, load_graph
 
-    if not os.path.exists(args.source):
+    # a MINDIR name may stand for the split export <name>_graph.mindir (load_graph says which
+    # files it looked for)
+    if not os.path.exists(args.source) and not args.source.lower().endswith(".mindir"):
         raise ValueError(f"'{args.source}' does not exist.")
     if args.source.endswith((".yaml", ".yml")):
         graph = _graph_from_config(args.source, args.mode)

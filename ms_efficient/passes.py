@@ -136,7 +136,9 @@ def optimize(network, config, sample_inputs: Optional[Sequence[Any]] = None,
     Args:
         network: the Cell the user trains (its output is the loss, e.g.
             ``nn.WithLossCell(backbone, loss_fn)``); passes modify it in place or return a
-            new Cell.
+            new Cell. Its weights are never read: a network built under
+            ``mindspore.nn.utils.no_init_parameters()`` is planned without allocating them
+            and stays uninitialised (``ms_efficient.graph.mindir``).
         config: a :class:`ms_efficient.core.config.RunConfig` or a path to a YAML config.
         sample_inputs: one batch of the network's inputs (Tensors or numpy arrays, in
             ``construct`` order); needed by every pass that plans the network's graph.
@@ -219,5 +221,7 @@ def optimize(network, config, sample_inputs: Optional[Sequence[Any]] = None,
     if context.has_graph:
         from ms_efficient.plan_report import combined_report
 
+        logger.info("combining the plans of %d applied passes into plans['summary']",
+                    len(applied))
         plans["summary"] = combined_report(context)
     return network, plans

@@ -163,3 +163,39 @@ def test_truncated_traces_and_binary_configs_are_one_line_errors(tmp_path, capsy
     assert len(err.splitlines()) == 1 and "zeros.yaml' is not valid YAML" in err
     import os
     assert not os.path.exists(out)                                 # nothing half-written
+
+
+def test_blocks_whose_scopes_hold_a_neighbours_ops_tie_the_middle_blocks():
+    """Exported LLaMA blocks: the first block's scope also holds the start of its norm (every
+    later block's export files that under the block before), the last holds the final norm.
+    The blocks with the common op sequence are tied op by op; the first and last stay untied
+    (their own strategies, as before any tying)."""
+    from ms_efficient.shard.graph_ops import _tie
+    from ms_efficient.shard.strategies import OpSpec, TensorRef
+
+    def op(name, prim, h):
+        return OpSpec(name, prim, (("b", 2), ("h", h)), (TensorRef(("b", "h"), "input"),),
+                      ("b", "h"))
+
+    body = [("Mul", 8), ("MatMul", 8), ("SiLU", 16), ("MatMul", 16)]
+
+    def tie_keys(n_blocks, middle=body):
+        units = []
+        for i in range(n_blocks):
+            ops = ([("ReduceMean", 8), ("Rsqrt", 8)] + body if i == 0 else
+                   body + [("Add", 8), ("Mul", 4)] if i == n_blocks - 1 else middle)
+            units.append([op(f"L{i}.{k}", prim, h) for k, (prim, h) in enumerate(ops)])
+        specs = {s.name: s for unit in units for s in unit}
+        _tie(specs, [[s.name for s in unit] for unit in units])
+        return [[specs[s.name].tie_key for s in unit] for unit in units]
+
+    keys = tie_keys(5)
+    assert keys[1] == keys[2] == keys[3] == ["tie0:Mul", "tie1:MatMul", "tie2:SiLU",
+                                             "tie3:MatMul"]
+    assert keys[0] == [f"L0.{k}" for k in range(6)] and keys[4] == [f"L4.{k}" for k in range(6)]
+    # one middle block: nothing to tie it to
+    keys = tie_keys(3)
+    assert all(key.startswith("L") for unit in keys for key in unit)
+    # the middle blocks tie among themselves whatever the first and last blocks hold
+    keys = tie_keys(4, middle=[("Mul", 8), ("MatMul", 8), ("SiLU", 32), ("MatMul", 32)])
+    assert keys[1] == keys[2] == ["tie0:Mul", "tie1:MatMul", "tie2:SiLU", "tie3:MatMul"]

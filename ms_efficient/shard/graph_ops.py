@@ -570,12 +570,33 @@ def specs_from_graph(graph, tie_units: Optional[Sequence[Sequence[str]]] = None)
 
 
 def _tie(specs: Dict[str, OpSpec], units: Sequence[Sequence[str]]) -> None:
-    """Tie the k-th specs of equally long units when their signatures match (in place)."""
+    """Tie the k-th specs of the units when their signatures match (in place).
+
+    Equally long units are tied position by position. When the lengths differ (a block's
+    scope also names a neighbour's parameter-free ops: in an exported LLaMA the first block
+    holds the start of its own RMSNorm, which every later block's export files under the
+    block before it, and the last holds the final norm), the units whose whole signature
+    sequence is the most common one are tied and the others (those boundary blocks) are left
+    untied: they keep their own strategies, as every op did before, and the ILP has one copy
+    of the middle blocks instead of one per block."""
     members = [[n for n in unit if n in specs] for unit in units]
-    if len(members) < 2 or len({len(m) for m in members}) != 1:
+    if len(members) < 2:
         return
-    for k in range(len(members[0])):
-        group = [specs[m[k]] for m in members]
+    tied = members
+    if len({len(m) for m in members}) > 1:
+        sequences = [tuple(specs[n].signature() for n in m) for m in members]
+        counts: Dict[tuple, int] = {}
+        for seq in sequences:
+            counts[seq] = counts.get(seq, 0) + 1
+        common = max(counts, key=lambda seq: (counts[seq], len(seq)))
+        tied = [m for m, seq in zip(members, sequences) if seq == common]
+        if len(tied) < 2 or not common:
+            return
+        logger.info("tied %d of %d repeated blocks (%d ops each); the %d others have "
+                    "other op sequences and are planned op by op", len(tied), len(members),
+                    len(common), len(members) - len(tied))
+    for k in range(len(tied[0])):
+        group = [specs[m[k]] for m in tied]
         if len({s.signature() for s in group}) == 1:
             key = f"tie{k}:{group[0].prim}"
             for s in group:
