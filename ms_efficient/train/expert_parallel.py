@@ -65,7 +65,8 @@ from ms_efficient.train.data import load_corpus
 from ms_efficient.train.relayout import resumed_counts
 from ms_efficient.efficientmoe.ep_replanner import (ExpertParallelReplanner, compiled_graphs,
                                           dropless_plans, load_plans_state, slot_budget)
-from ms_efficient.train.trainer import _fmt_eta, _is_scratch, make_optimizer
+from ms_efficient.train.optim import is_scratch as _is_scratch, make_optimizer
+from ms_efficient.train.trainer import _fmt_eta
 
 __all__ = ["ExpertParallelTrainer", "GradReducer"]
 

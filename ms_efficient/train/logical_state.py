@@ -188,7 +188,7 @@ def reference_network(cfg: RunConfig):
 
     from ms_efficient.core import backend
     from ms_efficient.models.gpt_moe import build_model
-    from ms_efficient.train.trainer import make_optimizer
+    from ms_efficient.train.optim import make_optimizer
 
     backend.use_device(cfg.context.device_target)
     ms.set_seed(cfg.context.seed)
@@ -208,7 +208,7 @@ def export_checkpoint(run_dir: str, out: str, optimizer: bool = False) -> Dict:
     from mindspore import Parameter, Tensor
 
     from ms_efficient.core.fileio import atomic_write_with
-    from ms_efficient.train.trainer import _is_scratch
+    from ms_efficient.train.optim import is_scratch as _is_scratch
 
     run = read_run(run_dir)
     values = logical_state(run)

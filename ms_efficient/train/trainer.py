@@ -29,7 +29,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 import mindspore as ms
-from mindspore import Tensor, nn, ops
+from mindspore import Tensor, ops
 
 from ms_efficient.core import backend
 from ms_efficient.core.config import RunConfig, history_trace_path, load_config, save_config
@@ -39,7 +39,8 @@ from ms_efficient.efficientmoe.planner import (capacities_LE, one_device_counts,
 from ms_efficient.efficientmoe.planner import ReplanLoop
 from ms_efficient.efficientmoe.sampler import RoutingSampler
 from ms_efficient.models.gpt_moe import build_model
-from ms_efficient.moe.layer import ROUTING_COUNTS, MoEFeedForward
+from ms_efficient.moe.layer import MoEFeedForward
+from ms_efficient.train.optim import is_scratch as _is_scratch, lr_schedule, make_optimizer
 from ms_efficient.moe.trace import layer_balance, load_trace, save_trace
 from ms_efficient.train import checkpoint as run_ckpt
 from ms_efficient.train.data import Corpus, load_corpus
@@ -49,32 +50,6 @@ from ms_efficient.train.relayout import resumed_counts
 __all__ = ["Trainer", "TrainResult", "lr_schedule", "make_optimizer", "train"]
 
 logger = logging.getLogger(__name__)
-
-
-def lr_schedule(peak: float, warmup: int, total: int, floor: float = 0.1) -> List[float]:
-    """Per-step learning rate: linear warm-up to ``peak``, cosine decay to ``floor * peak``."""
-    rates = []
-    for step in range(total):
-        if step < warmup:
-            rates.append(peak * (step + 1) / warmup)
-        else:
-            progress = (step - warmup) / max(1, total - warmup)
-            rates.append(peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))))
-    return rates
-
-
-def make_optimizer(net: nn.Cell, tr) -> nn.AdamWeightDecay:
-    """AdamWeightDecay of the reference runs over ``net``'s trainable parameters: weight decay
-    ``tr.weight_decay`` on matrices (ndim >= 2) except embeddings, none elsewhere; the
-    learning rate of :func:`lr_schedule` per step (``tr``: the ``train`` config section)."""
-    params = net.trainable_params()
-    decay = [p for p in params if p.ndim >= 2 and "embedding" not in p.name]
-    no_decay = [p for p in params if not (p.ndim >= 2 and "embedding" not in p.name)]
-    return nn.AdamWeightDecay(
-        [{"params": decay, "weight_decay": tr.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        learning_rate=lr_schedule(tr.learning_rate, tr.warmup_steps, tr.steps),
-        beta1=0.9, beta2=0.95, eps=1e-8)
 
 
 @dataclass
@@ -440,11 +415,6 @@ class Trainer:
         return TrainResult(out_dir=self.out_dir, steps=self.step, first_val_loss=vals[0],
                            final_val_loss=vals[-1], step_time_s=step_time,
                            tokens_per_s=tokens_per_step / step_time)
-
-
-def _is_scratch(name: str) -> bool:
-    """Parameters that are per-step buffers, not state: the MoE layers' last routing counts."""
-    return name.rsplit(".", 1)[-1] == ROUTING_COUNTS
 
 
 def _fmt_eta(seconds: float) -> str:
