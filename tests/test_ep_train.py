@@ -253,6 +253,11 @@ def test_resume_after_kill_9_continues_with_the_same_losses(two_workers, tmp_pat
             os.killpg(proc.pid, signal.SIGKILL)      # msrun, its scheduler and both ranks
         proc.wait()
     assert KILL_AFTER <= reached < STEPS, f"killed at step {reached}"
+    a, b = _losses(ep), _losses(part)
+    # up to the kill the two runs are the same config run twice, the re-plan at REPLAN_AT
+    # included: every logged loss is bit-identical
+    assert REPLAN_AT < KILL_AFTER and all(b[s] == a[s] for s in range(1, reached + 1))
+    assert [r["step"] for r in _rows(part, "replan")][:1] == [REPLAN_AT]
     assert main(["train", "--resume", str(part)]) == 0           # world size from state.json
     a, b = _losses(ep), _losses(part)
     assert sorted(b) == list(range(1, STEPS + 1))
