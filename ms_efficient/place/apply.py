@@ -261,18 +261,25 @@ def apply_block_stages(network: Any, block_stage: Dict[str, int],
 def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     """The ``place`` pass: pipeline stages as contiguous groups of the network's repeated
     blocks (``place.stages``: each block with the glue around it is one unit, TGA places the
-    units on the config's cluster, every candidate micro-batch count is simulated with the
-    bubble and the transfers) and ``pipeline_stage`` set on the network's Cells.
+    units, every candidate micro-batch count is simulated with the bubble and the transfers),
+    planned jointly with data parallelism (pp x dp <= the config cluster's devices) and kept
+    only when it beats the best non-pipeline use of the same devices (data parallel, plain or
+    ZeRO) or when no non-pipeline plan fits memory (``place.same_devices``); then
+    ``pipeline_stage`` is set on the network's Cells.
 
-    ``optimize.micro_batches`` fixes M; 0 lets the pass choose among the divisors of the
-    batch. Raises PassRefused (a ValueError; ``optimize`` records it as ``{"refused":
-    reason}``) on a one-device cluster, a network with fewer than two repeated blocks, or when
-    no pipeline beats one stage (saying by how much), before setting any stage; ValueError for
-    an ``optimize.micro_batches`` that does not divide the batch."""
+    ``optimize.micro_batches`` fixes M per pipeline copy; 0 lets the pass choose among the
+    divisors of the copy's batch. The plan records ``baseline`` (the non-pipeline plan it was
+    judged against: kind, devices, ZeRO level, step time, memory per device), ``pp``, ``dp``
+    and ``ratio_to_baseline`` (pipeline step / baseline step). Raises PassRefused (a
+    ValueError; ``optimize`` records it as ``{"refused": reason}``) on a one-device cluster,
+    a network with fewer than two repeated blocks, when the best pipeline is not faster than
+    the baseline (saying by how much) or when nothing fits, before setting any stage;
+    ValueError for an ``optimize.micro_batches`` that does not divide the batch."""
     from ms_efficient.graph.cells import (assign_units, forward_subgraph, node_cell_path,
                                           repeated_blocks, strip_train_root)
     from ms_efficient.place.planner import TGAConfig
-    from ms_efficient.place.stages import group_of_ops, micro_batch_candidates, plan_stages
+    from ms_efficient.place.same_devices import plan_same_devices
+    from ms_efficient.place.stages import group_of_ops
 
     cluster = context.config.cluster_spec()
     if cluster.num_devices < 2:
@@ -293,17 +300,19 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     if micro and batch % micro:
         raise ValueError(f"'optimize.micro_batches' must divide the batch size {batch} (or be 0 "
                          f"to let the place pass choose), but got {micro}.")
-    candidates = [micro] if micro else micro_batch_candidates(batch)
-    stage_plan = plan_stages(graph, units.order, groups, units.units, cluster, candidates,
-                             TGAConfig(seed=0, max_evaluations=PLACE_PASS_EVALUATIONS,
-                                       time_budget_s=PLACE_PASS_TIME_S))
+    decision = plan_same_devices(graph, units.order, groups, units.units, cluster, batch,
+                                 micro or None,
+                                 TGAConfig(seed=0, max_evaluations=PLACE_PASS_EVALUATIONS,
+                                           time_budget_s=PLACE_PASS_TIME_S))
+    stage_plan = decision.pipeline
     nodes = list(graph)
     device_of = np.asarray(stage_plan.device_of_block)[groups]
     assignment = {nodes[i].name: int(d) for i, d in zip(units.order.tolist(), device_of)}
     price = context.unoptimised("the place pass")
     plan = PlacementPlan(
         method="tga-blocks", graph=full.name, cluster=cluster.name,
-        devices=cluster.num_devices, micro_batches=stage_plan.micro_batches,
+        devices=len(stage_plan.stages) * stage_plan.replicas,      # the devices it runs on
+        micro_batches=stage_plan.micro_batches,
         step_time_s=stage_plan.step_time_s,
         peak_memory_bytes=[s["memory_bytes"] for s in stage_plan.stages],
         assignment=assignment, stage_of_device=stage_plan.stage_of_device,
@@ -312,7 +321,8 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
         meta={"evidence": "simulated", "pipeline": True, "seed": 0,
               "evaluations": stage_plan.evaluations, "one_stage_s": stage_plan.one_stage_s,
               "one_stage_fits": stage_plan.one_stage_fits,
-              "speedup": stage_plan.one_stage_s / stage_plan.step_time_s,
+              "speedup_over_baseline": 1.0 / decision.ratio,
+              "cluster_devices": cluster.num_devices,
               "micro_batches_tried": {int(k): float(v) for k, v in stage_plan.tried.items()}})
     stage_of_block = {b: s["stage"] for s in stage_plan.stages for b in s["blocks"]}
     stage_of_op = {name: plan.stage_of_node(name) for name in assignment}
@@ -323,6 +333,8 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     del doc["assignment"], doc["scopes"]          # per operator: in the PlacementPlan only
     doc["stage_time_s"] = stage_plan.stage_time_s
     doc["unoptimised"] = price.to_dict()
+    doc.update(decision.to_dict())      # baseline, pp, dp, ratio_to_baseline, reason, ...
+    doc["parallel_config"]["data_parallel"] = stage_plan.replicas
     doc["cells"] = {path: {"pipeline_stage": s} for path, s in stages.items()
                     if user_cell_path(path)}
     return network, doc
