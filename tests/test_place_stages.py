@@ -116,7 +116,7 @@ def test_pipelining_that_does_not_pay_is_refused_with_the_gap():
     assert plan.step_time_s > plan.one_stage_s          # the search still returns its best
     with pytest.raises(ValueError, match=r"^place: pipelining does not pay on 'test-1x4': the "
                                          r"best pipeline 2x1 \(2 stages x 1 data-parallel copy, "
-                                         r"\d micro-batches\) takes \d+(\.\d+)?x the step time "
+                                         r"\d micro-batch(es)?\) takes \d+(\.\d+)?x the step time "
                                          r"of one device \([\d.]+ ms against [\d.]+ ms per step"):
         plan_same_devices(g, order, group_of_ops(unit_of), names, cluster, 4, None, FAST)
     with pytest.raises(ValueError, match="pipeline stages need >= 2"):

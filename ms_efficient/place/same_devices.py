@@ -167,7 +167,7 @@ def plan_same_devices(graph: OpGraph, order: Sequence[int], groups: np.ndarray,
     ratio = best.step_time_s / baseline.step_time_s
     shape = f"pipeline {best.shape} ({len(best.stages)} stages x {best.replicas} " \
             f"data-parallel {'copy' if best.replicas == 1 else 'copies'}, " \
-            f"{best.micro_batches} micro-batches)"
+            f"{best.micro_batches} micro-batch{'' if best.micro_batches == 1 else 'es'})"
     if baseline.feasible and best.step_time_s >= baseline.step_time_s:
         raise PassRefused(
             f"place: pipelining does not pay on {cluster.name!r}: the best {shape} takes "
