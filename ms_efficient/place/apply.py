@@ -27,6 +27,7 @@ first use and ``meta.pipeline`` is false.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ from ms_efficient.place.problem import PlacementProblem
 
 __all__ = ["PlacementPlan", "make_plan", "save_plan", "load_plan", "apply_pipeline_stages",
            "apply_block_stages", "place_pass", "user_cell_path"]
+
+logger = logging.getLogger(__name__)
 
 PLAN_VERSION = 1
 # The place pass's search: TGA's distinct evaluations (as `bench place --quick`) and its
@@ -274,7 +277,11 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     ValueError; ``optimize`` records it as ``{"refused": reason}``) on a one-device cluster,
     a network with fewer than two repeated blocks, when the best pipeline is not faster than
     the baseline (saying by how much) or when nothing fits, before setting any stage;
-    ValueError for an ``optimize.micro_batches`` that does not divide the batch."""
+    ValueError for an ``optimize.micro_batches`` that does not divide the batch.
+
+    After the shard pass, whose dp x mp mesh runs every stage, the pass plans on D // mesh
+    slots of a mesh each, pipelines only (pp x 1: shard already splits each stage's batch),
+    against data parallelism over those slots; ``devices`` is then pp x the mesh's size."""
     from ms_efficient.graph.cells import (assign_units, forward_subgraph, node_cell_path,
                                           repeated_blocks, strip_train_root)
     from ms_efficient.place.planner import TGAConfig
@@ -300,10 +307,26 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     if micro and batch % micro:
         raise ValueError(f"'optimize.micro_batches' must divide the batch size {batch} (or be 0 "
                          f"to let the place pass choose), but got {micro}.")
-    decision = plan_same_devices(graph, units.order, groups, units.units, cluster, batch,
+    mesh, slots = 1, cluster
+    shard = context.plans.get("shard")
+    if shard is not None:      # shard's dp x mp mesh runs every stage: place plans mesh slots
+        from ms_efficient.place.same_devices import sub_cluster
+
+        mesh = int(shard["mesh"]["dp"]) * int(shard["mesh"]["mp"])
+        if cluster.num_devices // mesh >= 2:
+            slots = sub_cluster(cluster, cluster.num_devices // mesh)
+        else:       # no room for two meshes: a slot per device, the summary's note says so
+            logger.warning("place: shard's %sx%s mesh leaves no room for two stages on %r; "
+                           "planning a stage per device (the figures are those of a cluster "
+                           "of %d devices x the mesh)", shard["mesh"]["dp"], shard["mesh"]["mp"],
+                           cluster.name, cluster.num_devices)
+        batch_dp = int(shard["mesh"]["dp"])
+        batch = batch // batch_dp if batch % batch_dp == 0 else batch
+    decision = plan_same_devices(graph, units.order, groups, units.units, slots, batch,
                                  micro or None,
                                  TGAConfig(seed=0, max_evaluations=PLACE_PASS_EVALUATIONS,
-                                           time_budget_s=PLACE_PASS_TIME_S))
+                                           time_budget_s=PLACE_PASS_TIME_S),
+                                 max_copies=1 if shard is not None else None)
     stage_plan = decision.pipeline
     nodes = list(graph)
     device_of = np.asarray(stage_plan.device_of_block)[groups]
@@ -311,7 +334,7 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     price = context.unoptimised("the place pass")
     plan = PlacementPlan(
         method="tga-blocks", graph=full.name, cluster=cluster.name,
-        devices=len(stage_plan.stages) * stage_plan.replicas,      # the devices it runs on
+        devices=len(stage_plan.stages) * stage_plan.replicas * mesh,   # the devices it runs on
         micro_batches=stage_plan.micro_batches,
         step_time_s=stage_plan.step_time_s,
         peak_memory_bytes=[s["memory_bytes"] for s in stage_plan.stages],

@@ -96,14 +96,17 @@ class SameDevicesPlan:
 def pipeline_candidates(graph: OpGraph, order: Sequence[int], groups: np.ndarray,
                         names: Sequence[str], cluster: ClusterSpec, batch: Optional[int],
                         micro_batches: Optional[int] = None,
-                        tga_config: Optional[TGAConfig] = None):
+                        tga_config: Optional[TGAConfig] = None, max_copies: Optional[int] = None):
     """(plans, rows): the best pipeline for every data-parallel degree dp with D // dp >= 2
     devices per copy and dp dividing ``batch`` (every dp when ``batch`` is None), and one row
     per dp tried. micro_batches: fix M per copy (a dp whose copy's batch M does not divide
-    is skipped); None tries the divisors of the copy's batch (M = 1 without a batch)."""
+    is skipped); None tries the divisors of the copy's batch (M = 1 without a batch).
+    max_copies: the largest dp to try (None: D // 2)."""
     plans: List[StagePlan] = []
     rows: List[Dict[str, Any]] = []
-    for dp in range(1, cluster.num_devices // 2 + 1):
+    top = cluster.num_devices // 2 if max_copies is None else min(max_copies,
+                                                                  cluster.num_devices // 2)
+    for dp in range(1, top + 1):
         if batch is not None and batch % dp:
             continue
         share = None if batch is None else batch // dp
@@ -134,17 +137,20 @@ def pipeline_candidates(graph: OpGraph, order: Sequence[int], groups: np.ndarray
 def plan_same_devices(graph: OpGraph, order: Sequence[int], groups: np.ndarray,
                       names: Sequence[str], cluster: ClusterSpec, batch: Optional[int],
                       micro_batches: Optional[int] = None,
-                      tga_config: Optional[TGAConfig] = None) -> SameDevicesPlan:
+                      tga_config: Optional[TGAConfig] = None,
+                      max_copies: Optional[int] = None) -> SameDevicesPlan:
     """Choose a pipeline (pp x dp) on ``cluster`` or refuse (module docstring).
 
     graph: the forward graph; order, groups, names: as for ``place.stages.plan_stages``.
     batch: the global batch (samples per step), or None when unknown (every split allowed).
     micro_batches: M per pipeline copy, or None to try the divisors of the copy's batch.
+    max_copies: the largest dp of a pipeline (None: D // 2; 1: pipelines only, as when the
+    shard pass already splits every stage's batch over its own mesh).
     Raises PassRefused (a ValueError) when the best pipeline is not faster than the best
     non-pipeline plan that fits, or when no pipeline fits (naming what each needs)."""
     baseline = best_replica_plan(replica_plans(graph, cluster, batch))
     plans, rows = pipeline_candidates(graph, order, groups, names, cluster, batch,
-                                      micro_batches, tga_config)
+                                      micro_batches, tga_config, max_copies)
     cap = usable_bytes(cluster)
     fits = [p for p in plans if p.feasible]
     if not fits:
