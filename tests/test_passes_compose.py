@@ -382,3 +382,21 @@ def test_a_share_below_a_stages_floor_names_it_as_a_share_of_the_largest_stage()
                                          r"the largest stage's unoptimised peak\)"):
         memopt_pass(net, _context(net, inputs, CPU2, graph, {"place": place},
                                   memory_budget="10%"))
+
+
+def test_each_copy_of_a_replicated_pipeline_plans_its_share_of_the_batch():
+    """place's pp x dp: a stage of one of dp copies runs 1/dp of the batch (compute and kept
+    outputs split dp ways more; parameter state whole), so memopt and the summary plan that."""
+    from ms_efficient.core.config import config_from_dict as cfg
+    from ms_efficient.memopt.profile import device_shares
+
+    graph, _, place = _two_stages()
+    spec = cfg({"cluster": CPU2}).cluster_spec()
+    one = device_shares(graph, spec, None, place)
+    two = device_shares(graph, spec, None, {**place, "dp": 2})
+    for a, b in zip(one, two):
+        on = a.on_device
+        assert on.any() and (b.on_device == on).all() and b.in_flight == a.in_flight
+        np.testing.assert_allclose(b.output_share[on], a.output_share[on] / 2, rtol=1e-12)
+        np.testing.assert_allclose(b.time_share[on], a.time_share[on] / 2, rtol=1e-12)
+        np.testing.assert_array_equal(b.state_bytes, a.state_bytes)
