@@ -185,6 +185,36 @@ def test_place_plans_block_stages_on_a_deeper_llama_and_both_passes_price_it_ali
     assert all(np.isfinite(losses))
 
 
+def test_place_replicates_a_pipeline_when_pp_x_dp_beats_both_on_8_workers():
+    """8 CPU workers behind 1 GB/s links: data parallel over 8 pays the all-reduce of ~4 MB, a
+    pure 6-stage pipeline its bubble; 4 stages x 2 copies (each stage all-reduced over its 2
+    copies) beat both. The plan, the summary and MindSpore's settings all read pp x dp."""
+    from ms_efficient.parallel.settings import settings_from_plans
+
+    net, inputs = _deep_llama()
+    cluster = {"preset": "cpu-local", "devices_per_node": 8, "intra_link": {"bandwidth_Bps": 1e9}}
+    net, plans = ms_efficient.optimize(net, _config(cluster, passes=["place"]),
+                                       sample_inputs=inputs)
+    place, summary = plans["place"], plans["summary"]
+    assert (place["pp"], place["dp"], place["shape"]) == (4, 2, "4x2")
+    assert place["devices"] == 8 and place["parallel_config"]["data_parallel"] == 2
+    assert place["reason"] == "faster" and place["baseline"]["label"] == \
+        "data parallel over 8 devices"
+    pure = [r for r in place["candidates"] if r["dp"] == 1]
+    assert place["step_time_s"] < min(r["step_time_s"] for r in pure)       # beats pure pp
+    assert place["ratio_to_baseline"] < 1.0                                 # and pure dp
+    assert [s["devices"] for s in place["stages"]] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert all(s["sync_s"] > 0 for s in place["stages"])
+    # the summary: each stage on its two copies' devices, the pipeline's step
+    assert [d["devices"] for d in summary["devices"]] == [s["devices"] for s in place["stages"]]
+    assert summary["devices_needed"] == 8
+    assert summary["step_time_s"] == pytest.approx(place["step_time_s"], rel=1e-9)
+    # MindSpore's settings: 4 stages x dp 2 = 8 ranks, each copy splits its 4 samples in M
+    settings = settings_from_plans(plans, [tuple(t.shape) for t in inputs])
+    assert (settings.devices, settings.stages, settings.dp) == (8, 4, 2)
+    assert settings.micro_batches == place["micro_batches"]
+
+
 # a 3-layer LLaMA of hidden 32 on a batch of 2: too small for any gradient all-reduce or
 # stage-to-stage transfer to pay, so the best use of the 8 devices is one of them
 NOT_PAY = (r"^place: pipelining does not pay on 'ascend910b-1x8': the best pipeline \dx\d "
