@@ -144,7 +144,9 @@ def test_pp_x_dp_beats_pure_pipelines_and_pure_data_parallelism():
     best = plan.pipeline
     assert (len(best.stages), best.replicas, best.micro_batches) == (2, 2, 4)
     assert [s["blocks"] for s in best.stages] == [names[:3], names[3:]]
-    assert [s["devices"] for s in best.stages] == [[0, 2], [1, 3]]
+    # each stage on neighbouring devices (MindSpore's rank order: stage s on ranks 2s, 2s+1)
+    assert [s["devices"] for s in best.stages] == [[0, 1], [2, 3]]
+    assert best.layout == "each stage's copies on neighbouring devices"
     assert best.pipeline_s == pytest.approx(5.625 * MS, rel=1e-9)
     assert best.sync_s == pytest.approx(1.2 * MS, rel=1e-9)
     assert best.step_time_s == pytest.approx(6.825 * MS, rel=1e-9)
@@ -196,3 +198,31 @@ def test_a_copy_holds_whole_nodes_beyond_one_node():
     assert sub_cluster(cluster, 16).nodes == 2 and sub_cluster(cluster, 20).num_devices == 16
     with pytest.raises(ValueError, match=r"'devices' must be an int in \[1, 32\], but got 33"):
         sub_cluster(cluster, 33)
+
+
+def test_on_two_nodes_each_stage_all_reduces_inside_a_node():
+    # 2 nodes x 2 devices: free links inside a node (1 TB/s), 1 GB/s between nodes. Data
+    # parallel over 4 all-reduces across the nodes: 4.5 ms + (RS inside, AR of 1.2 MB over the
+    # 2 nodes = 1.2 ms, AG inside); pipeline 2x2 with each copy on neighbouring devices puts
+    # each stage's 2 copies on the 2 nodes: 5.625 + 1.2 ms; with each stage's copies on
+    # neighbouring devices a copy's 2 stages sit on the 2 nodes (0-byte transfers: free) and
+    # each stage's copies share a node:
+    # 5.625 ms + allreduce(1.2 MB, 2) over 1 TB/s
+    g, order, groups, names = _blocks(param_bytes=400_000)
+    cluster = _cluster(2, nodes=2).with_overrides(
+        intra_link=Link(latency_s=0.0, bandwidth_Bps=1e12))
+    plan = plan_same_devices(g, order, groups, names, cluster, 8, None, FAST)
+    best = plan.pipeline
+    assert (len(best.stages), best.replicas) == (2, 2)
+    assert best.layout == "each stage's copies on neighbouring devices"
+    assert [s["devices"] for s in best.stages] == [[0, 1], [2, 3]]
+    assert best.sync_s == pytest.approx(2 * 0.5 * 1.2e6 / 1e12, rel=1e-9)
+    assert best.step_time_s == pytest.approx(5.625 * MS + best.sync_s, rel=1e-9)
+    dp4 = cluster.collective_time_s("allreduce", 2.4e6, [0, 1, 2, 3])
+    assert dp4 == pytest.approx(1.2e6 / 1e9 + 2 * 0.5 * 2.4e6 / 1e12, rel=1e-12)
+    assert plan.baseline.label == "data parallel over 4 devices"
+    assert plan.baseline.step_time_s == pytest.approx(4.5 * MS + dp4, rel=1e-12)
+    consecutive = [r for r in plan.candidates
+                   if r["dp"] == 2 and r["layout"] == "each copy on neighbouring devices"]
+    assert consecutive[0]["step_time_s"] == pytest.approx(6.825 * MS, rel=1e-6)
+    assert plan.reason == "faster" and plan.ratio < 1

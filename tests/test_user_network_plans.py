@@ -203,7 +203,7 @@ def test_place_replicates_a_pipeline_when_pp_x_dp_beats_both_on_8_workers():
     pure = [r for r in place["candidates"] if r["dp"] == 1]
     assert place["step_time_s"] < min(r["step_time_s"] for r in pure)       # beats pure pp
     assert place["ratio_to_baseline"] < 1.0                                 # and pure dp
-    assert [s["devices"] for s in place["stages"]] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [s["devices"] for s in place["stages"]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert all(s["sync_s"] > 0 for s in place["stages"])
     # the summary: each stage on its two copies' devices, the pipeline's step
     assert [d["devices"] for d in summary["devices"]] == [s["devices"] for s in place["stages"]]

@@ -39,8 +39,7 @@ from ms_efficient.graph.opgraph import OpGraph
 from ms_efficient.place.problem import PlacementOptions
 
 __all__ = ["ZERO_LEVELS", "ReplicaPlan", "state_bytes_per_device", "gradient_sync_time_s",
-           "replica_plan", "replica_plans", "best_replica_plan", "usable_bytes",
-           "stage_sync_time_s"]
+           "replica_plan", "replica_plans", "best_replica_plan", "usable_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +132,7 @@ class ReplicaPlan:
                 "step_time_s": float(self.step_time_s), "compute_s": float(self.compute_s),
                 "sync_s": float(self.sync_s), "memory_bytes": float(self.memory_bytes),
                 "capacity_bytes": float(self.capacity_bytes), "feasible": bool(self.feasible),
-                "evidence": "modelled"}
+                "evidence": "model"}
 
 
 def replica_plan(graph: OpGraph, cluster: ClusterSpec, devices: int, zero: int = 0,
@@ -192,13 +191,3 @@ def best_replica_plan(plans: Sequence[ReplicaPlan]) -> ReplicaPlan:
     if fits:
         return min(fits, key=lambda p: (p.step_time_s, p.zero, p.devices))
     return min(plans, key=lambda p: (p.memory_bytes, p.step_time_s, p.zero, p.devices))
-
-
-def stage_sync_time_s(cluster: ClusterSpec, stage_device: int, stride: int, replicas: int,
-                      grad_bytes: float) -> float:
-    """Seconds of the gradient all-reduce of one pipeline stage over its ``replicas`` copies:
-    replica r of the pipeline holds the devices ``r * stride ..`` of ``cluster``, so the stage
-    on ``stage_device`` of replica 0 is on ``stage_device + r * stride`` in replica r."""
-    devices = [stage_device + r * stride for r in range(replicas)]
-    return gradient_sync_time_s(cluster, devices, grad_bytes, 0)
-

@@ -14,7 +14,8 @@ synchronisation):
   and the min-max contiguous splits into 2 .. D // dp stages, every micro-batch count that
   divides the copy's batch), so every pp x dp <= D with pp >= 2 is a candidate; its step is
   the copy's simulated pipeline step on 1 / dp of the batch plus the slowest stage's gradient
-  all-reduce over its dp copies.
+  all-reduce over its dp copies; on several nodes the copies are laid out two ways
+  (:func:`copy_layouts`).
 
 The decision, both held to the same usable bytes per device (``device_memory_bytes x
 memory_fraction``):
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -41,7 +42,8 @@ from ms_efficient.place.data_parallel import (ReplicaPlan, best_replica_plan, re
 from ms_efficient.place.planner import TGAConfig
 from ms_efficient.place.stages import StagePlan, micro_batch_candidates, plan_stages
 
-__all__ = ["SameDevicesPlan", "sub_cluster", "pipeline_candidates", "plan_same_devices"]
+__all__ = ["SameDevicesPlan", "sub_cluster", "copy_layouts", "pipeline_candidates",
+           "plan_same_devices"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,34 @@ def sub_cluster(cluster: ClusterSpec, devices: int) -> ClusterSpec:
                                       name=f"{cluster.name}[:{devices}]")
     nodes = devices // per
     return cluster.with_overrides(nodes=nodes, name=f"{cluster.name}[:{nodes * per}]")
+
+
+def copy_layouts(cluster: ClusterSpec, dp: int) -> List[Tuple[str, ClusterSpec, Any]]:
+    """Where ``dp`` copies of a pipeline can sit on ``cluster``: (name, the cluster one copy
+    sees, copy_device(d, r) -> device of ``cluster``), for ``plan_stages``.
+
+    - "each stage's copies on neighbouring devices" (dp dividing devices_per_node): every node
+      holds ``held = devices_per_node // dp`` devices of each copy, device d of copy r on node
+      ``d // held`` at ``(d % held) * dp + r``, so a stage's all-reduce stays inside one node
+      and on one node stage s holds devices ``s * dp .. s * dp + dp - 1``, MindSpore's rank
+      order for ``pipeline_stage`` (rank // (device_num / stages));
+    - "each copy on neighbouring devices": copy r holds devices ``r * k .. r * k + k - 1``
+      (k = D // dp, :func:`sub_cluster`), a copy's stages inside a node when it fits one and
+      each stage's all-reduce across the copies; tried when the first does not apply, or on
+      several nodes (on one node both see the same links: the first is kept)."""
+    out: List[Tuple[str, ClusterSpec, Any]] = []
+    per = cluster.devices_per_node
+    if dp > 1 and per % dp == 0:
+        held = per // dp
+        spread = cluster.with_overrides(devices_per_node=held,
+                                        name=f"{cluster.name}[every {dp}th]")
+        out.append(("each stage's copies on neighbouring devices", spread,
+                    lambda d, r: (d // held) * per + (d % held) * dp + r))
+    if not out or cluster.nodes > 1:
+        copy = sub_cluster(cluster, cluster.num_devices // dp)
+        k = copy.num_devices
+        out.append(("each copy on neighbouring devices", copy, lambda d, r: d + r * k))
+    return out
 
 
 @dataclass
@@ -86,6 +116,7 @@ class SameDevicesPlan:
         pp x dp chosen, the ratio and why."""
         return {"baseline": self.baseline.to_dict(),
                 "pp": len(self.pipeline.stages), "dp": self.pipeline.replicas,
+                "layout": self.pipeline.layout,
                 "shape": self.pipeline.shape, "step_time_s": float(self.pipeline.step_time_s),
                 "pipeline_s": float(self.pipeline.pipeline_s),
                 "sync_s": float(self.pipeline.sync_s),
@@ -116,21 +147,24 @@ def pipeline_candidates(graph: OpGraph, order: Sequence[int], groups: np.ndarray
             ms = [micro_batches]
         else:
             ms = [1] if share is None else micro_batch_candidates(share)
-        copy = sub_cluster(cluster, cluster.num_devices // dp)
-        if copy.num_devices < 2:
-            continue
-        try:
-            plan = plan_stages(graph, order, groups, names, copy, ms, tga_config,
-                               replicas=dp, whole=cluster)
-        except PassRefused:
-            raise
-        except ValueError as err:       # a copy's devices cannot hold the network at all
-            rows.append({"dp": dp, "devices_per_copy": copy.num_devices, "error": str(err)})
-            continue
-        plans.append(plan)
-        rows.append({"pp": len(plan.stages), "dp": dp, "micro_batches": plan.micro_batches,
-                     "step_time_s": float(plan.step_time_s), "sync_s": float(plan.sync_s),
-                     "feasible": bool(plan.feasible)})
+        for layout, copy, copy_device in copy_layouts(cluster, dp):
+            if copy.num_devices < 2:
+                continue
+            try:
+                plan = plan_stages(graph, order, groups, names, copy, ms, tga_config,
+                                   replicas=dp, whole=cluster, copy_device=copy_device,
+                                   layout=layout)
+            except PassRefused:
+                raise
+            except ValueError as err:       # a copy's devices cannot hold the network at all
+                rows.append({"dp": dp, "layout": layout, "devices_per_copy": copy.num_devices,
+                             "error": str(err)})
+                continue
+            plans.append(plan)
+            rows.append({"pp": len(plan.stages), "dp": dp, "layout": plan.layout,
+                         "micro_batches": plan.micro_batches,
+                         "step_time_s": float(plan.step_time_s), "sync_s": float(plan.sync_s),
+                         "feasible": bool(plan.feasible)})
     return plans, rows
 
 

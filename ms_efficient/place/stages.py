@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -139,7 +139,8 @@ class StagePlan:
     """The chosen pipeline (one replica of it when ``replicas`` > 1).
 
     blocks: [B] block Cell paths; device_of_block: [B] device of each block group (devices of
-    replica 0; replica r holds device ``d + r * stride``). micro_batches: M per replica.
+    one copy; ``stages[s]["devices"]`` lists the stage's device in every copy). micro_batches:
+    M per copy.
     pipeline_s: simulated step of one replica on its share of the batch (bubble and
     transfers included), seconds. sync_s: the slowest stage's gradient all-reduce over its
     replicas, seconds (0 with one replica). step_time_s = pipeline_s + sync_s.
@@ -148,7 +149,7 @@ class StagePlan:
         ``stage_time_s`` (simulated busy seconds of the stage's device per step),
         ``memory_bytes`` (simulated peak), ``sync_s`` (its all-reduce, seconds) and
         ``devices`` (the stage's device in every replica). tried: {M: best step at M, s}.
-    replicas: data-parallel copies of the pipeline (dp). stride: devices per replica.
+    replicas: data-parallel copies of the pipeline (dp). layout: where the copies sit.
     feasible: every stage within the devices' usable memory.
     one_stage_fits: False when the whole network does not fit one device's usable memory.
     """
@@ -163,7 +164,7 @@ class StagePlan:
     evaluations: int = 0
     one_stage_fits: bool = True      # the whole network fits one device's usable memory
     replicas: int = 1
-    stride: int = 0
+    layout: str = "one copy"
     pipeline_s: float = 0.0
     sync_s: float = 0.0
     feasible: bool = True
@@ -185,23 +186,27 @@ class StagePlan:
 def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names: Sequence[str],
                 cluster: ClusterSpec, micro_batches: Sequence[int],
                 tga_config: Optional[TGAConfig] = None, replicas: int = 1,
-                whole: Optional[ClusterSpec] = None) -> StagePlan:
+                whole: Optional[ClusterSpec] = None,
+                copy_device: Optional[Callable[[int, int], int]] = None,
+                layout: str = "each copy on neighbouring devices") -> StagePlan:
     """The fastest pipeline of >= 2 stages of the block groups on the devices of ``cluster``
     (see module docstring), run as ``replicas`` data-parallel copies.
 
     micro_batches: the M values to try per replica (e.g. :func:`micro_batch_candidates` of
     the replica's batch). replicas: each copy runs 1 / replicas of the batch
     (``group_graph(batch_share=...)``) and every stage all-reduces its gradients over its
-    copies (``place.data_parallel.stage_sync_time_s``), which adds the slowest stage's
-    all-reduce to the step. whole: the cluster the copies live on (default ``cluster``);
-    copy r holds its devices ``r * cluster.num_devices ..``.
+    copies (``place.data_parallel.gradient_sync_time_s``), which adds the slowest stage's
+    all-reduce to the step. whole: the cluster the copies live on (default ``cluster``, whose
+    links one copy sees). copy_device(d, r): the device of ``whole`` that is device d of copy
+    r (default ``d + r * cluster.num_devices``: each copy on neighbouring devices); layout names
+    that arrangement in the plan.
     Plans within device memory win over plans beyond it (``feasible`` says which was
     found). Whether the pipeline pays, against one device or the same devices used without
     a pipeline, is for the caller (``place.same_devices``). Raises PassRefused (a
     ValueError) when the cluster has one device or there are fewer than two blocks;
     ValueError for bad ``micro_batches``, ``replicas`` or a ``whole`` too small.
     """
-    from ms_efficient.place.data_parallel import stage_sync_time_s
+    from ms_efficient.place.data_parallel import gradient_sync_time_s
 
     if cluster.num_devices < 2:
         raise PassRefused(f"place: cluster {cluster.name!r} has {cluster.num_devices} device; "
@@ -219,6 +224,9 @@ def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
                          f" ({whole.name!r} holds that many copies of {cluster.num_devices} "
                          f"devices), but got {replicas!r}.")
     stride = cluster.num_devices
+    if copy_device is None:
+        def copy_device(d: int, r: int) -> int:
+            return d + r * stride
     cfg = tga_config or TGAConfig(seed=0, max_evaluations=300, time_budget_s=60.0)
     one = build_problem(group_graph(graph, order, groups, names, cluster, 1), cluster,
                         PlacementOptions(micro_batches=1, contiguous=True))
@@ -226,7 +234,8 @@ def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
 
     def sync_by_device(problem, assign: np.ndarray) -> Dict[int, float]:
         grads = np.bincount(assign, weights=problem.param_bytes, minlength=stride)
-        return {int(d): stage_sync_time_s(whole, int(d), stride, replicas, float(grads[d]))
+        return {int(d): gradient_sync_time_s(whole, [copy_device(int(d), r)
+                                                     for r in range(replicas)], float(grads[d]))
                 for d in np.unique(assign)}
 
     best = None
@@ -270,12 +279,13 @@ def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
                        "stage_time_s": float(cost.busy_s.get(f"dev{d}.compute", 0.0)),
                        "memory_bytes": float(cost.peak_memory_bytes[d]),
                        "sync_s": float(sync[d]),
-                       "devices": [int(d) + r * stride for r in range(replicas)]})
+                       "devices": [copy_device(int(d), r) for r in range(replicas)]})
     return StagePlan(blocks=list(names), device_of_block=[int(d) for d in assign],
                      micro_batches=m, step_time_s=float(step),
                      one_stage_s=float(one_cost.step_time_s), stages=stages, tried=tried,
                      evaluations=evaluations, one_stage_fits=bool(one_cost.feasible),
-                     replicas=replicas, stride=stride, pipeline_s=float(cost.step_time_s),
+                     replicas=replicas, layout=layout if replicas > 1 else "one copy",
+                     pipeline_s=float(cost.step_time_s),
                      sync_s=float(max(sync.values())), feasible=bool(cost.feasible))
 
 
