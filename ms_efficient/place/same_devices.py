@@ -82,7 +82,7 @@ def copy_layouts(cluster: ClusterSpec, dp: int) -> List[Tuple[str, ClusterSpec, 
     if dp > 1 and per % dp == 0:
         held = per // dp
         spread = cluster.with_overrides(devices_per_node=held,
-                                        name=f"{cluster.name}[every {dp}th]")
+                                        name=f"{cluster.name}[one in {dp}]")
         out.append(("each stage's copies on neighbouring devices", spread,
                     lambda d, r: (d // held) * per + (d % held) * dp + r))
     if not out or cluster.nodes > 1:
