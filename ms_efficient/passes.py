@@ -154,7 +154,8 @@ def optimize(network, config, sample_inputs: Optional[Sequence[Any]] = None,
     Returns:
         (network, plans): the network to compile and ``{pass name: plan}`` in pass order. An
         applied plan's ``cells`` names the Cells the pass changed. A pass that refused (found
-        nothing worth changing: no Cell it can plan, place's pipeline slower than one stage,
+        nothing worth changing: no Cell it can plan, place's pipelines slower than the same
+        devices without one (data parallel),
         a memory budget below the feasible floor, a shard plan that splits no dimension)
         leaves the network as it was and is recorded as ``{"refused": reason}`` (logged as a
         warning); the other passes plan and apply as if it were not listed.

@@ -21,8 +21,9 @@ anything (every one refused) the report is the unoptimised price: ``step_time_s`
 ``peak_memory_bytes`` equal ``unoptimised``'s.
 Peak bytes: the simulated peak of each device's share (parameter state, the activations it
 keeps for backward, in-flight micro-batches under 1F1B after place); ``devices`` lists the
-cluster devices each figure applies to. ``devices_needed``: shard's mesh size x place's
-stages; when that exceeds the cluster (both passes planned the same devices), ``note`` says
+cluster devices each figure applies to (a stage's in every data-parallel copy of place's
+pipeline). ``devices_needed``: shard's mesh size x place's stages x its copies (``dp``); when
+that exceeds the cluster (both passes planned the same devices), ``note`` says
 so: the figures are then those of a cluster that large.
 """
 from __future__ import annotations
@@ -120,20 +121,23 @@ def combined_report(context) -> Dict[str, Any]:
         m = int(place["micro_batches"])
         step = (float(place["step_time_s"]) + pipeline_step_s(after, m)
                 - pipeline_step_s(before, m))
-        ids = [[int(stage["device"])] for stage in place["stages"]]
+        ids = [[int(d) for d in stage.get("devices", [stage["device"]])]
+               for stage in place["stages"]]
     else:
         step = rows[0][0]
         ids = [list(range(int(shard["mesh"]["dp"]) * int(shard["mesh"]["mp"])))
                if shard else [0]]
     needed = ((int(shard["mesh"]["dp"]) * int(shard["mesh"]["mp"]) if shard else 1)
-              * (len(place["stages"]) if place else 1))
+              * (len(place["stages"]) * int(place.get("dp", 1)) if place else 1))
     extra = {}
     if needed > cluster.num_devices:
+        copies = int(place.get("dp", 1))
+        held = f"{len(place['stages'])} stages" + (f" x {copies} copies" if copies > 1 else "")
         extra["note"] = (f"shard's {shard['mesh']['dp']}x{shard['mesh']['mp']} mesh on each of "
-                         f"place's {len(place['stages'])} stages needs {needed} devices; "
+                         f"place's {held} needs {needed} devices; "
                          f"{cluster.name!r} has {cluster.num_devices}: set optimize.shard_mesh "
-                         f"to a mesh of {cluster.num_devices // len(place['stages'])} devices "
-                         f"or plan on a cluster of {needed}")
+                         f"to a mesh of {cluster.num_devices // (len(place['stages']) * copies)}"
+                         f" devices or plan on a cluster of {needed}")
     return {"passes": [name for name in plans],
             "refused": list(getattr(context, "refused", {})),
             "devices_needed": needed, **extra,

@@ -4,7 +4,7 @@ it does not pay, with the unoptimised price both report (simulated; no hardware)
     PATH=.venv/bin:$PATH PYTHONPATH=. python scripts/user_network_plans.py [--json OUT]
 
 Networks: LLaMA-shaped decoders of ``tests/user_models.py`` (3 small layers, dense and with the
-package's MoE layer; 6 wider layers), an ``nn.TransformerEncoder`` classifier, a small conv net
+package's MoE layer; 6 wider layers; 12 layers of d 768 at batch 8 and 32), an ``nn.TransformerEncoder`` classifier, a small conv net
 and a decoder with a tied embedding / LM head (``tests/test_user_network_plans.py``), and
 mindcv's resnet18 when mindcv is installed. Clusters: ascend910b-1x8, and 4 CPU workers
 (``cpu-local`` with 4 devices) where compute outweighs the launch overhead.
@@ -43,6 +43,8 @@ def _networks():
     yield "llama-moe-3x32 (batch 2)", lambda: llama_with_loss(
         moe={"num_experts": 4, "top_k": 2, "capacity": 16}, num_layers=3)
     yield "llama-6x128 (batch 8)", _deep_llama
+    for batch in (8, 32):          # 12 layers of d 768 (86M parameters), 128 tokens a sample
+        yield f"llama-12x768 (batch {batch})", lambda batch=batch: _decoder_12x768(batch)
     yield "nn.TransformerEncoder x4 (batch 8)", lambda: _classifier(PatchEncoder(), ms.Tensor(
         rng.standard_normal((8, 16, 48)).astype(np.float32)))
     yield "convnet (batch 8)", lambda: _classifier(ConvNet(), ms.Tensor(
@@ -63,6 +65,18 @@ def _networks():
         ms.Tensor(rng.standard_normal((8, 3, 64, 64)).astype(np.float32)))
 
 
+def _decoder_12x768(batch, seq=128, vocab=1024):
+    from tests.user_models import LlamaForCausalLM
+
+    ms.set_seed(0)
+    net = LlamaForCausalLM(vocab_size=vocab, hidden_size=768, num_heads=12,
+                           intermediate_size=2048, num_layers=12)
+    rng = np.random.default_rng(0)
+    ids = ms.Tensor(rng.integers(0, vocab, (batch, seq)).astype(np.int32))
+    labels = ms.Tensor(rng.integers(0, vocab, (batch * seq,)).astype(np.int32))
+    return nn.WithLossCell(net, nn.CrossEntropyLoss()), (ids, labels)
+
+
 def _run(build, cluster, passes):
     ms.set_seed(0)
     net, inputs = build()
@@ -81,6 +95,9 @@ def _place_row(plan):
             "stage_time_ms": [round(t * 1e3, 4) for t in p["stage_time_s"]],
             "step_ms": round(p["step_time_s"] * 1e3, 4),
             "one_stage_ms": round(p["meta"]["one_stage_s"] * 1e3, 4),
+            "pp_x_dp": p["shape"], "baseline": p["baseline"]["label"],
+            "baseline_ms": round(p["baseline"]["step_time_s"] * 1e3, 4),
+            "ratio_to_baseline": round(p["ratio_to_baseline"], 4), "reason": p["reason"],
             "unoptimised": p["unoptimised"]}
 
 

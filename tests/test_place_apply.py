@@ -57,6 +57,20 @@ def test_cli_plan_place_writes_a_plan(tmp_path, capsys):
     plan = load_plan(out)
     assert set(plan.assignment) == {"op0", "op1", "op2", "op3"}
     assert plan.devices == 2 and plan.micro_batches == 4
+    # judged against the same 2 devices without a pipeline, recorded and printed
+    from ms_efficient.place.commands import _load_cluster
+    from ms_efficient.place.data_parallel import best_replica_plan, replica_plans
+
+    base = best_replica_plan(replica_plans(scoped_chain(), _load_cluster("ascend910b-1x8", 2)))
+    same = plan.meta["same_devices"]
+    assert same["baseline"]["label"] == base.label
+    assert same["baseline"]["step_time_s"] == pytest.approx(base.step_time_s, rel=1e-12)
+    assert same["ratio_to_baseline"] == pytest.approx(plan.step_time_s / base.step_time_s,
+                                                      rel=1e-12)
+    assert same["pp"] == len(plan.stages) and same["dp"] == 1
+    printed = capsys.readouterr().out
+    assert f"same devices without a pipeline: {base.label}, " in printed
+    assert f"takes {same['ratio_to_baseline']:.3g}x its step time" in printed
 
 
 def test_cli_plan_place_reports_a_cycle_in_one_line(tmp_path, capsys):

@@ -1,7 +1,9 @@
 """place.stages: pipeline stages as contiguous groups of repeated blocks, on hand-built graphs
 (no MindSpore): glue goes with its neighbours, group costs are the operators' costs (plus one
-launch overhead per operator and extra micro-batch), the stages add up to the one-stage step,
-and a network where pipelining does not pay is refused with the figures."""
+launch overhead per operator and extra micro-batch; a data-parallel copy's batch share scales
+all but the overheads), the stages add up to the one-stage step, and a network where pipelining
+does not pay is refused with the figures (by ``place.same_devices``, against the best
+non-pipeline use of the same devices: tests/test_place_same_devices.py)."""
 import numpy as np
 import pytest
 
@@ -12,6 +14,7 @@ from ms_efficient.place.problem import PlacementOptions
 from ms_efficient.place.stages import (group_graph, group_of_ops, micro_batch_candidates,
                                        plan_stages)
 from ms_efficient.place.stages import price_network
+from ms_efficient.place.same_devices import plan_same_devices
 
 OVERHEAD = PlacementOptions().op_overhead_s
 FAST = TGAConfig(seed=0, max_evaluations=200, time_budget_s=20.0)
@@ -63,6 +66,19 @@ def test_group_costs_are_the_operator_costs_plus_an_overhead_per_micro_batch():
         assert grouped["layers.0"].param_bytes == 4096
         assert grouped["layers.0"].output_bytes == 2048
         assert grouped.edges == [("layers.0", "layers.1", 1024)]   # b0 -> b1 only
+        # a copy on a quarter of the batch: compute, activations and transfers / 4, the
+        # launch overheads and the parameters whole
+        quarter = group_graph(g, order, groups, names, cluster, micro_batches=m,
+                              batch_share=0.25)
+        assert quarter["layers.0"].forward_time_s == pytest.approx(
+            (1e6 + 1e9) / peak / 4 + 2 * m * OVERHEAD, rel=1e-12)
+        assert quarter["layers.0"].backward_time_s == pytest.approx(
+            2 * (1e6 + 1e9) / peak / 4 + 2 * m * OVERHEAD, rel=1e-12)
+        assert quarter["layers.0"].param_bytes == 4096
+        assert quarter["layers.0"].output_bytes == 512
+        assert quarter.edges == [("layers.0", "layers.1", 256)]
+    with pytest.raises(ValueError, match=r"'batch_share' must be in \(0, 1\], but got 0"):
+        group_graph(g, order, groups, names, cluster, batch_share=0)
 
 
 def test_stages_hold_blocks_add_up_to_one_stage_and_beat_it_when_compute_dominates():
@@ -89,16 +105,20 @@ def test_stages_hold_blocks_add_up_to_one_stage_and_beat_it_when_compute_dominat
 
 
 def test_pipelining_that_does_not_pay_is_refused_with_the_gap():
-    # launch-bound blocks behind a slow link: every stage boundary costs more than it saves
+    # launch-bound blocks behind a slow link: every stage boundary costs more than it saves,
+    # and every gradient all-reduce too: the best use of the 4 devices is one of them
     from ms_efficient.core.cluster import Link
 
     cluster = _cluster(4, intra_link=Link(latency_s=1e-3, bandwidth_Bps=1e6))
     g, unit_of, names = _chain([1e3] * 4)
     order = [list(g.nodes).index(n) for n in g.topological_order()]
-    with pytest.raises(ValueError, match=r"pipelining does not pay on 'test-1x4': the best "
-                                         r"pipeline \(2 stages .* against .* on one stage "
-                                         r"\(\+\d+\.\d%"):
-        plan_stages(g, order, group_of_ops(unit_of), names, cluster, [1, 2, 4], FAST)
+    plan = plan_stages(g, order, group_of_ops(unit_of), names, cluster, [1, 2, 4], FAST)
+    assert plan.step_time_s > plan.one_stage_s          # the search still returns its best
+    with pytest.raises(ValueError, match=r"^place: pipelining does not pay on 'test-1x4': the "
+                                         r"best pipeline 2x1 \(2 stages x 1 data-parallel copy, "
+                                         r"\d micro-batch(es)?\) takes \d+(\.\d+)?x the step time "
+                                         r"of one device \([\d.]+ ms against [\d.]+ ms per step"):
+        plan_same_devices(g, order, group_of_ops(unit_of), names, cluster, 4, None, FAST)
     with pytest.raises(ValueError, match="pipeline stages need >= 2"):
         plan_stages(g, order, group_of_ops(unit_of), names, _cluster(1), [1], FAST)
     with pytest.raises(ValueError, match=r"'micro_batches' must be positive integers, but got \[0\]"):
@@ -126,9 +146,16 @@ def test_no_pipeline_within_memory_is_refused_with_the_need():
     cluster = _cluster(2, device_memory_bytes=int(35900 / 0.9) + 1)
     g, unit_of, names = _chain([1e3] * 4)
     order = [list(g.nodes).index(n) for n in g.topological_order()]
-    with pytest.raises(ValueError, match=r"no pipeline of the 4 blocks fits the usable memory "
-                                         r"of 'test-1x2' \(3\.59e\+04 bytes per device"):
-        plan_stages(g, order, group_of_ops(unit_of), names, cluster, [1], FAST)
+    plan = plan_stages(g, order, group_of_ops(unit_of), names, cluster, [1], FAST)
+    assert not plan.feasible and not plan.one_stage_fits
+    # the leaner stage needs 35840 B + the 1 KiB it receives = 36864 B; ZeRO-3 over both
+    # devices needs 65536 / 2 + 6144 / 2 + 4096 / 2 = 37888 B: no plan fits
+    with pytest.raises(ValueError, match=r"^place: neither a pipeline nor data parallelism fits "
+                                         r"the usable memory of 'test-1x2' \(35\.06 KiB per "
+                                         r"device\): the leanest needs 36\.00 KiB on its "
+                                         r"fullest device; the leanest non-pipeline plan, ZeRO-3 "
+                                         r"data parallel over 2 devices, needs 37\.00 KiB"):
+        plan_same_devices(g, order, group_of_ops(unit_of), names, cluster, 2, 1, FAST)
 
 
 def test_micro_batch_candidates_divide_the_batch():

@@ -213,14 +213,17 @@ print(json.dumps({"units": [l["name"] for l in plans["memopt"]["layers"]],
     blocks = [f"_backbone.layer{i}.{j}" for i in range(1, 5) for j in range(2)]
     assert got["units"] == blocks
     assert got["memopt"] and set(got["memopt"]) <= set(blocks) and got["fits"]
-    # place on the 8 residual blocks: a pipeline loses to one stage by far at this size, a
-    # refusal with its figures (recorded, the network keeps the shard and memopt plans)
+    # place on the 8 residual blocks: the best pipeline loses by far at this size to the best
+    # non-pipeline use of the same 8 devices, a refusal with its figures (recorded, the
+    # network keeps the shard and memopt plans)
     assert set(got["place"]) == {"refused"}
     found = re.search(r"^place: pipelining does not pay on 'ascend910b-1x8': the best pipeline "
-                      r"\(\d stages of the 8 blocks, \d+ micro-batches\) simulates [\d.]+ ms "
-                      r"per step against [\d.]+ ms on one stage \(\+(\d+\.\d)%",
-                      got["place"]["refused"])
-    assert found and float(found.group(1)) > 20.0, got["place"]["refused"]
+                      r"\dx\d \(\d stages x \d data-parallel cop(?:y|ies), \d+ micro-batch(?:es)?\) "
+                      r"takes ([\d.]+)x the step time of (.*?) \([\d.]+ ms against [\d.]+ ms per "
+                      r"step", got["place"]["refused"])
+    assert found and float(found.group(1)) > 1.5, got["place"]["refused"]
+    # a resnet18 on 64 x 64 images, batch 8: launch-bound, so one device beats data parallel
+    assert found.group(2) == "one device", got["place"]["refused"]
     assert got["mesh"]["dp"] > got["mesh"]["mp"]          # a CNN at batch 8: data parallel
     assert all(np.isfinite(got["losses"]))
     # shard: the convolutions and the classifier by their own paths, within budget no more

@@ -189,10 +189,12 @@ def device_shares(graph, cluster, shard_doc: Optional[Dict[str, Any]] = None,
     shard_doc: the shard pass's plan (its ``device_share``: each operator's output split and
         per-device parameter state; an operator without an entry is split by the mesh's ``dp``
         (the batch) and keeps its whole parameter state). None: unsplit.
-    place_doc: the place pass's plan (``stages`` with their ``blocks``, ``micro_batches`` M).
-        A forward operator belongs to the stage of its block group (``place.stages.
-        group_of_ops``: glue with the block before it); under 1F1B stage s of S holds
-        min(S - s, M) micro-batches of 1/M of the batch in flight: its output share is one
+    place_doc: the place pass's plan (``stages`` with their ``blocks``, ``micro_batches`` M,
+        ``dp`` data-parallel copies of the pipeline, 1 when absent). A forward operator
+        belongs to the stage of its block group (``place.stages.group_of_ops``: glue with the
+        block before it); each copy runs 1/dp of the batch (forward operators' outputs and
+        compute split dp ways more); under 1F1B stage s of S holds min(S - s, M)
+        micro-batches of 1/M of the copy's batch in flight: its output share is one
         micro-batch's (1/M) and ``in_flight`` = min(S - s, M). None: one stage.
     """
     from ms_efficient.place.stages import op_prices
@@ -226,6 +228,8 @@ def device_shares(graph, cluster, shard_doc: Optional[Dict[str, Any]] = None,
         stage_of[units.order] = [of_block[units.units[g]] for g in groups]
         count, m = len(stages), int(place_doc["micro_batches"])
         inflight = [min(count - s, m) for s in range(count)]
+        # each pipeline copy runs its share of the batch
+        split = np.where(prices.forward, split * int(place_doc.get("dp", 1)), split)
     out = []
     for s, held in enumerate(inflight):
         label = ", ".join(p for p in ((f"stage {s} of {len(inflight)}"

@@ -7,7 +7,8 @@ From the plans:
 - ``plans["place"]`` (the place pass): the pipeline. ``stages``: one entry per stage, so the
   stage count S is their number; ``micro_batches``: M; ``cells``: ``{Cell path:
   {"pipeline_stage": s}}`` of every planned Cell (never the root), MindSpore's
-  ``Pipeline(network, M, stage_config={path: s})``; ``devices``: the cluster's device count.
+  ``Pipeline(network, M, stage_config={path: s})``; ``devices``: the devices the plan runs
+  on (its stages x its data-parallel copies ``dp``).
 - ``plans["shard"]`` (the shard pass): ``mesh`` dp x mp (one stage's devices) and
   ``operators``, each with its ZeRO level ``zero`` (0-3) and the parameters it reads
   (``params``: ``[input index, parameter name]``).

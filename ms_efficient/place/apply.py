@@ -27,6 +27,7 @@ first use and ``meta.pipeline`` is false.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ from ms_efficient.place.problem import PlacementProblem
 
 __all__ = ["PlacementPlan", "make_plan", "save_plan", "load_plan", "apply_pipeline_stages",
            "apply_block_stages", "place_pass", "user_cell_path"]
+
+logger = logging.getLogger(__name__)
 
 PLAN_VERSION = 1
 # The place pass's search: TGA's distinct evaluations (as `bench place --quick`) and its
@@ -261,18 +264,29 @@ def apply_block_stages(network: Any, block_stage: Dict[str, int],
 def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     """The ``place`` pass: pipeline stages as contiguous groups of the network's repeated
     blocks (``place.stages``: each block with the glue around it is one unit, TGA places the
-    units on the config's cluster, every candidate micro-batch count is simulated with the
-    bubble and the transfers) and ``pipeline_stage`` set on the network's Cells.
+    units, every candidate micro-batch count is simulated with the bubble and the transfers),
+    planned jointly with data parallelism (pp x dp <= the config cluster's devices) and kept
+    only when it beats the best non-pipeline use of the same devices (data parallel, plain or
+    ZeRO) or when no non-pipeline plan fits memory (``place.same_devices``); then
+    ``pipeline_stage`` is set on the network's Cells.
 
-    ``optimize.micro_batches`` fixes M; 0 lets the pass choose among the divisors of the
-    batch. Raises PassRefused (a ValueError; ``optimize`` records it as ``{"refused":
-    reason}``) on a one-device cluster, a network with fewer than two repeated blocks, or when
-    no pipeline beats one stage (saying by how much), before setting any stage; ValueError for
-    an ``optimize.micro_batches`` that does not divide the batch."""
+    ``optimize.micro_batches`` fixes M per pipeline copy; 0 lets the pass choose among the
+    divisors of the copy's batch. The plan records ``baseline`` (the non-pipeline plan it was
+    judged against: kind, devices, ZeRO level, step time, memory per device), ``pp``, ``dp``
+    and ``ratio_to_baseline`` (pipeline step / baseline step). Raises PassRefused (a
+    ValueError; ``optimize`` records it as ``{"refused": reason}``) on a one-device cluster,
+    a network with fewer than two repeated blocks, when the best pipeline is not faster than
+    the baseline (saying by how much) or when nothing fits, before setting any stage;
+    ValueError for an ``optimize.micro_batches`` that does not divide the batch.
+
+    After the shard pass, whose dp x mp mesh runs every stage, the pass plans on D // mesh
+    slots of a mesh each, pipelines only (pp x 1: shard already splits each stage's batch),
+    against data parallelism over those slots; ``devices`` is then pp x the mesh's size."""
     from ms_efficient.graph.cells import (assign_units, forward_subgraph, node_cell_path,
                                           repeated_blocks, strip_train_root)
     from ms_efficient.place.planner import TGAConfig
-    from ms_efficient.place.stages import group_of_ops, micro_batch_candidates, plan_stages
+    from ms_efficient.place.same_devices import plan_same_devices
+    from ms_efficient.place.stages import group_of_ops
 
     cluster = context.config.cluster_spec()
     if cluster.num_devices < 2:
@@ -293,17 +307,35 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     if micro and batch % micro:
         raise ValueError(f"'optimize.micro_batches' must divide the batch size {batch} (or be 0 "
                          f"to let the place pass choose), but got {micro}.")
-    candidates = [micro] if micro else micro_batch_candidates(batch)
-    stage_plan = plan_stages(graph, units.order, groups, units.units, cluster, candidates,
-                             TGAConfig(seed=0, max_evaluations=PLACE_PASS_EVALUATIONS,
-                                       time_budget_s=PLACE_PASS_TIME_S))
+    mesh, slots = 1, cluster
+    shard = context.plans.get("shard")
+    if shard is not None:      # shard's dp x mp mesh runs every stage: place plans mesh slots
+        from ms_efficient.place.same_devices import sub_cluster
+
+        mesh = int(shard["mesh"]["dp"]) * int(shard["mesh"]["mp"])
+        if cluster.num_devices // mesh >= 2:
+            slots = sub_cluster(cluster, cluster.num_devices // mesh)
+        else:       # no room for two meshes: a slot per device, the summary's note says so
+            logger.warning("place: shard's %sx%s mesh leaves no room for two stages on %r; "
+                           "planning a stage per device (the figures are those of a cluster "
+                           "of %d devices x the mesh)", shard["mesh"]["dp"], shard["mesh"]["mp"],
+                           cluster.name, cluster.num_devices)
+        batch_dp = int(shard["mesh"]["dp"])
+        batch = batch // batch_dp if batch % batch_dp == 0 else batch
+    decision = plan_same_devices(graph, units.order, groups, units.units, slots, batch,
+                                 micro or None,
+                                 TGAConfig(seed=0, max_evaluations=PLACE_PASS_EVALUATIONS,
+                                           time_budget_s=PLACE_PASS_TIME_S),
+                                 max_copies=1 if shard is not None else None)
+    stage_plan = decision.pipeline
     nodes = list(graph)
     device_of = np.asarray(stage_plan.device_of_block)[groups]
     assignment = {nodes[i].name: int(d) for i, d in zip(units.order.tolist(), device_of)}
     price = context.unoptimised("the place pass")
     plan = PlacementPlan(
         method="tga-blocks", graph=full.name, cluster=cluster.name,
-        devices=cluster.num_devices, micro_batches=stage_plan.micro_batches,
+        devices=len(stage_plan.stages) * stage_plan.replicas * mesh,   # the devices it runs on
+        micro_batches=stage_plan.micro_batches,
         step_time_s=stage_plan.step_time_s,
         peak_memory_bytes=[s["memory_bytes"] for s in stage_plan.stages],
         assignment=assignment, stage_of_device=stage_plan.stage_of_device,
@@ -312,7 +344,8 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
         meta={"evidence": "simulated", "pipeline": True, "seed": 0,
               "evaluations": stage_plan.evaluations, "one_stage_s": stage_plan.one_stage_s,
               "one_stage_fits": stage_plan.one_stage_fits,
-              "speedup": stage_plan.one_stage_s / stage_plan.step_time_s,
+              "speedup_over_baseline": 1.0 / decision.ratio,
+              "cluster_devices": cluster.num_devices,
               "micro_batches_tried": {int(k): float(v) for k, v in stage_plan.tried.items()}})
     stage_of_block = {b: s["stage"] for s in stage_plan.stages for b in s["blocks"]}
     stage_of_op = {name: plan.stage_of_node(name) for name in assignment}
@@ -323,6 +356,8 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     del doc["assignment"], doc["scopes"]          # per operator: in the PlacementPlan only
     doc["stage_time_s"] = stage_plan.stage_time_s
     doc["unoptimised"] = price.to_dict()
+    doc.update(decision.to_dict())      # baseline, pp, dp, ratio_to_baseline, reason, ...
+    doc["parallel_config"]["data_parallel"] = stage_plan.replicas
     doc["cells"] = {path: {"pipeline_stage": s} for path, s in stages.items()
                     if user_cell_path(path)}
     return network, doc

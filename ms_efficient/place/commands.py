@@ -104,8 +104,10 @@ def _load_graph(source: str):
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from ms_efficient.core.units import format_size
     from ms_efficient.place.apply import make_plan, save_plan
     from ms_efficient.place.bench import run_methods
+    from ms_efficient.place.data_parallel import best_replica_plan, replica_plans
     from ms_efficient.place.problem import PlacementOptions, build_problem
 
     t0 = time.perf_counter()
@@ -122,6 +124,11 @@ def run_plan(args: argparse.Namespace) -> int:
                            "units": problem.num_units, "max_evaluations": args.evaluations,
                            "time_budget_s": args.time_budget,
                            "stopped_by": result.stopped_by}, order=result.order)
+    # the same devices without a pipeline (the graph has no batch size: every split allowed)
+    baseline = best_replica_plan(replica_plans(graph, cluster))
+    ratio = plan.step_time_s / baseline.step_time_s
+    plan.meta["same_devices"] = {"baseline": baseline.to_dict(), "pp": len(plan.stages),
+                                 "dp": 1, "ratio_to_baseline": float(ratio)}
     save_plan(plan, args.out)
     print(f"{args.method}: {len(graph)} ops in {problem.num_units} units on "
           f"{len(plan.stages)}/{cluster.num_devices} devices of {cluster.name}")
@@ -130,6 +137,12 @@ def run_plan(args: argparse.Namespace) -> int:
           f"{'' if plan.meta['feasible'] else ' (OVER MEMORY)'}; search "
           f"{result.search_time_s:.1f} s, {result.evaluations} evaluations "
           f"(stopped by {result.stopped_by})")
+    verdict = (f": {baseline.label} is the better use of these devices" if ratio >= 1 else "") \
+        if baseline.feasible else f"; {baseline.label} does not fit, so only a pipeline does"
+    print(f"same devices without a pipeline: {baseline.label}, {baseline.step_time_s * 1e3:.3f} "
+          f"ms per step, {format_size(baseline.memory_bytes)} per device"
+          f"{'' if baseline.feasible else ' (OVER MEMORY)'}; this plan ({len(plan.stages)} "
+          f"stages x 1 copy) takes {ratio:.3g}x its step time{verdict}")
     print(f"plan written to {args.out}")
     return 0
 

@@ -13,8 +13,9 @@ cluster's devices with TGA (``place.planner``; its starting population holds the
 contiguous splits of ``place.baselines.contiguous``, a linear partition of the blocks by
 compute), for every candidate number of micro-batches, scores each plan with the shared
 simulator (``place.cost.simulate_placement``: the pipeline bubble and the stage-to-stage
-transfers included) and keeps the fastest. When no pipeline beats one stage it raises
-PassRefused (a ValueError) saying by how much.
+transfers included) and keeps the fastest; run as several data-parallel copies, each on its
+share of the batch, it adds every stage's gradient all-reduce over its copies. Whether that
+pipeline pays against the same devices used without one is decided by ``place.same_devices``.
 
 Micro-batching cost: every operator of a FLOP-costed graph pays its launch overhead
 (``PlacementOptions.op_overhead_s``) once per micro-batch, so a group's whole-step seconds at
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -72,7 +73,8 @@ def group_of_ops(unit_of: np.ndarray) -> np.ndarray:
 
 def group_graph(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names: Sequence[str],
                 cluster: ClusterSpec, micro_batches: int = 1,
-                options: Optional[PlacementOptions] = None) -> OpGraph:
+                options: Optional[PlacementOptions] = None,
+                batch_share: float = 1.0) -> OpGraph:
     """A graph with one node per block group.
 
     graph: the forward graph; order: [n] indices (into ``graph`` node order) of its ops in
@@ -80,12 +82,20 @@ def group_graph(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
     block Cell paths. Node ``g`` (named ``names[g]``) carries the group's forward and backward
     seconds per step at ``micro_batches`` (module docstring), its parameter bytes and its
     stashed activation bytes; an edge carries the bytes of every tensor one group sends to a
-    later one (each tensor once per receiving group)."""
+    later one (each tensor once per receiving group).
+
+    batch_share: the share of the batch the pipeline runs, in (0, 1] (1 / its data-parallel
+    replicas): compute apart from the launch overheads, activations and edge bytes scale by
+    it; the overheads and the parameters do not."""
+    if not 0 < batch_share <= 1:
+        raise ValueError(f"'batch_share' must be in (0, 1], but got {batch_share!r}.")
     opts = options or PlacementOptions()
     arr, fwd, bwd, _, params, acts = _node_costs(graph, cluster, opts)
     flop_costed = np.isnan(arr.forward_time_s)
-    extra = (micro_batches - 1) * opts.op_overhead_s * flop_costed
-    fwd, bwd = fwd + extra, np.where(bwd > 0, bwd + extra, bwd)
+    launch = opts.op_overhead_s * flop_costed
+    fwd = (fwd - launch) * batch_share + micro_batches * launch
+    bwd = np.where(bwd > 0, (bwd - launch) * batch_share + micro_batches * launch, bwd)
+    acts = acts * batch_share
     nodes = list(graph)
     pos_group = np.full(len(nodes), -1, dtype=np.int64)
     pos_group[np.asarray(order, dtype=np.int64)] = groups
@@ -107,7 +117,7 @@ def group_graph(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
         if gs < 0 or gd < 0 or gs == gd:
             continue
         key = (src, int(gd))
-        sent[key] = max(sent.get(key, 0.0), float(nbytes or 0))
+        sent[key] = max(sent.get(key, 0.0), float(nbytes or 0) * batch_share)
     pairs: Dict[tuple, float] = {}
     for (src, gd), nbytes in sent.items():
         gs = int(pos_group[arr.index[src]])
@@ -126,15 +136,22 @@ def micro_batch_candidates(batch: int, limit: int = 32) -> List[int]:
 
 @dataclass
 class StagePlan:
-    """The chosen pipeline.
+    """The chosen pipeline (one replica of it when ``replicas`` > 1).
 
-    blocks: [B] block Cell paths; device_of_block: [B] device of each block group.
-    micro_batches: M. step_time_s: simulated step (bubble and transfers included), seconds.
-    one_stage_s: simulated step of every group on one device (M = 1), seconds.
+    blocks: [B] block Cell paths; device_of_block: [B] device of each block group (devices of
+    one copy; ``stages[s]["devices"]`` lists the stage's device in every copy). micro_batches:
+    M per copy.
+    pipeline_s: simulated step of one replica on its share of the batch (bubble and
+    transfers included), seconds. sync_s: the slowest stage's gradient all-reduce over its
+    replicas, seconds (0 with one replica). step_time_s = pipeline_s + sync_s.
+    one_stage_s: simulated step of every group on one device (whole batch, M = 1), seconds.
     stages: one dict per stage in dataflow order: ``stage``, ``device``, ``blocks`` (paths),
-        ``stage_time_s`` (simulated busy seconds of the stage's device per step) and
-        ``memory_bytes`` (simulated peak). tried: {M: best simulated step at M, seconds}.
-    one_stage_fits: False when only a pipeline fits the devices' memory.
+        ``stage_time_s`` (simulated busy seconds of the stage's device per step),
+        ``memory_bytes`` (simulated peak), ``sync_s`` (its all-reduce, seconds) and
+        ``devices`` (the stage's device in every replica). tried: {M: best step at M, s}.
+    replicas: data-parallel copies of the pipeline (dp). layout: where the copies sit.
+    feasible: every stage within the devices' usable memory.
+    one_stage_fits: False when the whole network does not fit one device's usable memory.
     """
 
     blocks: List[str]
@@ -146,6 +163,11 @@ class StagePlan:
     tried: Dict[int, float] = field(default_factory=dict)
     evaluations: int = 0
     one_stage_fits: bool = True      # the whole network fits one device's usable memory
+    replicas: int = 1
+    layout: str = "one copy"
+    pipeline_s: float = 0.0
+    sync_s: float = 0.0
+    feasible: bool = True
 
     @property
     def stage_time_s(self) -> List[float]:
@@ -155,18 +177,37 @@ class StagePlan:
     def stage_of_device(self) -> Dict[int, int]:
         return {s["device"]: s["stage"] for s in self.stages}
 
+    @property
+    def shape(self) -> str:
+        """"PPxDP": stages x data-parallel replicas."""
+        return f"{len(self.stages)}x{self.replicas}"
+
 
 def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names: Sequence[str],
                 cluster: ClusterSpec, micro_batches: Sequence[int],
-                tga_config: Optional[TGAConfig] = None) -> StagePlan:
-    """Place the block groups on ``cluster`` as pipeline stages (see module docstring).
+                tga_config: Optional[TGAConfig] = None, replicas: int = 1,
+                whole: Optional[ClusterSpec] = None,
+                copy_device: Optional[Callable[[int, int], int]] = None,
+                layout: str = "each copy on neighbouring devices") -> StagePlan:
+    """The fastest pipeline of >= 2 stages of the block groups on the devices of ``cluster``
+    (see module docstring), run as ``replicas`` data-parallel copies.
 
-    micro_batches: the M values to try (e.g. :func:`micro_batch_candidates` of the batch).
-    Plans within device memory win over plans beyond it. Raises PassRefused (a ValueError)
-    when the cluster has one device, there are fewer than two blocks, no pipeline fits the
-    devices' memory when one stage does not either, or the best pipeline is not faster than
-    one stage (naming both times and the gap) while the network fits one device.
+    micro_batches: the M values to try per replica (e.g. :func:`micro_batch_candidates` of
+    the replica's batch). replicas: each copy runs 1 / replicas of the batch
+    (``group_graph(batch_share=...)``) and every stage all-reduces its gradients over its
+    copies (``place.data_parallel.gradient_sync_time_s``), which adds the slowest stage's
+    all-reduce to the step. whole: the cluster the copies live on (default ``cluster``, whose
+    links one copy sees). copy_device(d, r): the device of ``whole`` that is device d of copy
+    r (default ``d + r * cluster.num_devices``: each copy on neighbouring devices); layout names
+    that arrangement in the plan.
+    Plans within device memory win over plans beyond it (``feasible`` says which was
+    found). Whether the pipeline pays, against one device or the same devices used without
+    a pipeline, is for the caller (``place.same_devices``). Raises PassRefused (a
+    ValueError) when the cluster has one device or there are fewer than two blocks;
+    ValueError for bad ``micro_batches``, ``replicas`` or a ``whole`` too small.
     """
+    from ms_efficient.place.data_parallel import gradient_sync_time_s
+
     if cluster.num_devices < 2:
         raise PassRefused(f"place: cluster {cluster.name!r} has {cluster.num_devices} device; "
                           "pipeline stages need >= 2.")
@@ -176,16 +217,33 @@ def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
     if not micro_batches or min(micro_batches) < 1:
         raise ValueError(f"'micro_batches' must be positive integers, but got "
                          f"{list(micro_batches)}.")
+    whole = whole or cluster
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1 or \
+            replicas * cluster.num_devices > whole.num_devices:
+        raise ValueError(f"'replicas' must be an int in [1, {whole.num_devices // cluster.num_devices}]"
+                         f" ({whole.name!r} holds that many copies of {cluster.num_devices} "
+                         f"devices), but got {replicas!r}.")
+    stride = cluster.num_devices
+    if copy_device is None:
+        def copy_device(d: int, r: int) -> int:
+            return d + r * stride
     cfg = tga_config or TGAConfig(seed=0, max_evaluations=300, time_budget_s=60.0)
     one = build_problem(group_graph(graph, order, groups, names, cluster, 1), cluster,
                         PlacementOptions(micro_batches=1, contiguous=True))
     one_cost = simulate_placement(one, np.zeros(len(names), dtype=np.int64))
-    one_stage_s = one_cost.step_time_s
+
+    def sync_by_device(problem, assign: np.ndarray) -> Dict[int, float]:
+        grads = np.bincount(assign, weights=problem.param_bytes, minlength=stride)
+        return {int(d): gradient_sync_time_s(whole, [copy_device(int(d), r)
+                                                     for r in range(replicas)], float(grads[d]))
+                for d in np.unique(assign)}
+
     best = None
     tried: Dict[int, float] = {}
     evaluations = 0
     for m in sorted(set(int(v) for v in micro_batches)):
-        problem = build_problem(group_graph(graph, order, groups, names, cluster, m), cluster,
+        problem = build_problem(group_graph(graph, order, groups, names, cluster, m,
+                                            batch_share=1.0 / replicas), cluster,
                                 PlacementOptions(micro_batches=m, contiguous=True))
         result = tga(problem, cfg)
         evaluations += result.evaluations
@@ -198,31 +256,18 @@ def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
             if len(set(assign.tolist())) < 2:
                 continue
             cost = simulate_placement(problem, assign, order=prog)
-            if cost.step_time_s < tried.get(m, np.inf):
-                tried[m] = cost.step_time_s
-            if best is None or (not cost.feasible, cost.step_time_s) < \
-                    (not best[1].feasible, best[1].step_time_s):
-                best = (m, cost, np.asarray(assign), problem)
-        logger.info("place: %d micro-batches -> best pipeline simulated %.4g ms", m,
-                    tried.get(m, np.nan) * 1e3)
-    if best is not None and not best[1].feasible and not one_cost.feasible:
-        raise PassRefused(
-            f"place: no pipeline of the {len(names)} blocks fits the usable memory of "
-            f"{cluster.name!r} ({best[3].capacity_bytes[0]:.4g} bytes per device; the best "
-            f"needs {best[1].peak_memory_bytes.max():.4g}); shard or recompute first.")
-    # a network that does not fit one device needs the stages whatever they cost
-    if best is None or one_cost.feasible and (not best[1].feasible or
-                                              best[1].step_time_s >= one_stage_s):
-        detail = "no split into >= 2 stages fits the devices" if best is None else (
-            f"the best pipeline ({len(set(best[2].tolist()))} stages of the {len(names)} "
-            f"blocks, {best[0]} micro-batches) simulates {best[1].step_time_s * 1e3:.4g} ms "
-            f"per step against {one_stage_s * 1e3:.4g} ms on one stage "
-            f"({(best[1].step_time_s / one_stage_s - 1) * 100:+.1f}%, "
-            f"{(best[1].step_time_s - one_stage_s) * 1e3:.4g} ms slower; bubble and "
-            f"stage-to-stage transfers included)")
-        raise PassRefused(f"place: pipelining does not pay on {cluster.name!r}: {detail}; "
-                          f"no pipeline stage to set.")
-    m, cost, assign, problem = best
+            sync = sync_by_device(problem, np.asarray(assign))
+            step = cost.step_time_s + max(sync.values())
+            if step < tried.get(m, np.inf):
+                tried[m] = step
+            if best is None or (not cost.feasible, step) < (not best[1].feasible, best[4]):
+                best = (m, cost, np.asarray(assign), sync, step)
+        logger.info("place: %d replica(s), %d micro-batches -> best pipeline %.4g ms", replicas,
+                    m, tried.get(m, np.nan) * 1e3)
+    if best is None:
+        raise PassRefused(f"place: no split of the {len(names)} blocks into >= 2 stages on "
+                          f"{cluster.name!r}; no pipeline stage to set.")
+    m, cost, assign, sync, step = best
     used: List[int] = []
     for d in assign.tolist():
         if d not in used:
@@ -232,11 +277,16 @@ def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
         stages.append({"stage": s, "device": int(d),
                        "blocks": [names[g] for g in np.flatnonzero(assign == d)],
                        "stage_time_s": float(cost.busy_s.get(f"dev{d}.compute", 0.0)),
-                       "memory_bytes": float(cost.peak_memory_bytes[d])})
+                       "memory_bytes": float(cost.peak_memory_bytes[d]),
+                       "sync_s": float(sync[d]),
+                       "devices": [copy_device(int(d), r) for r in range(replicas)]})
     return StagePlan(blocks=list(names), device_of_block=[int(d) for d in assign],
-                     micro_batches=m, step_time_s=float(cost.step_time_s),
-                     one_stage_s=float(one_stage_s), stages=stages, tried=tried,
-                     evaluations=evaluations, one_stage_fits=bool(one_cost.feasible))
+                     micro_batches=m, step_time_s=float(step),
+                     one_stage_s=float(one_cost.step_time_s), stages=stages, tried=tried,
+                     evaluations=evaluations, one_stage_fits=bool(one_cost.feasible),
+                     replicas=replicas, layout=layout if replicas > 1 else "one copy",
+                     pipeline_s=float(cost.step_time_s),
+                     sync_s=float(max(sync.values())), feasible=bool(cost.feasible))
 
 
 # The one cost model every pass prices a network's operators with (place's defaults: launch
