@@ -59,7 +59,7 @@ def test_cli_plan_place_writes_a_plan(tmp_path, capsys):
     assert plan.devices == 2 and plan.micro_batches == 4
     # judged against the same 2 devices without a pipeline, recorded and printed
     from ms_efficient.place.commands import _load_cluster
-    from ms_efficient.place.data_parallel import best_replica_plan, replica_plans
+    from ms_efficient.place.same_devices import best_replica_plan, replica_plans
 
     base = best_replica_plan(replica_plans(scoped_chain(), _load_cluster("ascend910b-1x8", 2)))
     same = plan.meta["same_devices"]

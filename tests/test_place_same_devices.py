@@ -18,7 +18,7 @@ import pytest
 from ms_efficient.core.cluster import Link, get_cluster
 from ms_efficient.core.registry import PassRefused
 from ms_efficient.graph.opgraph import OpGraph, OpNode
-from ms_efficient.place.data_parallel import (best_replica_plan, gradient_sync_time_s,
+from ms_efficient.place.same_devices import (best_replica_plan, gradient_sync_time_s,
                                               replica_plan, replica_plans,
                                               state_bytes_per_device)
 from ms_efficient.place.planner import TGAConfig

@@ -7,7 +7,7 @@ scores with) -> ``operators`` (genetic operators, repair) -> ``local`` (local se
 ``planner`` (TGA and the single-population GA). ``baselines`` (contiguous, round-robin, Baechi
 m-TOPO/m-ETF/m-SCT) and ``hierarchical`` (Mirhoseini et al.'s RL placer) are compared in
 ``bench`` on the graphs of ``workloads``; ``stages`` plans pipeline stages of a network's
-repeated blocks, ``data_parallel`` prices the same devices without a pipeline (data parallel,
-ZeRO) and ``same_devices`` chooses pp x dp against it or refuses; ``apply`` writes the plan
+repeated blocks, ``same_devices`` prices the same devices without a pipeline (data parallel,
+ZeRO) and chooses pp x dp against that or refuses; ``apply`` writes the plan
 and sets ``pipeline_stage``; ``commands`` holds ``plan place`` / ``bench place``.
 """

@@ -107,7 +107,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from ms_efficient.core.units import format_size
     from ms_efficient.place.apply import make_plan, save_plan
     from ms_efficient.place.bench import run_methods
-    from ms_efficient.place.data_parallel import best_replica_plan, replica_plans
+    from ms_efficient.place.same_devices import best_replica_plan, replica_plans
     from ms_efficient.place.problem import PlacementOptions, build_problem
 
     t0 = time.perf_counter()

@@ -42,16 +42,18 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ms_efficient.core.cluster import ClusterSpec
 from ms_efficient.place.problem import PlacementProblem
 from ms_efficient.sim import Simulator
 
 __all__ = ["PlacementCost", "evaluate_population", "memory_by_device", "simulate_placement",
            "penalised_cost", "step_time_lower_bound",
-           "Evaluator", "SearchResult", "TracePoint"]
+           "Evaluator", "SearchResult", "TracePoint", "ZERO_LEVELS", "check_zero",
+           "gradient_sync_time_s"]
 
 
 def memory_by_device(problem: PlacementProblem, assign: np.ndarray) -> np.ndarray:
@@ -400,3 +402,29 @@ class Evaluator:
             self._cache[k] = c
             out[idx] = c
         return out
+
+
+# ---------------------------------------------------------------- data-parallel copies
+ZERO_LEVELS = (0, 1, 2, 3)
+
+
+def check_zero(zero: int) -> None:
+    if isinstance(zero, bool) or zero not in ZERO_LEVELS:
+        raise ValueError(f"'zero' must be one of {list(ZERO_LEVELS)}, but got {zero!r}.")
+
+
+def gradient_sync_time_s(cluster: ClusterSpec, devices: Sequence[int], grad_bytes: float,
+                         zero: int = 0) -> float:
+    """Seconds to synchronise ``grad_bytes`` of gradients (as many bytes of weights) over the
+    data-parallel replicas on ``devices`` (ids of ``cluster``) at ZeRO level ``zero``: level 0
+    one all-reduce; 1 and 2 a reduce-scatter and an all-gather of the updated weights; 3 a
+    reduce-scatter and two all-gathers (module docstring). One device: 0."""
+    check_zero(zero)
+    devices = list(devices)
+    if len(devices) < 2 or grad_bytes <= 0:
+        return 0.0
+    if zero == 0:
+        return cluster.collective_time_s("allreduce", grad_bytes, devices)
+    gathers = 2 if zero == 3 else 1
+    return (cluster.collective_time_s("reduce_scatter", grad_bytes, devices)
+            + gathers * cluster.collective_time_s("allgather", grad_bytes, devices))

@@ -195,7 +195,7 @@ def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
     micro_batches: the M values to try per replica (e.g. :func:`micro_batch_candidates` of
     the replica's batch). replicas: each copy runs 1 / replicas of the batch
     (``group_graph(batch_share=...)``) and every stage all-reduces its gradients over its
-    copies (``place.data_parallel.gradient_sync_time_s``), which adds the slowest stage's
+    copies (``place.cost.gradient_sync_time_s``), which adds the slowest stage's
     all-reduce to the step. whole: the cluster the copies live on (default ``cluster``, whose
     links one copy sees). copy_device(d, r): the device of ``whole`` that is device d of copy
     r (default ``d + r * cluster.num_devices``: each copy on neighbouring devices); layout names
@@ -206,7 +206,7 @@ def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
     ValueError) when the cluster has one device or there are fewer than two blocks;
     ValueError for bad ``micro_batches``, ``replicas`` or a ``whole`` too small.
     """
-    from ms_efficient.place.data_parallel import gradient_sync_time_s
+    from ms_efficient.place.cost import gradient_sync_time_s
 
     if cluster.num_devices < 2:
         raise PassRefused(f"place: cluster {cluster.name!r} has {cluster.num_devices} device; "
