@@ -228,6 +228,12 @@ def test_two_workers_replan_without_recompiling_and_save_every_rank(two_workers)
     trace = load_trace(str(ep / "trace.npz"))
     assert trace.counts.shape == (STEPS, 2, 2, e)          # step, layer, rank, expert
     assert np.all(trace.counts.sum(axis=3) == 2 * 32 * 2)  # 2 rows x 32 tokens x top-2
+    # every log line: the rows each device computed, which with the drops are every routed row
+    for r in _rows(ep, "train"):
+        for b in r["balance"]:
+            assert len(b["rows_per_device"]) == 2
+            assert sum(b["rows_per_device"]) + b["dropped"] == 2 * 2 * 32 * 2
+            assert b["device_max_over_mean"] >= 1.0 and b["device_cv"] >= 0.0
 
 
 @pytest.mark.slow

@@ -333,6 +333,18 @@ def test_layer_balance_hand_computed():
     assert rows[1]["expert_max_over_mean"] == 1.0 and rows[1]["expert_cv"] == 0.0
 
 
+def test_layer_balance_per_device_hand_computed():
+    from ms_efficient.moe.trace import layer_balance
+
+    counts = np.array([[[3, 1], [1, 3]]])                   # 1 layer, 2 ranks, 2 experts
+    (row,) = layer_balance(counts, np.array([2]), np.array([[5, 1]]))
+    # devices 5 and 1 rows: mean 3, max/mean 5/3, std 2 -> cv 2/3
+    assert row["rows_per_device"] == [5, 1] and row["dropped"] == 2
+    assert row["device_max_over_mean"] == round(5 / 3, 4)
+    assert row["device_cv"] == round(2 / 3, 4)
+    assert row["expert_max_over_mean"] == 1.0 and row["expert_cv"] == 0.0
+
+
 def test_the_report_gives_balance_percentiles_over_layers_and_a_device_heat_map(tmp_path):
     import json
 

@@ -226,16 +226,20 @@ def skewed_trace(steps: int = 100, seed: int = 0, skew: float = 1.45, layers: in
                            step_stride=5)
 
 
-def layer_balance(counts_LRE: np.ndarray, dropped_L: Optional[np.ndarray] = None) -> list:
+def layer_balance(counts_LRE: np.ndarray, dropped_L: Optional[np.ndarray] = None,
+                  device_rows_LW: Optional[np.ndarray] = None) -> list:
     """Per MoE layer, the balance of one step's routing (what every train row of
     ``metrics.jsonl`` carries): tokens per expert, max over mean and coefficient of variation
-    (std / mean), experts that got no token (dead) and the rows dropped.
+    (std / mean), experts that got no token (dead), the rows dropped and, given the rows each
+    device computed, the same per device.
 
     counts_LRE: int [L, R, E] rows each source rank routed to each expert (top-k counted
-    k times). dropped_L: int [L] rows dropped, or None. Returns one dict per layer."""
+    k times). dropped_L: int [L] rows dropped, or None. device_rows_LW: int [L, W] rows every
+    device of the expert-parallel group computed, or None. Returns one dict per layer."""
     counts = np.asarray(counts_LRE, dtype=np.int64)
     per_expert = counts.sum(axis=1).astype(np.float64)                  # [L, E]
     mean = np.maximum(per_expert.mean(axis=1), 1e-12)
+    devices = None if device_rows_LW is None else np.asarray(device_rows_LW, dtype=np.int64)
     out = []
     for layer in range(counts.shape[0]):
         row = {"layer": layer,
@@ -244,5 +248,11 @@ def layer_balance(counts_LRE: np.ndarray, dropped_L: Optional[np.ndarray] = None
                "dead_experts": int((per_expert[layer] == 0).sum())}
         if dropped_L is not None:
             row["dropped"] = int(dropped_L[layer])
+        if devices is not None:
+            rows = devices[layer]
+            device_mean = max(float(rows.mean()), 1e-12)
+            row.update({"rows_per_device": rows.tolist(),
+                        "device_max_over_mean": round(float(rows.max()) / device_mean, 4),
+                        "device_cv": round(float(rows.std()) / device_mean, 4)})
         out.append(row)
     return out

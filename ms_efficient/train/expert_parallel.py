@@ -60,6 +60,8 @@ from ms_efficient.core.params import write_parameter
 from ms_efficient.models.gpt_moe import build_model
 from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE
 from ms_efficient.moe.ep_layer import ExpertParallelMoE
+from ms_efficient.moe.exchange import slot_rows_by_device
+from ms_efficient.moe.split import split_tokens
 from ms_efficient.moe.trace import layer_balance, load_trace, save_trace
 from ms_efficient.train.data import load_corpus
 from ms_efficient.train.relayout import resumed_counts
@@ -202,10 +204,24 @@ class ExpertParallelTrainer:
         return training_specs(num_moe, moe.num_experts, self.world, spare, mean_rows, model,
                               em.buffer_slack, history)
 
+    def _device_rows(self, counts_LWE: np.ndarray) -> np.ndarray:
+        """Rows every device computed in the last step, int64 [L, W]: the fast level's own
+        count (balanced layers), else the plan's split of the step's counts
+        (``moe.split.split_tokens``, what the grouped and counts layers assign)."""
+        out = np.zeros((len(self.layers), self.world), dtype=np.int64)
+        for j, layer in enumerate(self.layers):
+            if self.balanced:
+                out[j] = layer.balance_stats.asnumpy().astype(np.int64)[3:]
+            else:
+                assigned_RS, _ = split_tokens(layer.plan, counts_LWE[j], range(self.world),
+                                              layer.devices_per_node)
+                out[j] = slot_rows_by_device(assigned_RS, layer.plan.slot_device,
+                                             self.world).sum(axis=0)
+        return out
+
     def _balance_row(self) -> List[Dict]:
         """Per MoE layer, the fast level's figures of the last step: copies made, their weight
-        bytes (float32 here), rows per device (and their max over mean) and the fixed
-        buffers, rows dropped."""
+        bytes (float32 here), the fixed buffers, rows dropped."""
         if not self.balanced:
             return []
         rows = []
@@ -213,12 +229,8 @@ class ExpertParallelTrainer:
             stats = layer.balance_stats.asnumpy().astype(int)
             expert_bytes = 4 * sum(int(np.prod(p.shape[1:]))
                                    for p in (layer.w1, layer.b1, layer.w2, layer.b2))
-            device = stats[3:]
             rows.append({"layer": j, "copies": int(stats[0]),
                          "weight_bytes": int(stats[0]) * expert_bytes,
-                         "rows_per_device": device.tolist(),
-                         "device_max_over_mean": round(float(device.max() / max(
-                             device.mean(), 1e-12)), 4),
                          "buffer_rows": layer.buffer_W.tolist(), "dropped": int(stats[1])})
         return rows
 
@@ -454,7 +466,8 @@ class ExpertParallelTrainer:
                 row = {"kind": "train", "step": self.step, "loss": round(loss, 5),
                        "ce": round(ce, 5), "tokens_per_s": round(tps, 1),
                        "drop_rate": round(1.0 - kept / max(1, assigned), 5)}
-                row["balance"] = layer_balance(counts_LWE, dropped_L)
+                row["balance"] = layer_balance(counts_LWE, dropped_L,
+                                               self._device_rows(counts_LWE))
                 if self.balanced:           # the fast level's figures of the last step
                     for entry, fast in zip(row["balance"], self._balance_row()):
                         entry.update(fast)

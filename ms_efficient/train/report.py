@@ -142,6 +142,7 @@ def write_report(run_dir: str) -> str:
         for key, label in (("expert_max_over_mean", "tokens per expert, max / mean"),
                            ("expert_cv", "tokens per expert, coefficient of variation"),
                            ("device_max_over_mean", "rows per device, max / mean"),
+                           ("device_cv", "rows per device, coefficient of variation"),
                            ("dead_experts", "experts with no token"),
                            ("copies", "expert copies (fast level)"),
                            ("dropped", "rows dropped")):
