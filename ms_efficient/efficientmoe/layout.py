@@ -259,9 +259,10 @@ def refine_home(home_LWS: np.ndarray, rows_TLE: np.ndarray,
     mean load over the rows under :func:`~ms_efficient.moe.balance.home_split`), every swap
     of one of its slots with a slot of another device of its node (of any device when
     ``devices_per_node`` is None or W) that holds neither expert is priced by re-splitting
-    the two swapped experts over their new holders, the other experts' rows kept; the swap
-    that most lowers the mean over the rows of the largest device load is made, and the
-    layer stops at the first round where none does (or where the full re-split disagrees).
+    the two swapped experts over their new holders, the other experts' rows kept; the
+    ``_FULL_CHECKS`` cheapest by that price are re-split in full, and the one that most
+    lowers the mean over the rows of the largest device load is made. A layer stops at the
+    first round where none of them lowers it.
 
     home_LWS: int [L, W, S_h] (-1: empty). rows_TLE: int [T, L, E] rows per expert of the
     rows to balance. max_rounds: swaps per layer at most (None: W x S_h). max_cells: above
