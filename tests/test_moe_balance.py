@@ -300,6 +300,17 @@ def test_on_skewed_routing_the_two_levels_beat_the_dropless_and_eplb_rows():
         assert ours.iteration_time_s <= theirs.iteration_time_s, other
 
 
+def test_fixed_home_never_replans_and_runs_ours_layout_until_ours_replans():
+    from ms_efficient.efficientmoe.replay import ReplayConfig, replay
+
+    trace = skewed_trace(steps=40, layers=2, seed=3)
+    config = ReplayConfig(warmup=16, check_every_steps=25)     # rows 5 steps apart: 5 rows
+    ours = replay(trace, "efficientmoe", None, config)
+    fixed = replay(trace, "efficientmoe-fixed-home", None, config)
+    assert fixed.replans == 0 and fixed.replan_overhead_s == 0.0
+    np.testing.assert_array_equal(ours.step_time_s[:5], fixed.step_time_s[:5])
+
+
 def test_plan_moe_writes_the_balanced_layout_by_default(tmp_path, capsys):
     from ms_efficient.cli import main
     from ms_efficient.efficientmoe.layout import load_layout

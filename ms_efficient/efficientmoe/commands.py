@@ -225,10 +225,13 @@ def run_bench(args: argparse.Namespace) -> int:
     if not args.no_simulated:
         print("Simulated (trace replay on the cluster preset):")
         print(markdown_table(rows))
-        checks = targets_table(rows)
-        if checks:
-            print()
-            print(checks)
+        for method in ("efficientmoe", "efficientmoe-fixed-home"):
+            checks = targets_table(rows, method)
+            if checks:
+                print()
+                print(f"Targets of {method}:" if method != "efficientmoe" else
+                      "Targets of efficientmoe (the default):")
+                print(checks)
     write_bench_json(args.json, "moe", rows,
                      meta={"quick": args.quick, "seconds": round(time.perf_counter() - start, 1),
                            "config": args.config, "init_from": args.init_from,

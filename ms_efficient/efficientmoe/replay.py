@@ -10,8 +10,8 @@ which :func:`ms_efficient.efficientmoe.cost.event_step_time_s` re-derives on the
 simulator (tested equal).
 
 Methods (labels of issue 4), each run the way the system itself runs, with its own dispatch.
-The two-level methods, ``efficientmoe`` (the default), ``moonep``, ``ablation-eplb-split`` and
-``eplb-alltoallv``, are replayed by :mod:`ms_efficient.efficientmoe.two_level` (a fixed layout,
+The two-level methods, ``efficientmoe`` (the default), ``efficientmoe-fixed-home``, ``moonep``,
+``ablation-eplb-split`` and ``eplb-alltoallv``, are replayed by :mod:`ms_efficient.efficientmoe.two_level` (a fixed layout,
 balanced every step from the step's counts); the others here
 (:mod:`ms_efficient.moe.plan`). Static-graph methods are the package's expert-parallel layer
 (``ep_layer``) with that method's plan: every rank owns fixed rows of every slot, drops its
@@ -123,17 +123,20 @@ __all__ = ["METHODS", "DEFAULT_METHODS", "ReplayConfig", "ReplayResult", "cluste
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("efficientmoe", "moonep", "ablation-eplb-split", "eplb-alltoallv",
+METHODS = ("efficientmoe", "efficientmoe-fixed-home", "moonep", "ablation-eplb-split",
+           "eplb-alltoallv",
            "efficientmoe-grouped", "efficientmoe-counts", "efficientmoe-static", "switch-cf1.0",
            "switch-cf1.25", "switch-cf2.0", "dropless-static", "dropless-window",
            "dropless-grouped", "fastermoe", "eplb-ema", "eplb-ar", "eplb-ema-grouped",
            "eplb-ar-grouped", "eplb-ema-counts", "eplb-ar-counts", "mindspeed-greedy",
            "mindspeed-greedy-grouped", "oracle", "oracle-grouped", "oracle-static",
            "efficientmoe-auto")
-# what ``bench moe`` replays unless told (issue 32's rows): ours, MoonEP, the fast level under
+# what ``bench moe`` replays unless told (issue 32's rows): ours, ours without home re-plans
+# (what train --workers runs with dispatch "balanced" today), MoonEP, the fast level under
 # EPLB's placement, EPLB as published with each exchange, FasterMoE, Switch, dropless grouped,
 # the per-step oracle; the one-level rows stay available through --methods
-DEFAULT_METHODS = ("efficientmoe", "moonep", "ablation-eplb-split", "eplb-alltoallv",
+DEFAULT_METHODS = ("efficientmoe", "efficientmoe-fixed-home", "moonep", "ablation-eplb-split",
+                   "eplb-alltoallv",
                    "eplb-ema-counts", "eplb-ema-grouped", "fastermoe", "switch-cf1.25",
                    "dropless-grouped", "oracle-grouped")
 _EPLB = {"eplb-ema", "eplb-ar", "eplb-ema-grouped", "eplb-ar-grouped", "eplb-ema-counts",

@@ -9,6 +9,10 @@ Methods (each given the same slots per device: ceil(E / W) + ``ReplayConfig.extr
                         Re-planned (home table only, no shape change, no recompile) every
                         check interval when the replayed gain over the interval pays for
                         moving the weights and optimizer state.
+    efficientmoe-fixed-home  the same, never re-planned: the home table of the first compile
+                        for the whole trace. What ``train --workers`` with dispatch
+                        "balanced" runs today (its layer has no home re-placement yet), so
+                        the gap to ``efficientmoe`` is what those re-plans are worth.
     moonep              MoonEP-style (Moonshot's Megatron expert parallelism, 2026): no
                         forecast; uniform home placement, every extra slot a spare slot,
                         copies chosen each step from the exact counts so every device
@@ -45,13 +49,14 @@ __all__ = ["TWO_LEVEL_METHODS", "layout_config_for", "replay_two_level", "migrat
 
 logger = logging.getLogger(__name__)
 
-TWO_LEVEL_METHODS = ("efficientmoe", "moonep", "ablation-eplb-split", "eplb-alltoallv")
+TWO_LEVEL_METHODS = ("efficientmoe", "efficientmoe-fixed-home", "moonep", "ablation-eplb-split",
+                     "eplb-alltoallv")
 _EPLB_SCHEDULE = {"ablation-eplb-split", "eplb-alltoallv"}     # re-balance whatever the gain
 
 
 def layout_config_for(method: str, extra_slots: int, window: int) -> LayoutConfig:
     """The slow-level settings of a two-level method (module docstring)."""
-    if method == "efficientmoe":
+    if method in ("efficientmoe", "efficientmoe-fixed-home"):
         return LayoutConfig(slots=extra_slots, window=window)
     if method == "moonep":
         return LayoutConfig(slots=extra_slots, window=window, forecast_home=False)
@@ -89,7 +94,8 @@ def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_ro
     computed = kept = dropped = 0
     replans, overhead = 0, 0.0
     for t in range(warmup, trace.num_steps):
-        if config.forecast_home and t > warmup and (t - warmup) % check_rows == 0:
+        if (config.forecast_home and method != "efficientmoe-fixed-home" and t > warmup
+                and (t - warmup) % check_rows == 0):
             candidate = replan_home(counts[:t], layout, config, dpn)
             cost_s = migration_time_s(layout, candidate, model)
             if method in _EPLB_SCHEDULE:

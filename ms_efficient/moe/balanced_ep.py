@@ -7,8 +7,9 @@ min(A, B_w) the most rows one rank can send device w, M = sum_w P_w (this rank's
 I = sum_src P_me (its receive layout), X the parameters of one expert.
 
 The layout (home table, spare slots, buffers; :mod:`ms_efficient.efficientmoe.layout`) is fixed
-when the Cell is built; the home table is a non-trainable Parameter, so :meth:`set_home`
-changes it as data (no recompile). Per step, on this rank's tokens:
+when the Cell is built; the home table is a non-trainable Parameter (data, read by the fast
+level every step), but no method re-places the home experts during a run yet: a run keeps the
+home table it was built with. Per step, on this rank's tokens:
 
     x_TH -> router -> top-k (expert_ids_A, weights_TK), arrival p of each assignment
          -> counts_E -> AllGather -> counts_WE (every rank sees every rank's counts)
