@@ -5,7 +5,6 @@ and ``--resume`` after kill -9 continuing with the same losses.
 """
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -142,22 +141,50 @@ def _cli_env():
     return env
 
 
+_RUN = {}           # the 2-worker runs' folder and config, made by the first that needs them
+
+
+def _two_workers_config():
+    """(folder, config) of the 2-worker runs below: one config for the session, written by
+    the first background function that needs it (both run in the one background thread)."""
+    if not _RUN:
+        tmp = workers.temporary_dir("ep_train_")
+        _RUN.update(tmp=tmp, config=_config(tmp, write_corpus(tmp / "corpus"), efficientmoe={
+            "enabled": True, "warmup_steps": 4, "replan_every": 4, "window": 4,
+            "force_replan_step": REPLAN_AT}))
+    return _RUN["tmp"], _RUN["config"]
+
+
 @workers.in_background("two_workers")
 def _two_workers_run():
     """The 2-worker run of ``two_workers`` (``ms-efficient train --workers 2`` in a child
     process, from the session's start: tests/workers.py): (config, run folder, seconds)."""
     if MSRUN is None:
         return None
-    tmp = workers.temporary_dir("ep_train_")
-    config = _config(tmp, write_corpus(tmp / "corpus"), efficientmoe={
-        "enabled": True, "warmup_steps": 4, "replan_every": 4, "window": 4,
-        "force_replan_step": REPLAN_AT})
+    tmp, config = _two_workers_config()
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "ms_efficient.cli", "train", config,
                            "--workers", "2", "--out", str(tmp / "ep")], env=_cli_env(),
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return config, tmp / "ep", time.perf_counter() - start
+
+
+@workers.in_background("two_workers_killed")
+def _two_workers_killed_run():
+    """The same config on 2 workers killed with SIGKILL (msrun, its scheduler and both
+    ranks) once its state.json reaches step KILL_AFTER, then ``train --resume`` of it (in
+    child processes, in the background: tests/workers.py); (run folder, the step state.json
+    named when the kill was sent, the resume's CompletedProcess)."""
+    if MSRUN is None:
+        return None
+    tmp, config = _two_workers_config()
+    part = tmp / "part"
+    reached = workers.run_and_kill(
+        [sys.executable, "-m", "ms_efficient.cli", "train", config, "--workers", "2", "--out",
+         part], part / "state.json", KILL_AFTER, poll_s=0.1, env=_cli_env())
+    # world size from state.json
+    return part, reached, workers.run_cli(["train", "--resume", part], env=_cli_env())
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +203,15 @@ def two_workers(tmp_path_factory):
     cfg = load_config(config, {"moe.dispatch": "grouped", "efficientmoe.enabled": False})
     Trainer(cfg, str(one)).run()
     return config, ep, one, (ep_s, time.perf_counter() - start)
+
+
+@pytest.fixture(scope="module")
+def two_workers_killed():
+    """(run folder, step at the kill, the resume's CompletedProcess) of the killed 2-worker
+    run (``_two_workers_killed_run``)."""
+    if MSRUN is None:
+        pytest.skip("msrun is not on PATH")
+    return workers.background_result("two_workers_killed")
 
 
 @pytest.mark.slow
@@ -230,28 +266,12 @@ def test_two_workers_replan_without_recompiling_and_save_every_rank(two_workers)
 
 @pytest.mark.slow
 @needs_msrun
-def test_resume_after_kill_9_continues_with_the_same_losses(two_workers, tmp_path):
+def test_resume_after_kill_9_continues_with_the_same_losses(two_workers, two_workers_killed):
     config, ep, _, _ = two_workers
-    part = tmp_path / "part"
-    proc = subprocess.Popen([sys.executable, "-m", "ms_efficient.cli", "train", config,
-                             "--workers", "2", "--out", str(part)], env=_cli_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    state_path, reached = part / "state.json", 0
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
-            if state_path.is_file():
-                reached = json.loads(state_path.read_text())["step"]
-                if reached >= KILL_AFTER:
-                    break
-            time.sleep(0.1)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)      # msrun, its scheduler and both ranks
-        proc.wait()
+    part, reached, resumed = two_workers_killed
+    state_path = part / "state.json"
     assert KILL_AFTER <= reached < STEPS, f"killed at step {reached}"
-    assert main(["train", "--resume", str(part)]) == 0           # world size from state.json
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     a, b = _losses(ep), _losses(part)
     assert sorted(b) == list(range(1, STEPS + 1))
     for step in range(reached + 1, STEPS + 1):
