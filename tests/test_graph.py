@@ -377,10 +377,7 @@ print(json.dumps({{"bytes": g.total_param_bytes, "expected": 4 * sum(p.size for 
 
 @pytest.fixture(scope="module")
 def mindcv_graph():
-    out = workers.background_result("mindcv_graph")
-    if out is None:
-        pytest.skip("mindcv is not installed")
-    return out
+    return workers.background_result("mindcv_graph", skip_if_none="mindcv is not installed")
 
 
 @pytest.mark.mindspore

@@ -217,10 +217,7 @@ def _mindcv_resnet18():
 
 @pytest.fixture(scope="module")
 def mindcv_resnet18():
-    out = workers.background_result("mindcv_resnet18")
-    if out is None:
-        pytest.skip("mindcv is not installed")
-    return out
+    return workers.background_result("mindcv_resnet18", skip_if_none="mindcv is not installed")
 
 
 def test_mindcv_resnet18_is_planned_by_its_residual_blocks_and_still_trains(mindcv_resnet18):

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -225,14 +226,38 @@ def start_background(fixture_names) -> None:
         _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background")
     for name in fixture_names:
         if name in _BACKGROUND and name not in _FUTURES:
-            _FUTURES[name] = _POOL.submit(_BACKGROUND[name])
+            _FUTURES[name] = _POOL.submit(_timed, name)
 
 
-def background_result(fixture_name: str):
+_TIMES = {}                  # fixture name -> (start, end) of its computation (perf_counter)
+_T0 = time.perf_counter()    # about when the session started (this module's import)
+
+
+def _timed(name: str):
+    start = time.perf_counter()
+    try:
+        return _BACKGROUND[name]()
+    finally:
+        _TIMES[name] = (start - _T0, time.perf_counter() - _T0)
+
+
+def timeline() -> str:
+    """When each background computation ran, in seconds from the session's start (the
+    terminal summary shows it: whether the background thread or the main one sets the
+    session's length)."""
+    return ", ".join(f"{name} {a:.0f}-{b:.0f} s" for name, (a, b) in
+                     sorted(_TIMES.items(), key=lambda kv: kv[1]))
+
+
+def background_result(fixture_name: str, skip_if_none: str = ""):
     """The value of a registered computation (queueing it if nobody has); re-raises its
-    exception."""
+    exception. A None value skips the test with the reason ``skip_if_none`` if one is given
+    (the computation found nothing to run, e.g. an optional package missing)."""
     start_background([fixture_name])
-    return _FUTURES[fixture_name].result()
+    value = _FUTURES[fixture_name].result()
+    if value is None and skip_if_none:
+        pytest.skip(skip_if_none)
+    return value
 
 
 @in_background("dist_checks")
