@@ -92,41 +92,66 @@ def test_resume_with_other_workers_than_saved_is_refused(tmp_path, capsys):
 # --- one rank in process ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def one_process_4_steps(tmp_path_factory, corpus_dir):
-    """The one-process trainer's 4 steps with grouped (dropless) experts: (corpus, run
-    folder). It ignores ``efficientmoe.dispatch``, so one run serves both dispatches below."""
-    from ms_efficient.core.config import load_config
-    from ms_efficient.train.trainer import Trainer
+_ONE_PROCESS = ("import sys\n"
+                "from ms_efficient.core.config import load_config\n"
+                "from ms_efficient.train.trainer import Trainer\n"
+                "Trainer(load_config(sys.argv[1], {'moe.dispatch': 'grouped'}), "
+                "sys.argv[2]).run()\n")
+_ONE_RANK = ("import sys\n"
+             "from ms_efficient.train.ep_worker import worker_main\n"
+             "sys.exit(worker_main(sys.argv[1:]))\n")
 
-    tmp = tmp_path_factory.mktemp("one_process")
-    config = _config(tmp, corpus_dir, train={"steps": 4, "save_every": 4})
-    Trainer(load_config(config, {"moe.dispatch": "grouped"}), str(tmp / "one")).run()
-    return corpus_dir, tmp / "one"
+
+def one_rank_runs(prefix, dispatches):
+    """The one-process trainer with grouped (dropless) experts (it ignores
+    ``efficientmoe.dispatch``: one run serves every dispatch) and the W = 1 expert-parallel
+    worker (``worker_main``, no msrun) with each of ``dispatches``, 4 steps of one config on
+    the same corpus, each in a child process (the background thread runs them while the
+    main thread runs other tests: tests/workers.py); {"one" or dispatch: run folder}."""
+    tmp = workers.temporary_dir(prefix)
+    corpus = write_corpus(tmp / "corpus")
+    runs, env = {}, _cli_env()
+    for name in ("one", *dispatches):
+        folder = tmp / name
+        folder.mkdir()
+        sections = {} if name == "one" else {"efficientmoe": {"dispatch": name}}
+        config = _config(folder, corpus, train={"steps": 4, "save_every": 4}, **sections)
+        runs[name] = folder / "run"
+        command = ([_ONE_PROCESS, config, runs[name]] if name == "one" else
+                   [_ONE_RANK, config, "--out", runs[name]])
+        proc = subprocess.run([sys.executable, "-c", *map(str, command)], env=env,
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return runs
+
+
+@workers.in_background("one_rank_ep_runs")
+def _one_rank_ep_runs():
+    return one_rank_runs("one_rank_ep_", ("grouped", "counts"))
+
+
+@pytest.fixture(scope="module")
+def one_rank_ep_runs():
+    return workers.background_result("one_rank_ep_runs")
 
 
 @pytest.mark.mindspore
 @pytest.mark.parametrize("dispatch", ["grouped", "counts"])
-def test_one_rank_expert_parallel_run_equals_the_one_process_trainer(tmp_path,
-                                                                     one_process_4_steps,
+def test_one_rank_expert_parallel_run_equals_the_one_process_trainer(one_rank_ep_runs,
                                                                      dispatch):
     """W = 1 (no msrun): the EP model, its gradient reducer and clipping against the
     one-process trainer with grouped (dropless) experts, same seed and batches; with
-    ``efficientmoe.dispatch`` grouped or counts (the count-driven exchange: the same rows)."""
-    from ms_efficient.train.ep_worker import worker_main
-
-    corpus, one_dir = one_process_4_steps
-    config = _config(tmp_path, corpus, train={"steps": 4, "save_every": 4},
-                     efficientmoe={"dispatch": dispatch})
-    assert worker_main([config, "--out", str(tmp_path / "ep")]) == 0
-    one, ep = _losses(one_dir), _losses(tmp_path / "ep")
+    ``efficientmoe.dispatch`` grouped or counts (the count-driven exchange: the same rows).
+    Both run in child processes (``one_rank_runs``)."""
+    one_dir, ep_dir = one_rank_ep_runs["one"], one_rank_ep_runs[dispatch]
+    one, ep = _losses(one_dir), _losses(ep_dir)
     assert sorted(ep) == [1, 2, 3, 4]
     for step in one:
         np.testing.assert_allclose(ep[step], one[step], rtol=1e-5)
-    state = json.loads((tmp_path / "ep" / "state.json").read_text())
+    state = json.loads((ep_dir / "state.json").read_text())
     assert state["world_size"] == 1 and len(state["plans"]) == 2
     assert all(p["dispatch"] == dispatch for p in state["plans"])
-    assert (tmp_path / "ep" / "ckpt" / "rank_0" / "step_000004.ckpt").is_file()
+    assert (ep_dir / "ckpt" / "rank_0" / "step_000004.ckpt").is_file()
 
 
 # --- 2 msrun workers -------------------------------------------------------------------------
