@@ -2,6 +2,7 @@
 the 2-worker msrun checks' results (one job for the session, see tests/workers.py)."""
 import os
 import sys
+import time
 
 import pytest
 
@@ -27,6 +28,7 @@ def pytest_collection_modifyitems(session, config, items):
 def pytest_collection_finish(session):
     """Queue the background fixtures the selected tests read, in the order they are read
     (nothing for --collect-only)."""
+    _DEFERRED["ids"] = {i.nodeid for i in session.items if _background_fixtures(i)}
     if not session.config.option.collectonly:
         workers.start_background([n for item in session.items
                                   for n in _background_fixtures(item)])
@@ -34,6 +36,24 @@ def pytest_collection_finish(session):
 
 def pytest_sessionfinish(session):
     workers.cleanup()
+
+
+_DEFERRED = {}               # "ids": the tests reading a background fixture; "start": when
+                             # the first of them started (seconds from the session's start)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if nodeid in _DEFERRED.get("ids", ()) and "start" not in _DEFERRED:
+        _DEFERRED["start"] = time.perf_counter() - workers._T0
+
+
+def pytest_terminal_summary(terminalreporter):
+    """When each background computation ran and when the main thread reached the tests that
+    read them: which of the two threads sets the session's length."""
+    if workers._TIMES:
+        terminalreporter.write_line(
+            f"background fixtures: {workers.timeline()}; the tests reading them from "
+            f"{_DEFERRED.get('start', float('nan')):.0f} s")
 
 
 @pytest.fixture(scope="session")

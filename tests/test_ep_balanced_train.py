@@ -12,26 +12,30 @@ import pytest
 
 import workers
 from conftest import write_corpus
-from test_ep_train import MSRUN, _cli_env, _config, _losses, _rows, needs_msrun
+from test_ep_train import MSRUN, _cli_env, _config, _losses, _rows, needs_msrun, one_rank_runs
 from ms_efficient.cli import main
 
 STEPS = 20
 
 
-def test_one_rank_balanced_run_equals_the_one_process_trainer(tmp_path, text_dir):
-    from ms_efficient.core.config import load_config
-    from ms_efficient.train.ep_worker import worker_main
-    from ms_efficient.train.trainer import Trainer
+@workers.in_background("one_rank_balanced_runs")
+def _one_rank_balanced_runs():
+    return one_rank_runs("one_rank_balanced_", ("balanced",))
 
-    config = _config(tmp_path, text_dir, train={"steps": 4, "save_every": 4},
-                     efficientmoe={"dispatch": "balanced"})
-    Trainer(load_config(config, {"moe.dispatch": "grouped"}), str(tmp_path / "one")).run()
-    assert worker_main([config, "--out", str(tmp_path / "ep")]) == 0
-    one, ep = _losses(tmp_path / "one"), _losses(tmp_path / "ep")
+
+@pytest.fixture(scope="module")
+def one_rank_balanced_runs():
+    return workers.background_result("one_rank_balanced_runs")
+
+
+def test_one_rank_balanced_run_equals_the_one_process_trainer(one_rank_balanced_runs):
+    """W = 1 with dispatch balanced against the one-process trainer with grouped experts, 4
+    steps each in child processes (test_ep_train.one_rank_runs)."""
+    one, ep = _losses(one_rank_balanced_runs["one"]), _losses(one_rank_balanced_runs["balanced"])
     assert sorted(ep) == [1, 2, 3, 4]
     for step in one:
         np.testing.assert_allclose(ep[step], one[step], rtol=1e-5)
-    row = _rows(tmp_path / "ep", "train")[-1]
+    row = _rows(one_rank_balanced_runs["balanced"], "train")[-1]
     # one device: every row stays home, no copy, the buffer holds the mean share x 1.5
     assert [b["copies"] for b in row["balance"]] == [0, 0]
     assert row["balance"][0]["rows_per_device"] == [4 * 32 * 2]

@@ -7,6 +7,7 @@ reads tests/dist/check_ep_moe.py's results on 2 CPU workers (the session's one m
 the 2-worker checks, tests/workers.py) and compares with MoEFeedForward on the whole batch here.
 """
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -78,6 +79,25 @@ def grads(layer, x, dy):
     params = [layer.router.weight, layer.w1, layer.b1, layer.w2, layer.b2]
     dx, g = ms.grad(WeightedOutput(layer), grad_position=0, weights=params)(x, dy)
     return dx.asnumpy(), dict(zip(("router", "w1", "b1", "w2", "b2"), (a.asnumpy() for a in g)))
+
+
+def outputs_and_grads(layer, x, dy):
+    """([y, aux, counts, dropped] as numpy, grads(layer, x, dy))."""
+    return [a.asnumpy() for a in layer(x)], grads(layer, x, dy)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(skewed=False):
+    """outputs_and_grads of the dense reference layer (MoEFeedForward, capacity T) on
+    ``weights()`` and ``batch()`` (``skewed_inputs()`` if ``skewed``) in GRAPH_MODE, computed
+    once for the tests that compare their layers with it (two compiles each time otherwise)."""
+    w, x, dy = skewed_inputs() if skewed else (weights(), *batch())
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        return outputs_and_grads(dense_layer(w), x, dy)
+    finally:
+        ms.set_context(mode=mode)
 
 
 # --- static tables (numpy) --------------------------------------------------------------------
@@ -204,10 +224,12 @@ def test_one_replica_per_expert_with_room_for_all_tokens_equals_moe_feedforward(
     try:
         w = weights()
         x, dy = batch()
-        ref, ep = dense_layer(w), ep_layer(w, [0, 1, 2, 3], [T] * E)
-        for a, b in zip(ep(x), ref(x)):
-            np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
-        (dx, g), (dx_ref, g_ref) = grads(ep, x, dy), grads(ref, x, dy)
+        ep = ep_layer(w, [0, 1, 2, 3], [T] * E)
+        out_ref, (dx_ref, g_ref) = (reference() if mode == ms.GRAPH_MODE else
+                                    outputs_and_grads(dense_layer(w), x, dy))
+        for a, b in zip(ep(x), out_ref):
+            np.testing.assert_array_equal(a.asnumpy(), b)
+        dx, g = grads(ep, x, dy)
         np.testing.assert_allclose(dx, dx_ref, rtol=1e-6, atol=1e-7)
         for name in g:
             np.testing.assert_allclose(g[name], g_ref[name], rtol=1e-6, atol=1e-7)
@@ -335,14 +357,14 @@ def test_grouped_layer_with_room_for_every_row_equals_moe_feedforward(caps):
     """Outputs and every gradient equal the dropless static layer, expert 3 getting no token;
     a slot's capacity is only its share of the device buffer (slots of 1 row take 8+)."""
     w, x, dy = skewed_inputs()
-    ref, ep = dense_layer(w), grouped_layer(w, [0, 1, 2, 3], caps)
-    out, out_ref = ep(x), ref(x)
+    ep = grouped_layer(w, [0, 1, 2, 3], caps)
+    out, (out_ref, (dx_ref, g_ref)) = ep(x), reference(skewed=True)
     counts = out[2].asnumpy()
     assert counts[0, 3] == 0 and (counts[0, :3] > 1).all()
     assert int(out[3].asnumpy()) == 0
     for a, b in zip(out, out_ref):
-        np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-6, atol=1e-7)
-    (dx, g), (dx_ref, g_ref) = grads(ep, x, dy), grads(ref, x, dy)
+        np.testing.assert_allclose(a.asnumpy(), b, rtol=1e-6, atol=1e-7)
+    dx, g = grads(ep, x, dy)
     np.testing.assert_allclose(dx, dx_ref, rtol=1e-5, atol=1e-6)
     for name in g:
         np.testing.assert_allclose(g[name], g_ref[name], rtol=1e-5, atol=1e-6, err_msg=name)

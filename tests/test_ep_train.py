@@ -5,7 +5,6 @@ and ``--resume`` after kill -9 continuing with the same losses.
 """
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -95,41 +94,66 @@ def test_resume_of_a_state_without_plans_on_other_workers_is_refused(tmp_path, c
 # --- one rank in process ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def one_process_4_steps(tmp_path_factory, corpus_dir):
-    """The one-process trainer's 4 steps with grouped (dropless) experts: (corpus, run
-    folder). It ignores ``efficientmoe.dispatch``, so one run serves both dispatches below."""
-    from ms_efficient.core.config import load_config
-    from ms_efficient.train.trainer import Trainer
+_ONE_PROCESS = ("import sys\n"
+                "from ms_efficient.core.config import load_config\n"
+                "from ms_efficient.train.trainer import Trainer\n"
+                "Trainer(load_config(sys.argv[1], {'moe.dispatch': 'grouped'}), "
+                "sys.argv[2]).run()\n")
+_ONE_RANK = ("import sys\n"
+             "from ms_efficient.train.ep_worker import worker_main\n"
+             "sys.exit(worker_main(sys.argv[1:]))\n")
 
-    tmp = tmp_path_factory.mktemp("one_process")
-    config = _config(tmp, corpus_dir, train={"steps": 4, "save_every": 4})
-    Trainer(load_config(config, {"moe.dispatch": "grouped"}), str(tmp / "one")).run()
-    return corpus_dir, tmp / "one"
+
+def one_rank_runs(prefix, dispatches):
+    """The one-process trainer with grouped (dropless) experts (it ignores
+    ``efficientmoe.dispatch``: one run serves every dispatch) and the W = 1 expert-parallel
+    worker (``worker_main``, no msrun) with each of ``dispatches``, 4 steps of one config on
+    the same corpus, each in a child process (the background thread runs them while the
+    main thread runs other tests: tests/workers.py); {"one" or dispatch: run folder}."""
+    tmp = workers.temporary_dir(prefix)
+    corpus = write_corpus(tmp / "corpus")
+    runs, env = {}, _cli_env()
+    for name in ("one", *dispatches):
+        folder = tmp / name
+        folder.mkdir()
+        sections = {} if name == "one" else {"efficientmoe": {"dispatch": name}}
+        config = _config(folder, corpus, train={"steps": 4, "save_every": 4}, **sections)
+        runs[name] = folder / "run"
+        command = ([_ONE_PROCESS, config, runs[name]] if name == "one" else
+                   [_ONE_RANK, config, "--out", runs[name]])
+        proc = subprocess.run([sys.executable, "-c", *map(str, command)], env=env,
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return runs
+
+
+@workers.in_background("one_rank_ep_runs")
+def _one_rank_ep_runs():
+    return one_rank_runs("one_rank_ep_", ("grouped", "counts"))
+
+
+@pytest.fixture(scope="module")
+def one_rank_ep_runs():
+    return workers.background_result("one_rank_ep_runs")
 
 
 @pytest.mark.mindspore
 @pytest.mark.parametrize("dispatch", ["grouped", "counts"])
-def test_one_rank_expert_parallel_run_equals_the_one_process_trainer(tmp_path,
-                                                                     one_process_4_steps,
+def test_one_rank_expert_parallel_run_equals_the_one_process_trainer(one_rank_ep_runs,
                                                                      dispatch):
     """W = 1 (no msrun): the EP model, its gradient reducer and clipping against the
     one-process trainer with grouped (dropless) experts, same seed and batches; with
-    ``efficientmoe.dispatch`` grouped or counts (the count-driven exchange: the same rows)."""
-    from ms_efficient.train.ep_worker import worker_main
-
-    corpus, one_dir = one_process_4_steps
-    config = _config(tmp_path, corpus, train={"steps": 4, "save_every": 4},
-                     efficientmoe={"dispatch": dispatch})
-    assert worker_main([config, "--out", str(tmp_path / "ep")]) == 0
-    one, ep = _losses(one_dir), _losses(tmp_path / "ep")
+    ``efficientmoe.dispatch`` grouped or counts (the count-driven exchange: the same rows).
+    Both run in child processes (``one_rank_runs``)."""
+    one_dir, ep_dir = one_rank_ep_runs["one"], one_rank_ep_runs[dispatch]
+    one, ep = _losses(one_dir), _losses(ep_dir)
     assert sorted(ep) == [1, 2, 3, 4]
     for step in one:
         np.testing.assert_allclose(ep[step], one[step], rtol=1e-5)
-    state = json.loads((tmp_path / "ep" / "state.json").read_text())
+    state = json.loads((ep_dir / "state.json").read_text())
     assert state["world_size"] == 1 and len(state["plans"]) == 2
     assert all(p["dispatch"] == dispatch for p in state["plans"])
-    assert (tmp_path / "ep" / "ckpt" / "rank_0" / "step_000004.ckpt").is_file()
+    assert (ep_dir / "ckpt" / "rank_0" / "step_000004.ckpt").is_file()
 
 
 # --- 2 msrun workers -------------------------------------------------------------------------
@@ -144,22 +168,50 @@ def _cli_env():
     return env
 
 
+_RUN = {}           # the 2-worker runs' folder and config, made by the first that needs them
+
+
+def _two_workers_config():
+    """(folder, config) of the 2-worker runs below: one config for the session, written by
+    the first background function that needs it (both run in the one background thread)."""
+    if not _RUN:
+        tmp = workers.temporary_dir("ep_train_")
+        _RUN.update(tmp=tmp, config=_config(tmp, write_corpus(tmp / "corpus"), efficientmoe={
+            "enabled": True, "warmup_steps": 4, "replan_every": 4, "window": 4,
+            "force_replan_step": REPLAN_AT}))
+    return _RUN["tmp"], _RUN["config"]
+
+
 @workers.in_background("two_workers")
 def _two_workers_run():
     """The 2-worker run of ``two_workers`` (``ms-efficient train --workers 2`` in a child
     process, from the session's start: tests/workers.py): (config, run folder, seconds)."""
     if MSRUN is None:
         return None
-    tmp = workers.temporary_dir("ep_train_")
-    config = _config(tmp, write_corpus(tmp / "corpus"), efficientmoe={
-        "enabled": True, "warmup_steps": 4, "replan_every": 4, "window": 4,
-        "force_replan_step": REPLAN_AT})
+    tmp, config = _two_workers_config()
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "ms_efficient.cli", "train", config,
                            "--workers", "2", "--out", str(tmp / "ep")], env=_cli_env(),
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return config, tmp / "ep", time.perf_counter() - start
+
+
+@workers.in_background("two_workers_killed")
+def _two_workers_killed_run():
+    """The same config on 2 workers killed with SIGKILL (msrun, its scheduler and both
+    ranks) once its state.json reaches step KILL_AFTER, then ``train --resume`` of it (in
+    child processes, in the background: tests/workers.py); (run folder, the step state.json
+    named when the kill was sent, the resume's CompletedProcess)."""
+    if MSRUN is None:
+        return None
+    tmp, config = _two_workers_config()
+    part = tmp / "part"
+    reached = workers.run_and_kill(
+        [sys.executable, "-m", "ms_efficient.cli", "train", config, "--workers", "2", "--out",
+         part], part / "state.json", KILL_AFTER, poll_s=0.1, env=_cli_env())
+    # world size from state.json
+    return part, reached, workers.run_cli(["train", "--resume", part], env=_cli_env())
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +230,15 @@ def two_workers(tmp_path_factory):
     cfg = load_config(config, {"moe.dispatch": "grouped", "efficientmoe.enabled": False})
     Trainer(cfg, str(one)).run()
     return config, ep, one, (ep_s, time.perf_counter() - start)
+
+
+@pytest.fixture(scope="module")
+def two_workers_killed():
+    """(run folder, step at the kill, the resume's CompletedProcess) of the killed 2-worker
+    run (``_two_workers_killed_run``)."""
+    if MSRUN is None:
+        pytest.skip("msrun is not on PATH")
+    return workers.background_result("two_workers_killed")
 
 
 @pytest.mark.slow
@@ -238,33 +299,17 @@ def test_two_workers_replan_without_recompiling_and_save_every_rank(two_workers)
 
 @pytest.mark.slow
 @needs_msrun
-def test_resume_after_kill_9_continues_with_the_same_losses(two_workers, tmp_path):
+def test_resume_after_kill_9_continues_with_the_same_losses(two_workers, two_workers_killed):
     config, ep, _, _ = two_workers
-    part = tmp_path / "part"
-    proc = subprocess.Popen([sys.executable, "-m", "ms_efficient.cli", "train", config,
-                             "--workers", "2", "--out", str(part)], env=_cli_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    state_path, reached = part / "state.json", 0
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
-            if state_path.is_file():
-                reached = json.loads(state_path.read_text())["step"]
-                if reached >= KILL_AFTER:
-                    break
-            time.sleep(0.1)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)      # msrun, its scheduler and both ranks
-        proc.wait()
+    part, reached, resumed = two_workers_killed
+    state_path = part / "state.json"
     assert KILL_AFTER <= reached < STEPS, f"killed at step {reached}"
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     a, b = _losses(ep), _losses(part)
     # up to the kill the two runs are the same config run twice, the re-plan at REPLAN_AT
     # included: every logged loss is bit-identical
     assert REPLAN_AT < KILL_AFTER and all(b[s] == a[s] for s in range(1, reached + 1))
     assert [r["step"] for r in _rows(part, "replan")][:1] == [REPLAN_AT]
-    assert main(["train", "--resume", str(part)]) == 0           # world size from state.json
     a, b = _losses(ep), _losses(part)
     assert sorted(b) == list(range(1, STEPS + 1))
     for step in range(reached + 1, STEPS + 1):

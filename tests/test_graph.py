@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 
+import workers
 from ms_efficient.graph import (OpGraph, OpNode, contract_chains, graph_summary_table, load_graph,
                                 load_pipedream, parse_pipedream)
 from ms_efficient.graph.flops import op_flops, tensor_bytes
@@ -340,26 +341,28 @@ def test_from_network_rejects_an_unknown_mode(ms_graphs):
         from_network(nn.ReLU(), np.ones((2, 2), np.float32), mode="backward")
 
 
-@pytest.mark.mindspore
-def test_mindcv_graph_counts_every_parameter_and_reloads_from_its_cache(tmp_path):
-    # in a child process: mindcv's Cells otherwise outlive MindSpore at interpreter exit and
-    # print destructor errors after pytest's summary
+@workers.in_background("mindcv_graph")
+def _mindcv_graph():
+    """resnet18's graph twice (extracted, then from its cache) and an unknown model's error,
+    in a child process: mindcv's Cells otherwise outlive MindSpore at interpreter exit and
+    print destructor errors after pytest's summary. In the background (tests/workers.py);
+    None without mindcv (not imported here: see above)."""
+    import importlib.util
     import subprocess
     import sys
 
-    import importlib.util
-
-    if importlib.util.find_spec("mindcv") is None:     # not imported here: see above
-        pytest.skip("mindcv is not installed")
+    if importlib.util.find_spec("mindcv") is None:
+        return None
+    cache = str(workers.temporary_dir("mindcv_graph_"))
     code = f"""
 import json
 import mindcv
 from ms_efficient.models.zoo import mindcv_graph
-g = mindcv_graph("resnet18", image_size=32, batch=2, cache_dir={str(tmp_path)!r})
+g = mindcv_graph("resnet18", image_size=32, batch=2, cache_dir={cache!r})
 net = mindcv.create_model("resnet18", pretrained=False)
-c = mindcv_graph("resnet18", image_size=32, batch=2, cache_dir={str(tmp_path)!r})
+c = mindcv_graph("resnet18", image_size=32, batch=2, cache_dir={cache!r})
 try:
-    mindcv_graph("resnet-nine", cache_dir={str(tmp_path)!r})
+    mindcv_graph("resnet-nine", cache_dir={cache!r})
     err = ""
 except ValueError as e:
     err = str(e)
@@ -367,9 +370,19 @@ print(json.dumps({{"bytes": g.total_param_bytes, "expected": 4 * sum(p.size for 
                   net.get_parameters()), "meta": g.meta, "nodes": [len(g), len(c)],
                   "cached_bytes": c.total_param_bytes, "err": err}}))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         timeout=300)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def mindcv_graph():
+    return workers.background_result("mindcv_graph", skip_if_none="mindcv is not installed")
+
+
+@pytest.mark.mindspore
+def test_mindcv_graph_counts_every_parameter_and_reloads_from_its_cache(mindcv_graph):
+    out = mindcv_graph
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["bytes"] == got["expected"] == got["cached_bytes"]

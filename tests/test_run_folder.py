@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import ROOT, tiny_config_dict
+import workers
+from conftest import ROOT, tiny_config_dict, write_corpus
 from ms_efficient.cli import main
 from ms_efficient.train import checkpoint as ck
 
@@ -30,15 +31,19 @@ def _temporaries(run_dir):
             if n.startswith(".tmp-")]
 
 
-@pytest.fixture(scope="module")
-def config(tmp_path_factory, corpus_dir):
-    """6 steps, a checkpoint every 3 (steps 3 and 6 kept)."""
-    folder = tmp_path_factory.mktemp("cfg")
-    cfg = tiny_config_dict(corpus_dir, str(folder / "unused"))
+def _write_config(folder, corpus) -> str:
+    """6 steps, a checkpoint every 3 (steps 3 and 6 kept): FOLDER/tiny.yaml."""
+    cfg = tiny_config_dict(corpus, str(folder / "unused"))
     cfg["train"].update(steps=6, save_every=3, eval_every=3, log_every=3)
     path = folder / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory, corpus_dir):
+    """6 steps, a checkpoint every 3 (steps 3 and 6 kept)."""
+    return _write_config(tmp_path_factory.mktemp("cfg"), corpus_dir)
 
 
 @pytest.fixture(scope="module")
@@ -171,26 +176,45 @@ def test_resume_falls_back_from_a_corrupt_or_truncated_checkpoint(tmp_path, trai
         Trainer(load_config(os.path.join(run, "config.yaml")), run, resume=True)._restore()
 
 
+_KILL_MID_WRITE = (
+    "import os, signal, sys\n"
+    "from ms_efficient.train import checkpoint as ck\n"
+    "save = ck.save_checkpoint\n"
+    "def half_then_kill(path):\n"
+    "    with open(path, 'wb') as fh:\n"
+    "        fh.write(b'\\0' * (1 << 20))\n"
+    "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    "def patched(run_dir, step, write_fn, rank=None):\n"
+    "    return save(run_dir, step, half_then_kill if step == 6 else write_fn, rank)\n"
+    "ck.save_checkpoint = patched\n"
+    "from ms_efficient.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n")
+
+
+@workers.in_background("killed_mid_write")
+def _killed_mid_write():
+    """``train`` of ``config``'s settings in a child process SIGKILLed while step 6's
+    checkpoint is half written (in the background: tests/workers.py); (run folder, its
+    CompletedProcess)."""
+    folder = workers.temporary_dir("kill_mid_write_")
+    config = _write_config(folder, write_corpus(folder / "corpus"))
+    out = str(folder / "killed")
+    return out, subprocess.run([sys.executable, "-c", _KILL_MID_WRITE, "train", config,
+                                "--out", out], cwd=ROOT, env=_ENV, capture_output=True,
+                               timeout=300)
+
+
+@pytest.fixture(scope="module")
+def killed_mid_write():
+    return workers.background_result("killed_mid_write")
+
+
 def test_a_kill_during_a_checkpoint_write_resumes_exactly_and_leaves_no_temporary(
-        tmp_path, config, trained):
-    """SIGKILL while step 6's checkpoint is half written: the temporary is left, state.json
-    still names step 3; --resume removes the temporary and ends where the unbroken run did."""
-    out = str(tmp_path / "killed")
-    script = (
-        "import os, signal, sys\n"
-        "from ms_efficient.train import checkpoint as ck\n"
-        "save = ck.save_checkpoint\n"
-        "def half_then_kill(path):\n"
-        "    with open(path, 'wb') as fh:\n"
-        "        fh.write(b'\\0' * (1 << 20))\n"
-        "    os.kill(os.getpid(), signal.SIGKILL)\n"
-        "def patched(run_dir, step, write_fn, rank=None):\n"
-        "    return save(run_dir, step, half_then_kill if step == 6 else write_fn, rank)\n"
-        "ck.save_checkpoint = patched\n"
-        "from ms_efficient.cli import main\n"
-        "sys.exit(main(sys.argv[1:]))\n")
-    proc = subprocess.run([sys.executable, "-c", script, "train", config, "--out", out],
-                          cwd=ROOT, env=_ENV, capture_output=True, timeout=300)
+        killed_mid_write, trained):
+    """SIGKILL while step 6's checkpoint is half written (``_killed_mid_write``, the settings
+    of ``config``): the temporary is left, state.json still names step 3; --resume removes
+    the temporary and ends where the unbroken run did."""
+    out, proc = killed_mid_write
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert len(_temporaries(out)) == 1 and _state(out)["step"] == 3
     assert main(["train", "--resume", out]) == 0

@@ -2,11 +2,14 @@
 import json
 import os
 
+import sys
+
 import numpy as np
 import pytest
 import yaml
 
-from conftest import tiny_config_dict
+import workers
+from conftest import ROOT, tiny_config_dict, write_corpus
 from ms_efficient.cli import main
 from ms_efficient.moe.trace import load_trace
 from ms_efficient.train.trainer import lr_schedule
@@ -90,39 +93,51 @@ def test_resume_restores_the_checkpointed_state_bit_for_bit(tmp_path, text_dir):
         np.testing.assert_array_equal(p.asnumpy(), state[p.name], err_msg=p.name)
 
 
-@pytest.mark.slow
-def test_a_run_killed_with_sigkill_loses_at_most_one_checkpoint_interval(tmp_path, text_dir):
-    """SIGKILL the CLI after its first checkpoint, resume, and compare with an unbroken run."""
-    import signal
-    import subprocess
-    import sys
-    import time
+# long enough that the kill lands mid-run even on an idle machine: it follows the first
+# checkpoint (step 4) within a 20 ms poll, and the other 56 steps take ~2 s there (40 steps
+# with a 1 s pause before the kill did finish first once)
+KILL_STEPS = 60
 
-    from conftest import ROOT
 
-    # long enough that the kill lands mid-run even on an idle machine: it follows the first
-    # checkpoint (step 4) within a 20 ms poll, and the other 56 steps take ~2 s there (40
-    # steps with a 1 s pause before the kill did finish first once)
-    steps = 60
-    config = _write_config(tmp_path, text_dir, steps=steps, save_every=4, eval_every=steps,
-                           log_every=4)
-    killed = str(tmp_path / "killed")
-    cmd = [sys.executable, "-m", "ms_efficient.cli", "train", config, "--out", killed]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    state = os.path.join(killed, "state.json")
-    deadline = time.time() + 240
-    while time.time() < deadline and not os.path.exists(state):
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    with open(state) as fh:
+@workers.in_background("sigkilled_run")
+def _sigkilled_run():
+    """The CLI's training run SIGKILLed as soon as its first checkpoint is recorded
+    (state.json appears), then ``train --resume`` of it, and the unbroken run of the same
+    config: child processes, in the background (tests/workers.py). Returns the killed run's
+    state.json step and its trace's number of steps read right after the kill, the killed
+    and unbroken folders, and the resume's and the unbroken run's CompletedProcess."""
+    tmp = workers.temporary_dir("sigkill_")
+    config = _write_config(tmp, write_corpus(tmp / "corpus"), steps=KILL_STEPS, save_every=4,
+                           eval_every=KILL_STEPS, log_every=4)
+    killed, full = str(tmp / "killed"), str(tmp / "full")
+    workers.run_and_kill([sys.executable, "-m", "ms_efficient.cli", "train", config, "--out",
+                          killed], os.path.join(killed, "state.json"), 1, poll_s=0.02,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                             p for p in [ROOT, os.environ.get("PYTHONPATH")] if p)))
+    with open(os.path.join(killed, "state.json")) as fh:
         saved = json.load(fh)["step"]
+    trace_steps = load_trace(os.path.join(killed, "trace.npz")).num_steps
+    resumed = workers.run_cli(["train", "--resume", killed])
+    unbroken = workers.run_cli(["train", config, "--out", full])
+    return saved, trace_steps, killed, full, resumed, unbroken
+
+
+@pytest.fixture(scope="module")
+def sigkilled_run():
+    return workers.background_result("sigkilled_run")
+
+
+@pytest.mark.slow
+def test_a_run_killed_with_sigkill_loses_at_most_one_checkpoint_interval(sigkilled_run):
+    """SIGKILL the CLI after its first checkpoint, resume, and compare with an unbroken run
+    (``_sigkilled_run``: in child processes, in the background)."""
+    steps = KILL_STEPS
+    saved, trace_steps, killed, full, resumed, unbroken = sigkilled_run
     assert 4 <= saved < steps and saved % 4 == 0
     # every file is whole: the trace and metrics load, and end at the checkpoint's step or later
-    assert load_trace(os.path.join(killed, "trace.npz")).num_steps == saved
-    assert main(["train", "--resume", killed]) == 0
-    full = str(tmp_path / "full")
-    assert main(["train", config, "--out", full]) == 0
+    assert trace_steps == saved
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert unbroken.returncode == 0, unbroken.stdout[-3000:] + unbroken.stderr[-3000:]
     a = load_trace(os.path.join(full, "trace.npz")).counts
     b = load_trace(os.path.join(killed, "trace.npz")).counts
     assert a.shape == b.shape == (steps, 2, 2, 4)

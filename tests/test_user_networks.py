@@ -15,6 +15,7 @@ import mindspore as ms
 from mindspore import nn
 
 import ms_efficient
+import workers
 from ms_efficient.core.config import config_from_dict
 from tests.user_models import llama_with_loss
 
@@ -167,13 +168,7 @@ def test_a_bad_memory_budget_names_the_field():
         config_from_dict({"optimize": {"memory_budget": "lots"}})
 
 
-def test_mindcv_resnet18_is_planned_by_its_residual_blocks_and_still_trains(tmp_path):
-    # in a child process: mindcv's Cells otherwise outlive MindSpore at interpreter exit
-    import importlib.util
-
-    if importlib.util.find_spec("mindcv") is None:
-        pytest.skip("mindcv is not installed")
-    code = """
+_MINDCV_RESNET18 = """
 import json
 import numpy as np
 import mindcv
@@ -205,9 +200,28 @@ print(json.dumps({"units": [l["name"] for l in plans["memopt"]["layers"]],
                   "shard_budget": plans["shard"]["comm_budget_s"],
                   "shard_baselines": plans["shard"]["baselines"]}))
 """
+
+
+@workers.in_background("mindcv_resnet18")
+def _mindcv_resnet18():
+    """_MINDCV_RESNET18 in a child process (mindcv's Cells otherwise outlive MindSpore at
+    interpreter exit), in the background (tests/workers.py); None without mindcv."""
+    import importlib.util
+
+    if importlib.util.find_spec("mindcv") is None:
+        return None
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=root, timeout=600)
+    return subprocess.run([sys.executable, "-c", _MINDCV_RESNET18], capture_output=True,
+                          text=True, cwd=root, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def mindcv_resnet18():
+    return workers.background_result("mindcv_resnet18", skip_if_none="mindcv is not installed")
+
+
+def test_mindcv_resnet18_is_planned_by_its_residual_blocks_and_still_trains(mindcv_resnet18):
+    out = mindcv_resnet18
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     blocks = [f"_backbone.layer{i}.{j}" for i in range(1, 5) for j in range(2)]

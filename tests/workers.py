@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -137,6 +138,51 @@ def stop_checks() -> None:
         _job.proc.wait()
 
 
+_KILL_WATCHER = """
+import json, os, signal, subprocess, sys, time
+state, step, poll_s, timeout_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+proc = subprocess.Popen(sys.argv[5:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                        start_new_session=True)
+reached, deadline = 0, time.monotonic() + timeout_s
+try:
+    while time.monotonic() < deadline and proc.poll() is None:
+        if os.path.isfile(state):
+            with open(state) as fh:
+                reached = json.load(fh)["step"]
+            if reached >= step:
+                break
+        time.sleep(poll_s)
+finally:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+print(reached)
+"""
+
+
+def run_and_kill(command, state_path, step: int, poll_s: float, env=None,
+                 timeout_s: float = 240) -> int:
+    """Start ``command`` (in its own process group) and SIGKILL that group once
+    ``state_path`` (a run's state.json) names ``step`` or a later one; the step it named
+    (0 if it never appeared). The polling and the kill are done by a small watcher process,
+    not by this thread: a background thread could be held back by the main thread's
+    MindSpore calls and kill late."""
+    out = subprocess.run([sys.executable, "-c", _KILL_WATCHER, str(state_path), str(step),
+                          str(poll_s), str(timeout_s), *map(str, command)], env=env,
+                         capture_output=True, text=True, timeout=timeout_s + 60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return int(out.stdout.split()[-1])
+
+
+def run_cli(args, env=None, cwd=None) -> subprocess.CompletedProcess:
+    """``python -m ms_efficient.cli ARGS`` in a child process with this repository first on
+    PYTHONPATH (stdout and stderr captured)."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)
+    return subprocess.run([sys.executable, "-m", "ms_efficient.cli", *map(str, args)], env=env,
+                          cwd=cwd, capture_output=True, text=True)
+
+
 _BACKGROUND = {}             # fixture name -> the function computing its value
 _FUTURES = {}                # fixture name -> its Future, once queued
 _POOL = None                 # the thread that computes them
@@ -180,14 +226,38 @@ def start_background(fixture_names) -> None:
         _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background")
     for name in fixture_names:
         if name in _BACKGROUND and name not in _FUTURES:
-            _FUTURES[name] = _POOL.submit(_BACKGROUND[name])
+            _FUTURES[name] = _POOL.submit(_timed, name)
 
 
-def background_result(fixture_name: str):
+_TIMES = {}                  # fixture name -> (start, end) of its computation (perf_counter)
+_T0 = time.perf_counter()    # about when the session started (this module's import)
+
+
+def _timed(name: str):
+    start = time.perf_counter()
+    try:
+        return _BACKGROUND[name]()
+    finally:
+        _TIMES[name] = (start - _T0, time.perf_counter() - _T0)
+
+
+def timeline() -> str:
+    """When each background computation ran, in seconds from the session's start (the
+    terminal summary shows it: whether the background thread or the main one sets the
+    session's length)."""
+    return ", ".join(f"{name} {a:.0f}-{b:.0f} s" for name, (a, b) in
+                     sorted(_TIMES.items(), key=lambda kv: kv[1]))
+
+
+def background_result(fixture_name: str, skip_if_none: str = ""):
     """The value of a registered computation (queueing it if nobody has); re-raises its
-    exception."""
+    exception. A None value skips the test with the reason ``skip_if_none`` if one is given
+    (the computation found nothing to run, e.g. an optional package missing)."""
     start_background([fixture_name])
-    return _FUTURES[fixture_name].result()
+    value = _FUTURES[fixture_name].result()
+    if value is None and skip_if_none:
+        pytest.skip(skip_if_none)
+    return value
 
 
 @in_background("dist_checks")
