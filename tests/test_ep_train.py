@@ -330,7 +330,10 @@ def test_efficientmoe_callback_replaces_expert_parallel_layers_in_model_train(di
     results = [dist_checks / "check_ep_callback" / f"callback_rank{r}.json" for r in range(2)]
     assert all(p.is_file() for p in results)
     ranks = [json.loads(p.read_text()) for p in results]
-    assert ranks[0]["plans"] == ranks[1]["plans"]
+    # every rank applied the same re-plans (the seconds each took are its own measurement)
+    same = [[{k: v for k, v in r.items() if k != "seconds"} for r in rank["plans"]]
+            for rank in ranks]
+    assert same[0] == same[1]
     records = ranks[0]["plans"]
     assert FORCE_STEP in [r["step"] for r in records]
     assert len(ranks[0]["state_names"]) == 8          # Adam's m and v of w1, b1, w2, b2
