@@ -11,9 +11,10 @@ simulator (``ms_efficient.efficientmoe.two_level``) replays it on a trace:
 
     Step 1 (home split): an expert held by one home slot computes all its tokens there;
         an expert held by several (a redundant home replica) starts from an even split and
-        is water-filled over its holders, largest expert first, twice: its tokens go to the
-        least-loaded holders until they reach one level (the largest device load as small
-        as those copies allow, never above the even split's).
+        is water-filled over its holders, largest expert first, in rounds until a round
+        moves nothing (at most ``SPLIT_ROUNDS``): its tokens go to the least-loaded holders
+        until they reach one level (the largest device load as small as those copies allow,
+        never above the even split's).
     Step 2 (copies): while the busiest device is above the mean load, the largest expert
         piece on it is copied into a free spare slot of the device that does not hold that
         expert with the least load plus copy cost, and the expert is water-filled again over
