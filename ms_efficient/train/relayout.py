@@ -27,6 +27,7 @@ from typing import List, Sequence
 
 import numpy as np
 
+from ms_efficient.moe.ep_routing import expert_sources
 from ms_efficient.moe.plan import ExpertPlan
 
 __all__ = ["rank_slots", "home_slots", "check_run_plan", "gather_experts", "scatter_experts",
@@ -45,18 +46,18 @@ def rank_slots(plan: ExpertPlan, rank: int) -> np.ndarray:
 
 def home_slots(plan: ExpertPlan, num_experts: int, where: str = "expert plan") -> np.ndarray:
     """int64 [E]: the home copy of every expert, the slot read for it: its replica on the
-    lowest rank holding it, first row there (the source :func:`~ms_efficient.moe.ep_routing.
-    expert_sources` uses). ValueError (naming the plan as ``where``) unless every expert
-    0..E-1, and no other, has a slot."""
+    lowest rank holding it, first row there (:func:`~ms_efficient.moe.ep_routing.
+    expert_sources`, the rule the layer reads logical weights by). ValueError (naming the
+    plan as ``where``) unless every expert 0..E-1, and no other, has a slot."""
     replicas = plan.replica_counts(num_experts)
     if replicas.size > num_experts or (replicas == 0).any():
         raise ValueError(f"{where} 'slot_expert' {plan.slot_expert.tolist()} must name "
                          f"every expert 0..{num_experts - 1} at least once and no other.")
     home = np.empty(num_experts, dtype=np.int64)
-    for e in range(num_experts):
-        slots = plan.replicas_of(e)
-        # lexicographic (device, slot id): the rows of a rank are in ascending slot id
-        home[e] = slots[np.lexsort((slots, plan.slot_device[slots]))[0]]
+    for rank in np.unique(plan.slot_device):           # the layer's own rule, rank by rank
+        source = expert_sources(plan, num_experts, int(rank))
+        mine = source >= 0
+        home[mine] = rank_slots(plan, int(rank))[source[mine]]
     return home
 
 
