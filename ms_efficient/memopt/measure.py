@@ -306,5 +306,5 @@ def _child(spec: Dict[str, Any]) -> Dict[str, float]:
             "load_avg_1min": os.getloadavg()[0]}
 
 
-if __name__ == "__main__":
-    print(json.dumps(_child(json.loads(sys.argv[1]))))
+if __name__ == "__main__":      # the child's one JSON line on stdout, read by the parent
+    sys.stdout.write(json.dumps(_child(json.loads(sys.argv[1]))) + "\n")
