@@ -8,6 +8,7 @@ from mindspore import Tensor
 
 import workers
 from test_ep_layer import E, F, H, K, T, batch, dense_layer, grads, reference, weights
+from ms_efficient.efficientmoe.layout import migration_bytes_WW
 from ms_efficient.moe.balance import balance_step, home_plan
 from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE, fast_level_tables
 
@@ -95,7 +96,9 @@ def test_w_workers_with_per_step_copies_equal_one_process(balanced_layer_runs, w
     every step (asserted), yet every rank's outputs and input gradients, the router gradient
     summed over ranks and every home expert's gradient (its own rows plus the gradients its
     copies sent back) equal MoEFeedForward on the whole batch, and after 3 Adam steps every
-    home slot's weights equal the one-process run's. The buffers never change shape."""
+    home slot's weights equal the one-process run's, although the home experts were re-placed
+    after the first step (weights and Adam moments moved across ranks). The buffers never
+    change shape."""
     wk = workers.load_script("check_balanced_ep")
     assert (wk.E, wk.H, wk.F, wk.K) == (E, H, F, K)       # test_ep_layer's reference sizes
     ref = dense_layer(wk.logical_weights(), capacity=world * wk.T_LOCAL, trace_ranks=world)
@@ -124,7 +127,15 @@ def test_w_workers_with_per_step_copies_equal_one_process(balanced_layer_runs, w
     trained_ref = {name: p.asnumpy() for name, p in zip(wk.PARAM_NAMES, params)}
 
     res = [np.load(balanced_layer_runs[world] / f"rank{r}.npz") for r in range(world)]
-    home = wk.home_table(world)
+    home, after = wk.home_table(world), wk.home_after(world)
+    # the re-plan moved every slot across ranks, as the simulator charges it
+    slots = home.size
+    charged = migration_bytes_WW(home[None], after[None], 1.0)
+    for r in res:
+        assert r["home_after"].tolist() == after.tolist()
+        moved_slots, sent_rows, moved_bytes, row_bytes = r["migration"]
+        assert moved_slots == sent_rows == slots == charged.sum()
+        assert moved_bytes == slots * row_bytes * 3                 # weights + 2 Adam moments
     assert all(int(r["stats"][0]) > 0 for r in res)                   # copies were made
     assert all(int(r[f"stats_{i}"][0]) > 0 for r in res for i in range(1, wk.TRAIN_STEPS))
     assert all(r["buffer_rows"].tolist() == [wk.buffers(world)[0]] * wk.TRAIN_STEPS
@@ -140,7 +151,7 @@ def test_w_workers_with_per_step_copies_equal_one_process(balanced_layer_runs, w
         for name in ("w1", "b1", "w2", "b2"):
             np.testing.assert_allclose(got[f"grad_{name}"], g_ref[name][home[rank]],
                                        rtol=1e-4, atol=1e-5, err_msg=f"{world} {name}")
-            np.testing.assert_allclose(got[f"trained_{name}"], trained_ref[name][home[rank]],
+            np.testing.assert_allclose(got[f"trained_{name}"], trained_ref[name][after[rank]],
                                        rtol=1e-4, atol=1e-5, err_msg=f"{world} {name}")
 
 
@@ -151,3 +162,60 @@ def test_the_fast_level_refuses_a_target_it_has_no_kernel_for(monkeypatch):
     monkeypatch.setattr(backend, "device_target", lambda: "Ascend")
     with pytest.raises(ValueError, match="host op on CPU only .its Ascend kernel is not built"):
         FastLevel(2, 4, 1, np.array([8, 8]), None, None)
+
+
+def _adam_steps(layer, steps, replan_after=None, new_home=None, move_state=True):
+    """``steps`` Adam steps of sum(y * dy) on the batch of every step; with ``replan_after``,
+    ``set_plan(home_plan(new_home))`` between that step and the next, with the optimizer
+    (``move_state``) or without (the weights move, the moments stay in their slots)."""
+    params = [layer.router.weight, layer.w1, layer.b1, layer.w2, layer.b2]
+
+    class Loss(ms.nn.Cell):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def construct(self, x, dy):
+            return (self.inner(x)[0] * dy).sum()
+
+    optimizer = ms.nn.Adam(params, learning_rate=1e-2)
+    step = ms.nn.TrainOneStepCell(Loss(layer), optimizer)
+    for i in range(steps):
+        step(*batch(seed=i))
+        if replan_after == i:
+            layer.set_plan(home_plan(np.array(new_home), E), optimizer if move_state else None)
+    return layer
+
+
+def test_set_plan_moves_weights_and_adam_moments_so_training_continues_exactly():
+    """One rank, 4 home slots: the home table is permuted after the first of 3 Adam steps
+    (every slot gets another slot's expert, a local copy each): every expert's weights
+    after the 3 steps equal those of the run that kept its table, which needs its Adam
+    moments to have moved with it; the one-rank migration sends nothing."""
+    w = weights()
+    kept = _adam_steps(balanced(w, home=((0, 1, 2, 3),), buffer=(K * T,)), 3)
+    moved = _adam_steps(balanced(w, home=((0, 1, 2, 3),), buffer=(K * T,)), 3,
+                        replan_after=0, new_home=((2, 3, 0, 1),))
+    assert moved.home_table.asnumpy().tolist() == [[2, 3, 0, 1]]
+    assert moved.last_migration.moved_slots == 4 and moved.last_migration.sent_rows == 0
+    for name in ("w1", "b1", "w2", "b2"):
+        np.testing.assert_allclose(getattr(moved, name).asnumpy(),
+                                   getattr(kept, name).asnumpy()[[2, 3, 0, 1]],
+                                   rtol=1e-6, atol=1e-7, err_msg=name)
+    # without the optimizer's moments the continued training differs (the check can fail)
+    stale = _adam_steps(balanced(w, home=((0, 1, 2, 3),), buffer=(K * T,)), 3,
+                        replan_after=0, new_home=((2, 3, 0, 1),), move_state=False)
+    assert not np.allclose(stale.w1.asnumpy(), moved.w1.asnumpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_set_plan_refuses_a_table_that_drops_an_expert_or_overfills_a_device():
+    from ms_efficient.moe.plan import ExpertPlan
+
+    layer = balanced(weights(), home=((0, 1, 2, 3),))
+    no_three = ExpertPlan(np.array([0, 1, 2, 2]), np.zeros(4, np.int64), np.zeros(4, np.int64),
+                          dispatch="grouped")
+    with pytest.raises(ValueError, match=r"experts \[3\] have none"):
+        layer.set_plan(no_three)
+    with pytest.raises(ValueError, match="'budget'"):
+        layer.set_plan(home_plan(np.array([[0, 1, 2, 3, 0]]), E))
+    assert layer.home_table.asnumpy().tolist() == [[0, 1, 2, 3]]       # nothing half-done

@@ -1,7 +1,8 @@
 """``train --workers W`` with ``efficientmoe.dispatch: balanced`` (BalancedExpertParallelMoE,
 the fast level every step): one rank in process against the one-process trainer, and (slow)
-2 and 4 msrun workers: loss per step equal to the one-process run with copies made, the fast
-level's figures on every log line, receive buffers that never change."""
+2 and 4 msrun workers: loss per step equal to the one-process run with copies made and the
+home experts re-placed once (the slow level, forced at step 6), the fast level's figures on
+every log line, receive buffers that never change."""
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ from test_ep_train import MSRUN, _cli_env, _config, _losses, _rows, needs_msrun,
 from ms_efficient.cli import main
 
 STEPS = 20
+REPLAN_STEP = 6           # the slow level re-places the home experts after this step
 
 
 @workers.in_background("one_rank_balanced_runs")
@@ -42,15 +44,6 @@ def test_one_rank_balanced_run_equals_the_one_process_trainer(one_rank_balanced_
     assert row["balance"][0]["buffer_rows"] == [4 * 32 * 2 * 3 // 2]
 
 
-def test_balanced_dispatch_refuses_online_replans(tmp_path, text_dir, capsys):
-    config = _config(tmp_path, text_dir, efficientmoe={"dispatch": "balanced",
-                                                       "enabled": True})
-    assert main(["train", config, "--workers", "2", "--out", str(tmp_path / "x")]) == 2
-    assert "'efficientmoe.enabled' must be false with dispatch 'balanced'" in \
-        capsys.readouterr().err
-    assert not os.path.exists(tmp_path / "x")
-
-
 @workers.in_background("balanced_runs")
 def _balanced_runs():
     """The msrun runs of ``balanced_runs`` (child processes, from the session's start:
@@ -59,7 +52,10 @@ def _balanced_runs():
         return None
     tmp = workers.temporary_dir("ep_balanced_")
     config = _config(tmp, write_corpus(tmp / "corpus"), train={"steps": STEPS},
-                     efficientmoe={"dispatch": "balanced"})
+                     efficientmoe={"dispatch": "balanced", "enabled": True,
+                                   "force_replan_step": REPLAN_STEP},
+                     # the slow level prices 4 ranks: 4 worker processes on this host
+                     cluster={"preset": "cpu-local", "devices_per_node": 4})
     runs = {}
     for name in (2, 4, "2-again"):          # the 2-worker run twice: reproducibility
         runs[name] = tmp / f"ep{name}"
@@ -82,7 +78,8 @@ def balanced_runs(tmp_path_factory):
 
     config, runs = workers.background_result("balanced_runs")
     one = tmp_path_factory.mktemp("ep_balanced") / "one"
-    Trainer(load_config(config, {"moe.dispatch": "grouped"}), str(one)).run()
+    Trainer(load_config(config, {"moe.dispatch": "grouped", "efficientmoe.enabled": False}),
+            str(one)).run()
     return runs, one
 
 
@@ -107,13 +104,24 @@ def test_balanced_workers_match_the_one_process_loss_with_copies(balanced_runs, 
             assert max(b["rows_per_device"]) <= b["buffer_rows"][0]
     state = json.loads((runs[world] / "state.json").read_text())
     assert state["world_size"] == world
+    # the slow level's forced re-plan moved home experts (weights and Adam moments) between
+    # steps 6 and 7 without recompiling, and the losses above still equal one process
+    (replan,) = _rows(runs[world], "replan")
+    assert replan["step"] == REPLAN_STEP and replan["what"] == "home experts"
+    assert replan["recompiled"] is False and replan["moved_slots"] > 0
+    expert_bytes = 4 * (2 * 32 * 64 + 64 + 32)
+    assert replan["moved_bytes"] % expert_bytes == 0 and replan["moved_bytes"] > 0
+    assert replan["state_bytes"] == 2 * replan["moved_bytes"]
+    homes = [np.array(p["slot_expert"]) for p in state["plans"]]
+    assert all(sorted(set(h.tolist())) == list(range(4)) for h in homes)     # 4 experts
 
 
 @pytest.mark.slow
 @needs_msrun
 def test_two_identical_balanced_runs_are_bit_identical(balanced_runs):
-    """The same config twice on 2 workers, per-step copies included: every logged loss and
-    every rank's final checkpoint (weights and Adam moments) are equal bit for bit."""
+    """The same config twice on 2 workers, per-step copies and a home re-plan included: every
+    logged loss and every rank's final checkpoint (weights and Adam moments) are equal bit
+    for bit."""
     import mindspore as ms
 
     runs, _ = balanced_runs

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from ms_efficient.core.config import EfficientMoEConfig, RunConfig
-from ms_efficient.efficientmoe.levels import quantize_levels
+from ms_efficient.efficientmoe.capacity import quantize_levels
 from ms_efficient.efficientmoe.planner import (capacities_LE, one_device_counts,
                                                one_device_planner, single_device_plans)
 from ms_efficient.efficientmoe.planner import ReplanLoop

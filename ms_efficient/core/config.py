@@ -206,6 +206,12 @@ class EfficientMoEConfig:
     # (home experts, `moe.slots_per_device` minus ceil(E / W) spare slots, receive buffers)
     # balanced every step from that step's exact counts, hot experts copied into spare slots.
     dispatch: str = "grouped"
+    # With `enabled`, a "balanced" run also re-places its home experts during the run (the
+    # slow level): every `replan_every` steps after `warmup_steps`, when the new home table's
+    # modelled gain over the next `replan_every` steps pays for moving the changed experts'
+    # weights and Adam moments (efficientmoe.layout.decide_home, the rule `bench moe`'s
+    # `efficientmoe` row replays); no shape changes, no recompile. Without it the home table
+    # is the first compile's for the whole run (`bench moe`'s `efficientmoe-fixed-home`).
     # "balanced" runs: each device's receive buffer is its mean share x (1 + buffer_slack),
     # fixed at the first compile (no history trace); with `history`, priced from that trace
     # (efficientmoe.layout). Rows above every holder's buffer are dropped and counted.
@@ -218,11 +224,6 @@ class EfficientMoEConfig:
             _fail(f"{path}.dispatch", self.dispatch, "one of ['grouped', 'counts', 'balanced']")
         if not 0.0 <= self.buffer_slack <= 64.0:
             _fail(f"{path}.buffer_slack", self.buffer_slack, "in [0, 64]")
-        if self.dispatch == "balanced" and self.enabled:
-            _fail(f"{path}.enabled", self.enabled,
-                  "false with dispatch 'balanced' (the fast level balances every step; "
-                  "re-placing its home experts during a run is not built yet: plan the "
-                  "layout from a trace with `efficientmoe.history` instead)")
         if not isinstance(self.history, str):
             _fail(f"{path}.history", self.history, "a path string or ''")
         if self.history and not os.path.isfile(history_trace_path(self.history)):

@@ -37,8 +37,10 @@ How it is planned (:func:`plan_layout`), every step a pure function of the trace
         a load seen in the recent trace by more than the margin).
 
 A re-plan (:func:`replan_home`) repeats steps 1-2 with the same split and keeps the buffers;
-it is adopted when the replayed gain over its horizon pays for moving the weights
-(:func:`migration_bytes_WW`). No MindSpore import here.
+it is adopted when the replayed gain over its horizon pays for moving the weights and
+optimizer state (:func:`decide_home`, the rows :func:`~ms_efficient.moe.ep_migration.
+migrate_rows` moves): the one rule of the simulator and of training. No MindSpore import
+here.
 """
 from __future__ import annotations
 
@@ -52,12 +54,14 @@ import yaml
 from ms_efficient.core.fileio import atomic_write_text
 from ms_efficient.efficientmoe.balanced_cost import (balanced_cost, copy_cost_rows_WW,
                                                      home_sync_time_L)
-from ms_efficient.efficientmoe.cost import CostModel
+from ms_efficient.efficientmoe.cost import CostModel, uneven_alltoall_time_s
+from ms_efficient.moe.ep_migration import migrate_rows
 from ms_efficient.moe.balance import (BalancedSpec, balance_step, holders_of, home_split,
                                       water_fill)
 
 __all__ = ["Layout", "LayoutConfig", "plan_layout", "place_home", "refine_home", "uniform_home",
-           "replan_home", "migration_bytes_WW", "size_buffers", "replay_cost_s",
+           "replan_home", "migration_bytes_WW", "migration_time_s", "HomeDecision",
+           "decide_home", "size_buffers", "replay_cost_s",
            "save_layout", "load_layout", "training_specs"]
 
 
@@ -443,22 +447,82 @@ def plan_layout(history_TLRE: np.ndarray, model: CostModel,
                   slack_L=slack, redundant=redundant, method=method)
 
 
-def migration_bytes_WW(old_LWS: np.ndarray, new_LWS: np.ndarray,
-                       bytes_per_slot: float) -> np.ndarray:
-    """Bytes to move from home table ``old`` to ``new``: float64 [W, W] [src, dst]. A new home
-    slot of expert e on device d is free when d held e before; otherwise its weights and
-    optimizer state (``bytes_per_slot``) come from a device that held e (the lowest id)."""
-    num_layers, num_devices, _ = old_LWS.shape
+def migration_bytes_WW(old_LWS: np.ndarray, new_LWS: np.ndarray, bytes_per_slot: float,
+                       devices_per_node: Optional[int] = None) -> np.ndarray:
+    """Bytes to move from home table ``old`` to ``new``: float64 [W, W] [src, dst], summed over
+    layers. Per layer, the rows :func:`~ms_efficient.moe.ep_migration.migrate_rows` moves
+    (what :meth:`~ms_efficient.moe.balanced_ep.BalancedExpertParallelMoE.set_plan` sends): a
+    new home slot of expert e on device d is free when d held e before; otherwise its weights
+    and optimizer state (``bytes_per_slot``) come from a device of d's node that held e, else
+    the lowest id, once per destination."""
+    old_LWS, new_LWS = np.asarray(old_LWS), np.asarray(new_LWS)
+    num_devices = old_LWS.shape[1]
     moved = np.zeros((num_devices, num_devices))
-    for layer in range(num_layers):
-        for d in range(num_devices):
-            had = set(old_LWS[layer, d].tolist())
-            for e in new_LWS[layer, d]:
-                if e < 0 or e in had:
-                    continue
-                src = int(np.flatnonzero((old_LWS[layer] == e).any(axis=1))[0])
-                moved[src, d] += bytes_per_slot
+    for before, after in zip(old_LWS, new_LWS):
+        if not np.array_equal(before, after):
+            moved += migrate_rows(before, after, devices_per_node).rows_WW * bytes_per_slot
     return moved
+
+
+def migration_time_s(old: Layout, new: Layout, model: CostModel, bytes_per_param: float = 4.0,
+                     optimizer_states: int = 2) -> float:
+    """Seconds to move the weights and optimizer state of the home slots that change
+    (float32 weights plus ``optimizer_states`` tensors per parameter, as the trainer keeps
+    them), all layers at once over the cluster's links (one uneven All-to-All)."""
+    per_slot = model.expert_params * bytes_per_param * (1 + optimizer_states)
+    moved = migration_bytes_WW(old.home_LWS, new.home_LWS, per_slot,
+                               model.cluster.devices_per_node)
+    full = np.zeros((model.cluster.num_devices,) * 2)
+    full[:moved.shape[0], :moved.shape[1]] = moved
+    return uneven_alltoall_time_s(full, model.cluster)
+
+
+@dataclass(frozen=True)
+class HomeDecision:
+    """One slow-level re-plan check (:func:`decide_home`).
+
+    candidate: the layout it proposes (the current one's spare slots and buffers).
+    gain_s: modelled seconds per step the candidate saves on the recent rows (may be < 0;
+        NaN when adopted whatever the gain, which does not replay it).
+    cost_s: modelled seconds to move the changed home slots' weights and optimizer state.
+    adopt: whether to switch; reason: why, in words (logged and recorded).
+    """
+
+    candidate: Layout
+    gain_s: float
+    cost_s: float
+    adopt: bool
+    reason: str
+
+
+def decide_home(history_TLRE: np.ndarray, layout: Layout, config: LayoutConfig,
+                model: CostModel, horizon_steps: float, always: bool = False) -> HomeDecision:
+    """Whether to re-place the home experts now: the candidate of :func:`replan_home` on
+    ``history_TLRE`` (int [T, L, R, E], the rows so far), adopted when its replayed gain per
+    step on the last ``config.window`` rows times ``horizon_steps`` (training steps until the
+    next check) exceeds the migration's modelled seconds (:func:`migration_time_s`);
+    ``always`` (EPLB's schedule, or a forced re-plan) adopts any candidate that moves
+    something. The one rule of the simulator (:mod:`~ms_efficient.efficientmoe.two_level`)
+    and of training (:mod:`~ms_efficient.efficientmoe.home_replanner`)."""
+    history = np.asarray(history_TLRE, dtype=np.int64)
+    candidate = replan_home(history, layout, config, model.cluster.devices_per_node)
+    if np.array_equal(candidate.home_LWS, layout.home_LWS):
+        return HomeDecision(candidate, 0.0, 0.0, False,
+                            "the slow level proposes the current home table")
+    cost_s = migration_time_s(layout, candidate, model)
+    if always:                     # the gain is not needed: not replayed (NaN)
+        return HomeDecision(candidate, float("nan"), cost_s, True,
+                            "re-placed whatever the gain")
+    recent = history[-config.window:]
+    gain_s = (replay_cost_s(recent, layout.home_LWS, layout.spare_W, model, layout.buffer_LW)[0]
+              - replay_cost_s(recent, candidate.home_LWS, candidate.spare_W, model,
+                              layout.buffer_LW)[0])
+    adopt = gain_s * horizon_steps > cost_s
+    verdict = "pays" if adopt else "does not pay"
+    return HomeDecision(candidate, gain_s, cost_s, adopt,
+                        f"the new home table {verdict}: {gain_s * 1e3:.3f} ms per step x "
+                        f"{horizon_steps:g} steps against {cost_s * 1e3:.3f} ms of migration "
+                        f"(modelled)")
 
 
 def replan_home(history_TLRE: np.ndarray, layout: Layout, config: LayoutConfig,

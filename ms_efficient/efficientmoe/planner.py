@@ -25,7 +25,7 @@ source rank, expert]):
 
 Its neighbours, one concept each: :mod:`~ms_efficient.efficientmoe.sampler` records the
 history, :class:`~ms_efficient.efficientmoe.predictor.Forecaster` forecasts it (step 1),
-:mod:`~ms_efficient.efficientmoe.levels` quantizes capacities (step 3),
+:func:`~ms_efficient.efficientmoe.capacity.quantize_levels` quantizes capacities (step 3),
 :mod:`~ms_efficient.efficientmoe.schedule` prices a re-plan (steps 4-5) and
 :class:`~ms_efficient.efficientmoe.planner.ReplanLoop` says when to check: the first plan
 (free: before the first compile), then every ``check_rows`` rows, and as soon as the drop
@@ -43,9 +43,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ms_efficient.efficientmoe.capacity import expected_expert_drop_rate, expected_pair_drop_rate
+from ms_efficient.efficientmoe.capacity import (expected_expert_drop_rate, expected_pair_drop_rate,
+                                                quantize_levels)
 from ms_efficient.efficientmoe.cost import CostModel, check_rank_device, layer_cost
-from ms_efficient.efficientmoe.levels import quantize_levels
 from ms_efficient.efficientmoe.placement import (PlacementConfig, default_slots_per_device,
                                                  device_bound, plan_layer)
 from ms_efficient.efficientmoe.predictor import PREDICTOR_NAMES, Forecaster

@@ -40,12 +40,11 @@ import numpy as np
 
 from ms_efficient.efficientmoe.balanced_cost import (balanced_cost, copy_cost_rows_WW,
                                                      home_sync_time_L)
-from ms_efficient.efficientmoe.cost import CostModel, uneven_alltoall_time_s
-from ms_efficient.efficientmoe.layout import (Layout, LayoutConfig, migration_bytes_WW,
-                                              plan_layout, replan_home, replay_cost_s)
+from ms_efficient.efficientmoe.cost import CostModel
+from ms_efficient.efficientmoe.layout import LayoutConfig, decide_home, plan_layout
 from ms_efficient.moe.balance import balance_step
 
-__all__ = ["TWO_LEVEL_METHODS", "layout_config_for", "replay_two_level", "migration_time_s"]
+__all__ = ["TWO_LEVEL_METHODS", "layout_config_for", "replay_two_level"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,18 +66,6 @@ def layout_config_for(method: str, extra_slots: int, window: int) -> LayoutConfi
                      f"{method!r}.")
 
 
-def migration_time_s(old: Layout, new: Layout, model: CostModel, bytes_per_param: float = 4.0,
-                     optimizer_states: int = 2) -> float:
-    """Seconds to move the weights and optimizer state of the home slots that change
-    (float32 weights plus ``optimizer_states`` tensors per parameter, as the trainer keeps
-    them), all layers at once over the cluster's links."""
-    per_slot = model.expert_params * bytes_per_param * (1 + optimizer_states)
-    moved = migration_bytes_WW(old.home_LWS, new.home_LWS, per_slot)
-    full = np.zeros((model.cluster.num_devices,) * 2)
-    full[:moved.shape[0], :moved.shape[1]] = moved
-    return uneven_alltoall_time_s(full, model.cluster)
-
-
 def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_rows: int,
                      stride: int, extra_slots: int, window: int):
     """Replay ``trace`` rows [warmup, T) under a two-level ``method``; returns the fields of
@@ -96,19 +83,11 @@ def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_ro
     for t in range(warmup, trace.num_steps):
         if (config.forecast_home and method != "efficientmoe-fixed-home" and t > warmup
                 and (t - warmup) % check_rows == 0):
-            candidate = replan_home(counts[:t], layout, config, dpn)
-            cost_s = migration_time_s(layout, candidate, model)
-            if method in _EPLB_SCHEDULE:
-                adopt = cost_s > 0
-            else:
-                recent = counts[max(0, t - window):t]
-                gain_s = (replay_cost_s(recent, layout.home_LWS, layout.spare_W, model,
-                                        layout.buffer_LW)[0]
-                          - replay_cost_s(recent, candidate.home_LWS, candidate.spare_W,
-                                          model, layout.buffer_LW)[0])
-                adopt = gain_s * check_rows * stride > cost_s
-            if adopt:
-                layout, replans, overhead = candidate, replans + 1, overhead + cost_s
+            decision = decide_home(counts[:t], layout, config, model, check_rows * stride,
+                                   always=method in _EPLB_SCHEDULE)
+            if decision.adopt:
+                layout, replans = decision.candidate, replans + 1
+                overhead += decision.cost_s
                 sync = home_sync_time_L(layout.home_LWS, trace.num_experts, model)
         bal = balance_step(counts[t], layout.home_LWS,
                            np.zeros_like(layout.spare_W) if unbounded else layout.spare_W,

@@ -6,10 +6,12 @@ slots per device (L = S_h + S_s local slots), B_w the fixed receive buffer of de
 min(A, B_w) the most rows one rank can send device w, M = sum_w P_w (this rank's send layout),
 I = sum_src P_me (its receive layout), X the parameters of one expert.
 
-The layout (home table, spare slots, buffers; :mod:`ms_efficient.efficientmoe.layout`) is fixed
-when the Cell is built; the home table is a non-trainable Parameter (data, read by the fast
-level every step), but no method re-places the home experts during a run yet: a run keeps the
-home table it was built with. Per step, on this rank's tokens:
+The layout's shapes (home slots, spare slots, buffers; :mod:`ms_efficient.efficientmoe.layout`)
+are fixed when the Cell is built. The home table is a non-trainable Parameter (data, read by
+the fast level every step): :meth:`BalancedExpertParallelMoE.set_plan` re-places the home
+experts between steps, moving the changed slots' weights and optimizer state
+(:func:`~ms_efficient.moe.ep_migration.migrate_rows`, the rows the slow level's simulator
+charges), and the compiled graph runs on unchanged. Per step, on this rank's tokens:
 
     x_TH -> router -> top-k (expert_ids_A, weights_TK), arrival p of each assignment
          -> counts_E -> AllGather -> counts_WE (every rank sees every rank's counts)
@@ -49,6 +51,8 @@ from ms_efficient.moe.alltoall import AllToAll, CountExchange
 from ms_efficient.moe.balance import BalancedSpec, balance_step, home_plan
 from ms_efficient.moe.counted_alltoall import CountedAllToAllV
 from ms_efficient.moe.ep_layer import ReplicaGradSum
+from ms_efficient.moe.ep_migration import migrate_rows, row_layout
+from ms_efficient.moe.ep_replan import move_rows, record, weight_states
 from ms_efficient.moe.ep_routing import init_expert_weights, pad_rows, replica_sync
 from ms_efficient.moe.grouped_matmul import GroupedMatmul, row_groups
 from ms_efficient.moe.layer import TopKArrival, make_gelu, routing_statistics, sum_choices
@@ -180,6 +184,7 @@ class BalancedExpertParallelMoE(nn.Cell):
         if spare_slots < 0:
             raise ValueError(f"'spare_slots' must be >= 0, but got {spare_slots}.")
         self.plan = home_plan(home, num_experts)
+        home = row_layout(self.plan, home.shape[1], self.world)     # empty slots last
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         self.trace_ranks, self.group = trace_ranks, group
         self.devices_per_node = devices_per_node
@@ -207,10 +212,13 @@ class BalancedExpertParallelMoE(nn.Cell):
         # weights: this rank's home slots; replicas tied by ReplicaGradSum
         local = home[self.rank][home[self.rank] >= 0]
         self.budget, self.local_experts = self.slots_home, local      # as ExpertParallelMoE
-        sync = replica_sync(self.plan, self.rank, self.slots_home,
-                            max(0, min(num_experts, self.world * self.slots_home - num_experts))
-                            if self.world > 1 else 0)
-        self.sync = ReplicaGradSum(sync.num_cross, group) if sync.needed else None
+        # the most experts any home table of these shapes can replicate across ranks: the
+        # sync's shapes hold for every later set_plan
+        self.num_cross = (max(0, min(num_experts, self.world * self.slots_home - num_experts))
+                          if self.world > 1 else 0)
+        sync = replica_sync(self.plan, self.rank, self.slots_home, self.num_cross)
+        can_replicate = self.world * self.slots_home > num_experts
+        self.sync = ReplicaGradSum(sync.num_cross, group) if can_replicate else None
         self.sync_tables = tuple(Parameter(Tensor(t), name=n, requires_grad=False) for n, t in
                                  (("sync_first_L", sync.first_L),
                                   ("sync_cross_L", sync.cross_L),
@@ -249,6 +257,42 @@ class BalancedExpertParallelMoE(nn.Cell):
                                 (w1_EHF, b1_E1F, w2_EFH, b2_E1H)):
             rows = np.asarray(table, np.float32)[home[home >= 0]]
             write_parameter(param, pad_rows(rows, self.slots_home))
+
+    def set_plan(self, plan, optimizer=None) -> None:
+        """Re-place the home experts between steps, without recompiling: ``plan`` is an
+        :class:`~ms_efficient.moe.plan.ExpertPlan` naming the same E experts with at most S_h
+        slots per device (:func:`~ms_efficient.moe.balance.home_plan` of a new home table
+        [W, S_h]); its row table becomes ``home_table``. The slots whose expert changed take
+        its weights: a copy already on this rank locally, the others through ONE AlltoAllV of
+        the moved rows (:func:`~ms_efficient.moe.ep_replan.move_rows` of
+        :func:`~ms_efficient.moe.ep_migration.migrate_rows`); with ``optimizer`` (nn.Adam or
+        another optimizer of w1/b1/w2/b2) its per-weight state travels with them, so a step
+        after the move equals the step of a layer built with the new table. The replica-sync
+        tables follow. Collective when W > 1: every rank calls it with the same plan.
+        Records ``self.last_migration`` (:class:`~ms_efficient.moe.ep_replan.MigrationRecord`).
+        Raises ``ValueError`` when the plan leaves an expert without a home slot, puts more
+        than S_h slots on a device, or replicates an expert where these shapes cannot sync
+        its gradient."""
+        new_WS = row_layout(plan, self.slots_home, self.world)
+        if int(new_WS.max(initial=-1)) >= self.num_experts:
+            raise ValueError(f"the plan's experts must be in [0, {self.num_experts}), but got "
+                             f"{int(new_WS.max())}.")
+        new_plan = home_plan(new_WS, self.num_experts)       # every expert has a home
+        sync = replica_sync(new_plan, self.rank, self.slots_home, self.num_cross)
+        if sync.needed and self.sync is None:
+            raise ValueError(f"the plan replicates experts, but this layer was built with "
+                             f"{self.world} x {self.slots_home} home slots for "
+                             f"{self.num_experts} experts (no room for a replica).")
+        weights = (self.w1, self.b1, self.w2, self.b2)
+        states = () if optimizer is None else weight_states(optimizer, weights)
+        migration = migrate_rows(self.home_table.asnumpy(), new_WS, self.devices_per_node)
+        move_rows(migration, self.rank, weights + sum(states, ()), self.group)
+        self.last_migration = record(migration, weights, len(states))
+        self.plan = new_plan
+        self.local_experts = new_WS[self.rank][new_WS[self.rank] >= 0]
+        write_parameter(self.home_table, new_WS.astype(np.int32))
+        for param, values in zip(self.sync_tables, (sync.first_L, sync.cross_L, sync.pick_L)):
+            write_parameter(param, values)      # in place: jit train steps see them
 
     def construct(self, x):
         b, s, h = x.shape

@@ -37,7 +37,7 @@ import numpy as np
 
 from ms_efficient.moe.plan import ExpertPlan
 
-__all__ = ["Migration", "plan_migration", "migration_bytes_WW", "row_layout"]
+__all__ = ["Migration", "plan_migration", "migrate_rows", "migration_bytes_WW", "row_layout"]
 
 
 def row_layout(plan: ExpertPlan, budget: int, world: int) -> np.ndarray:
@@ -152,10 +152,29 @@ def plan_migration(old: ExpertPlan, new: ExpertPlan, budget: int, world: int,
     """
     if world < 1 or budget < 1:
         raise ValueError(f"'world' and 'budget' must be >= 1, but got {world} and {budget}.")
+    return migrate_rows(row_layout(old, budget, world), row_layout(new, budget, world),
+                        devices_per_node)
+
+
+def migrate_rows(old_WB: np.ndarray, new_WB: np.ndarray,
+                 devices_per_node: Optional[int] = None) -> Migration:
+    """The migration from row table ``old_WB`` to ``new_WB`` (int [W, S_b], the expert of
+    every weight row of every rank, -1 empty; :func:`row_layout` of a plan, or the home
+    table of a :class:`~ms_efficient.moe.balanced_ep.BalancedExpertParallelMoE`), module
+    docstring. What :func:`plan_migration` computes once the plans are laid out in rows, and
+    what the slow level's simulator charges for a home re-plan.
+
+    Raises ``ValueError`` when the tables differ in shape, or an expert of ``new_WB`` has no
+    copy in ``old_WB`` to come from.
+    """
+    old_WB, new_WB = (np.asarray(t, dtype=np.int64) for t in (old_WB, new_WB))
+    if old_WB.ndim != 2 or old_WB.shape != new_WB.shape:
+        raise ValueError(f"the old and new row tables must both be [W, S_b], but got "
+                         f"{old_WB.shape} and {new_WB.shape}.")
     if devices_per_node is not None and devices_per_node < 1:
         raise ValueError(f"'devices_per_node' must be None or >= 1, but got "
                          f"{devices_per_node}.")
-    old_WB, new_WB = row_layout(old, budget, world), row_layout(new, budget, world)
+    world, budget = old_WB.shape
     src_rank_WB = np.full((world, budget), -1, dtype=np.int64)
     src_row_WB = np.full((world, budget), -1, dtype=np.int64)
     rows_WW = np.zeros((world, world), dtype=np.int64)

@@ -65,6 +65,7 @@ from ms_efficient.moe.split import split_tokens
 from ms_efficient.moe.trace import layer_balance, load_trace, save_trace
 from ms_efficient.train.data import load_corpus
 from ms_efficient.train.relayout import resumed_counts
+from ms_efficient.efficientmoe.home_replanner import HomeReplanner
 from ms_efficient.efficientmoe.ep_replanner import (ExpertParallelReplanner, compiled_graphs,
                                           dropless_plans, load_plans_state, slot_budget)
 from ms_efficient.train.optim import is_scratch as _is_scratch, make_optimizer
@@ -177,9 +178,13 @@ class ExpertParallelTrainer:
         self.optimizer = make_optimizer(self.net, tr)
         params = self.optimizer.parameters
         self.reducer = GradReducer(params, self.layers, self.world, tr.grad_clip)
-        self.replanner = (ExpertParallelReplanner(self.layers, cfg.efficientmoe,
-                                                  cfg.cluster_spec(), self.tokens_per_step)
-                          if cfg.efficientmoe.enabled else None)
+        if not cfg.efficientmoe.enabled:
+            self.replanner = None
+        elif self.balanced:
+            self.replanner = HomeReplanner(self.layers, cfg.efficientmoe, self._cost_model())
+        else:
+            self.replanner = ExpertParallelReplanner(self.layers, cfg.efficientmoe,
+                                                     cfg.cluster_spec(), self.tokens_per_step)
         self._build_steps()
         self.step, self.metrics, self.counts = 0, [], []
         self.trace_start = 0                         # steps before the trace's first row
@@ -191,18 +196,24 @@ class ExpertParallelTrainer:
         parallelism with the extra slots as spares and buffers of the mean share x
         (1 + ``efficientmoe.buffer_slack``)."""
         from ms_efficient.core.config import history_trace_path
-        from ms_efficient.efficientmoe.cost import CostModel
         from ms_efficient.efficientmoe.layout import training_specs
 
         cfg, moe = self.cfg, self.cfg.moe
         em = cfg.efficientmoe
         history = (load_trace(history_trace_path(em.history)).counts if em.history else None)
-        model = CostModel(cfg.cluster_spec(), cfg.model.hidden_size, cfg.model.ffn_hidden_size,
-                          "fp32")
+        model = self._cost_model()
         spare = budget - -(-moe.num_experts // self.world)
         mean_rows = self.tokens_per_step * moe.top_k / self.world
         return training_specs(num_moe, moe.num_experts, self.world, spare, mean_rows, model,
                               em.buffer_slack, history)
+
+    def _cost_model(self):
+        """The cost model of the run's cluster and expert sizes (float32): what sizes a
+        balanced run's layout and prices its home re-plans."""
+        from ms_efficient.efficientmoe.cost import CostModel
+
+        mc = self.cfg.model
+        return CostModel(self.cfg.cluster_spec(), mc.hidden_size, mc.ffn_hidden_size, "fp32")
 
     def _device_rows(self, counts_LWE: np.ndarray) -> np.ndarray:
         """Rows every device computed in the last step, int64 [L, W]: the fast level's own

@@ -28,6 +28,12 @@ def home_table(world):
     return np.arange(E).reshape(world, E // world)
 
 
+def home_after(world):
+    """The home table of the re-plan after the first step: device w takes device w+1's
+    experts (mod W)."""
+    return np.roll(home_table(world), -1, axis=0)
+
+
 def buffers(world):
     """Every device's buffer: twice its mean share (K * T_LOCAL rows), so nothing drops."""
     return np.full(world, 2 * K * T_LOCAL)
@@ -59,6 +65,7 @@ def run(out_dir, rank, world):
     import mindspore as ms
     from mindspore import Tensor, nn, ops
 
+    from ms_efficient.moe.balance import home_plan
     from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE
 
     class WeightedOutput(nn.Cell):
@@ -96,6 +103,11 @@ def run(out_dir, rank, world):
     out.update({f"grad_{n}": g for n, g in zip(PARAM_NAMES, grads)})
     out = {k: v.asnumpy() for k, v in out.items()}
     buffer_shape = [layer.num_rows]
+    layer.set_plan(home_plan(home_after(world), E), step.optimizer)
+    migration = layer.last_migration
+    out["migration"] = np.array([migration.moved_slots, migration.sent_rows,
+                                 migration.moved_bytes, migration.row_bytes])
+    out["home_after"] = layer.home_table.asnumpy()
     for i in range(1, TRAIN_STEPS):
         xs, dys = global_batch(world, i)
         step(Tensor(xs[rows]), Tensor(dys[rows]))
