@@ -385,3 +385,45 @@ def test_a_copy_too_dear_for_balance_is_still_made_to_avoid_a_drop():
                        copy_cost_rows_WW=cost)
     assert bal.copies_L.tolist() == [1] and bal.dropped_L.tolist() == [0]
     assert bal.load_LW.tolist() == [[60, 60]]
+
+
+def test_a_moved_home_slot_is_fetched_from_the_destinations_node_first():
+    """Expert 0 lives on devices 0 (node 0) and 2 (node 1); device 3 (node 1) takes it in the
+    new table: one slot from device 2, not from device 0 (the lowest id), as the layer's
+    migration sends it."""
+    old = np.array([[[0, 1], [2, 3], [0, 4], [5, 6]]])
+    new = np.array([[[0, 1], [2, 3], [0, 4], [5, 0]]])
+    expected = np.zeros((4, 4))
+    expected[2, 3] = 7.0
+    assert migration_bytes_WW(old, new, 7.0, devices_per_node=2).tolist() == expected.tolist()
+    expected = np.zeros((4, 4))
+    expected[0, 3] = 7.0                                    # one level: the lowest id
+    assert migration_bytes_WW(old, new, 7.0).tolist() == expected.tolist()
+
+
+def test_a_home_replan_is_adopted_only_when_its_gain_over_the_horizon_pays_the_move():
+    """A layout planned on one routing, then the hot experts change (experts renamed): the
+    slow level's candidate saves time per step on the new rows; the rule adopts it exactly
+    when that gain times the horizon exceeds the migration's modelled seconds, and a forced
+    check adopts it whatever the gain."""
+    from ms_efficient.efficientmoe.layout import decide_home, migration_time_s
+
+    model = CostModel(NODE_2x8, 256, 1024)
+    first = skewed_trace(steps=8, layers=2, seed=1).counts
+    later = first[..., ::-1]                      # the same loads on other experts
+    config = LayoutConfig(window=8)
+    layout = plan_layout(first, model, config)
+    history = np.concatenate([first, later])
+    probe = decide_home(history, layout, config, model, horizon_steps=1.0)
+    assert probe.gain_s > 0 and probe.cost_s > 0
+    assert probe.cost_s == pytest.approx(migration_time_s(layout, probe.candidate, model))
+    assert not np.array_equal(probe.candidate.home_LWS, layout.home_LWS)
+    assert np.array_equal(probe.candidate.buffer_LW, layout.buffer_LW)        # shapes kept
+    pays = probe.cost_s / probe.gain_s
+    assert decide_home(history, layout, config, model, 1.01 * pays).adopt
+    assert not decide_home(history, layout, config, model, 0.99 * pays).adopt
+    forced = decide_home(history, layout, config, model, 0.0, always=True)
+    assert forced.adopt and np.isnan(forced.gain_s)
+    # on the routing it was planned for, the layout stays
+    same = decide_home(first, layout, config, model, 1e9)
+    assert not same.adopt and same.cost_s == 0.0
