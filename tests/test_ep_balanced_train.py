@@ -4,7 +4,7 @@ the fast level every step): one rank in process against the one-process trainer,
 home experts re-placed once (the slow level, forced at step 6), the fast level's figures on
 every log line, receive buffers that never change."""
 import json
-import os
+import shutil
 import subprocess
 import sys
 
@@ -17,7 +17,8 @@ from test_ep_train import MSRUN, _cli_env, _config, _losses, _rows, needs_msrun,
 from ms_efficient.cli import main
 
 STEPS = 20
-REPLAN_STEP = 6           # the slow level re-places the home experts after this step
+REPLAN_STEP = 16          # the slow level re-places the home experts after this step
+RESUME_STEP = 15          # a copy of the 2-worker run resumes from its checkpoint of this step
 
 
 @workers.in_background("one_rank_balanced_runs")
@@ -64,6 +65,20 @@ def _balanced_runs():
                                str(runs[name])], env=_cli_env(), capture_output=True,
                               text=True)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the 2-worker run resumed from step 15, before the re-plan: its copy's state.json
+    # points at the step-15 checkpoints
+    runs["2-resumed"] = tmp / "ep2-resumed"
+    shutil.copytree(runs[2], runs["2-resumed"])
+    state_path = runs["2-resumed"] / "state.json"
+    state = json.loads(state_path.read_text())
+    state["step"] = RESUME_STEP
+    state["checkpoint"] = state["checkpoint"].replace(f"step_{STEPS:06d}",
+                                                      f"step_{RESUME_STEP:06d}")
+    state_path.write_text(json.dumps(state))
+    proc = subprocess.run([sys.executable, "-m", "ms_efficient.cli", "train", "--workers", "2",
+                           "--resume", str(runs["2-resumed"])], env=_cli_env(),
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return config, runs
 
 
@@ -118,15 +133,18 @@ def test_balanced_workers_match_the_one_process_loss_with_copies(balanced_runs, 
 
 @pytest.mark.slow
 @needs_msrun
-def test_two_identical_balanced_runs_are_bit_identical(balanced_runs):
-    """The same config twice on 2 workers, per-step copies and a home re-plan included: every
+@pytest.mark.parametrize("other", ["2-again", "2-resumed"])
+def test_two_identical_balanced_runs_are_bit_identical(balanced_runs, other):
+    """The same config twice on 2 workers, per-step copies and a home re-plan included, and
+    the run resumed from its step-15 checkpoint (the re-plan at step 16 made again): every
     logged loss and every rank's final checkpoint (weights and Adam moments) are equal bit
     for bit."""
     import mindspore as ms
 
     runs, _ = balanced_runs
-    a, b = runs[2], runs["2-again"]
-    assert _losses(a) == _losses(b)
+    a, b = runs[2], runs[other]
+    assert _losses(a) == _losses(b) and len(_losses(b)) == STEPS
+    assert _rows(a, "replan")[0]["moved_slots"] == _rows(b, "replan")[0]["moved_slots"]
     for rank in range(2):
         (ckpt_a,) = sorted((a / "ckpt" / f"rank_{rank}").glob("step_*.ckpt"))[-1:]
         ckpt_b = b / "ckpt" / f"rank_{rank}" / ckpt_a.name
