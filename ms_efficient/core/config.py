@@ -155,7 +155,12 @@ class MoEConfig:
 
 @dataclass
 class EfficientMoEConfig:
-    """Online per-expert capacities (EfficientMoE): sample load, predict, re-plan, recompile."""
+    """EfficientMoE during training (``enabled``): sample the routing, forecast it and re-plan.
+    What a re-plan changes depends on the layers: one-process "static" layers get new
+    per-expert capacities (a recompile, when it pays); expert-parallel "grouped"/"counts"
+    layers a new placement inside their compiled buffers; "balanced" layers a new home table
+    (the slow level; the fast level balances every step either way). No re-plan of an
+    expert-parallel run changes a compiled shape."""
 
     enabled: bool = False
     # Steps run with the static `moe.capacity_factor` capacity before the first plan, so the
