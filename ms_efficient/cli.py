@@ -102,9 +102,12 @@ def _train_expert_parallel(args: argparse.Namespace, workers: int) -> int:
     if vals:
         print(f"validation loss: {vals[0]['val_loss']:.4f} -> {vals[-1]['val_loss']:.4f} "
               f"nats/byte after {vals[-1]['step']} steps")
+    declined = [r for r in rows if r["kind"] == "replan_check" and not r["adopted"]]
     print(f"re-plans: {len(replans)}" + "".join(
         f"; step {r['step']}: {r['moved_slots']} slots, {r['moved_bytes']} bytes moved, "
-        f"recompiled {str(r.get('recompiled')).lower()}" for r in replans))
+        f"recompiled {str(r.get('recompiled')).lower()}" for r in replans)
+        + (f" ({len(declined)} checks declined; the last, step {declined[-1]['step']}: "
+           f"{declined[-1]['reason']})" if declined else ""))
     print(f"report: {write_report(out)}")
     return 0
 

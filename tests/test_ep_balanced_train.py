@@ -121,6 +121,8 @@ def test_balanced_workers_match_the_one_process_loss_with_copies(balanced_runs, 
     assert state["world_size"] == world
     # the slow level's forced re-plan moved home experts (weights and Adam moments) between
     # steps 6 and 7 without recompiling, and the losses above still equal one process
+    (check,) = _rows(runs[world], "replan_check")          # the only check: forced
+    assert check["step"] == REPLAN_STEP and check["adopted"] is True
     (replan,) = _rows(runs[world], "replan")
     assert replan["step"] == REPLAN_STEP and replan["what"] == "home experts"
     assert replan["recompiled"] is False and replan["moved_slots"] > 0

@@ -369,6 +369,9 @@ def test_the_report_gives_balance_percentiles_over_layers_and_a_device_heat_map(
             for s in (1, 2, 3)]
     rows.insert(2, {"kind": "replan", "step": 2, "seconds": 0.25, "moved_slots": 3,
                     "moved_bytes": 4096, "state_bytes": 8192, "reason": "forced"})
+    rows.append({"kind": "replan_check", "step": 3, "adopted": False,
+                 "modelled_gain_ms_per_step": 0.5, "modelled_migration_ms": None,
+                 "horizon_steps": 5, "reason": "does not pay"})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = open(write_report(str(tmp_path))).read()
     # layers 0..3: max/mean 1, 2, 3, 4 -> p50 2.5, p95 3.85, max 4
@@ -376,6 +379,7 @@ def test_the_report_gives_balance_percentiles_over_layers_and_a_device_heat_map(
     assert "| expert copies (fast level) | 1.5 | 2.85 | 3 |" in text
     assert (tmp_path / "device_load.png").stat().st_size > 0
     assert "| 2 | forced | 3 | 4096 | 8192 | 0.250 |" in text       # what the re-plan cost
+    assert "| 3 | no | 0.5 | - | does not pay |" in text             # a declined check
 
 
 def test_a_copy_too_dear_for_balance_is_still_made_to_avoid_a_drop():

@@ -44,6 +44,11 @@ def layout_of(layers: Sequence) -> Layout:
                   buffer_LW=buffers, slack_L=np.zeros(len(layers)), redundant=redundant)
 
 
+def _ms(seconds: float) -> Optional[float]:
+    """Seconds as milliseconds for a log line (None for NaN: not computed)."""
+    return None if not np.isfinite(seconds) else round(float(seconds) * 1e3, 4)
+
+
 class HomeReplanner:
     """The slow level over the balanced layers of one network (module docstring).
 
@@ -61,7 +66,10 @@ class HomeReplanner:
     ``step + 1``: None, or the record ``{"kind": "replan", "step", "moved_slots",
     "moved_bytes", "state_bytes", "modelled_gain_ms_per_step", "modelled_migration_ms", ...}``
     of the home tables it applied (the two modelled figures are the cost model's, on the
-    run's cluster; ``seconds`` is the measured time of the move here).
+    run's cluster; ``seconds`` is the measured time of the move here). Every check, adopted
+    or not, leaves its verdict in ``last_check`` (``{"kind": "replan_check", "step",
+    "adopted", "modelled_gain_ms_per_step", "modelled_migration_ms", "reason"}``), which the
+    trainer logs: a declined re-plan says why.
     """
 
     def __init__(self, layers: Sequence, em, model: CostModel):
@@ -80,6 +88,8 @@ class HomeReplanner:
         self.config = LayoutConfig(slots=layout.redundant + int(first.spare), window=em.window,
                                    redundant=layout.redundant)
         self.counts: List[np.ndarray] = []
+        # the last check's verdict (adopted or not), JSON-ready: the trainer logs every one
+        self.last_check: Optional[Dict] = None
 
     def observe(self, counts_LWE: np.ndarray, dropped_L: Optional[np.ndarray] = None) -> None:
         """Record one step's counts (``dropped_L``, the drops per layer, is not needed: the
@@ -91,6 +101,7 @@ class HomeReplanner:
         """Check at every ``replan_every``-th step after the warm-up (or at
         ``force_replan_step``) and apply what :func:`decide_home` adopts."""
         em = self.em
+        self.last_check = None
         forced = em.force_replan_step > 0 and step == em.force_replan_step
         due = step >= max(em.warmup_steps, 3) and step % em.replan_every == 0
         if not (forced or due) or len(self.counts) < 3:
@@ -111,10 +122,12 @@ class HomeReplanner:
                                                                       home_LWS=candidate),
                                           self.model)
                 reason += " (the slow level kept the home table: devices rotated by one)"
-        if not decision.adopt and not forced:
-            logger.info("step %d: EfficientMoE keeps the home experts: %s", step, reason)
-            return None
-        if np.array_equal(candidate, layout.home_LWS):
+        adopt = (decision.adopt or forced) and not np.array_equal(candidate, layout.home_LWS)
+        self.last_check = {"kind": "replan_check", "step": int(step), "adopted": bool(adopt),
+                           "modelled_gain_ms_per_step": _ms(decision.gain_s),
+                           "modelled_migration_ms": _ms(cost_s), "horizon_steps": horizon,
+                           "reason": reason}
+        if not adopt:
             logger.info("step %d: EfficientMoE keeps the home experts: %s", step, reason)
             return None
         return self._apply(step, candidate, optimizer, reason, decision.gain_s, cost_s)
@@ -133,9 +146,8 @@ class HomeReplanner:
                   "moved_bytes": weight_bytes,
                   "state_bytes": sum(int(m.sent_rows) * int(m.row_bytes) * m.optimizer_states
                                      for m in moved),
-                  "modelled_gain_ms_per_step": (None if not np.isfinite(gain_s)
-                                       else round(gain_s * 1e3, 4)),
-                  "modelled_migration_ms": round(cost_s * 1e3, 4),
+                  "modelled_gain_ms_per_step": _ms(gain_s),
+                  "modelled_migration_ms": _ms(cost_s),
                   "reason": reason}
         logger.info("step %d: EfficientMoE re-placed the home experts (%d slots, %d bytes "
                     "moved; %s)", step, record["moved_slots"], weight_bytes, reason)

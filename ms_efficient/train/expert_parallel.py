@@ -492,6 +492,9 @@ class ExpertParallelTrainer:
             if self.replanner is not None and self.step < tr.steps:
                 record = self.replanner.maybe_replan(self.step, self.optimizer,
                                                      tr.steps - self.step)
+                check = getattr(self.replanner, "last_check", None)
+                if check is not None:           # the slow level's verdict, adopted or not
+                    self.metrics.append(check)
                 if record is not None:
                     self.reducer.set_plans(self.layers)
                     self.pending = record

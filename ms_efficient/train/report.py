@@ -74,6 +74,11 @@ def _plot_expert_load(load_SLE: np.ndarray, path: str) -> None:
     plt.close(fig)
 
 
+def _or_dash(value) -> str:
+    """A figure for a report table, "-" when not computed."""
+    return "-" if value is None else f"{value:g}"
+
+
 def _plot_device_load(rows: List[Dict], path: str, replan_steps: List[int] = ()) -> None:
     """Heat map of every MoE layer's rows-per-device max over mean over the logged steps,
     a dashed line after each step in ``replan_steps`` (an expert re-placement)."""
@@ -166,6 +171,20 @@ def write_report(run_dir: str) -> str:
                   f"{r['moved_bytes']} | {r.get('state_bytes', 0)} | "
                   + (f"{r['seconds']:.3f}" if "seconds" in r else "-") + " |"
                   for r in replans]
+        lines.append("")
+    checks = [m for m in rows if m["kind"] == "replan_check"]
+    if checks:
+        lines += ["## Home re-plan checks (balanced run, the slow level)", "",
+                  "Every check of the slow level: the modelled gain per step of the new home "
+                  "table on the recent routing and the modelled time to move the changed "
+                  "slots (cost model of the run's cluster); adopted when the gain over the "
+                  "horizon pays for the move, or forced.", "",
+                  "| after step | adopted | gain ms/step | migration ms | reason |",
+                  "|---:|---|---:|---:|---|"]
+        lines += [f"| {c['step']} | {'yes' if c['adopted'] else 'no'} | "
+                  f"{_or_dash(c.get('modelled_gain_ms_per_step'))} | "
+                  f"{_or_dash(c.get('modelled_migration_ms'))} | {c['reason']} |"
+                  for c in checks]
         lines.append("")
     plans = [m for m in rows if m["kind"] == "plan"]
     if plans:
