@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Dict, List, Optional, Sequence
+from collections import deque
+from typing import Deque, Dict, Optional, Sequence
 
 import numpy as np
 
@@ -87,7 +88,7 @@ class HomeReplanner:
         layout = layout_of(self.layers)
         self.config = LayoutConfig(slots=layout.redundant + int(first.spare), window=em.window,
                                    redundant=layout.redundant)
-        self.counts: List[np.ndarray] = []
+        self.counts: Deque[np.ndarray] = deque(maxlen=em.window)     # all the rule reads
         # the last check's verdict (adopted or not), JSON-ready: the trainer logs every one
         self.last_check: Optional[Dict] = None
 
@@ -160,4 +161,5 @@ class HomeReplanner:
 
     def load_state(self, state: Dict, counts_TLWE: np.ndarray) -> None:
         """Restore the history rows (the trace up to the checkpoint)."""
-        self.counts = [np.asarray(row, dtype=np.int64) for row in counts_TLWE]
+        self.counts = deque((np.asarray(row, dtype=np.int64) for row in counts_TLWE),
+                            maxlen=self.em.window)
