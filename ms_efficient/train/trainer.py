@@ -76,10 +76,15 @@ class Trainer:
         self.resume = resume
         self.overwrite = overwrite
         check_fits_machine(cfg)                   # before any tensor is allocated
+        # "balanced" EfficientMoE places experts over devices (home table, per-step copies):
+        # one process has one device, so neither level has anything to do here
+        balanced = cfg.efficientmoe.dispatch == "balanced"
         if cfg.efficientmoe.dispatch != "grouped":
             logger.warning("efficientmoe.dispatch %r applies to expert-parallel runs (train "
                            "--workers W > 1); this one-process run has no exchange and "
-                           "ignores it.", cfg.efficientmoe.dispatch)
+                           "ignores it%s.", cfg.efficientmoe.dispatch,
+                           " and efficientmoe.enabled (the slow level re-places experts over "
+                           "devices)" if balanced and cfg.efficientmoe.enabled else "")
         ms.set_context(mode=getattr(ms, cfg.context.mode))
         backend.use_device(cfg.context.device_target)
         ms.set_seed(cfg.context.seed)
@@ -105,7 +110,7 @@ class Trainer:
         self.planner = (one_device_planner(em, cfg.cluster_spec(), mc.hidden_size,
                                            mc.ffn_hidden_size, cfg.moe.num_experts,
                                            cfg.moe.top_k, tokens, len(self.moe_layers))
-                        if em.enabled else None)
+                        if em.enabled and not balanced else None)
         self.replan_loop = ReplanLoop(self.planner, em.monitor_steps) if self.planner else None
         self.history_LE = self._load_history(tokens) if self.planner else None
 
