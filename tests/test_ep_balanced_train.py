@@ -154,3 +154,19 @@ def test_two_identical_balanced_runs_are_bit_identical(balanced_runs, other):
         assert sorted(pa) == sorted(pb)
         for name in pa:
             assert np.array_equal(pa[name].asnumpy(), pb[name].asnumpy()), (rank, name)
+
+
+def test_a_one_process_run_of_a_balanced_config_plans_nothing_and_says_so(tmp_path, text_dir,
+                                                                          caplog):
+    """One process has one device: neither level of a balanced config has anything to place,
+    so the trainer runs its dropless layers without EfficientMoE's capacity planning (which
+    would drop tokens and break the one-process reference) and warns."""
+    from ms_efficient.core.config import load_config
+    from ms_efficient.train.trainer import Trainer
+
+    config = _config(tmp_path, text_dir, efficientmoe={"dispatch": "balanced",
+                                                       "enabled": True})
+    assert Trainer(load_config(config), str(tmp_path / "one")).planner is None
+    assert "ignores it and efficientmoe.enabled" in caplog.text
+    plain = _config(tmp_path, text_dir, efficientmoe={"enabled": True})
+    assert Trainer(load_config(plain), str(tmp_path / "two")).planner is not None
