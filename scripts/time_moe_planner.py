@@ -1,6 +1,9 @@
 #!/usr/bin/env python
 """Time EfficientMoE's slow level (``efficientmoe.layout.plan_layout``: one re-plan of every
-layer, its buffers priced by replaying the fast level on the last window of rows) on:
+layer, its buffers priced by replaying the fast level on the last window of rows), and one
+re-plan check during a run (``efficientmoe.layout.decide_home``: the new home table of the
+last rows and the replayed gain against the layout of the trace's first half, what a
+balanced training run's slow level does every ``efficientmoe.replan_every`` steps) on:
 
 - a routing trace given by path (``--trace``, e.g. a 24-layer x 16-rank x 32-expert recording),
 - a synthetic trace of DeepSeek-V3's shape: 58 MoE layers x 64 ranks x 256 experts, top-8,
@@ -25,7 +28,7 @@ CHILD = r"""
 import hashlib, json, resource, sys, time
 import numpy as np
 from ms_efficient.efficientmoe.cost import CostModel
-from ms_efficient.efficientmoe.layout import LayoutConfig, plan_layout
+from ms_efficient.efficientmoe.layout import LayoutConfig, decide_home, plan_layout
 from ms_efficient.efficientmoe.replay import cluster_for_ranks
 from ms_efficient.moe.trace import load_trace, synthetic_trace
 case = sys.argv[1]
@@ -38,16 +41,22 @@ else:
     hidden = trace.hidden or 1024
     ffn = 4 * hidden
 model = CostModel(cluster_for_ranks(trace.num_ranks), hidden, ffn)
-digests, seconds = [], []
+digests, seconds, cpu = [], [], []
 for _ in range(2):
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     layout = plan_layout(trace.counts, model, LayoutConfig())
     seconds.append(time.perf_counter() - start)
+    cpu.append(time.process_time() - start_cpu)
     digests.append(hashlib.sha256(layout.home_LWS.tobytes() + layout.buffer_LW.tobytes()
                                   + layout.spare_W.tobytes()).hexdigest())
+first = plan_layout(trace.counts[:max(1, trace.num_steps // 2)], model, LayoutConfig())
+start, start_cpu = time.perf_counter(), time.process_time()
+decide_home(trace.counts, first, LayoutConfig(), model, 200)
+check_s, check_cpu = time.perf_counter() - start, time.process_time() - start_cpu
 print(json.dumps({"layers": trace.num_layers, "ranks": trace.num_ranks,
                   "experts": trace.num_experts, "top_k": trace.top_k,
-                  "seconds": max(seconds), "peak_rss_bytes":
+                  "seconds": max(seconds), "cpu_seconds": max(cpu), "check_seconds": check_s,
+                  "check_cpu_seconds": check_cpu, "peak_rss_bytes":
                   resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "deterministic": digests[0] == digests[1]}))
 """
@@ -70,12 +79,13 @@ def main(argv=None) -> int:
             print(out.stderr[-2000:], file=sys.stderr)
             return 1
         rows.append({"case": os.path.basename(case), **json.loads(out.stdout.splitlines()[-1])})
-    print("| case | layers x ranks x experts, top-k | one re-plan, s (worst of 2) | peak "
-          "memory, MiB | same plan twice |")
-    print("|---|---|---:|---:|---|")
+    print("| case | layers x ranks x experts, top-k | one re-plan, s (worst of 2; CPU s) | "
+          "one re-plan check, s (CPU s) | peak memory, MiB | same plan twice |")
+    print("|---|---|---:|---:|---:|---|")
     for r in rows:
         print(f"| {r['case']} | {r['layers']} x {r['ranks']} x {r['experts']}, top-{r['top_k']}"
-              f" | {r['seconds']:.2f} | {r['peak_rss_bytes'] / 2**20:.0f} | "
+              f" | {r['seconds']:.2f} ({r['cpu_seconds']:.2f}) | {r['check_seconds']:.2f} "
+              f"({r['check_cpu_seconds']:.2f}) | {r['peak_rss_bytes'] / 2**20:.0f} | "
               f"{r['deterministic']} |")
     text = json.dumps({"evidence": "measured (planner wall time on this CPU)", "rows": rows},
                       indent=1)
