@@ -1,4 +1,5 @@
-"""Online EfficientMoE for expert-parallel layers: re-placement through ``set_plan``.
+"""Online EfficientMoE for expert-parallel layers: re-placement through ``set_plan``, the one
+place where running expert-parallel layers are re-planned.
 
 An :class:`~ms_efficient.moe.ep_layer.ExpertParallelMoE` with ``dispatch="grouped"`` reads its
 plan as data, so a new placement that keeps every device's row buffer (and at most the
@@ -13,18 +14,32 @@ same counts (the trainer all-gathers them in its step; :class:`EfficientMoECallb
 decisions without further communication. Used by ``ms_efficient.train.expert_parallel`` and by
 ``ms_efficient.efficientmoe.apply.EfficientMoECallback``.
 
-Shapes: L MoE layers, W ranks (= devices), E experts, K top-k, S_b slots per device.
+Balanced layers (:class:`~ms_efficient.moe.balanced_ep.BalancedExpertParallelMoE`) read their
+home table as data and balance every step inside fixed buffers (the fast level).
+:class:`HomeReplanner` runs the slow level beside them: every ``efficientmoe.replan_every``
+steps it asks :func:`~ms_efficient.efficientmoe.layout.decide_home` (the rule the simulator's
+``efficientmoe`` row replays) whether a new home table for the recent routing pays for moving
+the changed slots' weights and Adam moments over the check interval, both priced by the cost
+model of the run's cluster; adopted, every layer switches through its ``set_plan`` (no shape
+changes, no recompile). Every rank holds the same all-gathered counts, so every rank takes the
+same decision without further communication.
+
+Shapes: L MoE layers, W ranks (= devices), E experts, K top-k, S_b slots per device (S_h home
+slots for balanced layers).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
-from typing import Dict, List, Optional, Sequence
+from collections import deque
+from typing import Deque, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from ms_efficient.efficientmoe.cost import CostModel
+from ms_efficient.efficientmoe.layout import (Layout, LayoutConfig, decide_home,
+                                              migration_time_s)
 from ms_efficient.efficientmoe.placement import (default_slots_per_device, levelled_shares,
                                                  place_replicas, replica_counts_greedy,
                                                  uniform_placement)
@@ -32,10 +47,12 @@ from ms_efficient.efficientmoe.planner import EfficientMoEPlanner, planner_confi
 from ms_efficient.efficientmoe.planner import ReplanLoop
 from ms_efficient.efficientmoe.sampler import RoutingSampler
 from ms_efficient.efficientmoe.schedule import plans_equal
+from ms_efficient.moe.balance import home_plan
 from ms_efficient.moe.plan import GROUPED_DISPATCH, ExpertPlan
 
 __all__ = ["dropless_plans", "slot_budget", "experts_to_fetch", "expert_bytes", "apply_plan",
-           "compiled_graphs", "rank_counts", "ExpertParallelReplanner", "load_plans_state"]
+           "compiled_graphs", "rank_counts", "ExpertParallelReplanner", "load_plans_state",
+           "HomeReplanner", "layout_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -324,3 +341,137 @@ class ExpertParallelReplanner:
 def load_plans_state(entries: Sequence[Dict]) -> List[ExpertPlan]:
     """Plans stored in state.json (``ExpertPlan.to_dict`` per layer)."""
     return [ExpertPlan.from_dict(d) for d in entries]
+
+
+# ---------------------------------------------------------------- balanced layers
+
+def layout_of(layers: Sequence) -> Layout:
+    """The :class:`~ms_efficient.efficientmoe.layout.Layout` the balanced ``layers`` run now:
+    their home tables [L, W, S_h], spare slots and buffers; ``redundant`` = S_h - ceil(E / W)
+    (the home slots beyond plain expert parallelism, which a re-plan keeps)."""
+    first = layers[0]
+    home = np.stack([layer.home_table.asnumpy().astype(np.int64) for layer in layers])
+    buffers = np.stack([np.asarray(layer.buffer_W, dtype=np.int64) for layer in layers])
+    redundant = int(first.slots_home) - -(-int(first.num_experts) // int(first.world))
+    return Layout(home_LWS=home, spare_W=np.full(first.world, first.spare, dtype=np.int64),
+                  buffer_LW=buffers, slack_L=np.zeros(len(layers)), redundant=redundant)
+
+
+def _ms(seconds: float) -> Optional[float]:
+    """Seconds as milliseconds for a log line (None for NaN: not computed)."""
+    return None if not np.isfinite(seconds) else round(float(seconds) * 1e3, 4)
+
+
+class HomeReplanner:
+    """The slow level over the balanced layers of one network (module docstring).
+
+    Args:
+        layers: the ``BalancedExpertParallelMoE`` layers, in network order.
+        em: the ``efficientmoe`` config section: ``warmup_steps`` (no check before),
+            ``replan_every`` (steps between checks, and the horizon a re-plan must pay back
+            over), ``window`` (rows the forecast and the replay read), ``force_replan_step``
+            (adopt the candidate at that step whatever the gain).
+        model: the :class:`~ms_efficient.efficientmoe.cost.CostModel` of the run's cluster and
+            expert sizes (the one that sized the layout).
+
+    ``observe(counts_LWE)`` after every step with every rank's counts (int [L, W, E], the
+    same on all ranks); ``maybe_replan(step, optimizer, steps_left)`` before step
+    ``step + 1``: None, or the record ``{"kind": "replan", "step", "moved_slots",
+    "moved_bytes", "state_bytes", "modelled_gain_ms_per_step", "modelled_migration_ms", ...}``
+    of the home tables it applied (the two modelled figures are the cost model's, on the
+    run's cluster; ``seconds`` is the measured time of the move here). Every check, adopted
+    or not, leaves its verdict in ``last_check`` (``{"kind": "replan_check", "step",
+    "adopted", "modelled_gain_ms_per_step", "modelled_migration_ms", "reason"}``), which the
+    trainer logs: a declined re-plan says why.
+    """
+
+    def __init__(self, layers: Sequence, em, model: CostModel):
+        if not layers:
+            raise ValueError("home re-placement needs at least one BalancedExpertParallelMoE "
+                             "layer, but the network has none.")
+        self.layers, self.em, self.model = list(layers), em, model
+        first = self.layers[0]
+        self.world, self.num_experts = int(first.world), int(first.num_experts)
+        if model.cluster.num_devices < self.world:
+            raise ValueError(f"'cluster' ({model.cluster.name}) has "
+                             f"{model.cluster.num_devices} devices, but the run has "
+                             f"{self.world} ranks; choose a cluster with >= {self.world} "
+                             f"devices.")
+        layout = layout_of(self.layers)
+        self.config = LayoutConfig(slots=layout.redundant + int(first.spare), window=em.window,
+                                   redundant=layout.redundant)
+        self.counts: Deque[np.ndarray] = deque(maxlen=em.window)     # all the rule reads
+        # the last check's verdict (adopted or not), JSON-ready: the trainer logs every one
+        self.last_check: Optional[Dict] = None
+
+    def observe(self, counts_LWE: np.ndarray, dropped_L: Optional[np.ndarray] = None) -> None:
+        """Record one step's counts (``dropped_L``, the drops per layer, is not needed: the
+        fast level's buffers are fixed, a re-plan cannot change them)."""
+        self.counts.append(np.asarray(counts_LWE, dtype=np.int64))
+
+    def maybe_replan(self, step: int, optimizer=None,
+                     steps_left: Optional[int] = None) -> Optional[Dict]:
+        """Check at every ``replan_every``-th step after the warm-up (or at
+        ``force_replan_step``) and apply what :func:`decide_home` adopts."""
+        em = self.em
+        self.last_check = None
+        forced = em.force_replan_step > 0 and step == em.force_replan_step
+        due = step >= max(em.warmup_steps, 3) and step % em.replan_every == 0
+        if not (forced or due) or len(self.counts) < 3:
+            return None
+        horizon = min(em.replan_every, steps_left) if steps_left else em.replan_every
+        layout = layout_of(self.layers)
+        decision = decide_home(np.stack(self.counts), layout, self.config, self.model,
+                               horizon, always=forced)
+        candidate, cost_s = decision.candidate.home_LWS, decision.cost_s
+        reason = decision.reason
+        if forced:
+            reason = f"forced by efficientmoe.force_replan_step = {step}"
+            if np.array_equal(candidate, layout.home_LWS) and self.world > 1:
+                # nothing to re-place: every home table moves one device down, so a forced
+                # re-plan always exercises the migration
+                candidate = np.roll(layout.home_LWS, 1, axis=1)
+                cost_s = migration_time_s(layout, dataclasses.replace(layout,
+                                                                      home_LWS=candidate),
+                                          self.model)
+                reason += " (the slow level kept the home table: devices rotated by one)"
+        adopt = (decision.adopt or forced) and not np.array_equal(candidate, layout.home_LWS)
+        self.last_check = {"kind": "replan_check", "step": int(step), "adopted": bool(adopt),
+                           "modelled_gain_ms_per_step": _ms(decision.gain_s),
+                           "modelled_migration_ms": _ms(cost_s), "horizon_steps": horizon,
+                           "reason": reason}
+        if not adopt:
+            logger.info("step %d: EfficientMoE keeps the home experts: %s", step, reason)
+            return None
+        return self._apply(step, candidate, optimizer, reason, decision.gain_s, cost_s)
+
+    def _apply(self, step: int, home_LWS: np.ndarray, optimizer, reason: str, gain_s: float,
+               cost_s: float) -> Dict:
+        start = time.perf_counter()
+        moved = []
+        for layer, home in zip(self.layers, home_LWS):
+            layer.set_plan(home_plan(home, self.num_experts), optimizer)
+            moved.append(layer.last_migration)
+        weight_bytes = sum(int(m.sent_rows) * int(m.row_bytes) for m in moved)
+        record = {"kind": "replan", "step": int(step), "what": "home experts",
+                  "seconds": round(time.perf_counter() - start, 4),
+                  "moved_slots": sum(int(m.moved_slots) for m in moved),
+                  "moved_bytes": weight_bytes,
+                  "state_bytes": sum(int(m.sent_rows) * int(m.row_bytes) * m.optimizer_states
+                                     for m in moved),
+                  "modelled_gain_ms_per_step": _ms(gain_s),
+                  "modelled_migration_ms": _ms(cost_s),
+                  "reason": reason}
+        logger.info("step %d: EfficientMoE re-placed the home experts (%d slots, %d bytes "
+                    "moved; %s)", step, record["moved_slots"], weight_bytes, reason)
+        return record
+
+    # ------------------------------------------------------------------ resume
+    def state(self) -> Dict:
+        """Nothing beyond the trace (the rows are the run's trace.npz): JSON-ready."""
+        return {"rows": len(self.counts)}
+
+    def load_state(self, state: Dict, counts_TLWE: np.ndarray) -> None:
+        """Restore the history rows (the trace up to the checkpoint)."""
+        self.counts = deque((np.asarray(row, dtype=np.int64) for row in counts_TLWE),
+                            maxlen=self.em.window)

@@ -503,7 +503,7 @@ def decide_home(history_TLRE: np.ndarray, layout: Layout, config: LayoutConfig,
     next check) exceeds the migration's modelled seconds (:func:`migration_time_s`);
     ``always`` (EPLB's schedule, or a forced re-plan) adopts any candidate that moves
     something. The one rule of the simulator (:mod:`~ms_efficient.efficientmoe.two_level`)
-    and of training (:mod:`~ms_efficient.efficientmoe.home_replanner`)."""
+    and of training (:class:`~ms_efficient.efficientmoe.ep_replanner.HomeReplanner`)."""
     history = np.asarray(history_TLRE, dtype=np.int64)
     candidate = replan_home(history, layout, config, model.cluster.devices_per_node)
     if np.array_equal(candidate.home_LWS, layout.home_LWS):

@@ -65,9 +65,9 @@ from ms_efficient.moe.split import split_tokens
 from ms_efficient.moe.trace import layer_balance, load_trace, save_trace
 from ms_efficient.train.data import load_corpus
 from ms_efficient.train.relayout import resumed_counts
-from ms_efficient.efficientmoe.home_replanner import HomeReplanner
-from ms_efficient.efficientmoe.ep_replanner import (ExpertParallelReplanner, compiled_graphs,
-                                          dropless_plans, load_plans_state, slot_budget)
+from ms_efficient.efficientmoe.ep_replanner import (ExpertParallelReplanner, HomeReplanner,
+                                                    compiled_graphs, dropless_plans,
+                                                    load_plans_state, slot_budget)
 from ms_efficient.train.optim import is_scratch as _is_scratch, make_optimizer
 from ms_efficient.train.trainer import _fmt_eta
 
