@@ -14,6 +14,7 @@ steps (what tests/test_user_networks.py's resnet18 child checked before)."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -23,7 +24,9 @@ import pytest
 import workers
 from tests import zoo
 
-pytestmark = pytest.mark.mindspore
+# verify=True builds the check's graph pass with g++ (tests/test_verify.py)
+pytestmark = [pytest.mark.mindspore,
+              pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")]
 
 # --- pinned outcomes ----------------------------------------------------------------------
 # memopt alone and after shard (one device's share): (units, {Cell: action}, {Cell: recomputed
