@@ -139,7 +139,9 @@ def _zoo_mindcv():
 
 
 @pytest.fixture(scope="module")
-def mindcv():
+def zoo_mindcv():
+    """The mindcv networks' records; named as its background computation, so conftest queues
+    it when the session starts and runs the tests reading it last."""
     proc, records = workers.background_result("zoo_mindcv",
                                               skip_if_none="mindcv is not installed")
     assert proc.returncode == 0 and records, proc.stderr[-3000:]
@@ -246,14 +248,14 @@ def test_every_case_of_the_in_process_networks_is_its_pinned_plan_or_refusal(in_
 
 @pytest.mark.parametrize("name", zoo.MINDCV)
 @pytest.mark.parametrize("pass_set", list(zoo.PASS_SETS))
-def test_every_case_of_the_mindcv_networks_is_its_pinned_plan_or_refusal(mindcv, name,
+def test_every_case_of_the_mindcv_networks_is_its_pinned_plan_or_refusal(zoo_mindcv, name,
                                                                          pass_set):
-    _check_case(name, pass_set, mindcv[name])
+    _check_case(name, pass_set, zoo_mindcv[name])
 
 
-def test_resnet18_planned_by_its_residual_blocks_still_trains(mindcv):
+def test_resnet18_planned_by_its_residual_blocks_still_trains(zoo_mindcv):
     """After shard (its strategies set) and the place and memopt refusals: 2 steps."""
-    losses = mindcv["resnet18"]["losses"]
+    losses = zoo_mindcv["resnet18"]["losses"]
     assert len(losses) == 2 and all(np.isfinite(losses)), losses
 
 
