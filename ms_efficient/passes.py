@@ -129,8 +129,26 @@ class PassContext:
         return self._tree
 
 
+def _check_graph(graph: Any, network: Any) -> None:
+    """TypeError / ValueError unless ``graph`` is a train-step OpGraph extracted from a network
+    of ``network``'s class (what ``optimize(..., graph=...)`` accepts)."""
+    from ms_efficient.graph.opgraph import OpGraph
+
+    if not isinstance(graph, OpGraph):
+        raise TypeError(f"optimize(..., graph=...) takes the OpGraph of the network's train "
+                        f"step, but got {type(graph).__name__}.")
+    mode, source = graph.meta.get("mode"), graph.meta.get("network")
+    if mode != "train" or source != type(network).__name__:
+        raise ValueError(
+            f"optimize(..., graph=...) takes the train-step graph of this network "
+            f"(ms_efficient.graph.from_network(network, *sample_inputs, mode='train')), but "
+            f"got graph {graph.name!r} with mode {mode!r} extracted from {source!r}, for a "
+            f"{type(network).__name__}.")
+
+
 def optimize(network, config, sample_inputs: Optional[Sequence[Any]] = None,
-             verify: bool = False, strict: bool = False) -> Tuple[Any, Dict[str, Any]]:
+             verify: bool = False, strict: bool = False,
+             graph: Any = None) -> Tuple[Any, Dict[str, Any]]:
     """Run the enabled passes on ``network`` (an ``nn.Cell``) before it is compiled.
 
     Args:
@@ -150,6 +168,11 @@ def optimize(network, config, sample_inputs: Optional[Sequence[Any]] = None,
             skipped (logged).
         strict: raise the first refusal (:class:`PassRefused`, a ValueError) instead of
             recording it; the passes before it have already changed the network.
+        graph: the train-step OpGraph of ``network`` when it is already extracted
+            (``ms_efficient.graph.from_network(network, *sample_inputs, mode="train")``, or
+            of an identically built network: its scopes name the same Cells); the passes
+            plan it instead of exporting the network again, so one network planned under
+            several configs is compiled for its graph once. Not changed by the passes.
 
     Returns:
         (network, plans): the network to compile and ``{pass name: plan}`` in pass order. An
@@ -171,7 +194,8 @@ def optimize(network, config, sample_inputs: Optional[Sequence[Any]] = None,
     Raises:
         PassRefused: only with ``strict=True``, the first pass that refused.
         ValueError: an unknown pass name, or an error of a pass (a config field it cannot
-            use); never a refusal unless ``strict``.
+            use); never a refusal unless ``strict``; a ``graph`` that is not a train-step
+            graph of a network of this class (TypeError when it is no OpGraph).
     """
     if isinstance(config, str):
         config = load_config(config)
@@ -180,8 +204,10 @@ def optimize(network, config, sample_inputs: Optional[Sequence[Any]] = None,
                         f"{type(config).__name__}.")
     if not isinstance(strict, bool):
         raise TypeError(f"'strict' must be True or False, but got {strict!r}.")
+    if graph is not None:
+        _check_graph(graph, network)
     known = registered_passes()
-    context = PassContext(network, config, sample_inputs)
+    context = PassContext(network, config, sample_inputs, graph=graph)
     plans: Dict[str, Any] = {}
     for name in config.optimize.passes:
         if name not in known or name == "summary":

@@ -199,3 +199,60 @@ def test_blocks_whose_scopes_hold_a_neighbours_ops_tie_the_middle_blocks():
     # the middle blocks tie among themselves whatever the first and last blocks hold
     keys = tie_keys(4, middle=[("Mul", 8), ("MatMul", 8), ("SiLU", 32), ("MatMul", 32)])
     assert keys[1] == keys[2] == ["tie0:Mul", "tie1:MatMul", "tie2:SiLU", "tie3:MatMul"]
+
+
+def _conv_graph(group):
+    """x[8, 4, 6, 6] -> Conv2D (4 -> 4 channels, ``group`` groups) -> ReLU6 -> += x ->
+    Unstack of a [2, 8, 4, 6, 6] view along axis 0 (shapes only)."""
+    g = OpGraph("conv", meta={"inputs": [{"name": "x", "shape": [8, 4, 6, 6],
+                                          "dtype": "float32"}]})
+    _node(g, "conv", "Conv2D", [(8, 4, 6, 6), (4, 4 // group, 3, 3)], (8, 4, 6, 6),
+          [["input", "x"], ["param", "w"]], group=group)
+    _node(g, "act", "ReLU6", [(8, 4, 6, 6)], (8, 4, 6, 6), [["op", "conv"]])
+    _node(g, "res", "InplaceAddExt", [(8, 4, 6, 6), (8, 4, 6, 6)], (8, 4, 6, 6),
+          [["op", "act"], ["input", "x"]])
+    _node(g, "view", "Reshape", [(8, 4, 6, 6)], (2, 4, 4, 6, 6), [["op", "res"]])
+    g.add_node(OpNode(name="split", op_type="Unstack", phase="forward",
+                      input_shapes=[(2, 4, 4, 6, 6)], output_shapes=[(4, 4, 6, 6)] * 2,
+                      output_dtypes=["float32"] * 2,
+                      attrs={"input_sources": [["op", "view"]], "axis": 0,
+                             "input_dtypes": ["float32"]}))
+    g.add_edge("view", "split")
+    return g
+
+
+def test_depthwise_conv_relu6_residual_add_and_unstack_have_rules():
+    """mobilenet_v2's depthwise Conv2D splits only its batch (MindSpore's Conv2DInfo refuses a
+    split cout / cin when the group is not 1), ReLU6 and the residual ``+=`` (InplaceAddExt)
+    are elementwise, Unstack shares every dim but the unstacked one: none is kept whole."""
+    for group in (1, 4):
+        ops = specs_from_graph(_conv_graph(group))
+        assert ops.kept_whole == {}
+        conv, act, res, _, split = ops.specs
+        assert conv.dp_dims == (conv.inputs[0].dims[0],)
+        assert act.saves == ("in0",) and res.saves == ()
+        channels = {conv.inputs[0].dims[1], conv.inputs[1].dims[0], conv.inputs[1].dims[1]}
+        assert channels & set(conv.no_shard) == (set() if group == 1 else channels)
+        assert conv.dp_dims[0] not in conv.no_shard
+        stacked = split.inputs[0].dims
+        assert split.no_shard == stacked[:1] and split.out == stacked[1:]
+    model = CostModel(Mesh(1, 4, dp_model_split=False), get_cluster("ascend910b-1x8"))
+    depthwise = specs_from_graph(_conv_graph(4))
+    st = graph_baseline_strategies(depthwise.specs, model, "megatron-tp")
+    assert st["conv"].layout.mp is None            # no channel split on a depthwise conv
+
+
+def test_an_operator_reading_a_constant_tensor_takes_no_strategy_and_megatron_plans_it():
+    """GPT positions: nn.Embedding over constant ids (the export records the ids' shape in
+    ``const_tensor_inputs``, not in ``input_shapes``): the Gather is kept whole, gets no
+    strategy (MindSpore's would need an entry for the constant) and Megatron's baseline,
+    which makes an embedding Gather vocab-parallel, leaves it replicated (was IndexError)."""
+    g = _mlp_graph()
+    _node(g, "pos", "Gather", [(16, 8)], (16, 8), [["param", "wpe"]],
+          const_inputs={"2": 0}, const_tensor_inputs={"1": [16]})
+    ops = specs_from_graph(g)
+    assert ops.kept_whole == {"Gather": 1} and "pos" not in ops.shardable
+    model = CostModel(Mesh(2, 2, dp_model_split=False), get_cluster("ascend910b-1x8"))
+    st = graph_baseline_strategies(ops.specs, model, "megatron-tp")
+    assert st["pos"].layout == Layout()
+    assert graph_baseline_cost(ops.specs, model, "megatron-tp").memory > 0

@@ -13,7 +13,8 @@ import ms_efficient
 from ms_efficient.core.config import config_from_dict
 from ms_efficient.passes import PassRefused
 from tests.test_user_networks import _assert_refused
-from tests.user_models import NormMLP, llama_with_loss, wide_llama_with_loss
+from tests.user_models import (NormMLP, PatchEncoder, classifier_with_loss,
+                               llama_with_loss, wide_llama_with_loss)
 
 pytestmark = pytest.mark.mindspore
 # 4 CPU workers: compute dominates the launch overhead at these sizes, so pipelining can pay
@@ -32,21 +33,6 @@ def _config(cluster, **optimize):
 
 def _deep_llama(layers=6, batch=8, seq=32):
     return wide_llama_with_loss(layers, batch, seq)
-
-
-class PatchEncoder(nn.Cell):
-    """ViT-like: patches [B, P, 48] -> Dense -> nn.TransformerEncoder -> mean -> classifier."""
-
-    def __init__(self, dim=64, layers=4):
-        super().__init__()
-        self.patch_embed = nn.Dense(48, dim)
-        layer = nn.TransformerEncoderLayer(dim, 4, dim_feedforward=2 * dim, dropout=0.0,
-                                           batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, layers)
-        self.head = nn.Dense(dim, 10)
-
-    def construct(self, x):
-        return self.head(ops.mean(self.encoder(self.patch_embed(x)), 1))
 
 
 class ConvNet(nn.Cell):
@@ -110,10 +96,7 @@ def _branchy(batch):
     return net, (ids, labels)
 
 
-def _classifier(backbone, x, classes=10):
-    y = ms.Tensor(np.arange(x.shape[0], dtype=np.int32) % classes)
-    loss = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
-    return nn.WithLossCell(backbone, loss), (x, y)
+_classifier = classifier_with_loss
 
 
 def _conv_classifier():

@@ -1,12 +1,9 @@
 """optimize() on networks the package did not write: a LLaMA-shaped decoder with HF /
-MindFormers Cell names (dense, and with the package's MoE layer as its MLP) and mindcv's
-resnet18. The passes plan each network's own train-step graph and change its own Cells; the
-network then still trains in GRAPH_MODE."""
+MindFormers Cell names (dense, and with the package's MoE layer as its MLP). The passes plan
+each network's own train-step graph and change its own Cells; the network then still trains
+in GRAPH_MODE. mindcv's resnet18 is in the zoo (tests/test_zoo.py)."""
 import json
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,7 +12,6 @@ import mindspore as ms
 from mindspore import nn
 
 import ms_efficient
-import workers
 from ms_efficient.core.config import config_from_dict
 from tests.user_models import llama_with_loss
 
@@ -166,87 +162,6 @@ def test_a_bad_memory_budget_names_the_field():
         config_from_dict({"optimize": {"memory_budget": "150%"}})
     with pytest.raises(ValueError, match="'optimize.memory_budget' must be a size"):
         config_from_dict({"optimize": {"memory_budget": "lots"}})
-
-
-_MINDCV_RESNET18 = """
-import json
-import numpy as np
-import mindcv
-import mindspore as ms
-from mindspore import nn
-import ms_efficient
-from ms_efficient.core.config import config_from_dict
-ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
-ms.set_seed(0)
-net = nn.WithLossCell(mindcv.create_model("resnet18", pretrained=False, num_classes=10),
-                      nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
-x = ms.Tensor(np.random.default_rng(0).standard_normal((8, 3, 64, 64)).astype(np.float32))
-y = ms.Tensor(np.arange(8, dtype=np.int32) % 10)
-cfg = config_from_dict({"optimize": {"passes": ["shard", "memopt"],
-                                     "memory_budget": "99%", "micro_batches": 8},
-                        "cluster": {"preset": "ascend910b-1x8"}})
-net, plans = ms_efficient.optimize(net, cfg, sample_inputs=(x, y))
-cfg.optimize.passes = ["place"]
-plans["place"] = ms_efficient.optimize(net, cfg, sample_inputs=(x, y))[1]["place"]
-step = nn.TrainOneStepCell(net, nn.Momentum(net.trainable_params(), 0.01, 0.9))
-losses = [float(step(x, y).asnumpy()) for _ in range(2)]
-names = [n for n, _ in net.cells_and_names()]
-print(json.dumps({"units": [l["name"] for l in plans["memopt"]["layers"]],
-                  "memopt": plans["memopt"]["cells"], "fits": plans["memopt"]["simulated"]["fits"],
-                  "place": plans["place"],
-                  "mesh": plans["shard"]["mesh"],
-                  "names": names, "losses": losses, "shard": plans["shard"]["cells"],
-                  "shard_summary": plans["shard"]["summary"],
-                  "shard_budget": plans["shard"]["comm_budget_s"],
-                  "shard_baselines": plans["shard"]["baselines"]}))
-"""
-
-
-@workers.in_background("mindcv_resnet18")
-def _mindcv_resnet18():
-    """_MINDCV_RESNET18 in a child process (mindcv's Cells otherwise outlive MindSpore at
-    interpreter exit), in the background (tests/workers.py); None without mindcv."""
-    import importlib.util
-
-    if importlib.util.find_spec("mindcv") is None:
-        return None
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run([sys.executable, "-c", _MINDCV_RESNET18], capture_output=True,
-                          text=True, cwd=root, timeout=600)
-
-
-@pytest.fixture(scope="module")
-def mindcv_resnet18():
-    return workers.background_result("mindcv_resnet18", skip_if_none="mindcv is not installed")
-
-
-def test_mindcv_resnet18_is_planned_by_its_residual_blocks_and_still_trains(mindcv_resnet18):
-    out = mindcv_resnet18
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    blocks = [f"_backbone.layer{i}.{j}" for i in range(1, 5) for j in range(2)]
-    assert got["units"] == blocks
-    assert got["memopt"] and set(got["memopt"]) <= set(blocks) and got["fits"]
-    # place on the 8 residual blocks: the best pipeline loses by far at this size to the best
-    # non-pipeline use of the same 8 devices, a refusal with its figures (recorded, the
-    # network keeps the shard and memopt plans)
-    assert set(got["place"]) == {"refused"}
-    found = re.search(r"^place: pipelining does not pay on 'ascend910b-1x8': the best pipeline "
-                      r"\dx\d \(\d stages x \d data-parallel cop(?:y|ies), \d+ micro-batch(?:es)?\) "
-                      r"takes ([\d.]+)x the step time of (.*?) \([\d.]+ ms against [\d.]+ ms per "
-                      r"step", got["place"]["refused"])
-    assert found and float(found.group(1)) > 1.5, got["place"]["refused"]
-    # a resnet18 on 64 x 64 images, batch 8: launch-bound, so one device beats data parallel
-    assert found.group(2) == "one device", got["place"]["refused"]
-    assert got["mesh"]["dp"] > got["mesh"]["mp"]          # a CNN at batch 8: data parallel
-    assert all(np.isfinite(got["losses"]))
-    # shard: the convolutions and the classifier by their own paths, within budget no more
-    # memory than any baseline that fits it
-    assert "_backbone.classifier" in got["shard"] and "_backbone.conv1" in got["shard"]
-    assert set(got["shard"]) <= set(got["names"])
-    fits = [b["memory_per_device_bytes"] for b in got["shard_baselines"].values()
-            if "error" not in b and b["comm_time_s"] <= got["shard_budget"] * (1 + 1e-9)]
-    assert got["shard_summary"]["memory_per_device_bytes"] <= min(fits) * (1 + 1e-4)
 
 
 def test_plan_memory_on_a_saved_graph_names_cells_that_apply_plan_accepts(tmp_path):

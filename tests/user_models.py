@@ -25,13 +25,16 @@ class RMSNorm(nn.Cell):
 
 
 class LlamaAttention(nn.Cell):
-    def __init__(self, hidden_size: int, num_heads: int):
+    """Multi-head attention of [B, S, H]; ``bias``: q/k/v projections with biases (Qwen2's
+    ``attention_bias``), o_proj without."""
+
+    def __init__(self, hidden_size: int, num_heads: int, bias: bool = False):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = hidden_size // num_heads
-        self.q_proj = nn.Dense(hidden_size, hidden_size, has_bias=False)
-        self.k_proj = nn.Dense(hidden_size, hidden_size, has_bias=False)
-        self.v_proj = nn.Dense(hidden_size, hidden_size, has_bias=False)
+        self.q_proj = nn.Dense(hidden_size, hidden_size, has_bias=bias)
+        self.k_proj = nn.Dense(hidden_size, hidden_size, has_bias=bias)
+        self.v_proj = nn.Dense(hidden_size, hidden_size, has_bias=bias)
         self.o_proj = nn.Dense(hidden_size, hidden_size, has_bias=False)
         self.softmax = nn.Softmax(axis=-1)
         self.scale = 1.0 / float(np.sqrt(self.head_dim))
@@ -79,10 +82,10 @@ class MoEMLP(nn.Cell):
 
 
 class LlamaDecoderLayer(nn.Cell):
-    def __init__(self, hidden_size, num_heads, intermediate_size, moe=None):
+    def __init__(self, hidden_size, num_heads, intermediate_size, moe=None, bias=False):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden_size)
-        self.self_attn = LlamaAttention(hidden_size, num_heads)
+        self.self_attn = LlamaAttention(hidden_size, num_heads, bias)
         self.post_attention_layernorm = RMSNorm(hidden_size)
         self.mlp = (LlamaMLP(hidden_size, intermediate_size) if moe is None
                     else MoEMLP(hidden_size, intermediate_size, **moe))
@@ -94,11 +97,11 @@ class LlamaDecoderLayer(nn.Cell):
 
 class LlamaModel(nn.Cell):
     def __init__(self, vocab_size, hidden_size, num_heads, intermediate_size, num_layers,
-                 moe=None):
+                 moe=None, bias=False):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size, embedding_table=Normal(0.02))
         self.layers = nn.CellList([LlamaDecoderLayer(hidden_size, num_heads, intermediate_size,
-                                                     moe) for _ in range(num_layers)])
+                                                     moe, bias) for _ in range(num_layers)])
         self.norm = RMSNorm(hidden_size)
 
     def construct(self, input_ids):
@@ -109,13 +112,14 @@ class LlamaModel(nn.Cell):
 
 
 class LlamaForCausalLM(nn.Cell):
-    """``construct(input_ids [B, S] int32) -> logits [B * S, V]`` (flattened for the loss)."""
+    """``construct(input_ids [B, S] int32) -> logits [B * S, V]`` (flattened for the loss).
+    ``bias``: the attention's q/k/v projections with biases (Qwen2-style)."""
 
     def __init__(self, vocab_size=64, hidden_size=32, num_heads=4, intermediate_size=64,
-                 num_layers=2, moe=None):
+                 num_layers=2, moe=None, bias=False):
         super().__init__()
         self.model = LlamaModel(vocab_size, hidden_size, num_heads, intermediate_size,
-                                num_layers, moe)
+                                num_layers, moe, bias)
         self.lm_head = nn.Dense(hidden_size, vocab_size, has_bias=False)
         self.vocab_size = vocab_size
 
@@ -124,10 +128,11 @@ class LlamaForCausalLM(nn.Cell):
         return ops.reshape(logits, (-1, self.vocab_size))
 
 
-def llama_with_loss(moe=None, num_layers=2, seed=0, batch=2):
-    """(``nn.WithLossCell(LlamaForCausalLM, CrossEntropy)``, sample inputs (ids, labels))."""
+def llama_with_loss(moe=None, num_layers=2, seed=0, batch=2, bias=False):
+    """(``nn.WithLossCell(LlamaForCausalLM, CrossEntropy)``, sample inputs (ids [batch, 16],
+    labels [batch * 16])); ``bias``: q/k/v projections with biases."""
     ms.set_seed(seed)
-    net = LlamaForCausalLM(num_layers=num_layers, moe=moe)
+    net = LlamaForCausalLM(num_layers=num_layers, moe=moe, bias=bias)
     loss = nn.CrossEntropyLoss()
     rng = np.random.default_rng(seed)
     ids = ms.Tensor(rng.integers(0, 64, (batch, 16)).astype(np.int32))
@@ -187,6 +192,29 @@ def embed_norm_dense_with_loss(batch=8, seq=32):
     ids = ms.Tensor(rng.integers(0, 128, (batch, seq)).astype(np.int32))
     labels = ms.Tensor(rng.integers(0, 128, (batch * seq,)).astype(np.int32))
     return nn.WithLossCell(EmbedNormDense(), nn.CrossEntropyLoss()), (ids, labels)
+
+
+class PatchEncoder(nn.Cell):
+    """ViT-like: patches [B, P, 48] -> Dense -> nn.TransformerEncoder -> mean -> classifier."""
+
+    def __init__(self, dim=64, layers=4):
+        super().__init__()
+        self.patch_embed = nn.Dense(48, dim)
+        layer = nn.TransformerEncoderLayer(dim, 4, dim_feedforward=2 * dim, dropout=0.0,
+                                           batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers)
+        self.head = nn.Dense(dim, 10)
+
+    def construct(self, x):
+        return self.head(ops.mean(self.encoder(self.patch_embed(x)), 1))
+
+
+def classifier_with_loss(backbone, x, classes=10):
+    """(``nn.WithLossCell(backbone, sparse softmax cross-entropy)``, (x, labels [B] int32
+    cycling through ``classes``)) for a classifier of inputs ``x`` [B, ...]."""
+    y = ms.Tensor(np.arange(x.shape[0], dtype=np.int32) % classes)
+    loss = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+    return nn.WithLossCell(backbone, loss), (x, y)
 
 
 # --------------------------------------------------------------------------- user-written MoE
@@ -320,6 +348,83 @@ def user_moe_with_loss(kind="stacked", seed=0, batch=2, seq=8, **moe):
     """(``nn.WithLossCell(UserMoEForCausalLM, CrossEntropy)``, sample inputs (ids, labels))."""
     ms.set_seed(seed)
     net = UserMoEForCausalLM(kind, **moe)
+    rng = np.random.default_rng(seed)
+    ids = ms.Tensor(rng.integers(0, 64, (batch, seq)).astype(np.int32))
+    labels = ms.Tensor(rng.integers(0, 64, (batch * seq,)).astype(np.int32))
+    return nn.WithLossCell(net, nn.CrossEntropyLoss()), (ids, labels)
+
+
+# --------------------------------------------------------------------------- a GPT with MoE
+class GPTAttention(nn.Cell):
+    """GPT-2's causal self-attention of x [B, S, H]: one fused ``c_attn`` Dense H -> 3H and a
+    ``c_proj`` Dense H -> H (both with biases), a fixed causal mask (-1e4 above the
+    diagonal, added to the scores)."""
+
+    def __init__(self, hidden_size, num_heads, seq_length):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, hidden_size // num_heads
+        self.c_attn = nn.Dense(hidden_size, 3 * hidden_size)
+        self.c_proj = nn.Dense(hidden_size, hidden_size)
+        self.softmax = nn.Softmax(axis=-1)
+        self.scale = 1.0 / float(np.sqrt(self.head_dim))
+        upper = np.triu(np.ones((seq_length, seq_length), np.float32), k=1)
+        self.mask = ms.Tensor(-1e4 * upper)
+
+    def construct(self, x):
+        b, s, h = x.shape
+        qkv = ops.reshape(self.c_attn(x), (b, s, 3, self.num_heads, self.head_dim))
+        qkv = ops.transpose(qkv, (2, 0, 3, 1, 4))                      # [3, B, A, S, D]
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        scores = ops.matmul(q, ops.transpose(k, (0, 1, 3, 2))) * self.scale + self.mask
+        ctx = ops.matmul(self.softmax(scores), v)
+        return self.c_proj(ops.reshape(ops.transpose(ctx, (0, 2, 1, 3)), (b, s, h)))
+
+
+class GPTMoEBlock(nn.Cell):
+    """Pre-LayerNorm GPT block whose MLP is the user's own ``UserStackedMoE``."""
+
+    def __init__(self, hidden_size, num_heads, seq_length, ffn_size, num_experts, top_k):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm((hidden_size,))
+        self.attn = GPTAttention(hidden_size, num_heads, seq_length)
+        self.ln_2 = nn.LayerNorm((hidden_size,))
+        self.mlp = UserStackedMoE(hidden_size, ffn_size, num_experts, top_k, gating="renorm")
+
+    def construct(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class UserMoEGPT(nn.Cell):
+    """A GPT whose MLPs are MoE blocks its user wrote (``UserStackedMoE``: softmax, top-2,
+    renormalised, GELU experts with biases), for ``ms_efficient.adopt_moe``: token and
+    learned position embeddings (``nn.Embedding`` each), GPT blocks, a final LayerNorm and
+    an LM head. ``construct(input_ids [B, S] int32) -> logits [B * S, V]``."""
+
+    def __init__(self, vocab_size=64, hidden_size=32, num_heads=4, seq_length=16, ffn_size=64,
+                 num_experts=4, top_k=2, num_layers=2):
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, hidden_size, embedding_table=Normal(0.02))
+        self.wpe = nn.Embedding(seq_length, hidden_size, embedding_table=Normal(0.02))
+        self.positions = ms.Tensor(np.arange(seq_length, dtype=np.int32).reshape(1, -1))
+        self.h = nn.CellList([GPTMoEBlock(hidden_size, num_heads, seq_length, ffn_size,
+                                          num_experts, top_k) for _ in range(num_layers)])
+        self.ln_f = nn.LayerNorm((hidden_size,))
+        self.lm_head = nn.Dense(hidden_size, vocab_size, has_bias=False)
+        self.vocab_size = vocab_size
+
+    def construct(self, input_ids):
+        x = self.wte(input_ids) + self.wpe(self.positions)
+        for block in self.h:
+            x = block(x)
+        return ops.reshape(self.lm_head(self.ln_f(x)), (-1, self.vocab_size))
+
+
+def moe_gpt_with_loss(batch=8, seq=16, seed=0):
+    """(``nn.WithLossCell(UserMoEGPT, CrossEntropy)``, (ids [batch, seq], labels
+    [batch * seq])), the user's MoE blocks not adopted yet."""
+    ms.set_seed(seed)
+    net = UserMoEGPT(seq_length=seq)
     rng = np.random.default_rng(seed)
     ids = ms.Tensor(rng.integers(0, 64, (batch, seq)).astype(np.int32))
     labels = ms.Tensor(rng.integers(0, 64, (batch * seq,)).astype(np.int32))

@@ -12,7 +12,8 @@ protobuf module and a lookup of primitive init arguments. How the protobuf maps 
   compute op (in graph order) that reads it, directly or through ``Load``;
 - constant inputs (``Constant`` nodes) become attributes: for primitive-function ops the
   trailing constants are the primitive's init arguments (MatMul's ``transpose_a``/``_b``);
-  other constants are kept as ``attrs['const_inputs']`` by input position;
+  other constants are kept as ``attrs['const_inputs']`` by input position, constant
+  tensors as their shapes in ``attrs['const_tensor_inputs']`` (not in ``input_shapes``);
 - bookkeeping nodes (Load, Depend, UpdateState, MakeTuple, TupleGetItem, Return, ...) are
   dropped and data edges are traced through them (monad/control inputs are not edges).
 
@@ -329,14 +330,20 @@ class MindIRReader:
         return graph
 
     def _constant_inputs(self, node: Any, op_type: str) -> Dict[str, Any]:
-        """Constant inputs as attributes: named init arguments, else ``const_inputs``."""
+        """Constant inputs as attributes: named init arguments, else ``const_inputs``;
+        the shapes of constant tensors (ids built in the network: positions) in
+        ``const_tensor_inputs``, by input position (they are not in ``input_shapes``)."""
         consts: Dict[int, Any] = {}
+        tensors: Dict[str, List[int]] = {}
         for idx, value in enumerate(node.input):
             if self._is_const(value):
                 try:
                     consts[idx] = self._const(self.producer[value])
-                except KeyError:
-                    pass  # tensors and monads are not attributes
+                except KeyError:  # tensors and monads are not attributes
+                    found = [t for a in self.producer[value].attribute if a.name == "value"
+                             for t in self._tensors(a)]
+                    if len(found) == 1:
+                        tensors[str(idx)] = [int(d) for d in found[0][0]]
         attrs: Dict[str, Any] = {}
         prim = self.prims.get(node.op_type[5:]) if node.op_type.startswith("REF::") else None
         names = self._init_arg_names(op_type) \
@@ -347,6 +354,8 @@ class MindIRReader:
                 attrs[arg] = consts.pop(first + k)
         if consts:
             attrs["const_inputs"] = {str(k): v for k, v in consts.items()}
+        if tensors:
+            attrs["const_tensor_inputs"] = tensors
         return attrs
 
 

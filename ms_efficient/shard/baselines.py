@@ -188,8 +188,8 @@ def graph_baseline_strategies(specs: Sequence[OpSpec], model: CostModel, method:
         mp = inherited
         if spec.prim in MATMULS and has_param and spec.contract:
             mp = spec.contract[0] if inherited == spec.contract[0] else spec.out[-1]
-        elif spec.prim == "Gather" and has_param:
-            mp = spec.contract[0]
+        elif spec.prim == "Gather" and has_param and spec.contract:
+            mp = spec.contract[0]    # vocab-parallel; a Gather kept whole has no contract
         b = spec.dp_dims[0] if spec.dp_dims else None
         layout = _first_legal(spec, mesh, [Layout(b, mp), Layout(b, None), Layout(None, mp),
                                            Layout(None, None)])

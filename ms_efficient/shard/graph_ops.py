@@ -19,12 +19,19 @@ Per operator, from ``input_shapes`` / ``output_shapes`` and the reader's ``input
     BiasAdd                                               the bias on the channel / last axis
     Conv2D (one group), BatchNorm, MaxPool / AvgPool      batch and channels split, spatial
                                                           and kernel dims never
+    Conv2D (g > 1 groups: depthwise)                      batch only
+    Unstack                                               the unstacked axis never split
     Split / StridedSlice / Slice                          full-size axes shared, sliced own
     (Sparse)SoftmaxCrossEntropyWithLogits                 rows and vocabulary contracted
     Transpose                                             output dims permute the input's
     Reshape / ExpandDims / Squeeze / Flatten              dims are the common refinement of
                                                           the two shapes (below)
     anything else                                         kept whole: replicated only
+
+An operator reading a constant tensor (``attrs['const_tensor_inputs']``: position ids the
+network builds, ``nn.Embedding(...)(Tensor(arange))``) is planned on its other inputs but
+takes no strategy (not in ``GraphOps.shardable``): MindSpore's ``in_strategy`` has an entry
+per tensor input, the constant's too, and the graph gives the constant no layout.
 
 Dimension names are local to an operator (``d0``, ``d1``, ...), so repeated layers have equal
 signatures and can be tied. An input edge renames each consumer dim to the producer's dim that
@@ -56,14 +63,16 @@ logger = logging.getLogger(__name__)
 
 _ELEMENTWISE_SAVES: Dict[str, Tuple[str, ...]] = {
     # op type -> what its backward reads: "in" (its non-parameter inputs), "out", "mask" or ()
-    **{op: () for op in ("Add", "AddExt", "Adds", "Sub", "SubExt", "Neg", "Cast", "Muls",
+    **{op: () for op in ("Add", "AddExt", "InplaceAddExt", "Adds", "Sub", "SubExt", "Neg",
+                         "Cast", "Muls",
                          "Identity", "Depend", "Equal", "NotEqual", "Less", "LessEqual",
                          "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr", "LogicalNot",
                          "OnesLike", "ZerosLike", "StopGradient", "Assign")},
     **{op: ("in",) for op in ("Mul", "MulExt", "Div", "RealDiv", "DivMod", "Maximum",
                               "Minimum", "Pow", "SiLU", "GeLU", "FastGeLU", "ReLU", "Log",
                               "Square", "Abs", "Erf", "Sin", "Cos", "Select", "Swish",
-                              "SquaredDifference", "LeakyReLU", "HSwish", "Softplus")},
+                              "SquaredDifference", "LeakyReLU", "HSwish", "Softplus",
+                              "ReLU6")},
     **{op: ("out",) for op in ("Exp", "Sigmoid", "Tanh", "Sqrt", "Rsqrt", "Reciprocal",
                                "Inv")},
     "MaskedFill": ("in1",), "Dropout": ("mask",), "DropoutExt": ("mask",),
@@ -83,7 +92,8 @@ class GraphOps:
     specs: topological order, names = graph node names. params: {spec name: [(input index,
     parameter name)]} of the parameters each spec owns. kept_whole: {op type: count} of
     operators no rule above covers (replicated only). shardable: spec names MindSpore's
-    ``shard()`` takes a strategy for (not reshapes/casts).
+    ``shard()`` takes a strategy for (not reshapes/casts, nor operators reading a constant
+    tensor).
     """
 
     specs: List[OpSpec]
@@ -410,20 +420,42 @@ def _cross_entropy(node, dims: _Dims) -> Optional[_Rule]:
 
 
 def _conv(node, dims: _Dims) -> Optional[_Rule]:
-    """Conv2D x[N, C, H, W] . w[O, C, kh, kw] (one group): batch N, contract C, output
-    channels O; spatial and kernel dims never split."""
+    """Conv2D x[N, C, H, W] . w[O, C / g, kh, kw]: batch N; with one group contract C and
+    split the output channels O; with g > 1 groups (depthwise: g = C) neither channel dim
+    splits (MindSpore's Conv2DInfo refuses a split cout or cin when the group is not 1), so
+    only the batch does. Spatial and kernel dims never split."""
     shapes = node.input_shapes
     if len(shapes) < 2 or len(shapes[0]) != 4 or len(shapes[1]) != 4 or not node.output_shapes:
         return None
     x, w, y = shapes[0], shapes[1], node.output_shapes[0]
-    if node.attrs.get("group", 1) != 1 or w[1] != x[1] or len(y) != 4 or y[:2] != (x[0], w[0]):
+    group = int(node.attrs.get("group", 1))
+    if group < 1 or w[1] * group != x[1] or len(y) != 4 or tuple(y[:2]) != (x[0], w[0]):
         return None
     n, c, o = dims.new(x[0]), dims.new(x[1]), dims.new(w[0])
+    cw = c if group == 1 else dims.new(w[1])
     xs = (dims.new(x[2]), dims.new(x[3]))
     ks = (dims.new(w[2]), dims.new(w[3]))
     ys = (dims.new(y[2]), dims.new(y[3]))
-    return _Rule([(n, c) + xs, (o, c) + ks], (n, o) + ys, contract=(c,) + ks,
-                 no_shard=xs + ks + ys, saves=("in0", "in1"))
+    channels = () if group == 1 else (c, cw, o)
+    return _Rule([(n, c) + xs, (o, cw) + ks], (n, o) + ys, contract=(cw,) + ks,
+                 no_shard=channels + xs + ks + ys, saves=("in0", "in1"))
+
+
+def _unstack(node, dims: _Dims) -> Optional[_Rule]:
+    """Unstack x along ``axis`` into tensors of x's shape without it (ViT's q, k, v): the
+    other dims are shared with every output, the unstacked one never splits."""
+    if not node.input_shapes or not node.output_shapes:
+        return None
+    x = node.input_shapes[0]
+    axis = node.attrs.get("axis", 0)
+    if not isinstance(axis, int) or not -len(x) <= axis < len(x):
+        return None
+    axis %= len(x)
+    names = tuple(dims.new(n) for n in x)
+    out = names[:axis] + names[axis + 1:]
+    if any(tuple(s) != tuple(x[:axis]) + tuple(x[axis + 1:]) for s in node.output_shapes):
+        return None
+    return _Rule([names], out, no_shard=(names[axis],))
 
 
 def _channels(node, dims: _Dims) -> Optional[_Rule]:
@@ -466,6 +498,8 @@ def _rule_for(op_type: str) -> Optional[Callable[[Any, _Dims], Optional[_Rule]]]
         return _bias_add
     if op_type == "Conv2D":
         return _conv
+    if op_type == "Unstack":
+        return _unstack
     if op_type in ("BatchNorm", "MaxPool", "AvgPool"):
         return _channels
     if op_type in ("Split", "StridedSlice", "Slice", "SplitWithSize"):
@@ -560,7 +594,8 @@ def specs_from_graph(graph, tie_units: Optional[Sequence[Sequence[str]]] = None)
         batch_of[node.name] = set(dp_dims)
         if owned:
             params[node.name] = owned
-        if node.op_type not in _NO_STRATEGY and rule_fn is not None:
+        if node.op_type not in _NO_STRATEGY and rule_fn is not None and \
+                not node.attrs.get("const_tensor_inputs"):
             shardable.append(node.name)
     if tie_units:
         _tie(specs, tie_units)
