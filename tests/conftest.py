@@ -10,6 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import graph_cache  # noqa: E402  (tests/graph_cache.py)
 import workers  # noqa: E402  (tests/workers.py)
 
 
@@ -48,12 +49,27 @@ def pytest_runtest_logstart(nodeid, location):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """When each background computation ran and when the main thread reached the tests that
-    read them: which of the two threads sets the session's length."""
+    """How many graph extractions the modules using ``shared_graphs`` shared; when each
+    background computation ran and when the main thread reached the tests that read them:
+    which of the two threads sets the session's length."""
+    if any(graph_cache.STATS.values()):
+        terminalreporter.write_line(
+            "graph extractions of the modules using shared_graphs: "
+            + ", ".join(f"{n} {k}" for k, n in graph_cache.STATS.items())
+            + "".join(f"; {n} unshared: {why}" for why, n in graph_cache.REASONS.items()))
     if workers._TIMES:
         terminalreporter.write_line(
             f"background fixtures: {workers.timeline()}; the tests reading them from "
             f"{_DEFERRED.get('start', float('nan')):.0f} s")
+
+
+@pytest.fixture(scope="module")
+def shared_graphs():
+    """Identical graph extractions done once per session, for the modules that plan the same
+    user networks again and again (tests/graph_cache.py)."""
+    with pytest.MonkeyPatch.context() as patch:
+        graph_cache.install(patch)
+        yield
 
 
 @pytest.fixture(scope="session")
