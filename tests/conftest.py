@@ -78,6 +78,13 @@ def dist_checks():
     return workers.background_result("dist_checks")
 
 
+@pytest.fixture(scope="session")
+def one_rank_ep_runs():
+    """{"one" or dispatch: run folder} of the one-process run and the W = 1 expert-parallel
+    runs (tests/test_ep_train.py's ``_one_rank_ep_runs``, computed in the background)."""
+    return workers.background_result("one_rank_ep_runs")
+
+
 def write_corpus(folder) -> str:
     """Write 40 small generated text files (about 60 kB) into a new ``folder``; its path."""
     folder.mkdir()
