@@ -10,6 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import graph_cache  # noqa: E402  (tests/graph_cache.py)
 import workers  # noqa: E402  (tests/workers.py)
 
 
@@ -48,18 +49,40 @@ def pytest_runtest_logstart(nodeid, location):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """When each background computation ran and when the main thread reached the tests that
-    read them: which of the two threads sets the session's length."""
+    """How many graph extractions the modules using ``shared_graphs`` shared; when each
+    background computation ran and when the main thread reached the tests that read them:
+    which of the two threads sets the session's length."""
+    if any(graph_cache.STATS.values()):
+        terminalreporter.write_line(
+            "graph extractions of the modules using shared_graphs: "
+            + ", ".join(f"{n} {k}" for k, n in graph_cache.STATS.items())
+            + "".join(f"; {n} unshared: {why}" for why, n in graph_cache.REASONS.items()))
     if workers._TIMES:
         terminalreporter.write_line(
             f"background fixtures: {workers.timeline()}; the tests reading them from "
             f"{_DEFERRED.get('start', float('nan')):.0f} s")
 
 
+@pytest.fixture(scope="module")
+def shared_graphs():
+    """Identical graph extractions done once per session, for the modules that plan the same
+    user networks again and again (tests/graph_cache.py)."""
+    with pytest.MonkeyPatch.context() as patch:
+        graph_cache.install(patch)
+        yield
+
+
 @pytest.fixture(scope="session")
 def dist_checks():
     """The folder of the 2-worker checks' results: tests/dist/NAME.py's are in NAME/."""
     return workers.background_result("dist_checks")
+
+
+@pytest.fixture(scope="session")
+def one_rank_ep_runs():
+    """{"one" or dispatch: run folder} of the one-process run and the W = 1 expert-parallel
+    runs (tests/test_ep_train.py's ``_one_rank_ep_runs``, computed in the background)."""
+    return workers.background_result("one_rank_ep_runs")
 
 
 def write_corpus(folder) -> str:

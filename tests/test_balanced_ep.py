@@ -74,18 +74,21 @@ def test_a_home_table_missing_an_expert_is_refused():
 
 @workers.in_background("balanced_layer_runs")
 def _balanced_layer_runs():
-    """tests/dist/check_balanced_ep.py on 2 and on 4 msrun workers (child processes, from
-    the session's start: tests/workers.py): {world: OUT_DIR}."""
+    """tests/dist/check_balanced_ep.py on 4 msrun workers (child processes, from the
+    session's start: tests/workers.py): its results' folder."""
     if workers.MSRUN is None:
         return None
-    return {world: workers.run("check_balanced_ep", world) for world in (2, 4)}
+    return workers.run("check_balanced_ep", 4)
 
 
 @pytest.fixture(scope="module")
-def balanced_layer_runs():
+def balanced_layer_runs(dist_checks):
+    """{world: the folder of check_balanced_ep's results}: 2 workers in the session's job of
+    the 2-worker checks, 4 in a job of its own."""
     if workers.MSRUN is None:
         pytest.skip("msrun is not on PATH")
-    return workers.background_result("balanced_layer_runs")
+    return {2: dist_checks / "check_balanced_ep",
+            4: workers.background_result("balanced_layer_runs")}
 
 
 @pytest.mark.slow

@@ -13,32 +13,23 @@ import pytest
 
 import workers
 from conftest import write_corpus
-from test_ep_train import MSRUN, _cli_env, _config, _losses, _rows, needs_msrun, one_rank_runs
-from ms_efficient.cli import main
+from test_ep_train import (MSRUN, _cli_env, _config, _losses, _rows, needs_msrun,
+                           one_process_run)
 
 STEPS = 20
 REPLAN_STEP = 16          # the slow level re-places the home experts after this step
 RESUME_STEP = 15          # a copy of the 2-worker run resumes from its checkpoint of this step
 
 
-@workers.in_background("one_rank_balanced_runs")
-def _one_rank_balanced_runs():
-    return one_rank_runs("one_rank_balanced_", ("balanced",))
-
-
-@pytest.fixture(scope="module")
-def one_rank_balanced_runs():
-    return workers.background_result("one_rank_balanced_runs")
-
-
-def test_one_rank_balanced_run_equals_the_one_process_trainer(one_rank_balanced_runs):
+def test_one_rank_balanced_run_equals_the_one_process_trainer(one_rank_ep_runs):
     """W = 1 with dispatch balanced against the one-process trainer with grouped experts, 4
-    steps each in child processes (test_ep_train.one_rank_runs)."""
-    one, ep = _losses(one_rank_balanced_runs["one"]), _losses(one_rank_balanced_runs["balanced"])
+    steps each in child processes (test_ep_train.one_rank_runs, with the other dispatches'
+    W = 1 runs)."""
+    one, ep = _losses(one_rank_ep_runs["one"]), _losses(one_rank_ep_runs["balanced"])
     assert sorted(ep) == [1, 2, 3, 4]
     for step in one:
         np.testing.assert_allclose(ep[step], one[step], rtol=1e-5)
-    row = _rows(one_rank_balanced_runs["balanced"], "train")[-1]
+    row = _rows(one_rank_ep_runs["balanced"], "train")[-1]
     # one device: every row stays home, no copy, the buffer holds the mean share x 1.5
     assert [b["copies"] for b in row["balance"]] == [0, 0]
     assert row["balance"][0]["rows_per_device"] == [4 * 32 * 2]
@@ -85,16 +76,13 @@ def _balanced_runs():
 @pytest.fixture(scope="module")
 def balanced_runs(tmp_path_factory):
     """2- and 4-worker balanced runs of one config (the 2-worker one twice) and its
-    one-process run."""
+    one-process run (``one_process_run``: that of the 2-worker runs of test_ep_train, which
+    computes the same)."""
     if MSRUN is None:
         pytest.skip("msrun is not on PATH")
-    from ms_efficient.core.config import load_config
-    from ms_efficient.train.trainer import Trainer
-
     config, runs = workers.background_result("balanced_runs")
-    one = tmp_path_factory.mktemp("ep_balanced") / "one"
-    Trainer(load_config(config, {"moe.dispatch": "grouped", "efficientmoe.enabled": False}),
-            str(one)).run()
+    one, _ = one_process_run(config, {"moe.dispatch": "grouped", "efficientmoe.enabled": False},
+                             tmp_path_factory.mktemp("ep_balanced") / "one")
     return runs, one
 
 

@@ -129,12 +129,9 @@ def one_rank_runs(prefix, dispatches):
 
 @workers.in_background("one_rank_ep_runs")
 def _one_rank_ep_runs():
-    return one_rank_runs("one_rank_ep_", ("grouped", "counts"))
-
-
-@pytest.fixture(scope="module")
-def one_rank_ep_runs():
-    return workers.background_result("one_rank_ep_runs")
+    """The one-process run and the W = 1 runs of every dispatch the tests compare with it
+    (balanced: tests/test_ep_balanced_train.py): one reference run for all of them."""
+    return one_rank_runs("one_rank_ep_", ("grouped", "counts", "balanced"))
 
 
 @pytest.mark.mindspore
@@ -214,6 +211,49 @@ def _two_workers_killed_run():
     return part, reached, workers.run_cli(["train", "--resume", part], env=_cli_env())
 
 
+_REFERENCES = {}     # what the one-process trainer computes -> (its run folder, seconds)
+
+
+def one_process_run(config, overrides, folder):
+    """(run folder, seconds) of the one-process trainer on ``config`` with ``overrides``, run
+    into ``folder``, or of an earlier run in this session that computes the same: the same
+    resolved config but for where it writes and which corpus folder it reads (the same files,
+    names and bytes), and but for an EfficientMoE section the run leaves off (the one-process
+    trainer reads none of it then, nor the cluster, which only its planner prices with). The reference of the 2-worker runs here and of the
+    balanced ones (tests/test_ep_balanced_train.py): one 20-step run for both."""
+    from ms_efficient.core.config import load_config
+    from ms_efficient.train.trainer import Trainer
+
+    cfg = load_config(config, overrides)
+    what = cfg.to_dict()
+    what["train"].pop("out_dir")
+    what["data"]["path"] = _digest(what["data"]["path"])
+    if not cfg.efficientmoe.enabled:     # no planner: the trainer reads neither section
+        what.pop("efficientmoe")
+        what.pop("cluster")
+    key = json.dumps(what, sort_keys=True)
+    if key not in _REFERENCES:
+        start = time.perf_counter()
+        Trainer(cfg, str(folder)).run()
+        _REFERENCES[key] = (folder, time.perf_counter() - start)
+    return _REFERENCES[key]
+
+
+def _digest(folder):
+    """sha256 of the relative names and bytes of every file under ``folder``."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            h.update(os.path.relpath(path, folder).encode() + b"\0")
+            with open(path, "rb") as fh:
+                h.update(fh.read())
+    return h.hexdigest()
+
+
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):
     """One uninterrupted 2-worker run with EfficientMoE (a re-plan forced at step 6) and the
@@ -221,15 +261,11 @@ def two_workers(tmp_path_factory):
     with grouped experts); returns (config, ep run, one-process run, seconds of each)."""
     if MSRUN is None:
         pytest.skip("msrun is not on PATH")
-    from ms_efficient.core.config import load_config
-    from ms_efficient.train.trainer import Trainer
-
     config, ep, ep_s = workers.background_result("two_workers")
-    one = tmp_path_factory.mktemp("ep_train") / "one"
-    start = time.perf_counter()
-    cfg = load_config(config, {"moe.dispatch": "grouped", "efficientmoe.enabled": False})
-    Trainer(cfg, str(one)).run()
-    return config, ep, one, (ep_s, time.perf_counter() - start)
+    one, one_s = one_process_run(config, {"moe.dispatch": "grouped",
+                                          "efficientmoe.enabled": False},
+                                 tmp_path_factory.mktemp("ep_train") / "one")
+    return config, ep, one, (ep_s, one_s)
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,8 @@ import yaml
 from ms_efficient.parallel.bundle import recompute_config, swap_config
 from ms_efficient.parallel.settings import ParallelSettings
 
+pytestmark = pytest.mark.usefixtures("shared_graphs")      # tests/graph_cache.py
+
 
 def _int(v):
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1

@@ -10,6 +10,7 @@ from ms_efficient.memopt.segments import (linear_partition, segment_cell_actions
                                           segment_counts, segmentations)
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+pytestmark = pytest.mark.usefixtures("shared_graphs")      # tests/graph_cache.py
 
 
 def test_linear_partition_minimises_the_largest_part():

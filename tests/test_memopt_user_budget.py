@@ -16,7 +16,7 @@ from ms_efficient.core.units import format_size
 from tests.test_user_networks import _assert_refused
 from tests.user_models import llama_with_loss
 
-pytestmark = pytest.mark.mindspore
+pytestmark = [pytest.mark.mindspore, pytest.mark.usefixtures("shared_graphs")]
 LAYERS = ["_backbone.model.layers.0", "_backbone.model.layers.1"]
 
 

@@ -15,7 +15,7 @@ from ms_efficient.moe import MoEMLP, replace_cell
 from tests.test_user_networks import _assert_refused, _record_trace, _train_steps
 from tests.user_models import LlamaForCausalLM, UserStackedMoE, user_moe_with_loss
 
-pytestmark = pytest.mark.mindspore
+pytestmark = [pytest.mark.mindspore, pytest.mark.usefixtures("shared_graphs")]
 BLOCKS = ["_backbone.layers.0.mlp", "_backbone.layers.1.mlp"]
 TOKENS = 16                                        # user_moe_with_loss: batch 2 x seq 8
 

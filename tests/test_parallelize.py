@@ -14,7 +14,7 @@ from ms_efficient.core.config import config_from_dict  # noqa: E402
 from ms_efficient.parallel.settings import settings_from_plans  # noqa: E402
 from tests.user_models import wide_llama_with_loss  # noqa: E402
 
-pytestmark = pytest.mark.mindspore
+pytestmark = [pytest.mark.mindspore, pytest.mark.usefixtures("shared_graphs")]
 # 8 CPU workers behind 200 MB/s links: a pipeline of shard's 2x1 meshes beats data parallelism
 # over the 4 mesh slots there (at the preset's 2 GB/s the place pass refuses: the all-reduce
 # is cheaper than the bubble)

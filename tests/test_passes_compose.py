@@ -14,7 +14,7 @@ from ms_efficient.core.config import config_from_dict
 from tests.test_user_network_plans import _deep_llama
 from tests.user_models import llama_with_loss
 
-pytestmark = pytest.mark.mindspore
+pytestmark = [pytest.mark.mindspore, pytest.mark.usefixtures("shared_graphs")]
 CPU2 = {"preset": "cpu-local", "devices_per_node": 2}
 # the same 2 workers behind 200 MB/s links: there a pipeline beats data parallelism over them
 # (at 2 GB/s place refuses: the all-reduce of the LLaMA's gradients is cheaper than the bubble)

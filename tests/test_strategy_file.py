@@ -6,6 +6,8 @@ import pytest
 
 from ms_efficient.shard.apply import OpRecord, strategy_json
 
+pytestmark = pytest.mark.usefixtures("shared_graphs")      # tests/graph_cache.py
+
 
 def test_a_dp_split_weight_on_a_square_mesh_maps_to_the_dp_dim():
     # Dense weight [out=8, in=4] split 2 ways on dim 0 by dp, on a 2x2 mesh: the factor (2)

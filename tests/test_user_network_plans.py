@@ -16,7 +16,7 @@ from tests.test_user_networks import _assert_refused
 from tests.user_models import (NormMLP, PatchEncoder, classifier_with_loss,
                                llama_with_loss, wide_llama_with_loss)
 
-pytestmark = pytest.mark.mindspore
+pytestmark = [pytest.mark.mindspore, pytest.mark.usefixtures("shared_graphs")]
 # 4 CPU workers: compute dominates the launch overhead at these sizes, so pipelining can pay
 CPU4 = {"preset": "cpu-local", "devices_per_node": 4}
 SLOW4 = {**CPU4, "intra_link": {"bandwidth_Bps": 2e8}}     # the same workers, 200 MB/s links

@@ -15,7 +15,7 @@ import ms_efficient
 from ms_efficient.core.config import config_from_dict
 from tests.user_models import llama_with_loss
 
-pytestmark = pytest.mark.mindspore
+pytestmark = [pytest.mark.mindspore, pytest.mark.usefixtures("shared_graphs")]
 MOE = {"num_experts": 4, "top_k": 2, "capacity": 16}
 BLOCKS = [f"_backbone.model.layers.{i}" for i in range(3)]
 

@@ -17,6 +17,7 @@ from ms_efficient.verify.check import check_plans
 from ms_efficient.verify.record import CompiledRecord, parse_strategy
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+pytestmark = pytest.mark.usefixtures("shared_graphs")      # tests/graph_cache.py
 
 
 def _node(scope, recomputed=False, **prim):

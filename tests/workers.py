@@ -86,8 +86,9 @@ def launch(name: str, run_dir: Path, world: int) -> subprocess.Popen:
 
 
 def run(name: str, world: int, timeout_s: float = TIMEOUT_S) -> Path:
-    """:func:`launch` in a fresh temporary folder and wait: its OUT_DIR once every rank
-    wrote done_rank<r>.json; else an AssertionError with the workers' logs."""
+    """:func:`launch` of check ``name`` alone (its script runs run_checks.main on it) in a
+    fresh temporary folder and wait: the check's folder OUT_DIR/NAME once every rank wrote
+    done_rank<r>.json there; else an AssertionError with the workers' logs."""
     run_dir = temporary_dir(f"{name}_{world}_")
     proc = launch(name, run_dir, world)
     try:
@@ -95,7 +96,7 @@ def run(name: str, world: int, timeout_s: float = TIMEOUT_S) -> Path:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-    out_dir = run_dir / "out"
+    out_dir = run_dir / "out" / name
     if proc.returncode != 0 or not all((out_dir / f"done_rank{r}.json").exists()
                                        for r in range(world)):
         logs = "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-3000:]}"

@@ -1,15 +1,15 @@
 """msrun worker for tests/test_balanced_ep.py: the balanced expert-parallel layer on W CPU ranks
 (W from the launch), with a hot expert that the fast level copies into spare slots.
 
-Launched on every rank by msrun as ``python check_balanced_ep.py OUT_DIR``. Rank r feeds rows
-r*B:(r+1)*B of a global batch. It writes ``OUT_DIR/rank<r>.npz``: the outputs, the fast level's
-stats and the gradients of sum(y * dy) (x, router, home slot weights) of the first of
-TRAIN_STEPS Adam steps (router gradient summed over ranks, as data parallelism does), and the
-home slots' weights after them. The test computes the one-process reference with
-MoEFeedForward on the whole batch. Inputs and weights come from seeded generators (numpy only
-at import), shared with the test.
+On 2 ranks it runs in the session's job of the 2-worker checks (tests/dist/run_checks.py); on
+4 alone, launched on every rank as ``python check_balanced_ep.py OUT_DIR`` (results in
+OUT_DIR/check_balanced_ep). Rank r feeds rows r*B:(r+1)*B of a global batch. It writes
+``rank<r>.npz`` in its folder: the outputs, the fast level's stats and the gradients of
+sum(y * dy) (x, router, home slot weights) of the first of TRAIN_STEPS Adam steps (router
+gradient summed over ranks, as data parallelism does), and the home slots' weights after them.
+The test computes the one-process reference with MoEFeedForward on the whole batch. Inputs and
+weights come from seeded generators (numpy only at import), shared with the test.
 """
-import json
 import os
 import sys
 
@@ -118,19 +118,14 @@ def run(out_dir, rank, world):
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **out)
 
 
-def main():
-    out_dir = sys.argv[1]
-    os.makedirs(out_dir, exist_ok=True)
-    import mindspore as ms
-    from mindspore.communication import get_group_size, get_rank, init
-
-    ms.set_context(mode=ms.GRAPH_MODE)
-    init()
-    rank, world = get_rank(), get_group_size()
+def check(out_dir, rank, world):
+    """The layer on this rank (run_checks.py has called init())."""
     run(out_dir, rank, world)
-    with open(os.path.join(out_dir, f"done_rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "world": world}, f)
+    return {}
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import run_checks
+
+    run_checks.main(sys.argv[1], ["check_balanced_ep"])
