@@ -95,6 +95,13 @@ def ensure_registered() -> str:
     cannot be built or MindSpore refuses it."""
     from mindspore import graph
 
+    inherited = os.environ.pop(RECORD_ENV, None)
+    if inherited:
+        # Only ``recording`` sets the variable, and it runs after this registration: a value
+        # here came from a parent process that was recording when it started this one, and
+        # names a file that is not ours (its folder may already be gone).
+        logger.warning("ignoring %s=%s inherited from the parent process", RECORD_ENV,
+                       inherited)
     path = build_plugin()
     if not graph.register_custom_pass(PASS_NAME, path, device="all",
                                       pass_type=graph.CustomPassType.FULL_GRAPH):
