@@ -22,9 +22,9 @@ anything (every one refused) the report is the unoptimised price: ``step_time_s`
 Peak bytes: the simulated peak of each device's share (parameter state, the activations it
 keeps for backward, in-flight micro-batches under 1F1B after place); ``devices`` lists the
 cluster devices each figure applies to (a stage's in every data-parallel copy of place's
-pipeline). ``devices_needed``: shard's mesh size x place's stages x its copies (``dp``); when
-that exceeds the cluster (both passes planned the same devices), ``note`` says
-so: the figures are then those of a cluster that large.
+pipeline). ``devices_needed``: shard's mesh size x place's stages x its copies (``dp``), at
+most the cluster's devices (place plans its stages on the meshes the cluster holds and refuses
+when shard's mesh leaves no room for two; plans that need more raise ValueError).
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def _memory_plan(profile, plans: Dict[str, Any]):
 def combined_report(context) -> Dict[str, Any]:
     """The combined report of the plans in ``context.plans`` (module docstring):
     ``{"passes" (the applied ones), "refused" (the passes that refused, ``context.refused``;
-    their plans are not in the figures), "devices_needed", ["note"], "step_time_s",
+    their plans are not in the figures), "devices_needed", "step_time_s",
     "peak_memory_bytes" (the
     largest device's), "devices":
     [{"share", "devices", "peak_memory_bytes", "busy_s"}], "comm_time_s", "unoptimised",
@@ -129,18 +129,12 @@ def combined_report(context) -> Dict[str, Any]:
                if shard else [0]]
     needed = ((int(shard["mesh"]["dp"]) * int(shard["mesh"]["mp"]) if shard else 1)
               * (len(place["stages"]) * int(place.get("dp", 1)) if place else 1))
-    extra = {}
-    if needed > cluster.num_devices:
-        copies = int(place.get("dp", 1))
-        held = f"{len(place['stages'])} stages" + (f" x {copies} copies" if copies > 1 else "")
-        extra["note"] = (f"shard's {shard['mesh']['dp']}x{shard['mesh']['mp']} mesh on each of "
-                         f"place's {held} needs {needed} devices; "
-                         f"{cluster.name!r} has {cluster.num_devices}: set optimize.shard_mesh "
-                         f"to a mesh of {cluster.num_devices // (len(place['stages']) * copies)}"
-                         f" devices or plan on a cluster of {needed}")
+    if needed > cluster.num_devices:    # place and shard plan within the cluster
+        raise ValueError(f"the plans need {needed} devices (shard's mesh x place's stages x its "
+                         f"copies); the cluster {cluster.name!r} has {cluster.num_devices}.")
     return {"passes": [name for name in plans],
             "refused": list(getattr(context, "refused", {})),
-            "devices_needed": needed, **extra,
+            "devices_needed": needed,
             "step_time_s": float(step + comm),
             "peak_memory_bytes": int(round(max(peak for _, peak in rows))),
             "comm_time_s": comm,

@@ -3,7 +3,8 @@ peak resident memory of the graph extraction and of each pass (a table, then JSO
 
     PATH=.venv/bin:$PATH PYTHONPATH=. python scripts/plan_7b.py [--json OUT] \
         [--layers 32 --hidden 4096 --heads 32 --ffn 11008 --vocab 32000 --seq 2048 --batch 8] \
-        [--passes shard,place,memopt] [--cluster ascend910b-4x8] [--weights] [--no-phase-peaks]
+        [--passes shard,place,memopt] [--cluster ascend910b-4x8] [--shard-mesh 4x4] [--weights]
+        [--no-phase-peaks]
 
 The network is ``tests/user_models.py``'s ``LlamaForCausalLM`` (nn.Embedding, nn.Dense, RMSNorm,
 attention by MatMul/Softmax, SwiGLU MLP) with a cross-entropy loss, built under
@@ -141,6 +142,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--passes", default="shard,place,memopt")
     parser.add_argument("--cluster", default="ascend910b-4x8")
+    parser.add_argument("--shard-mesh", default="",
+                        help="optimize.shard_mesh, e.g. 4x4 (default: shard searches the "
+                             "cluster's meshes)")
     parser.add_argument("--weights", action="store_true",
                         help="build the network with its weights (initialised), as a user "
                              "who did not use no_init_parameters")
@@ -165,7 +169,8 @@ def main(argv=None) -> int:
     clock.begin("build (weights)" if args.weights else "build (no_init_parameters)")
     net, inputs = build(args)
     n_params = sum(int(p.size) for p in net.get_parameters())
-    cfg = config_from_dict({"optimize": {"passes": args.passes.split(",")},
+    cfg = config_from_dict({"optimize": {"passes": args.passes.split(","),
+                                         "shard_mesh": args.shard_mesh},
                             "cluster": {"preset": args.cluster}})
     clock.begin("optimize: setup")
     _, plans = ms_efficient.optimize(net, cfg, sample_inputs=inputs)

@@ -19,6 +19,8 @@ CPU2 = {"preset": "cpu-local", "devices_per_node": 2}
 # the same 2 workers behind 200 MB/s links: there a pipeline beats data parallelism over them
 # (at 2 GB/s place refuses: the all-reduce of the LLaMA's gradients is cheaper than the bubble)
 SLOW2 = {**CPU2, "intra_link": {"bandwidth_Bps": 2e8}}
+# four of them: room for two stages of a 2-device shard mesh
+SLOW4 = {**SLOW2, "devices_per_node": 4}
 ASCEND = {"preset": "ascend910b-1x8"}
 
 
@@ -44,7 +46,8 @@ def test_every_pass_prices_the_same_network_and_the_summary_combines_them():
     net, inputs = _deep_llama()
     names = {n for n, _ in net.cells_and_names()}
     net, plans = ms_efficient.optimize(
-        net, _config(SLOW2, passes=["shard", "place", "memopt"], memory_budget="90%"),
+        net, _config(SLOW4, passes=["shard", "place", "memopt"], memory_budget="90%",
+                     shard_mesh="2x1"),
         sample_inputs=inputs)
     memopt, place, shard, summary = (plans[k] for k in ("memopt", "place", "shard", "summary"))
     # one simulator: the same unoptimised step and peak in every plan and in the summary
@@ -69,10 +72,9 @@ def test_every_pass_prices_the_same_network_and_the_summary_combines_them():
     assert summary["peak_memory_bytes"] < summary["unoptimised"]["peak_memory_bytes"]
     assert summary["comm_time_s"] == shard["summary"]["comm_time_s"]
     assert summary["step_time_s"] >= place["step_time_s"] - 1e-12
-    # shard's mesh on each stage: more devices than the cluster's 2, and the report says so
-    needed = shard["mesh"]["dp"] * shard["mesh"]["mp"] * len(place["stages"])
-    assert summary["devices_needed"] == needed
-    assert ("note" in summary) == (needed > 2)
+    # shard's 2-device mesh on each of place's 2 stages: the cluster's 4 devices
+    assert len(place["stages"]) == 2 and place["devices"] == 4
+    assert summary["devices_needed"] == 4
     # every name in every plan is a Cell of the user's network
     for name in ("memopt", "place", "shard"):
         assert set(plans[name]["cells"]) <= names
@@ -400,3 +402,32 @@ def test_each_copy_of_a_replicated_pipeline_plans_its_share_of_the_batch():
         np.testing.assert_allclose(b.output_share[on], a.output_share[on] / 2, rtol=1e-12)
         np.testing.assert_allclose(b.time_share[on], a.time_share[on] / 2, rtol=1e-12)
         np.testing.assert_array_equal(b.state_bytes, a.state_bytes)
+
+
+@pytest.mark.parametrize("stages, copies, meshes", [(2, 2, 2), (4, 2, 1)],
+                         ids=["2x2-on-8", "4x2-on-8"])
+def test_shard_after_place_plans_a_mesh_of_one_stages_devices(stages, copies, meshes):
+    """Passes [place, shard]: place's pp x dp pipeline holds the 8 devices in pp x dp groups;
+    shard plans its mesh on one group (8 // (pp x dp) devices), so the plans together never
+    need more than the cluster; a group of one device leaves no mesh and shard refuses."""
+    from ms_efficient.passes import PassRefused
+    from ms_efficient.shard.apply import shard_pass
+
+    graph = _llama_graph()
+    place = {"stages": [{"stage": s} for s in range(stages)], "dp": copies}
+    net, inputs = llama_with_loss(num_layers=3, batch=8)
+    context = _context(net, inputs, ASCEND, graph, {"place": place})
+    if meshes == 1:
+        with pytest.raises(PassRefused, match=r"^shard: place's pipeline \(4 stages x 2 copies\) "
+                                              r"holds 8 of the 8 devices of 'ascend910b-1x8', "
+                                              r"one per stage: no room for a mesh of 2\."):
+            shard_pass(net, context)
+        return
+    _, plan = shard_pass(net, context)
+    assert plan["mesh"]["dp"] * plan["mesh"]["mp"] == meshes
+    assert stages * copies * meshes == 8
+    if meshes == 2:            # a mesh the user sets is held to the same devices
+        with pytest.raises(ValueError, match="'optimize.shard_mesh' '2x2' needs 4 devices; "
+                                             "after place's pipeline a stage has 2 of"):
+            shard_pass(net, _context(net, inputs, ASCEND, graph, {"place": place},
+                                     shard_mesh="2x2"))

@@ -12,6 +12,7 @@ from mindspore import nn, ops
 import ms_efficient
 from ms_efficient.core.config import config_from_dict
 from ms_efficient.passes import PassRefused
+from ms_efficient.place.problem import PlacementOptions
 from tests.test_user_networks import _assert_refused
 from tests.user_models import (NormMLP, PatchEncoder, classifier_with_loss,
                                llama_with_loss, wide_llama_with_loss)
@@ -133,7 +134,9 @@ def test_place_plans_block_stages_on_a_deeper_llama_and_both_passes_price_it_ali
     # on 4 CPU workers' 2 GB/s links data parallelism beats every pipeline (place refuses,
     # see the encoder below); behind 200 MB/s links its all-reduce of ~4 MB of gradients costs
     # more than a pipeline's 128 KiB transfers, so a pipeline pays against the same devices
-    net, plans = ms_efficient.optimize(net, _config(SLOW4, passes=["shard", "place"]),
+    # shard's mesh runs every stage: a 2-device mesh leaves the 4 workers room for 2 stages
+    net, plans = ms_efficient.optimize(net, _config(SLOW4, passes=["shard", "place"],
+                                                    shard_mesh="1x2"),
                                        sample_inputs=inputs)
     place, shard = plans["place"], plans["shard"]
     blocks = [f"_backbone.model.layers.{i}" for i in range(6)]
@@ -142,11 +145,14 @@ def test_place_plans_block_stages_on_a_deeper_llama_and_both_passes_price_it_ali
     assert all(s["blocks"] for s in place["stages"])                    # a block per stage
     assert len(place["stage_time_s"]) == len(place["stages"])
     assert 8 % (place["micro_batches"] * place["dp"]) == 0
-    # shard's mesh runs every stage: the plan needs pp x dp x the mesh's devices (here the
-    # mesh takes all 4 workers, so the stages are planned a device each, as before, and the
-    # summary notes the larger cluster the figures are for)
-    mesh = shard["mesh"]["dp"] * shard["mesh"]["mp"]
-    assert place["pp"] * place["dp"] <= 4 and place["devices"] == place["pp"] * place["dp"] * mesh
+    # each stage on a 2-device mesh: 2 stages, one copy, the 4 workers; a stage's mesh splits
+    # every operator over its mp = 2 devices, so it holds 2 devices' memory
+    assert (shard["mesh"]["dp"], shard["mesh"]["mp"]) == (1, 2)
+    assert (place["pp"], place["dp"], place["devices"]) == (2, 1, 4)
+    assert plans["summary"]["devices_needed"] == 4
+    spec = _config(SLOW4).cluster_spec()
+    assert place["baseline"]["capacity_bytes"] == pytest.approx(
+        2 * spec.device_memory_bytes * PlacementOptions().memory_fraction, rel=1e-12)
     # judged against the best non-pipeline use of the same 4 devices, and faster than it
     base = place["baseline"]
     assert place["reason"] == "faster" and base["feasible"]
@@ -325,7 +331,11 @@ def test_place_refusing_keeps_the_memopt_and_shard_plans_applied(caplog):
         net, plans = ms_efficient.optimize(net, cfg, sample_inputs=inputs)
     assert list(plans) == ["memopt", "shard", "place", "summary"]
     assert set(plans["place"]) == {"refused"}
-    assert __import__("re").search(NOT_PAY, plans["place"]["refused"])
+    # shard's mesh takes the 8 devices: no room for a pipeline of meshes
+    assert plans["place"]["refused"].startswith(
+        f"place: shard's {plans['shard']['mesh']['dp']}x{plans['shard']['mesh']['mp']} mesh "
+        f"runs every pipeline stage and takes 8 of the 8 devices of 'ascend910b-1x8': no room "
+        f"for a second stage.")
     assert plans["place"]["refused"] in caplog.text
     memopt, shard, summary = plans["memopt"], plans["shard"], plans["summary"]
     # both applied: recompute on the planned blocks, the strategies on the primitives
@@ -353,7 +363,7 @@ def test_place_refusing_keeps_the_memopt_and_shard_plans_applied(caplog):
         assert summary[key] == without["summary"][key], key
     # strict: the refusal raises, as before this change
     net3, inputs3 = llama_with_loss(num_layers=3)
-    with pytest.raises(PassRefused, match=NOT_PAY):
+    with pytest.raises(PassRefused, match="no room for a second stage"):
         ms_efficient.optimize(net3, cfg, sample_inputs=inputs3, strict=True)
 
 

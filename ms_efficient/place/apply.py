@@ -281,7 +281,9 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
 
     After the shard pass, whose dp x mp mesh runs every stage, the pass plans on D // mesh
     slots of a mesh each, pipelines only (pp x 1: shard already splits each stage's batch),
-    against data parallelism over those slots; ``devices`` is then pp x the mesh's size."""
+    against data parallelism over those slots (a slot: the mesh's dp rows split the batch, its
+    mp columns the memory, mp x a device's); ``devices`` is then pp x the mesh's size, at
+    most D. PassRefused when shard's mesh leaves no room for two slots (D // mesh < 2)."""
     from ms_efficient.graph.cells import (assign_units, forward_subgraph, node_cell_path,
                                           repeated_blocks, strip_train_root)
     from ms_efficient.place.planner import TGAConfig
@@ -313,13 +315,20 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
         from ms_efficient.place.same_devices import sub_cluster
 
         mesh = int(shard["mesh"]["dp"]) * int(shard["mesh"]["mp"])
-        if cluster.num_devices // mesh >= 2:
-            slots = sub_cluster(cluster, cluster.num_devices // mesh)
-        else:       # no room for two meshes: a slot per device, the summary's note says so
-            logger.warning("place: shard's %sx%s mesh leaves no room for two stages on %r; "
-                           "planning a stage per device (the figures are those of a cluster "
-                           "of %d devices x the mesh)", shard["mesh"]["dp"], shard["mesh"]["mp"],
-                           cluster.name, cluster.num_devices)
+        if cluster.num_devices // mesh < 2:
+            raise PassRefused(
+                f"place: shard's {shard['mesh']['dp']}x{shard['mesh']['mp']} mesh runs every "
+                f"pipeline stage and takes {mesh} of the {cluster.num_devices} devices of "
+                f"{cluster.name!r}: no room for a second stage. To plan a pipeline of meshes, "
+                f"set 'optimize.shard_mesh' to a mesh of at most {cluster.num_devices // 2} "
+                f"devices; shard's plan alone already uses every device.")
+        # a slot is one mesh: its dp rows split the batch (below), its mp columns split every
+        # operator's weights and activations, so it holds mp devices' memory
+        mp = int(shard["mesh"]["mp"])
+        slots = sub_cluster(cluster, cluster.num_devices // mesh).with_overrides(
+            device_memory_bytes=cluster.device_memory_bytes * mp,
+            name=f"{cluster.name} as {cluster.num_devices // mesh} meshes of "
+                 f"{shard['mesh']['dp']}x{mp}")
         batch_dp = int(shard["mesh"]["dp"])
         batch = batch // batch_dp if batch % batch_dp == 0 else batch
     decision = plan_same_devices(graph, units.order, groups, units.units, slots, batch,

@@ -382,8 +382,10 @@ def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     records it as ``{"refused": reason}``), setting nothing, when no primitive of the network
     takes a strategy or when every strategy it would set is all ones (the plan splits no
     dimension of any operator: each device would run the whole network, as without the
-    pass); ValueError when ``optimize.shard_mesh`` needs more devices than the cluster."""
-    from ms_efficient.shard.mesh_search import plan_graph_doc
+    pass); ValueError when ``optimize.shard_mesh`` needs more devices than the cluster.
+    After the place pass, the meshes are those of one stage's devices (the cluster's divided
+    by place's stages x copies); PassRefused when that leaves fewer than 2."""
+    from ms_efficient.shard.mesh_search import mesh_factorisations, plan_graph_doc
     from ms_efficient.shard.strategies import parse_mesh
 
     config = context.config
@@ -396,6 +398,23 @@ def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
             raise ValueError(f"'optimize.shard_mesh' {opt.shard_mesh!r} needs {mesh.devices} "
                              f"devices; cluster {cluster.name!r} has {cluster.num_devices}.")
         meshes = [mesh]
+    place = context.plans.get("place")
+    if place is not None:      # after place: a mesh runs one stage of one pipeline copy
+        held = len(place["stages"]) * int(place.get("dp", 1))
+        per_stage = cluster.num_devices // held
+        if per_stage < 2:
+            copies = int(place.get("dp", 1))
+            raise PassRefused(
+                f"shard: place's pipeline ({len(place['stages'])} stages x {copies} "
+                f"{'copy' if copies == 1 else 'copies'}) holds {held} of the {cluster.num_devices} "
+                f"devices of {cluster.name!r}, one per stage: no room for a mesh of 2. Run "
+                f"shard before place (place then plans its stages on shard's meshes).")
+        if meshes is None:
+            meshes = mesh_factorisations(per_stage)
+        elif meshes[0].devices > per_stage:
+            raise ValueError(f"'optimize.shard_mesh' {opt.shard_mesh!r} needs "
+                             f"{meshes[0].devices} devices; after place's pipeline a stage "
+                             f"has {per_stage} of the cluster's {cluster.num_devices}.")
     graph = context.graph("the shard pass")
     price = context.unoptimised("the shard pass")
     doc = plan_graph_doc(graph, cluster, price.step_time_s, float(opt.shard_comm_ratio), meshes)
