@@ -256,3 +256,35 @@ def test_an_operator_reading_a_constant_tensor_takes_no_strategy_and_megatron_pl
     st = graph_baseline_strategies(ops.specs, model, "megatron-tp")
     assert st["pos"].layout == Layout()
     assert graph_baseline_cost(ops.specs, model, "megatron-tp").memory > 0
+
+
+def test_a_concat_of_class_token_and_patches_carries_the_batch_dim_to_the_blocks():
+    """ViT's ``concat((cls, patches), axis=1)``: the batch and feature axes are shared by both
+    inputs and the output (the batch dim reaches the consumer), the token axis is each
+    tensor's own and never splits; mismatched shapes or a bad axis keep it whole."""
+    g = OpGraph("vit", meta={"inputs": [{"name": "x", "shape": [8, 16, 4],
+                                         "dtype": "float32"}]})
+    _node(g, "proj", "MatMul", [(8, 16, 4), (4, 4)], (8, 16, 4),
+          [["input", "x"], ["param", "w"]], transpose_a=False, transpose_b=False)
+    _node(g, "cls", "BroadcastTo", [(1, 1, 4)], (8, 1, 4), [["param", "cls"]])
+    _node(g, "cat", "Concat", [(8, 1, 4), (8, 16, 4)], (8, 17, 4),
+          [["op", "cls"], ["op", "proj"]], axis=1)
+    _node(g, "fc", "MatMul", [(8, 17, 4), (4, 4)], (8, 17, 4),
+          [["op", "cat"], ["param", "w2"]], transpose_a=False, transpose_b=False)
+    ops = specs_from_graph(g)
+    assert ops.kept_whole == {"BroadcastTo": 1}
+    proj, _, cat, fc = ops.specs
+    (b1, t1, h1), (b2, t2, h2) = cat.inputs[0].dims, cat.inputs[1].dims
+    assert (b1, h1) == (b2, h2) and cat.out == (b1, cat.out[1], h1)
+    assert set(cat.no_shard) == {t1, t2, cat.out[1]} and b1 not in cat.no_shard
+    assert cat.size[t1] == 1 and cat.size[t2] == 16 and cat.size[cat.out[1]] == 17
+    assert cat.dp_dims == (b2,) and fc.dp_dims == (fc.inputs[0].dims[0],)
+    for bad in ({"axis": 3}, {"axis": True}):
+        g2 = OpGraph("bad", meta=g.meta)
+        _node(g2, "cat", "Concat", [(8, 1, 4), (8, 16, 4)], (8, 17, 4),
+              [["input", "x"], ["input", "x"]], **bad)
+        assert specs_from_graph(g2).kept_whole == {"Concat": 1}
+    g3 = OpGraph("sizes", meta=g.meta)
+    _node(g3, "cat", "Concat", [(8, 1, 4), (8, 16, 4)], (8, 18, 4),
+          [["input", "x"], ["input", "x"]], axis=1)
+    assert specs_from_graph(g3).kept_whole == {"Concat": 1}

@@ -72,24 +72,25 @@ SHARD = {
                  f"{_E}.1.dense2": {"matmul": [[8, 1], [1, 1]], "bias_add": [[8, 1], [1]]}}),
     # the routing's ops are kept whole; wpe gathers constant position ids: no strategy
     "moe_gpt": ("4x2", 19, {"Gather", "MatMul", "BiasAdd", "LayerNorm", "BatchMatMul"},
-                {"Gather": 5, "StridedSlice": 6, "Concat": 4, "TopK": 2, "OneHot": 2,
+                {"Gather": 5, "StridedSlice": 6, "TopK": 2, "OneHot": 2,
                  "CumSum": 2, "TensorScatterUpdate": 2, "AddN": 4},
                 {"_backbone.wte": {"gather": [[1, 2], [4]]},
                  f"{_H}.0.mlp.moe": {"bmm": [[2, 1, 1], [2, 1, 1]]},
-                 f"{_H}.1.attn.c_attn": {"matmul": [[4, 2], [1, 2]], "bias_add": [[4, 2], [2]]}}),
+                 f"{_H}.1.attn.c_attn": {"matmul": [[4, 1], [2, 1]], "bias_add": [[4, 2], [2]]}}),
     # the residual `out += identity` (InplaceAddExt) splits with the batch
     "resnet18": ("8x1", 22, {"Conv2D", "MatMul", "BiasAdd"}, {},
                  {"_backbone.conv1": {"conv2d": [[8, 1, 1, 1], [1, 1, 1, 1]]},
                   "_backbone.classifier": {"matmul": [[8, 1], [1, 1]],
                                            "bias_add": [[8, 1], [1]]}}),
-    # the class token's BroadcastTo and Concat are kept whole (the Concat's tuple input has
-    # no recorded producers), so only the patch embedding splits; the blocks stay whole
+    # the class token's BroadcastTo and the head's x[:, 0] are kept whole; the Concat of class
+    # token and patches joins its tuple's tensors along the tokens (a source per element),
+    # so the batch split reaches the blocks
     "vit": ("8x1", 25, {"Conv2D", "MatMul", "BiasAdd", "LayerNorm"},
-            {"BroadcastTo": 1, "Concat": 1, "StridedSlice": 1},
+            {"BroadcastTo": 1, "StridedSlice": 1},
             {"_backbone.patch_embed.proj": {"conv2d": [[8, 1, 1, 1], [1, 1, 1, 1]],
                                             "bias_add": [[8, 1, 1, 1], [1]]},
-             "_backbone.blocks.0.attn.qkv": {"matmul": [[1, 1], [1, 1]],
-                                             "bias_add": [[1, 1], [1]]}}),
+             "_backbone.blocks.0.attn.qkv": {"matmul": [[8, 1], [1, 1]],
+                                             "bias_add": [[8, 1], [1]]}}),
     # ReLU6 splits with its input; the depthwise Conv2D (group = channels) splits its batch
     "mobilenet_v2": ("8x1", 54, {"Conv2D", "MatMul", "BiasAdd"}, {},
                      {"_backbone.features.4.layers.3": {"conv2d": [[8, 1, 1, 1],

@@ -42,6 +42,9 @@ BOOKKEEPING_OPS = frozenset({
 _PASS_FIRST_INPUT = frozenset({"Depend", "Load"})
 _GET_ITEM = frozenset({"TupleGetItem", "ListGetItem"})
 _MAKE_SEQ = frozenset({"MakeTuple", "MakeList"})
+# Operators whose tuple input gets a source per element (the shard pass has a rule for them);
+# other operators reading a tuple see ``["other", ""]`` for each of its tensors.
+_SEQ_INPUT_OPS = frozenset({"Concat"})
 _SKIPPED_ATTRS = frozenset({"input_names", "output_names"})
 _DTYPE_RENAMES = {"float": "float32", "double": "float64"}
 
@@ -229,6 +232,20 @@ class MindIRReader:
             return ["op", sources[0][0]]
         return ["other", ""]
 
+    def _sources_of(self, value: str, count: int, op_type: str) -> List[List[str]]:
+        """input_source of each of the ``count`` tensors of input ``value`` of an
+        ``op_type`` node: one tensor its source; a tuple built by MakeTuple, read by an op
+        of ``_SEQ_INPUT_OPS``, the source of each element; any other tuple ``["other", ""]``
+        per tensor."""
+        if count == 1:
+            return [self.input_source(value)]
+        node = self.producer.get(value)
+        if op_type in _SEQ_INPUT_OPS and node is not None and \
+                self.op_type(node) in _MAKE_SEQ and len(node.input) == count and \
+                all(len(self.value_tensors(e)) == 1 for e in node.input):
+            return [self.input_source(e) for e in node.input]
+        return [["other", ""]] * count
+
     def output_tensors(self, node: Any) -> List[Tensor]:
         attr = next((a for a in node.attribute if a.name == "shape"), None)
         return self._tensors(attr) if attr is not None else []
@@ -270,8 +287,7 @@ class MindIRReader:
                 tensors = self.value_tensors(i)
                 input_shapes += [shape for shape, _ in tensors]
                 dtypes += [dtype for _, dtype in tensors]
-                one = self.input_source(i) if len(tensors) == 1 else ["other", ""]
-                sources += [one] * len(tensors)
+                sources += self._sources_of(i, len(tensors), op_type)
             outputs = self.output_tensors(n)
             params = sorted({p for i in n.input for p in self.param_sources(i)})
             for p in params:

@@ -22,6 +22,7 @@ Per operator, from ``input_shapes`` / ``output_shapes`` and the reader's ``input
     Conv2D (g > 1 groups: depthwise)                      batch only
     Unstack                                               the unstacked axis never split
     Split / StridedSlice / Slice                          full-size axes shared, sliced own
+    Concat (a tuple of one rank)                          other axes shared, joined own
     (Sparse)SoftmaxCrossEntropyWithLogits                 rows and vocabulary contracted
     Transpose                                             output dims permute the input's
     Reshape / ExpandDims / Squeeze / Flatten              dims are the common refinement of
@@ -401,6 +402,27 @@ def _slice_like(node, dims: _Dims) -> Optional[_Rule]:
                  no_shard=tuple(own))
 
 
+def _concat(node, dims: _Dims) -> Optional[_Rule]:
+    """Concat of tensors of one rank along ``axis`` (ViT's class token and patches): the other
+    axes are shared by every input and the output, the joined axis is each tensor's own and
+    never splits."""
+    shapes, out = node.input_shapes, node.output_shapes
+    if len(shapes) < 2 or not out or any(len(s) != len(out[0]) for s in shapes):
+        return None
+    y = out[0]
+    axis = node.attrs.get("axis", 0)
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -len(y) <= axis < len(y):
+        return None
+    axis %= len(y)
+    if any(tuple(s[:axis]) + tuple(s[axis + 1:]) != tuple(y[:axis]) + tuple(y[axis + 1:])
+           for s in shapes) or sum(s[axis] for s in shapes) != y[axis]:
+        return None
+    shared = [dims.new(n) for n in y]
+    own = [dims.new(s[axis]) for s in shapes]
+    ins = [tuple(shared[:axis] + [a] + shared[axis + 1:]) for a in own]
+    return _Rule(ins, tuple(shared), no_shard=tuple(own) + (shared[axis],))
+
+
 def _cross_entropy(node, dims: _Dims) -> Optional[_Rule]:
     """(Sparse)SoftmaxCrossEntropyWithLogits: logits [M, V], labels [M] or [M, V] -> the mean
     (a scalar) or per-row losses; a split V or M gives partial sums (vocab-parallel loss)."""
@@ -504,6 +526,8 @@ def _rule_for(op_type: str) -> Optional[Callable[[Any, _Dims], Optional[_Rule]]]
         return _channels
     if op_type in ("Split", "StridedSlice", "Slice", "SplitWithSize"):
         return _slice_like
+    if op_type == "Concat":
+        return _concat
     if op_type in ("SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"):
         return _cross_entropy
     return None
