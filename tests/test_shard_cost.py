@@ -122,3 +122,13 @@ def test_dp_splits_model_dims_only_when_the_mesh_allows_it():
     both = {lay.dp for lay in candidate_layouts(spec, Mesh(2, 2))}
     batch_only = {lay.dp for lay in candidate_layouts(spec, Mesh(2, 2, dp_model_split=False))}
     assert both == {"b", "s", "h", "f"} and batch_only == {"b"}
+
+
+def test_moe_workload_capacity_is_the_switch_formula_of_one_sequence():
+    """TransformerDims.capacity is moe.split.switch_capacity of the seq tokens: ceil(1.25 x
+    2 x 100 / 8) = ceil(31.25) = 32 slots, and capacity_factor 0 is dropless (seq slots, not
+    0 as the ceil of a zero product would give)."""
+    dims = TransformerDims("t", 1, 16, 2, 100, batch=1, num_experts=8, capacity_factor=1.25)
+    assert dims.capacity == 32
+    dropless = TransformerDims("t", 1, 16, 2, 100, batch=1, num_experts=8, capacity_factor=0)
+    assert dropless.capacity == 100

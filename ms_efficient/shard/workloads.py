@@ -18,10 +18,10 @@ The model adds an embedding gather in front and ln_f -> head -> cross-entropy be
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
+from ms_efficient.moe.split import switch_capacity
 from ms_efficient.shard.strategies import OpSpec, TensorRef
 
 __all__ = ["TransformerDims", "PRESETS", "get_workload", "transformer_ops", "layer_ops"]
@@ -34,7 +34,9 @@ class TransformerDims:
     batch: global batch in sequences per step (split by the plan, not per device).
     ffn: FFN hidden size (per expert for MoE layers); 0 means 4 * hidden.
     num_experts: 0 for a dense model. moe_every: every n-th layer is MoE.
-    capacity_factor: expert slots per sequence = ceil(top_k * seq * capacity_factor / E).
+    capacity_factor: expert slots per sequence, :func:`~ms_efficient.moe.split.switch_capacity`
+        of the seq tokens (ceil(top_k * seq * capacity_factor / E) in [1, seq]; 0 = dropless,
+        seq slots).
     include_head: embedding, final LayerNorm, output head and loss (False: layers only).
     """
 
@@ -70,7 +72,8 @@ class TransformerDims:
 
     @property
     def capacity(self) -> int:
-        return math.ceil(self.top_k * self.seq * self.capacity_factor / self.num_experts)
+        """Slots per expert and sequence (the package's one Switch formula)."""
+        return switch_capacity(self.seq, self.num_experts, self.top_k, self.capacity_factor)
 
     def is_moe(self, layer: int) -> bool:
         return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
