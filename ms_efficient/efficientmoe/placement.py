@@ -3,9 +3,10 @@
 Given a layer's predicted routing counts ``load_RE`` (tokens rank r sends to expert e next
 step), a ClusterSpec and a slot budget per device, :func:`plan_layer` returns an ExpertPlan
 for ``PlacementConfig.dispatch`` ("static": per-rank, per-slot capacities; "grouped" or
-"counts": send blocks and row buffers, :func:`grouped_plan`) that minimises the predicted MoE iteration time of the layer, evaluated by
-:func:`ms_efficient.efficientmoe.cost.layer_cost` (All-to-All of the rows each rank owns, expert
-compute on padded capacities, replica gradient sync).
+"counts": send blocks and row buffers, :func:`grouped_plan`) that minimises the predicted MoE
+iteration time of the layer, evaluated by :func:`ms_efficient.efficientmoe.cost.layer_cost`
+(All-to-All of the rows each rank sends, expert compute on the padded capacities of a static
+plan or the received rows of a grouped one, replica gradient sync).
 
 Slots go only on the source ranks' devices ("hosts"): in expert-parallel training every
 device of the group is also a data-parallel rank that routes tokens, and a chip that routes

@@ -29,8 +29,8 @@ the source ranks before compilation (:func:`~ms_efficient.moe.split.source_rows`
 shares of each expert's total capacity by default), because every rank must know, without
 communication, how many rows it owns in every slot. Static shapes, so the graph compiles once;
 a rank that routes more than its share of an expert drops the excess even if another rank
-left room (count-based dispatch would not; it needs dynamic shapes). This is the path of
-every plan whose ``dispatch`` is ``"static"`` or ``"alltoallv"``.
+left room (the grouped path below would not: it exchanges the step's counts first). This is
+the path of every plan whose ``dispatch`` is ``"static"`` or ``"alltoallv"``.
 
 Grouped dispatch (``plan.dispatch`` ``"grouped"`` or ``"counts"``, padding-free experts) runs the package's rule
 :func:`~ms_efficient.moe.split.grouped_assignments` in the graph, on the step's counts:
@@ -44,8 +44,11 @@ Grouped dispatch (``plan.dispatch`` ``"grouped"`` or ``"counts"``, padding-free 
             (the others are dropped at the sender, which knows them from the counts; a
             planned plan has B_d = sum_r C[r, d], so only a block's overflow drops)
          -> send buffer [M = sum_d C[r, d], H], block d (C[r, d] rows, full or not) = this
-            rank's kept rows of d's slots, slot-major -> AllToAllV (counts from
-            :func:`~ms_efficient.moe.exchange.exchange_rows`, what the cost model charges)
+            rank's kept rows of d's slots, slot-major -> "grouped": AllToAllV of the whole
+            blocks; "counts": :class:`~ms_efficient.moe.counted_alltoall.CountedAllToAllV` of
+            the kept rows only (AlltoAllVC on Ascend, the blocks on CPU); the rows of
+            :func:`~ms_efficient.moe.exchange.exchange_rows` either way, what the cost model
+            charges
          -> W blocks of C[src, r] rows -> compacted into [N = B_r, H] grouped by local slot,
             group sizes = kept rows (data) -> FFNs as two grouped matmuls
             (:class:`~ms_efficient.moe.grouped_matmul.GroupedMatmul`) -> AllToAllV back

@@ -12,7 +12,9 @@ S slots).
   (fixed before compilation), and :func:`static_assignments`, a step's tokens in those rows;
 - :func:`grouped_split_weights` and :func:`grouped_assignments`: the same for ``"grouped"``
   dispatch (a fixed split over replicas, one row buffer per device);
-- :func:`largest_remainder`, :func:`proportional_split`: the integer splits they use.
+- :func:`largest_remainder`, :func:`proportional_split`: the integer splits they use;
+- :func:`switch_capacity`: the Switch / GShard capacity of one expert, the package's one
+  formula (one-process layers, the Switch baseline, the memory estimate, the shard workloads).
 No MindSpore import here.
 """
 from __future__ import annotations
