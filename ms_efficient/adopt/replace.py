@@ -46,7 +46,7 @@ from mindspore import Tensor, nn
 from ms_efficient.adopt.blocks import (BlockSpec, block_spec, find_moe_blocks, moe_blocks,
                                      with_gating)
 from ms_efficient.moe.dropin import MoEMLP, replace_cell
-from ms_efficient.moe.layer import DISPATCH_MODES, MoEFeedForward
+from ms_efficient.moe.layer import LAYER_DISPATCH, MoEFeedForward
 from ms_efficient.moe.split import switch_capacity
 
 __all__ = ["adopt_moe", "find_moe_blocks", "adopt_hint", "AdoptedBlock"]
@@ -165,8 +165,8 @@ def adopt_moe(network: nn.Cell, tokens: int, capacity_factor: float = 0.0,
     if trace_ranks < 1 or tokens % trace_ranks:
         raise ValueError(f"'trace_ranks' must divide 'tokens' ({tokens}), but got "
                          f"{trace_ranks}.")
-    if dispatch not in DISPATCH_MODES:
-        raise ValueError(f"'dispatch' must be one of {list(DISPATCH_MODES)}, but got "
+    if dispatch not in LAYER_DISPATCH:
+        raise ValueError(f"'dispatch' must be one of {list(LAYER_DISPATCH)}, but got "
                          f"{dispatch!r}.")
     blocks = moe_blocks(network)
     if not blocks:

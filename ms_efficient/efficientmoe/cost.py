@@ -59,7 +59,7 @@ from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import source_rows, split_tokens, static_assignments
 from ms_efficient.sim import Simulator
 
-__all__ = ["CostModel", "LayerCost", "DYNAMIC_EXCHANGE_S", "uneven_alltoall_time_s", "device_matrix", "computed_rows_D",
+__all__ = ["CostModel", "LayerCost", "DYNAMIC_EXCHANGE_S", "uneven_alltoall_time_s", "computed_rows_D",
            "compute_time_D",
            "check_rank_device", "count_exchange_time_s", "layer_cost", "event_step_time_s"]
 
@@ -195,15 +195,6 @@ def uneven_alltoall_time_s(bytes_DD: np.ndarray, cluster: ClusterSpec):
         worst = np.maximum(worst, np.maximum(msg.sum(axis=-1).max(axis=-1),
                                              msg.sum(axis=-2).max(axis=-1)))
     return float(worst) if worst.ndim == 0 else worst
-
-
-def device_matrix(per_rank_slot_RS: np.ndarray, rank_device: np.ndarray, slot_device: np.ndarray,
-                  num_devices: int) -> np.ndarray:
-    """Sum a [R, S] rank-to-slot matrix into a [D, D] device-to-device one (float64)."""
-    out = np.zeros((num_devices, num_devices))
-    np.add.at(out, (np.asarray(rank_device)[:, None], np.asarray(slot_device)[None, :]),
-              per_rank_slot_RS)
-    return out
 
 
 def check_rank_device(rank_device: Optional[Sequence[int]], num_ranks: int,

@@ -39,16 +39,18 @@ from mindspore.common.initializer import Normal, initializer
 from ms_efficient.moe.activations import TanhGELU, make_gelu
 from ms_efficient.moe.grouped_matmul import GroupedMatmul, row_groups
 from ms_efficient.moe.kernels import MoeTokenPermute, MoeTokenUnpermute
-from ms_efficient.moe.split import switch_capacity
 
-__all__ = ["MoEFeedForward", "DISPATCH_MODES", "TopKArrival", "TanhGELU", "routing_statistics", "sum_choices",
-           "switch_capacity", "ROUTING_COUNTS", "routing_counts_buffer", "make_gelu",
+__all__ = ["MoEFeedForward", "LAYER_DISPATCH", "TopKArrival", "TanhGELU", "routing_statistics", "sum_choices",
+           "ROUTING_COUNTS", "routing_counts_buffer", "make_gelu",
            "group_tables"]
 
 # name of the per-layer buffer holding the last forward's counts [R, E] (int32): read by
 # ms_efficient.efficientmoe.apply.RoutingTraceCallback, never checkpointed (not model state)
 ROUTING_COUNTS = "routing_counts"
-DISPATCH_MODES = ("static", "grouped")  # per-expert capacities / padding-free grouped rows
+# MoEFeedForward's dispatch: per-expert capacities / padding-free grouped rows (moe.dispatch
+# "counts" and "balanced" build "grouped" layers in one process: MoEConfig.layer_dispatch;
+# an expert-parallel plan's modes are moe.plan.DISPATCH_MODES)
+LAYER_DISPATCH = ("static", "grouped")
 
 
 class TopKArrival(nn.Cell):
@@ -173,8 +175,8 @@ class MoEFeedForward(nn.Cell):
                  has_bias: bool = True, router: Optional[nn.Cell] = None,
                  weights: Optional[tuple] = None):
         super().__init__()
-        if dispatch not in DISPATCH_MODES:
-            raise ValueError(f"'dispatch' must be one of {list(DISPATCH_MODES)}, but got "
+        if dispatch not in LAYER_DISPATCH:
+            raise ValueError(f"'dispatch' must be one of {list(LAYER_DISPATCH)}, but got "
                              f"{dispatch!r}.")
         self.dispatch = dispatch
         self.hidden_size = hidden_size
