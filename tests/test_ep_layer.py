@@ -218,18 +218,34 @@ def test_replicas_start_identical_from_the_logical_expert_seed():
 
 
 
+@functools.lru_cache(maxsize=None)
+def one_slot_each(dispatch):
+    """outputs_and_grads of the layer with one slot per expert and room for every row (T
+    each), static or grouped, on ``weights()`` and ``batch()`` in GRAPH_MODE, computed once
+    for the tests that compare with it (as ``reference``)."""
+    w, (x, dy) = weights(), batch()
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        make = ep_layer if dispatch == "static" else grouped_layer
+        return outputs_and_grads(make(w, [0, 1, 2, 3], [T] * E), x, dy)
+    finally:
+        ms.set_context(mode=mode)
+
+
 @pytest.mark.parametrize("mode", [ms.GRAPH_MODE, ms.PYNATIVE_MODE], ids=["graph", "pynative"])
 def test_one_replica_per_expert_with_room_for_all_tokens_equals_moe_feedforward(mode):
     ms.set_context(mode=mode)
     try:
         w = weights()
         x, dy = batch()
-        ep = ep_layer(w, [0, 1, 2, 3], [T] * E)
-        out_ref, (dx_ref, g_ref) = (reference() if mode == ms.GRAPH_MODE else
-                                    outputs_and_grads(dense_layer(w), x, dy))
-        for a, b in zip(ep(x), out_ref):
-            np.testing.assert_array_equal(a.asnumpy(), b)
-        dx, g = grads(ep, x, dy)
+        if mode == ms.GRAPH_MODE:
+            (out, (dx, g)), (out_ref, (dx_ref, g_ref)) = one_slot_each("static"), reference()
+        else:
+            out, (dx, g) = outputs_and_grads(ep_layer(w, [0, 1, 2, 3], [T] * E), x, dy)
+            out_ref, (dx_ref, g_ref) = outputs_and_grads(dense_layer(w), x, dy)
+        for a, b in zip(out, out_ref):
+            np.testing.assert_array_equal(a, b)
         np.testing.assert_allclose(dx, dx_ref, rtol=1e-6, atol=1e-7)
         for name in g:
             np.testing.assert_allclose(g[name], g_ref[name], rtol=1e-6, atol=1e-7)
@@ -251,13 +267,13 @@ def test_with_one_rank_the_same_capacities_drop_the_same_tokens_as_moe_feedforwa
 def test_replicating_an_expert_changes_neither_outputs_nor_input_gradient():
     w = weights()
     x, dy = batch()
-    single = ep_layer(w, [0, 1, 2, 3], [T] * E)
+    single, (dx_ref, g_ref) = one_slot_each("static")
     # expert 0 twice: slot 0 keeps its first 3 arrivals, slot 4 the rest
     replicated = ep_layer(w, [0, 1, 2, 3, 0], [3, T, T, T, T])
     assert replicated.tables.ends_EJ[0].tolist() == [3, T + 3]
-    for a, b in zip(replicated(x), single(x)):
-        np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
-    (dx, g), (dx_ref, g_ref) = grads(replicated, x, dy), grads(single, x, dy)
+    for a, b in zip(replicated(x), single):
+        np.testing.assert_array_equal(a.asnumpy(), b)
+    dx, g = grads(replicated, x, dy)
     np.testing.assert_allclose(dx, dx_ref, rtol=1e-5, atol=1e-6)   # summation order differs
     # each replica's gradient is the logical expert's, summed over both replicas
     for name in ("w1", "b1", "w2", "b2"):
@@ -377,7 +393,7 @@ def test_a_small_grouped_buffer_drops_exactly_the_assignments_of_the_rule():
     the static layer with those per-expert capacities is the reference (outputs, gradients)."""
     w = weights()
     x, dy = batch()
-    counts_RE = dense_layer(w)(x)[2].asnumpy().astype(np.int64)
+    counts_RE = reference()[0][2].astype(np.int64)              # MoEFeedForward's counts
     slot_expert = [0, 1, 2, 3, 0]
     caps = [4, 1, 1, K * T - 5 - 10, 4]                   # buffer K*T - 5 on device 0
     plan = ExpertPlan(slot_expert, [0] * 5, caps, dispatch="grouped")
@@ -408,13 +424,13 @@ def test_replicating_an_expert_in_a_grouped_plan_changes_neither_outputs_nor_inp
         caps):
     w = weights()
     x, dy = batch()
-    single = grouped_layer(w, [0, 1, 2, 3], [T] * E)
+    single, (dx_ref, g_ref) = one_slot_each("grouped")
     replicated = grouped_layer(w, [0, 1, 2, 3, 0], caps)
     cumw = replicated.tables.cut_hi_V[[0, 4]].tolist()          # expert 0's two slots
     assert cumw == ([SPLIT_UNITS // 2, SPLIT_UNITS] if caps[0] == T else [768, SPLIT_UNITS])
-    for a, b in zip(replicated(x), single(x)):
-        np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-6, atol=1e-7)
-    (dx, g), (dx_ref, g_ref) = grads(replicated, x, dy), grads(single, x, dy)
+    for a, b in zip(replicated(x), single):
+        np.testing.assert_allclose(a.asnumpy(), b, rtol=1e-6, atol=1e-7)
+    dx, g = grads(replicated, x, dy)
     np.testing.assert_allclose(dx, dx_ref, rtol=1e-5, atol=1e-6)
     for name in ("w1", "b1", "w2", "b2"):
         np.testing.assert_array_equal(g[name][0], g[name][4])
