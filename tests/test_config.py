@@ -34,9 +34,13 @@ def test_shipped_config_loads():
     ({"cluster": {"preset": "tpu-v9"}}, r"cluster.*tpu-v9"),
     ({"optimize": {"passes": ["warp-drive"]}}, r"'optimize.passes\[0\]' must be one of"),
     ({"model": {"dropout": True}}, r"'model.dropout' must be a number"),
-    ({"efficientmoe": {"dispatch": "alltoall"}},
-     r"'efficientmoe.dispatch' must be one of \['grouped', 'counts', 'balanced'\], but got "
+    ({"moe": {"dispatch": "alltoall"}},
+     r"'moe.dispatch' must be one of \['static', 'grouped', 'counts', 'balanced'\], but got "
      r"'alltoall'"),
+    # the key of older configs, merged into moe.dispatch: named with where it went
+    ({"efficientmoe": {"dispatch": "counts"}},
+     r"'efficientmoe.dispatch' \('counts'\) is now 'moe.dispatch', one of \['static', "
+     r"'grouped', 'counts', 'balanced'\]"),
     ({"efficientmoe": {"buffer_slack": -0.5}},
      r"'efficientmoe.buffer_slack' must be in \[0, 64\], but got -0.5"),
 ])

@@ -195,7 +195,7 @@ def _hand_made_run(tmp_path, home_tables=None, replica_gap=0.0):
     run = tmp_path / "run"
     (run / "ckpt").mkdir(parents=True)
     cfg = tiny_config_dict(str(tmp_path / "corpus no longer here"), str(run))
-    cfg["moe"].update(capacity_factor=0, trace_ranks=1)
+    cfg["moe"].update(capacity_factor=0, trace_ranks=1, dispatch="grouped")
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
     net, opt = reference_network(load_config(str(run / "config.yaml"),
                                              {"data.path": "stdlib"}))
