@@ -301,7 +301,7 @@ def _resized_runs():
         return None
     tmp = workers.temporary_dir("ep_resize_")
     cfg = tiny_config_dict(write_corpus(tmp / "corpus"), str(tmp / "base"))
-    cfg["moe"].update(capacity_factor=0, trace_ranks=1)
+    cfg["moe"].update(capacity_factor=0, trace_ranks=1, dispatch="grouped")
     cfg["train"].update(steps=BASE_STEPS, log_every=1, eval_every=BASE_STEPS,
                         save_every=BASE_STEPS)
     cfg["efficientmoe"] = {"enabled": True, "warmup_steps": 3, "replan_every": 3, "window": 3,
