@@ -19,6 +19,7 @@ the bad value and what is allowed, e.g.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import typing
@@ -29,6 +30,8 @@ import yaml
 
 from ms_efficient.core.fileio import atomic_write_text
 from ms_efficient.core.registry import known_pass_names
+
+logger = logging.getLogger(__name__)
 from ms_efficient.core.units import parse_budget
 
 __all__ = [
@@ -545,11 +548,36 @@ def read_yaml(path: str, allow_empty: bool = True) -> Dict[str, Any]:
     return data
 
 
-def load_config(path: str, overrides: Optional[Dict[str, Any]] = None) -> RunConfig:
+def _migrate_saved_dispatch(data: Dict[str, Any], expert_parallel: bool, path: str) -> None:
+    """A run folder's config.yaml saved before ``moe.dispatch`` named every run's dispatch
+    holds ``efficientmoe.dispatch`` (the expert-parallel exchange) beside ``moe.dispatch``
+    (the one-process layers): the run used the first if it was expert-parallel, the second
+    otherwise. Rewrites ``data`` to the one key, in place."""
+    section = data.get("efficientmoe")
+    if not isinstance(section, dict) or "dispatch" not in section:
+        return
+    old = section.pop("dispatch")
+    if expert_parallel:
+        if not isinstance(data.get("moe"), dict):
+            data["moe"] = {}
+        data["moe"]["dispatch"] = old
+    logger.info("%s: read the older key efficientmoe.dispatch (%r) as %s", path, old,
+                f"moe.dispatch {old!r}" if expert_parallel else
+                "unused (a one-process run: moe.dispatch was its dispatch)")
+
+
+def load_config(path: str, overrides: Optional[Dict[str, Any]] = None,
+                saved_expert_parallel: Optional[bool] = None) -> RunConfig:
     """Load ``path`` (YAML), apply dotted ``overrides`` (``{"train.steps": 10}``), validate.
 
-    An empty file is refused (it would silently mean "all defaults")."""
+    An empty file is refused (it would silently mean "all defaults").
+    saved_expert_parallel: set when ``path`` is a run folder's own config.yaml (True for a
+    ``train --workers`` run): a folder saved with the older ``efficientmoe.dispatch`` key
+    then loads as the run it was (:func:`_migrate_saved_dispatch`); a config a user writes
+    with that key is refused, naming where it went."""
     data = read_yaml(path, allow_empty=False)
+    if saved_expert_parallel is not None and isinstance(data, dict):
+        _migrate_saved_dispatch(data, saved_expert_parallel, path)
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, leaf = dotted.split(".")

@@ -18,6 +18,7 @@ import sys
 from typing import List, Optional
 
 from ms_efficient.core.config import check_dispatch, load_config
+from ms_efficient.train.checkpoint import load_run_config
 
 __all__ = ["launch", "saved_world_size", "is_expert_parallel_run", "worker_command"]
 
@@ -93,7 +94,7 @@ def launch(workers: int, config: Optional[str], out: Optional[str] = None,
             raise ValueError(f"--resume: '{resume}' was trained in one process (its state.json "
                              f"has no expert 'plans'), but --workers is {workers}; resume it "
                              f"without --workers.")
-        cfg = load_config(os.path.join(resume, "config.yaml"))
+        cfg = load_run_config(resume)
         if saved != workers:
             logger.info("resuming %s, saved by %d ranks, on %d ranks", resume, saved, workers)
     else:

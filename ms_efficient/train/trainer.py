@@ -440,7 +440,7 @@ def train(config_path: str, out_dir: Optional[str] = None, steps: Optional[int] 
         overrides["train.steps"] = steps
     if resume:
         config_path = os.path.join(resume, "config.yaml")
-        cfg = load_config(config_path, overrides)
+        cfg = run_ckpt.load_run_config(resume, overrides)
         out = resume
     else:
         if out_dir:
