@@ -65,11 +65,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         saved = saved_world_size(args.resume)
         if workers == 1 and is_expert_parallel_run(args.resume):
-            # the one-process trainer continues it: the EP run's dropless experts are
-            # moe.dispatch "grouped" there, whose capacities EfficientMoE does not plan
-            logger.info("resuming the %d-rank run %s in one process (moe.dispatch grouped, "
+            # the one-process trainer continues it: its moe.dispatch (grouped, counts or
+            # balanced) runs as dropless grouped experts there, which have no capacities for
+            # EfficientMoE to plan
+            logger.info("resuming the %d-rank run %s in one process (grouped experts, "
                         "efficientmoe off)", saved, args.resume)
-            overrides.update({"moe.dispatch": "grouped", "efficientmoe.enabled": False})
+            overrides["efficientmoe.enabled"] = False
         workers = saved if workers is None else workers
     if (workers or 1) > 1:
         return _train_expert_parallel(args, workers)

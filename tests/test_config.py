@@ -34,9 +34,13 @@ def test_shipped_config_loads():
     ({"cluster": {"preset": "tpu-v9"}}, r"cluster.*tpu-v9"),
     ({"optimize": {"passes": ["warp-drive"]}}, r"'optimize.passes\[0\]' must be one of"),
     ({"model": {"dropout": True}}, r"'model.dropout' must be a number"),
-    ({"efficientmoe": {"dispatch": "alltoall"}},
-     r"'efficientmoe.dispatch' must be one of \['grouped', 'counts', 'balanced'\], but got "
+    ({"moe": {"dispatch": "alltoall"}},
+     r"'moe.dispatch' must be one of \['static', 'grouped', 'counts', 'balanced'\], but got "
      r"'alltoall'"),
+    # the key of older configs, merged into moe.dispatch: named with where it went
+    ({"efficientmoe": {"dispatch": "counts"}},
+     r"'efficientmoe.dispatch' \('counts'\) is now 'moe.dispatch', one of \['static', "
+     r"'grouped', 'counts', 'balanced'\]"),
     ({"efficientmoe": {"buffer_slack": -0.5}},
      r"'efficientmoe.buffer_slack' must be in \[0, 64\], but got -0.5"),
 ])
@@ -66,3 +70,30 @@ def test_section_must_be_a_mapping():
     with pytest.raises(ValueError, match="'model' must be a mapping"):
         config_from_dict({"model": [1, 2]})
     assert isinstance(config_from_dict({"model": None}), RunConfig)
+
+
+@pytest.mark.parametrize("plans, dispatch", [(True, "counts"), (False, "static")],
+                         ids=["expert-parallel", "one-process"])
+def test_a_run_folder_saved_with_the_older_dispatch_key_loads_as_the_run_it_was(
+        tmp_path, plans, dispatch):
+    """A run folder written before moe.dispatch named every run's dispatch holds both keys
+    (its config.yaml is the whole resolved config): a ``train --workers`` run (state.json
+    records expert plans) ran efficientmoe.dispatch, a one-process run moe.dispatch. A
+    config a user writes with the older key is still refused."""
+    import json
+
+    from ms_efficient.train.checkpoint import load_run_config
+
+    data = RunConfig().to_dict()
+    data["moe"]["dispatch"] = "static"
+    data["efficientmoe"]["dispatch"] = "counts"
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
+    state = {"step": 4, "checkpoint": "ckpt/step_4.ckpt"}
+    if plans:
+        state.update(world_size=2, plans=[])
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    cfg = load_run_config(str(tmp_path), {"train.steps": 9})
+    assert cfg.moe.dispatch == dispatch and cfg.train.steps == 9
+    with pytest.raises(ValueError, match=r"'efficientmoe.dispatch' \('counts'\) is now "
+                                         r"'moe.dispatch'"):
+        load_config(str(tmp_path / "config.yaml"))

@@ -1,4 +1,4 @@
-"""``train --workers W`` with ``efficientmoe.dispatch: balanced`` (BalancedExpertParallelMoE,
+"""``train --workers W`` with ``moe.dispatch: balanced`` (BalancedExpertParallelMoE,
 the fast level every step): one rank in process against the one-process trainer, and (slow)
 2 and 4 msrun workers: loss per step equal to the one-process run with copies made and the
 home experts re-placed once (the slow level, forced at step 6), the fast level's figures on
@@ -44,8 +44,8 @@ def _balanced_runs():
         return None
     tmp = workers.temporary_dir("ep_balanced_")
     config = _config(tmp, write_corpus(tmp / "corpus"), train={"steps": STEPS},
-                     efficientmoe={"dispatch": "balanced", "enabled": True,
-                                   "force_replan_step": REPLAN_STEP},
+                     moe={"dispatch": "balanced"},
+                     efficientmoe={"enabled": True, "force_replan_step": REPLAN_STEP},
                      # the slow level prices 4 ranks: 4 worker processes on this host
                      cluster={"preset": "cpu-local", "devices_per_node": 4})
     runs = {}
@@ -144,17 +144,28 @@ def test_two_identical_balanced_runs_are_bit_identical(balanced_runs, other):
             assert np.array_equal(pa[name].asnumpy(), pb[name].asnumpy()), (rank, name)
 
 
-def test_a_one_process_run_of_a_balanced_config_plans_nothing_and_says_so(tmp_path, text_dir,
-                                                                          caplog):
-    """One process has one device: neither level of a balanced config has anything to place,
-    so the trainer runs its dropless layers without EfficientMoE's capacity planning (which
-    would drop tokens and break the one-process reference) and warns."""
+def test_a_one_process_run_of_a_balanced_config_runs_grouped_experts_and_says_so(
+        tmp_path, text_dir, caplog):
+    """One process has one device and no exchange: a moe.dispatch balanced config runs
+    there as dropless grouped experts (logged); with efficientmoe.enabled it is refused,
+    naming the field (one device has no placement to change, and capacity planning would drop
+    tokens and break the one-process reference); with static experts the planner runs."""
+    import logging
+
     from ms_efficient.core.config import load_config
     from ms_efficient.train.trainer import Trainer
 
-    config = _config(tmp_path, text_dir, efficientmoe={"dispatch": "balanced",
-                                                       "enabled": True})
-    assert Trainer(load_config(config), str(tmp_path / "one")).planner is None
-    assert "ignores it and efficientmoe.enabled" in caplog.text
-    plain = _config(tmp_path, text_dir, efficientmoe={"enabled": True})
+    config = _config(tmp_path, text_dir, moe={"dispatch": "balanced"},
+                     efficientmoe={"enabled": True})
+    with pytest.raises(ValueError, match=r"'efficientmoe.enabled' must be false for a "
+                                         r"one-process run with moe.dispatch 'balanced'"):
+        Trainer(load_config(config), str(tmp_path / "one"))
+    with caplog.at_level(logging.INFO, logger="ms_efficient"):
+        trainer = Trainer(load_config(config, {"efficientmoe.enabled": False}),
+                          str(tmp_path / "one"))
+    assert trainer.planner is None
+    assert [layer.dispatch for layer in trainer.moe_layers] == ["grouped", "grouped"]
+    assert "moe.dispatch 'balanced' names an expert-parallel exchange" in caplog.text
+    plain = _config(tmp_path, text_dir, moe={"dispatch": "static"},
+                    efficientmoe={"enabled": True})
     assert Trainer(load_config(plain), str(tmp_path / "two")).planner is not None

@@ -195,7 +195,7 @@ def _hand_made_run(tmp_path, home_tables=None, replica_gap=0.0):
     run = tmp_path / "run"
     (run / "ckpt").mkdir(parents=True)
     cfg = tiny_config_dict(str(tmp_path / "corpus no longer here"), str(run))
-    cfg["moe"].update(capacity_factor=0, trace_ranks=1)
+    cfg["moe"].update(capacity_factor=0, trace_ranks=1, dispatch="grouped")
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
     net, opt = reference_network(load_config(str(run / "config.yaml"),
                                              {"data.path": "stdlib"}))
@@ -301,7 +301,7 @@ def _resized_runs():
         return None
     tmp = workers.temporary_dir("ep_resize_")
     cfg = tiny_config_dict(write_corpus(tmp / "corpus"), str(tmp / "base"))
-    cfg["moe"].update(capacity_factor=0, trace_ranks=1)
+    cfg["moe"].update(capacity_factor=0, trace_ranks=1, dispatch="grouped")
     cfg["train"].update(steps=BASE_STEPS, log_every=1, eval_every=BASE_STEPS,
                         save_every=BASE_STEPS)
     cfg["efficientmoe"] = {"enabled": True, "warmup_steps": 3, "replan_every": 3, "window": 3,

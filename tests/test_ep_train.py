@@ -28,7 +28,7 @@ FORCE_STEP = 4      # tests/dist/check_ep_callback.py's FORCE_AT
 
 def _config(tmp_path, text_dir, **sections):
     cfg = tiny_config_dict(text_dir, str(tmp_path / "run"))
-    cfg["moe"]["trace_ranks"] = 1
+    cfg["moe"].update(trace_ranks=1, dispatch="grouped")      # an expert-parallel config
     cfg["train"].update(steps=STEPS, log_every=1, eval_every=10, save_every=5)
     for section, values in sections.items():
         cfg.setdefault(section, {}).update(values)
@@ -81,6 +81,17 @@ def test_workers_must_divide_the_batch(tmp_path, text_dir, capsys):
             in capsys.readouterr().err)
 
 
+def test_an_expert_parallel_run_of_static_experts_is_refused_naming_the_field(tmp_path, text_dir,
+                                                                            capsys):
+    """``moe.dispatch`` static (per-expert capacities) is one-process only: the launcher says
+    so before starting msrun."""
+    config = _config(tmp_path, text_dir, moe={"dispatch": "static"})
+    assert main(["train", config, "--workers", "2", "--out", str(tmp_path / "x")]) == 2
+    assert ("'moe.dispatch' must be one of ['grouped', 'counts', 'balanced'] for an "
+            "expert-parallel run (train --workers W); 'static' (per-expert capacities) is for "
+            "one-process runs, but got 'static'." in capsys.readouterr().err)
+
+
 def test_resume_of_a_state_without_plans_on_other_workers_is_refused(tmp_path, capsys):
     """Only an expert-parallel run (expert plans in state.json) can change its world size
     (tests/test_ep_resize.py)."""
@@ -105,8 +116,8 @@ _ONE_RANK = ("import sys\n"
 
 
 def one_rank_runs(prefix, dispatches):
-    """The one-process trainer with grouped (dropless) experts (it ignores
-    ``efficientmoe.dispatch``: one run serves every dispatch) and the W = 1 expert-parallel
+    """The one-process trainer with grouped (dropless) experts (``moe.dispatch`` grouped:
+    one run serves every dispatch) and the W = 1 expert-parallel
     worker (``worker_main``, no msrun) with each of ``dispatches``, 4 steps of one config on
     the same corpus, each in a child process (the background thread runs them while the
     main thread runs other tests: tests/workers.py); {"one" or dispatch: run folder}."""
@@ -116,7 +127,7 @@ def one_rank_runs(prefix, dispatches):
     for name in ("one", *dispatches):
         folder = tmp / name
         folder.mkdir()
-        sections = {} if name == "one" else {"efficientmoe": {"dispatch": name}}
+        sections = {} if name == "one" else {"moe": {"dispatch": name}}
         config = _config(folder, corpus, train={"steps": 4, "save_every": 4}, **sections)
         runs[name] = folder / "run"
         command = ([_ONE_PROCESS, config, runs[name]] if name == "one" else
@@ -140,7 +151,7 @@ def test_one_rank_expert_parallel_run_equals_the_one_process_trainer(one_rank_ep
                                                                      dispatch):
     """W = 1 (no msrun): the EP model, its gradient reducer and clipping against the
     one-process trainer with grouped (dropless) experts, same seed and batches; with
-    ``efficientmoe.dispatch`` grouped or counts (the count-driven exchange: the same rows).
+    ``moe.dispatch`` grouped or counts (the count-driven exchange: the same rows).
     Both run in child processes (``one_rank_runs``)."""
     one_dir, ep_dir = one_rank_ep_runs["one"], one_rank_ep_runs[dispatch]
     one, ep = _losses(one_dir), _losses(ep_dir)

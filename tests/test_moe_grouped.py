@@ -142,16 +142,27 @@ def test_a_grouped_model_trains_with_no_padding_and_no_drops(tmp_path, text_dir)
     assert logged["grouped"]["loss"] == pytest.approx(logged["static"]["loss"], rel=1e-3)
 
 
-def test_config_names_a_bad_dispatch_and_the_efficientmoe_conflict(tmp_path, text_dir):
+def test_config_names_a_bad_dispatch_and_the_run_it_does_not_suit(tmp_path, text_dir):
+    """One vocabulary for every run (config.DISPATCH_NAMES); check_dispatch says which of it
+    suits the run: grouped with EfficientMoE only expert-parallel, static only in one
+    process. The trainers and the launcher call it before building anything."""
     import yaml
     from conftest import tiny_config_dict
-    from ms_efficient.core.config import load_config
+    from ms_efficient.core.config import check_dispatch, load_config
 
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(tiny_config_dict(text_dir, str(tmp_path / "run"))))
     with pytest.raises(ValueError, match=r"'moe.dispatch' must be one of \['static', "
-                                         r"'grouped'\], but got 'padless'"):
+                                         r"'grouped', 'counts', 'balanced'\], but got 'padless'"):
         load_config(str(path), {"moe.dispatch": "padless"})
-    with pytest.raises(ValueError, match="'efficientmoe.enabled' must be false with "
-                                         "moe.dispatch 'grouped'"):
-        load_config(str(path), {"moe.dispatch": "grouped", "efficientmoe.enabled": True})
+    grouped_on = load_config(str(path), {"moe.dispatch": "grouped", "efficientmoe.enabled": True})
+    check_dispatch(grouped_on, expert_parallel=True)
+    with pytest.raises(ValueError, match="'efficientmoe.enabled' must be false for a "
+                                         "one-process run with moe.dispatch 'grouped'"):
+        check_dispatch(grouped_on, expert_parallel=False)
+    static = load_config(str(path))
+    check_dispatch(static, expert_parallel=False)
+    with pytest.raises(ValueError, match=r"'moe.dispatch' must be one of \['grouped', 'counts', "
+                                         r"'balanced'\] for an expert-parallel run .*, but got "
+                                         r"'static'"):
+        check_dispatch(static, expert_parallel=True)

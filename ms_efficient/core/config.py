@@ -5,7 +5,7 @@ defaults below::
 
     context:  {mode: GRAPH_MODE, device_target: CPU, seed: 1234}
     model:    {vocab_size: 256, seq_length: 128, hidden_size: 256, num_layers: 4, ...}
-    moe:      {num_experts: 8, top_k: 2, capacity_factor: 1.25, ...}
+    moe:      {num_experts: 8, top_k: 2, capacity_factor: 1.25, dispatch: static, ...}
     efficientmoe: {enabled: false, replan_every: 25, ...}   # online per-expert capacities
     data:     {path: stdlib, val_fraction: 0.05, ...}
     train:    {steps: 300, batch_size: 16, learning_rate: 1.0e-3, ...}
@@ -19,6 +19,7 @@ the bad value and what is allowed, e.g.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import typing
@@ -29,10 +30,15 @@ import yaml
 
 from ms_efficient.core.fileio import atomic_write_text
 from ms_efficient.core.registry import known_pass_names
+
+logger = logging.getLogger(__name__)
 from ms_efficient.core.units import parse_budget
 
 __all__ = [
     "history_trace_path",
+    "DISPATCH_NAMES",
+    "EXPERT_PARALLEL_DISPATCH",
+    "check_dispatch",
     "ContextConfig",
     "ModelConfig",
     "MoEConfig",
@@ -51,6 +57,31 @@ __all__ = [
 def history_trace_path(path: str) -> str:
     """``efficientmoe.history`` as a file: a run folder means its ``trace.npz``."""
     return os.path.join(path, "trace.npz") if os.path.isdir(path) else path
+
+
+# `moe.dispatch`: how tokens reach the experts (MoEConfig's comments). The expert-parallel
+# trainer runs the last three; the one-process trainer "static" and "grouped" ("counts" and
+# "balanced" run as "grouped" there: MoEConfig.layer_dispatch).
+DISPATCH_NAMES = ("static", "grouped", "counts", "balanced")
+EXPERT_PARALLEL_DISPATCH = ("grouped", "counts", "balanced")
+
+
+def check_dispatch(cfg: "RunConfig", expert_parallel: bool) -> None:
+    """ValueError naming the field unless ``cfg.moe.dispatch`` suits the run: an
+    expert-parallel run (``train --workers W``, its workers) needs one of
+    EXPERT_PARALLEL_DISPATCH; a one-process run with ``efficientmoe.enabled`` needs "static"
+    (its EfficientMoE plans per-expert capacities, which the other dispatches do not have, and
+    one device has no placement to change)."""
+    dispatch = cfg.moe.dispatch
+    if expert_parallel and dispatch not in EXPERT_PARALLEL_DISPATCH:
+        _fail("moe.dispatch", dispatch,
+              f"one of {list(EXPERT_PARALLEL_DISPATCH)} for an expert-parallel run (train "
+              f"--workers W); 'static' (per-expert capacities) is for one-process runs")
+    if not expert_parallel and dispatch != "static" and cfg.efficientmoe.enabled:
+        _fail("efficientmoe.enabled", True,
+              f"false for a one-process run with moe.dispatch {dispatch!r} (the one-process "
+              f"EfficientMoE plans per-expert capacities, which only 'static' has; run it with "
+              f"--efficientmoe off, or expert-parallel with --workers W)")
 
 
 # Load predictors `efficientmoe.predictor` may name (ms_efficient.efficientmoe.predictor
@@ -122,9 +153,23 @@ class MoEConfig:
     # The batch's tokens are recorded as this many groups ("source ranks") in the routing
     # trace, as data-parallel ranks would each see batch_size / trace_ranks samples.
     trace_ranks: int = 1
-    # Expert compute: "static" (per-expert capacities: padded, may drop) or "grouped" (rows
-    # permuted by expert, every expert on its own rows: no capacity, no padding, no drops;
-    # moe.layer module doc).
+    # How tokens reach the experts, one name for one-process and expert-parallel runs
+    # (DISPATCH_NAMES; `plan moe --dispatch` takes the same names):
+    #   "static"   per-expert capacities (capacity_factor; padded, may drop; EfficientMoE
+    #              plans them when enabled). One-process runs only.
+    #   "grouped"  rows permuted by expert, each expert on its own rows (grouped matmul, no
+    #              padding). One process: no capacity, no drops (moe.layer module doc).
+    #              `train --workers W`: ExpertParallelMoE with static send blocks, full or
+    #              empty, one row buffer per device.
+    #   "counts"   `train --workers W`: the same blocks as upper bounds, only the kept rows
+    #              travel (ops.AlltoAllVC on Ascend; on CPU the blocks are exchanged, same
+    #              values). `plan moe --dispatch auto` says whether it or grouped fits a trace.
+    #   "balanced" `train --workers W`: EfficientMoE's two levels (BalancedExpertParallelMoE):
+    #              a fixed layout (home experts, slots_per_device minus ceil(E / W) spare
+    #              slots, receive buffers) balanced every step from that step's exact counts,
+    #              hot experts copied into spare slots.
+    # One process has no exchange, so "counts" and "balanced" run there as "grouped" (the same
+    # rows; `layer_dispatch`). Fixed for a run: each is a different graph.
     dispatch: str = "static"
     # Expert-parallel runs (`ms-efficient train --workers W`): weight slots every rank compiles
     # for its experts (ExpertParallelMoE's slots_per_device); 0 = ceil(num_experts / W) + 1,
@@ -134,8 +179,8 @@ class MoEConfig:
     def validate(self, path: str) -> None:
         if self.slots_per_device < 0:
             _fail(f"{path}.slots_per_device", self.slots_per_device, ">= 0 (0 = automatic)")
-        if self.dispatch not in ("static", "grouped"):
-            _fail(f"{path}.dispatch", self.dispatch, "one of ['static', 'grouped']")
+        if self.dispatch not in DISPATCH_NAMES:
+            _fail(f"{path}.dispatch", self.dispatch, f"one of {list(DISPATCH_NAMES)}")
         if self.num_experts < 1:
             _fail(f"{path}.num_experts", self.num_experts, "a positive integer")
         if not 1 <= self.top_k <= self.num_experts:
@@ -152,15 +197,23 @@ class MoEConfig:
         if self.trace_ranks < 1:
             _fail(f"{path}.trace_ranks", self.trace_ranks, "a positive integer")
 
+    @property
+    def layer_dispatch(self) -> str:
+        """The dispatch of a one-process MoE layer (MoEFeedForward) for ``dispatch``: "static"
+        stays "static"; "grouped", "counts" and "balanced" are "grouped" (one device has no
+        exchange, so they compute the same rows, dropless)."""
+        return "static" if self.dispatch == "static" else "grouped"
+
 
 @dataclass
 class EfficientMoEConfig:
     """EfficientMoE during training (``enabled``): sample the routing, forecast it and re-plan.
-    What a re-plan changes depends on the layers: one-process "static" layers get new
+    What a re-plan changes depends on ``moe.dispatch``: one-process "static" layers get new
     per-expert capacities (a recompile, when it pays); expert-parallel "grouped"/"counts"
     layers a new placement inside their compiled buffers; "balanced" layers a new home table
     (the slow level; the fast level balances every step either way). No re-plan of an
-    expert-parallel run changes a compiled shape."""
+    expert-parallel run changes a compiled shape; a one-process run with a dispatch other than
+    "static" has nothing to re-plan (:func:`check_dispatch` refuses it)."""
 
     enabled: bool = False
     # Steps run with the static `moe.capacity_factor` capacity before the first plan, so the
@@ -203,21 +256,13 @@ class EfficientMoEConfig:
     # Expert-parallel runs: adopt the planner's placement after this many steps even when the
     # re-plan rule finds no gain worth it (0 = never force), so a short run shows a re-plan.
     force_replan_step: int = 0
-    # Expert-parallel runs (`train --workers`): the token exchange of ExpertParallelMoE,
-    # "grouped" (static send blocks, full or empty) or "counts" (the kept rows only,
-    # ops.AlltoAllVC on Ascend; on CPU the blocks are exchanged, same values). Fixed for a
-    # run: the two are different graphs (`plan moe --dispatch auto` says which fits a trace).
-    # "balanced": EfficientMoE's two levels (BalancedExpertParallelMoE): a fixed layout
-    # (home experts, `moe.slots_per_device` minus ceil(E / W) spare slots, receive buffers)
-    # balanced every step from that step's exact counts, hot experts copied into spare slots.
-    dispatch: str = "grouped"
-    # With `enabled`, a "balanced" run also re-places its home experts during the run (the
+    # With `enabled`, a moe.dispatch "balanced" run also re-places its home experts during the run (the
     # slow level): every `replan_every` steps after `warmup_steps`, when the new home table's
     # modelled gain over the next `replan_every` steps pays for moving the changed experts'
     # weights and Adam moments (efficientmoe.layout.decide_home, the rule `bench moe`'s
     # `efficientmoe` row replays); no shape changes, no recompile. Without it the home table
     # is the first compile's for the whole run (`bench moe`'s `efficientmoe-fixed-home`).
-    # "balanced" runs: each device's receive buffer is its mean share x (1 + buffer_slack),
+    # moe.dispatch "balanced" runs: each device's receive buffer is its mean share x (1 + buffer_slack),
     # fixed at the first compile (no history trace); with `history`, priced from that trace
     # (efficientmoe.layout). Rows above every holder's buffer are dropped and counted.
     buffer_slack: float = 0.5
@@ -225,8 +270,6 @@ class EfficientMoEConfig:
     def validate(self, path: str) -> None:
         if self.force_replan_step < 0:
             _fail(f"{path}.force_replan_step", self.force_replan_step, ">= 0 (0 = never)")
-        if self.dispatch not in ("grouped", "counts", "balanced"):
-            _fail(f"{path}.dispatch", self.dispatch, "one of ['grouped', 'counts', 'balanced']")
         if not 0.0 <= self.buffer_slack <= 64.0:
             _fail(f"{path}.buffer_slack", self.buffer_slack, "in [0, 64]")
         if not isinstance(self.history, str):
@@ -382,10 +425,6 @@ class RunConfig:
     optimize: OptimizeConfig = field(default_factory=OptimizeConfig)
 
     def validate(self, path: str = "") -> None:
-        if self.moe.dispatch == "grouped" and self.efficientmoe.enabled:
-            _fail("efficientmoe.enabled", self.efficientmoe.enabled,
-                  "false with moe.dispatch 'grouped' (the one-process trainer's EfficientMoE "
-                  "plans per-expert capacities; a grouped layer has none)")
         if self.train.batch_size % self.moe.trace_ranks:
             _fail("train.batch_size", self.train.batch_size,
                   f"a multiple of moe.trace_ranks ({self.moe.trace_ranks})")
@@ -450,6 +489,12 @@ def _build(cls: type, data: Any, path: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(names))
+    if path == "efficientmoe" and "dispatch" in unknown:        # the key of older configs
+        raise ValueError(f"'efficientmoe.dispatch' ({data['dispatch']!r}) is now "
+                         f"'moe.dispatch', one of {list(DISPATCH_NAMES)} for every run: move "
+                         f"it there (a config run both ways keeps moe.dispatch for its "
+                         f"expert-parallel runs; one process runs 'counts' and 'balanced' as "
+                         f"'grouped').")
     if unknown:
         where = f"'{path}.{unknown[0]}'" if path else f"'{unknown[0]}'"
         raise ValueError(f"Unknown config key {where}; allowed keys"
@@ -503,11 +548,36 @@ def read_yaml(path: str, allow_empty: bool = True) -> Dict[str, Any]:
     return data
 
 
-def load_config(path: str, overrides: Optional[Dict[str, Any]] = None) -> RunConfig:
+def _migrate_saved_dispatch(data: Dict[str, Any], expert_parallel: bool, path: str) -> None:
+    """A run folder's config.yaml saved before ``moe.dispatch`` named every run's dispatch
+    holds ``efficientmoe.dispatch`` (the expert-parallel exchange) beside ``moe.dispatch``
+    (the one-process layers): the run used the first if it was expert-parallel, the second
+    otherwise. Rewrites ``data`` to the one key, in place."""
+    section = data.get("efficientmoe")
+    if not isinstance(section, dict) or "dispatch" not in section:
+        return
+    old = section.pop("dispatch")
+    if expert_parallel:
+        if not isinstance(data.get("moe"), dict):
+            data["moe"] = {}
+        data["moe"]["dispatch"] = old
+    logger.info("%s: read the older key efficientmoe.dispatch (%r) as %s", path, old,
+                f"moe.dispatch {old!r}" if expert_parallel else
+                "unused (a one-process run: moe.dispatch was its dispatch)")
+
+
+def load_config(path: str, overrides: Optional[Dict[str, Any]] = None,
+                saved_expert_parallel: Optional[bool] = None) -> RunConfig:
     """Load ``path`` (YAML), apply dotted ``overrides`` (``{"train.steps": 10}``), validate.
 
-    An empty file is refused (it would silently mean "all defaults")."""
+    An empty file is refused (it would silently mean "all defaults").
+    saved_expert_parallel: set when ``path`` is a run folder's own config.yaml (True for a
+    ``train --workers`` run): a folder saved with the older ``efficientmoe.dispatch`` key
+    then loads as the run it was (:func:`_migrate_saved_dispatch`); a config a user writes
+    with that key is refused, naming where it went."""
     data = read_yaml(path, allow_empty=False)
+    if saved_expert_parallel is not None and isinstance(data, dict):
+        _migrate_saved_dispatch(data, saved_expert_parallel, path)
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, leaf = dotted.split(".")

@@ -1,7 +1,7 @@
 """EfficientMoE: expert replication, placement and per-replica capacities from routing traces.
 
     ms-efficient plan moe --trace FILE.npz [--cluster NAME] [--slots N]
-                          [--dispatch balanced|grouped|counts|static|auto] --out plan.yaml
+                          [--dispatch static|grouped|counts|balanced|auto] --out plan.yaml
     ms-efficient bench moe [--quick] [--trace FILE.npz ...] [--cluster NAME] --json OUT
                            [--config CONFIG] [--steps N] [--init-from RUN_DIR]
                            [--no-measured | --no-simulated]
@@ -21,6 +21,7 @@ import tempfile
 import time
 
 from ms_efficient.core.argtypes import positive_int
+from ms_efficient.core.config import DISPATCH_NAMES
 
 __all__ = ["add_plan_arguments", "run_plan", "add_bench_arguments", "run_bench"]
 
@@ -36,9 +37,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, help="routing trace (.npz, see docs/formats.md)")
     parser.add_argument("--cluster", help="cluster preset (default: 8-chip Ascend 910B nodes, "
                                           "as many as the trace's ranks need)")
-    parser.add_argument("--dispatch", choices=("balanced", "grouped", "counts", "static", "auto"),
+    parser.add_argument("--dispatch", choices=DISPATCH_NAMES + ("auto",),
                         default="balanced",
-                        help="balanced (default): EfficientMoE's two levels, a layout (home "
+                        help="moe.dispatch's names (docs/usage.md); "
+                             "balanced (default): EfficientMoE's two levels, a layout (home "
                              "experts, spare slots, fixed buffers) balanced every step from "
                              "the step's counts; the one-level plans of earlier rounds: "
                              "grouped: padding-free grouped expert compute, one row "

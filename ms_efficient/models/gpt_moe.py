@@ -170,7 +170,8 @@ class GPTMoE(nn.Cell):
                 moe_layers.append(i)
             elif (i + 1) % moe.moe_every == 0:
                 ffn = MoEFeedForward(h, model.ffn_hidden_size, moe.num_experts, moe.top_k,
-                                     capacity, trace_ranks, std, dispatch=moe.dispatch)
+                                     capacity, trace_ranks, std,
+                                     dispatch=moe.layer_dispatch)
                 moe_layers.append(i)
             else:
                 ffn = DenseFeedForward(h, model.ffn_hidden_size, moe.num_experts, trace_ranks,

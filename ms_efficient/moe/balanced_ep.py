@@ -115,7 +115,7 @@ class FastLevel(nn.Cell):
         if backend.device_target() != backend.CPU:
             raise ValueError(f"the balanced layer's fast level runs as a host op on CPU only "
                              f"(its {backend.device_target()} kernel is not built); use "
-                             f"efficientmoe.dispatch 'grouped' or 'counts' there.")
+                             f"moe.dispatch 'grouped' or 'counts' there.")
         buffers = np.asarray(buffer_W, dtype=np.int64)
         cost = None if copy_cost_WW is None else np.asarray(copy_cost_WW, dtype=np.float64)
 

@@ -17,7 +17,8 @@ import subprocess
 import sys
 from typing import List, Optional
 
-from ms_efficient.core.config import load_config
+from ms_efficient.core.config import check_dispatch, load_config
+from ms_efficient.train.checkpoint import load_run_config
 
 __all__ = ["launch", "saved_world_size", "is_expert_parallel_run", "worker_command"]
 
@@ -79,7 +80,7 @@ def launch(workers: int, config: Optional[str], out: Optional[str] = None,
     """Run the expert-parallel training on ``workers`` local ranks; returns the run folder.
 
     Checks first (ValueError naming the field): the config loads, ``train.batch_size`` is
-    divisible by ``workers``, and a resumed run with another number of ranks was trained
+    divisible by ``workers``, ``moe.dispatch`` is an expert-parallel one, and a resumed run with another number of ranks was trained
     expert-parallel (its experts are then laid out again for ``workers`` ranks by the workers,
     :mod:`ms_efficient.train.logical_state`).
     ``timeout_s``: msrun's ``--cluster_time_out`` (seconds for every rank to join).
@@ -93,7 +94,7 @@ def launch(workers: int, config: Optional[str], out: Optional[str] = None,
             raise ValueError(f"--resume: '{resume}' was trained in one process (its state.json "
                              f"has no expert 'plans'), but --workers is {workers}; resume it "
                              f"without --workers.")
-        cfg = load_config(os.path.join(resume, "config.yaml"))
+        cfg = load_run_config(resume)
         if saved != workers:
             logger.info("resuming %s, saved by %d ranks, on %d ranks", resume, saved, workers)
     else:
@@ -102,6 +103,7 @@ def launch(workers: int, config: Optional[str], out: Optional[str] = None,
     if cfg.train.batch_size % workers:
         raise ValueError(f"'train.batch_size' ({cfg.train.batch_size}) must be divisible by "
                          f"--workers ({workers}).")
+    check_dispatch(cfg, expert_parallel=True)
     msrun = shutil.which("msrun") or shutil.which("msrun", path=os.path.dirname(sys.executable))
     if msrun is None:
         raise ValueError("'msrun' is not on PATH; put the environment that has MindSpore "

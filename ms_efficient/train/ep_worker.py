@@ -23,6 +23,7 @@ def worker_main(argv: Optional[List[str]] = None, configure_logging: bool = Fals
 
     from ms_efficient.core import backend
     from ms_efficient.core.config import load_config
+    from ms_efficient.train.checkpoint import load_run_config
     from ms_efficient.train.expert_parallel import ExpertParallelTrainer
 
     parser = argparse.ArgumentParser(prog="ms_efficient.train.ep_worker")
@@ -45,7 +46,7 @@ def worker_main(argv: Optional[List[str]] = None, configure_logging: bool = Fals
     if args.efficientmoe is not None:
         overrides["efficientmoe.enabled"] = args.efficientmoe == "on"
     if args.resume:
-        cfg, out = load_config(os.path.join(args.resume, "config.yaml"), overrides), args.resume
+        cfg, out = load_run_config(args.resume, overrides), args.resume
     else:
         if args.out:
             overrides["train.out_dir"] = args.out

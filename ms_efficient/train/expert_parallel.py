@@ -54,7 +54,7 @@ import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from ms_efficient.core import backend
-from ms_efficient.core.config import RunConfig, save_config
+from ms_efficient.core.config import RunConfig, check_dispatch, save_config
 from ms_efficient.core.fileio import atomic_write_text, atomic_write_with
 from ms_efficient.core.params import write_parameter
 from ms_efficient.models.gpt_moe import build_model
@@ -150,6 +150,7 @@ class ExpertParallelTrainer:
 
     def __init__(self, cfg: RunConfig, out_dir: str, resume: bool = False):
         self.cfg, self.out_dir, self.resume = cfg, out_dir, resume
+        check_dispatch(cfg, expert_parallel=True)
         ms.set_context(mode=getattr(ms, cfg.context.mode))
         backend.use_device(cfg.context.device_target)
         self.world, self.rank = backend.group_size(), backend.group_rank()
@@ -165,12 +166,12 @@ class ExpertParallelTrainer:
                    build_model(mc, moe, tr.batch_size).get_parameters()}  # one-process init
         num_moe = sum((i + 1) % moe.moe_every == 0 for i in range(mc.num_layers))
         budget = slot_budget(moe.num_experts, self.world, moe.slots_per_device)
-        self.balanced = cfg.efficientmoe.dispatch == "balanced"
+        self.balanced = moe.dispatch == "balanced"
         if self.balanced:
             plans = self._balanced_specs(num_moe, budget)
         else:
             plans = dropless_plans(num_moe, moe.num_experts, self.world, moe.top_k,
-                                   self.tokens_per_step, cfg.efficientmoe.dispatch)
+                                   self.tokens_per_step, moe.dispatch)
         self.net = build_model(mc, moe, self.local_batch, plans, budget)
         self.layers = [c for _, c in self.net.cells_and_names()
                        if isinstance(c, (ExpertParallelMoE, BalancedExpertParallelMoE))]

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ms_efficient.core.config import RunConfig, load_config
+from ms_efficient.core.config import RunConfig
 from ms_efficient.moe.balance import home_plan
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.train import checkpoint as run_ckpt
@@ -77,7 +77,7 @@ def read_run(run_dir: str) -> RunCheckpoints:
     if not os.path.isfile(config):
         raise ValueError(f"'{run_dir}' has no config.yaml: not a run folder to load from.")
     # only the model's shape is read here: a corpus no longer on this machine does not matter
-    cfg = load_config(config, {"data.path": "stdlib"})
+    cfg = run_ckpt.load_run_config(run_dir, {"data.path": "stdlib"})
     step = state["step"]
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"'{run_ckpt.state_path(run_dir)}' field 'step' must be an integer "

@@ -32,7 +32,8 @@ import mindspore as ms
 from mindspore import Tensor, ops
 
 from ms_efficient.core import backend
-from ms_efficient.core.config import RunConfig, history_trace_path, load_config, save_config
+from ms_efficient.core.config import (RunConfig, check_dispatch, history_trace_path, load_config,
+                                      save_config)
 from ms_efficient.core.fileio import atomic_write_text
 from ms_efficient.efficientmoe.planner import (capacities_LE, one_device_counts,
                                                one_device_planner, single_device_plans)
@@ -75,16 +76,12 @@ class Trainer:
         self.out_dir = out_dir
         self.resume = resume
         self.overwrite = overwrite
+        check_dispatch(cfg, expert_parallel=False)
         check_fits_machine(cfg)                   # before any tensor is allocated
-        # "balanced" EfficientMoE places experts over devices (home table, per-step copies):
-        # one process has one device, so neither level has anything to do here
-        balanced = cfg.efficientmoe.dispatch == "balanced"
-        if cfg.efficientmoe.dispatch != "grouped":
-            logger.warning("efficientmoe.dispatch %r applies to expert-parallel runs (train "
-                           "--workers W > 1); this one-process run has no exchange and "
-                           "ignores it%s.", cfg.efficientmoe.dispatch,
-                           " and efficientmoe.enabled (the slow level re-places experts over "
-                           "devices)" if balanced and cfg.efficientmoe.enabled else "")
+        if cfg.moe.dispatch != cfg.moe.layer_dispatch:
+            logger.info("moe.dispatch %r names an expert-parallel exchange; one process has "
+                        "none and runs its experts %r (the same rows, dropless).",
+                        cfg.moe.dispatch, cfg.moe.layer_dispatch)
         ms.set_context(mode=getattr(ms, cfg.context.mode))
         backend.use_device(cfg.context.device_target)
         ms.set_seed(cfg.context.seed)
@@ -110,7 +107,7 @@ class Trainer:
         self.planner = (one_device_planner(em, cfg.cluster_spec(), mc.hidden_size,
                                            mc.ffn_hidden_size, cfg.moe.num_experts,
                                            cfg.moe.top_k, tokens, len(self.moe_layers))
-                        if em.enabled and not balanced else None)
+                        if em.enabled else None)
         self.replan_loop = ReplanLoop(self.planner, em.monitor_steps) if self.planner else None
         self.history_LE = self._load_history(tokens) if self.planner else None
 
@@ -443,7 +440,7 @@ def train(config_path: str, out_dir: Optional[str] = None, steps: Optional[int] 
         overrides["train.steps"] = steps
     if resume:
         config_path = os.path.join(resume, "config.yaml")
-        cfg = load_config(config_path, overrides)
+        cfg = run_ckpt.load_run_config(resume, overrides)
         out = resume
     else:
         if out_dir:
