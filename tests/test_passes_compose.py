@@ -431,3 +431,26 @@ def test_shard_after_place_plans_a_mesh_of_one_stages_devices(stages, copies, me
                                              "after place's pipeline a stage has 2 of"):
             shard_pass(net, _context(net, inputs, ASCEND, graph, {"place": place},
                                      shard_mesh="2x2"))
+
+
+@pytest.mark.parametrize("mesh", [(2, 4), (3, 2)], ids=["8-of-8", "6-of-8"])
+def test_place_after_shard_refuses_when_shards_mesh_leaves_no_room_for_a_second(mesh):
+    """Passes [shard, place] where shard's mesh takes more than half of the 8 devices: each
+    pipeline stage would need its own mesh, so place refuses (it used to plan a stage per
+    device, needing stages x the mesh's devices), naming the mesh and the largest one that
+    leaves room."""
+    from ms_efficient.passes import PassRefused
+    from ms_efficient.place.apply import place_pass
+
+    dp, mp = mesh
+    net, inputs = llama_with_loss(num_layers=3, batch=8)
+    context = _context(net, inputs, ASCEND, _llama_graph(),
+                       {"shard": {"mesh": {"dp": dp, "mp": mp}}})
+    tail = ("shard's plan alone already uses every device." if dp * mp == 8 else
+            f"shard's plan alone runs on {dp * mp} of them.")
+    with pytest.raises(PassRefused) as err:
+        place_pass(net, context)
+    assert str(err.value) == (
+        f"place: shard's {dp}x{mp} mesh runs every pipeline stage and takes {dp * mp} of the 8 "
+        f"devices of 'ascend910b-1x8': no room for a second stage. To plan a pipeline of "
+        f"meshes, set 'optimize.shard_mesh' to a mesh of at most 4 devices; {tail}")

@@ -321,7 +321,9 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
                 f"pipeline stage and takes {mesh} of the {cluster.num_devices} devices of "
                 f"{cluster.name!r}: no room for a second stage. To plan a pipeline of meshes, "
                 f"set 'optimize.shard_mesh' to a mesh of at most {cluster.num_devices // 2} "
-                f"devices; shard's plan alone already uses every device.")
+                f"devices; " + ("shard's plan alone already uses every device."
+                                if mesh == cluster.num_devices else
+                                f"shard's plan alone runs on {mesh} of them."))
         # a slot is one mesh: its dp rows split the batch (below), its mp columns split every
         # operator's weights and activations, so it holds mp devices' memory
         mp = int(shard["mesh"]["mp"])

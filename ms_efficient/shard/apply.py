@@ -406,8 +406,9 @@ def shard_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
             copies = int(place.get("dp", 1))
             raise PassRefused(
                 f"shard: place's pipeline ({len(place['stages'])} stages x {copies} "
-                f"{'copy' if copies == 1 else 'copies'}) holds {held} of the {cluster.num_devices} "
-                f"devices of {cluster.name!r}, one per stage: no room for a mesh of 2. Run "
+                f"{'copy' if copies == 1 else 'copies'}) holds {held} of the "
+                f"{cluster.num_devices} devices of {cluster.name!r}, one per stage: no room "
+                f"for a mesh of 2. Run "
                 f"shard before place (place then plans its stages on shard's meshes).")
         if meshes is None:
             meshes = mesh_factorisations(per_stage)
