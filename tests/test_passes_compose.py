@@ -425,7 +425,6 @@ def test_shard_after_place_plans_a_mesh_of_one_stages_devices(stages, copies, me
         return
     _, plan = shard_pass(net, context)
     assert plan["mesh"]["dp"] * plan["mesh"]["mp"] == meshes
-    assert stages * copies * meshes == 8
     if meshes == 2:            # a mesh the user sets is held to the same devices
         with pytest.raises(ValueError, match="'optimize.shard_mesh' '2x2' needs 4 devices; "
                                              "after place's pipeline a stage has 2 of"):

@@ -1,12 +1,13 @@
 """Online EfficientMoE for expert-parallel layers: re-placement through ``set_plan``, the one
 place where running expert-parallel layers are re-planned.
 
-An :class:`~ms_efficient.moe.ep_layer.ExpertParallelMoE` with ``dispatch="grouped"`` reads its
-plan as data, so a new placement that keeps every device's row buffer (and at most the
-compiled slots per device) switches without recompiling. :class:`ExpertParallelReplanner`
-runs EfficientMoE's planner (:class:`~ms_efficient.efficientmoe.planner.EfficientMoEPlanner`,
-"grouped" plans over W ranks, the same :class:`~ms_efficient.efficientmoe.planner.ReplanLoop`
-as the one-process trainer) on the routing counts of every rank, keeps the compiled buffers
+An :class:`~ms_efficient.moe.ep_layer.ExpertParallelMoE` with ``dispatch`` "grouped" or
+"counts" reads its plan as data, so a new placement that keeps every device's row buffer (and
+at most the compiled slots per device) switches without recompiling.
+:class:`ExpertParallelReplanner` runs EfficientMoE's planner
+(:class:`~ms_efficient.efficientmoe.planner.EfficientMoEPlanner`, plans of the layers' dispatch
+over W ranks, the same :class:`~ms_efficient.efficientmoe.planner.ReplanLoop` as the
+one-process trainer) on the routing counts of every rank, keeps the compiled buffers
 in every adopted plan, and applies it with :func:`apply_plan`: the layer moves the expert
 weights, this module moves the optimizer's per-slot state the same way. Every rank holds the
 same counts (the trainer all-gathers them in its step; :class:`EfficientMoECallback` with an
@@ -153,7 +154,8 @@ class ExpertParallelReplanner:
     """EfficientMoE's online loop over the ``ExpertParallelMoE`` layers of one network.
 
     Args:
-        layers: the grouped ``ExpertParallelMoE`` layers, in network order (L of them).
+        layers: the grouped or counts ``ExpertParallelMoE`` layers, in network order (L of
+            them).
         em: the ``efficientmoe`` config section (EfficientMoEConfig).
         cluster: ClusterSpec that prices the plans (>= W devices).
         tokens_per_step: tokens all ranks route per layer and step, before top-k.
