@@ -82,7 +82,7 @@ def test_a_run_folder_saved_with_the_older_dispatch_key_loads_as_the_run_it_was(
     config a user writes with the older key is still refused."""
     import json
 
-    from ms_efficient.train.checkpoint import load_run_config
+    from ms_efficient.train.ep_launch import load_run_config
 
     data = RunConfig().to_dict()
     data["moe"]["dispatch"] = "static"

@@ -230,8 +230,9 @@ def one_process_run(config, overrides, folder):
     into ``folder``, or of an earlier run in this session that computes the same: the same
     resolved config but for where it writes and which corpus folder it reads (the same files,
     names and bytes), and but for an EfficientMoE section the run leaves off (the one-process
-    trainer reads none of it then, nor the cluster, which only its planner prices with). The reference of the 2-worker runs here and of the
-    balanced ones (tests/test_ep_balanced_train.py): one 20-step run for both."""
+    trainer reads none of it then, nor the cluster, which only its planner prices with). The
+    reference of the 2-worker runs here and of the balanced ones
+    (tests/test_ep_balanced_train.py): one 20-step run for both."""
     from ms_efficient.core.config import load_config
     from ms_efficient.train.trainer import Trainer
 
@@ -316,7 +317,8 @@ def test_two_workers_replan_without_recompiling_and_save_every_rank(two_workers)
     replans = _rows(ep, "replan")
     assert replans and replans[0]["step"] == REPLAN_AT and all(r["step"] <= 60 for r in replans)
     cfg = yaml.safe_load(open(config))
-    h, f, e = cfg["model"]["hidden_size"], cfg["model"]["ffn_hidden_size"], cfg["moe"]["num_experts"]
+    h, f = cfg["model"]["hidden_size"], cfg["model"]["ffn_hidden_size"]
+    e = cfg["moe"]["num_experts"]
     table = cfg["model"]["num_layers"] * e * (2 * h * f + f + h) * 4      # float32, all layers
     for r in replans:
         assert r["recompiled"] is False

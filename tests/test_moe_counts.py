@@ -165,7 +165,8 @@ class _PlanOnlyLayer:
         self.plan, self.world, self.budget = plan, world, budget
         self.num_experts, self.top_k, self.hidden_size = num_experts, plan.top_k, hidden
         self.w1, self.b1 = np.zeros((budget, hidden, ffn), np.float32), np.zeros((budget, 1, ffn))
-        self.w2, self.b2 = np.zeros((budget, ffn, hidden), np.float32), np.zeros((budget, 1, hidden))
+        self.w2 = np.zeros((budget, ffn, hidden), np.float32)
+        self.b2 = np.zeros((budget, 1, hidden))
         self.compiled = (plan.device_rows(world), plan.send_rows(world, world))
 
     def set_plan(self, plan, optimizer=None):
@@ -185,9 +186,9 @@ class _PlanOnlyLayer:
 @pytest.mark.parametrize("dispatch", ["grouped", "counts"])
 def test_a_forced_re_plan_that_fills_spare_slots_keeps_the_runs_dispatch(dispatch):
     """``efficientmoe.force_replan_step`` on a routing whose placement the planner keeps
-    (each rank's 64 assignments: its hot experts where they are), so the re-planner fills the spare slots with replicas (``_spread``), planned
-    for the layers' own dispatch; a "counts" run's forced re-plan used to build a "grouped"
-    plan, which the layer's set_plan refuses."""
+    (each rank's 64 assignments: its hot experts where they are), so the re-planner fills the
+    spare slots with replicas (``_spread``), planned for the layers' own dispatch; a "counts"
+    run's forced re-plan used to build a "grouped" plan, which the layer's set_plan refuses."""
     from ms_efficient.core.config import EfficientMoEConfig
     from ms_efficient.efficientmoe.ep_replanner import (ExpertParallelReplanner,
                                                         dropless_plans, slot_budget)

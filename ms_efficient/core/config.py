@@ -30,9 +30,9 @@ import yaml
 
 from ms_efficient.core.fileio import atomic_write_text
 from ms_efficient.core.registry import known_pass_names
+from ms_efficient.core.units import parse_budget
 
 logger = logging.getLogger(__name__)
-from ms_efficient.core.units import parse_budget
 
 __all__ = [
     "history_trace_path",
@@ -256,14 +256,14 @@ class EfficientMoEConfig:
     # Expert-parallel runs: adopt the planner's placement after this many steps even when the
     # re-plan rule finds no gain worth it (0 = never force), so a short run shows a re-plan.
     force_replan_step: int = 0
-    # With `enabled`, a moe.dispatch "balanced" run also re-places its home experts during the run (the
-    # slow level): every `replan_every` steps after `warmup_steps`, when the new home table's
+    # With `enabled`, a moe.dispatch "balanced" run also re-places its home experts during the
+    # run (the slow level): every `replan_every` steps after `warmup_steps`, when the new home table's
     # modelled gain over the next `replan_every` steps pays for moving the changed experts'
     # weights and Adam moments (efficientmoe.layout.decide_home, the rule `bench moe`'s
     # `efficientmoe` row replays); no shape changes, no recompile. Without it the home table
     # is the first compile's for the whole run (`bench moe`'s `efficientmoe-fixed-home`).
-    # moe.dispatch "balanced" runs: each device's receive buffer is its mean share x (1 + buffer_slack),
-    # fixed at the first compile (no history trace); with `history`, priced from that trace
+    # moe.dispatch "balanced" runs: each device's receive buffer is its mean share x
+    # (1 + buffer_slack), fixed at the first compile (no history trace); with `history`, priced from that trace
     # (efficientmoe.layout). Rows above every holder's buffer are dropped and counted.
     buffer_slack: float = 0.5
 

@@ -225,24 +225,6 @@ def save_checkpoint(run_dir: str, step: int, write_fn: Callable[[str], None],
     return record
 
 
-def load_run_config(run_dir: str, overrides: Optional[Dict] = None):
-    """The run folder's config.yaml (a ``RunConfig``) with dotted ``overrides``, read as the
-    run that saved it (``core.config.load_config``'s ``saved_expert_parallel``: state.json
-    records expert ``plans`` for a ``train --workers`` run)."""
-    from ms_efficient.core.config import load_config
-
-    path = state_path(run_dir)
-    expert_parallel = False
-    if os.path.isfile(path):
-        try:
-            with open(path, encoding="utf-8") as fh:
-                expert_parallel = "plans" in json.load(fh)
-        except (ValueError, UnicodeDecodeError):
-            pass                   # the callers that need state.json say what is wrong with it
-    return load_config(os.path.join(run_dir, "config.yaml"), overrides,
-                       saved_expert_parallel=expert_parallel)
-
-
 def read_state(run_dir: str, rank: Optional[int] = None) -> Dict:
     """The run's state.json; ValueError naming the file if missing or unreadable."""
     path = state_path(run_dir, rank)

@@ -18,9 +18,9 @@ import sys
 from typing import List, Optional
 
 from ms_efficient.core.config import check_dispatch, load_config
-from ms_efficient.train.checkpoint import load_run_config
 
-__all__ = ["launch", "saved_world_size", "is_expert_parallel_run", "worker_command"]
+__all__ = ["launch", "saved_world_size", "is_expert_parallel_run", "load_run_config",
+           "worker_command"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,14 @@ def saved_world_size(run_dir: str) -> int:
 def is_expert_parallel_run(run_dir: str) -> bool:
     """True when the run folder's state.json records expert plans (``train --workers``)."""
     return "plans" in _saved_state(run_dir)
+
+
+def load_run_config(run_dir: str, overrides: Optional[dict] = None):
+    """The run folder's config.yaml (a ``RunConfig``) with dotted ``overrides``, read as the
+    run that saved it (``core.config.load_config``'s ``saved_expert_parallel``:
+    :func:`is_expert_parallel_run`)."""
+    return load_config(os.path.join(run_dir, "config.yaml"), overrides,
+                       saved_expert_parallel=is_expert_parallel_run(run_dir))
 
 
 def _saved_state(run_dir: str) -> dict:
@@ -80,8 +88,8 @@ def launch(workers: int, config: Optional[str], out: Optional[str] = None,
     """Run the expert-parallel training on ``workers`` local ranks; returns the run folder.
 
     Checks first (ValueError naming the field): the config loads, ``train.batch_size`` is
-    divisible by ``workers``, ``moe.dispatch`` is an expert-parallel one, and a resumed run with another number of ranks was trained
-    expert-parallel (its experts are then laid out again for ``workers`` ranks by the workers,
+    divisible by ``workers``, ``moe.dispatch`` is an expert-parallel one, and a resumed run
+    with another number of ranks was trained expert-parallel (its experts are then laid out again for ``workers`` ranks by the workers,
     :mod:`ms_efficient.train.logical_state`).
     ``timeout_s``: msrun's ``--cluster_time_out`` (seconds for every rank to join).
     Raises RuntimeError when msrun fails, with the tail of the rank logs."""

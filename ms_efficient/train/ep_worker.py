@@ -23,7 +23,7 @@ def worker_main(argv: Optional[List[str]] = None, configure_logging: bool = Fals
 
     from ms_efficient.core import backend
     from ms_efficient.core.config import load_config
-    from ms_efficient.train.checkpoint import load_run_config
+    from ms_efficient.train.ep_launch import load_run_config
     from ms_efficient.train.expert_parallel import ExpertParallelTrainer
 
     parser = argparse.ArgumentParser(prog="ms_efficient.train.ep_worker")

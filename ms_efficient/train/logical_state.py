@@ -35,6 +35,7 @@ from ms_efficient.moe.balance import home_plan
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.train import checkpoint as run_ckpt
 from ms_efficient.train.relayout import check_run_plan, gather_experts
+from ms_efficient.train.ep_launch import load_run_config
 
 __all__ = ["RunCheckpoints", "read_run", "logical_state", "reference_network",
            "export_checkpoint", "EXPERT_TABLES", "MOMENTS"]
@@ -77,7 +78,7 @@ def read_run(run_dir: str) -> RunCheckpoints:
     if not os.path.isfile(config):
         raise ValueError(f"'{run_dir}' has no config.yaml: not a run folder to load from.")
     # only the model's shape is read here: a corpus no longer on this machine does not matter
-    cfg = run_ckpt.load_run_config(run_dir, {"data.path": "stdlib"})
+    cfg = load_run_config(run_dir, {"data.path": "stdlib"})
     step = state["step"]
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"'{run_ckpt.state_path(run_dir)}' field 'step' must be an integer "

@@ -45,6 +45,7 @@ from ms_efficient.train.optim import is_scratch as _is_scratch, lr_schedule, mak
 from ms_efficient.moe.trace import layer_balance, load_trace, save_trace
 from ms_efficient.train import checkpoint as run_ckpt
 from ms_efficient.train.data import Corpus, load_corpus
+from ms_efficient.train.ep_launch import load_run_config
 from ms_efficient.train.footprint import check_fits_machine
 from ms_efficient.train.relayout import resumed_counts
 
@@ -440,7 +441,7 @@ def train(config_path: str, out_dir: Optional[str] = None, steps: Optional[int] 
         overrides["train.steps"] = steps
     if resume:
         config_path = os.path.join(resume, "config.yaml")
-        cfg = run_ckpt.load_run_config(resume, overrides)
+        cfg = load_run_config(resume, overrides)
         out = resume
     else:
         if out_dir:
