@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from ms_efficient.core.cluster import get_cluster
-from ms_efficient.moe.balance import (balance_step, contiguous_cut, holders_of, home_split,
-                                      water_fill)
+from ms_efficient.moe.balance import (balance_step, holders_of, home_split, pair_rows,
+                                      proportional_split, water_fill)
 from ms_efficient.efficientmoe.balanced_cost import balanced_cost, copy_cost_rows_WW
 from ms_efficient.efficientmoe.cost import CostModel
 from ms_efficient.efficientmoe.layout import (LayoutConfig, migration_bytes_WW, place_home,
@@ -110,19 +110,49 @@ def _naive_cut(counts_RE, rows_EW):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_contiguous_cut_equals_a_token_by_token_loop(seed):
+def test_pair_rows_without_nodes_equals_a_token_by_token_loop(seed):
     rng = np.random.default_rng(seed)
     counts = rng.integers(0, 6, size=(3, 4, 5))                    # [L, R, E], R = W = 4
     bal = balance_step(counts, np.broadcast_to(
         np.array([[0, 4], [1, -1], [2, 0], [3, -1]]), (3, 4, 2)), np.zeros(4, int))
-    cut = contiguous_cut(counts, bal.rows_LEW)
-    per_expert = contiguous_cut(counts, bal.rows_LEW, 2, by_expert=True)
+    cut = pair_rows(counts, bal.rows_LEW)
+    per_expert = pair_rows(counts, bal.rows_LEW, 2, by_expert=True)
     assert (per_expert.sum(axis=(1, 3)) == bal.rows_LEW.sum(axis=2)).all()
     # the layer sends per expert (by_expert), the simulator charges the per-pair sums
-    assert (per_expert.sum(axis=2) == contiguous_cut(counts, bal.rows_LEW, 2)).all()
+    assert (per_expert.sum(axis=2) == pair_rows(counts, bal.rows_LEW, 2)).all()
     assert (per_expert.sum(axis=3) <= counts).all()
     for layer in range(3):
         assert cut[layer].tolist() == _naive_cut(counts[layer], bal.rows_LEW[layer]).tolist()
+
+
+def test_the_node_round_spreads_the_rows_that_cross_nodes():
+    # 6 devices, 3 per node. Expert 0 (held on devices 2 and 5, 4 rows each) gets 4 tokens
+    # from each of ranks 0 and 1: node 0 serves 4 of its 8, taken 2 and 2, so each rank
+    # sends 2 across (in rank order rank 1 would send all 4). Expert 1 (devices 1 and 2, 4
+    # rows each) gets 4 from rank 0 and 4 from rank 3: rank 0's 4 fill devices 1 and 2 by
+    # half each, so rank 3's 4 arrive at both (in device order all at device 2).
+    counts = np.zeros((1, 6, 2), dtype=np.int64)
+    counts[0, [0, 1], 0] = 4
+    counts[0, [0, 3], 1] = 4
+    rows = np.zeros((1, 2, 6), dtype=np.int64)
+    rows[0, 0, [2, 5]] = 4
+    rows[0, 1, [1, 2]] = 4
+    sent = pair_rows(counts, rows, devices_per_node=3)[0]
+    assert sent.tolist() == [[0, 2, 4, 0, 0, 2], [0, 0, 2, 0, 0, 2], [0] * 6,
+                             [0, 2, 2, 0, 0, 0], [0] * 6, [0] * 6]
+    node = np.arange(6) // 3
+    across = np.where(node[:, None] != node[None, :], sent, 0)
+    # ranks 0 and 1 send 2 across each; devices 1 and 2 receive 2 from across each
+    assert across.sum(axis=1)[:2].tolist() == [2, 2]
+    assert across.sum(axis=0)[:3].tolist() == [0, 2, 2]
+
+
+def test_proportional_split_keeps_totals_and_caps():
+    out = proportional_split(np.array([5, 0, 7]), np.array([[3, 3, 0], [2, 2, 2], [1, 6, 0]]))
+    # 5 over (3, 3): 2.5 each, the tie's extra row to the lower column; 7 over (1, 6): all
+    assert out.tolist() == [[3, 2, 0], [0, 0, 0], [1, 6, 0]]
+    with pytest.raises(ValueError, match="above its weights"):
+        proportional_split(np.array([4]), np.array([[1, 2]]))
 
 
 def test_the_node_round_keeps_tokens_on_their_node():
@@ -130,7 +160,7 @@ def test_the_node_round_keeps_tokens_on_their_node():
     # each, ranks 2, 3 (node 1) 4 each: node 0's tokens go to device 1, node 1's to device 2
     counts = np.array([[[4, 0], [4, 0], [4, 0], [4, 0]]])
     rows = np.array([[[0, 8, 8, 0], [0, 0, 0, 0]]])
-    by_node = contiguous_cut(counts, rows, devices_per_node=2)[0]
+    by_node = pair_rows(counts, rows, devices_per_node=2)[0]
     assert by_node.tolist() == [[0, 4, 0, 0], [0, 4, 0, 0], [0, 0, 4, 0], [0, 0, 4, 0]]
 
 

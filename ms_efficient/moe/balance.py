@@ -29,10 +29,14 @@ simulator (``ms_efficient.efficientmoe.two_level``) replays it on a trace:
         holders of the same expert with room, least-loaded first; what still does not fit
         is dropped and counted.
     Step 4 (per-pair rows): a holder first keeps its own rank's tokens of the expert, then
-        takes its node's, then the rest, each round a contiguous cut in source-rank and
-        device order (:func:`contiguous_cut`), giving the rows every rank sends every
-        device: the per-pair counts of the exchange (on Ascend an AlltoAllV whose counts are
-        tensors and whose receive size is the fixed buffer).
+        takes its node's, then the rest (:func:`pair_rows`), giving the rows every rank
+        sends every device: the per-pair counts of the exchange (on Ascend an AlltoAllV
+        whose counts are tensors and whose receive size is the fixed buffer). The node
+        round serves every rank and every holder of the node in proportion to what it has
+        left, so the tokens that must cross nodes leave from all the node's ranks and
+        arrive at all the other node's holders alike, instead of from the last ranks and
+        at the last holders in order (the All-to-All's time is its busiest device's
+        inter-node link).
 
 Shapes: L layers, R source ranks (= W devices of the expert-parallel group, rank r on device
 r), E logical experts, S_h home slots per device. Rows are token-expert assignments (top-k
@@ -50,7 +54,7 @@ from ms_efficient.moe.plan import ExpertPlan
 SPLIT_ROUNDS = 16     # home_split's rounds at most (it stops when a round changes nothing)
 
 __all__ = ["Balance", "BalancedSpec", "balance_step", "home_plan", "home_split", "water_fill",
-           "holders_of", "contiguous_cut"]
+           "holders_of", "pair_rows", "proportional_split"]
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,7 @@ def water_fill(load_LW: np.ndarray, mask_LW: np.ndarray, amount_L: np.ndarray) -
 
 def _cut(counts_LRE: np.ndarray, rows_LEW: np.ndarray, by_expert: bool) -> np.ndarray:
     """Contiguous cut: each expert's tokens, in source-rank order, over its rows in device
-    order; int64 [L, R, W], or [L, R, E, W] ``by_expert`` (:func:`contiguous_cut`).
+    order; int64 [L, R, W], or [L, R, E, W] ``by_expert`` (:func:`pair_rows`).
 
     Per (layer, expert) group, the ranks' cumulative token counts and the holders'
     cumulative rows are two sorted lists of cut points; merged, every piece between two
@@ -213,20 +217,47 @@ def _cut(counts_LRE: np.ndarray, rows_LEW: np.ndarray, by_expert: bool) -> np.nd
     return out.astype(np.int64).reshape(shape)
 
 
-def contiguous_cut(counts_LRE: np.ndarray, rows_LEW: np.ndarray,
-                   devices_per_node: Optional[int] = None,
-                   by_expert: bool = False) -> np.ndarray:
+def proportional_split(total_G: np.ndarray, weights_GN: np.ndarray) -> np.ndarray:
+    """Whole rows of ``total_G[g]`` over the N columns of group g in proportion to
+    ``weights_GN[g]`` (int >= 0, summing to >= the total), each column at most its weight:
+    the fractional parts rounded down, the remainder one row each to the largest fractions
+    (ties: the lower column). int64 [G, N], summing to ``total_G``."""
+    total = np.asarray(total_G, dtype=np.int64)
+    weights = np.asarray(weights_GN, dtype=np.int64)
+    width = weights.shape[1]
+    whole_sum = weights.sum(axis=1)
+    if (total > whole_sum).any() or (total < 0).any():
+        raise ValueError("proportional_split: a total is negative or above its weights' sum.")
+    share = total[:, None] * (weights / np.maximum(whole_sum, 1)[:, None])
+    base = np.minimum(np.floor(share).astype(np.int64), weights)
+    left = total - base.sum(axis=1)
+    frac = np.where(weights > base, share - base, -np.inf)
+    order = np.lexsort((np.broadcast_to(np.arange(width), frac.shape), -frac), axis=1)
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.broadcast_to(np.arange(width), order.shape), axis=1)
+    out = base + ((rank < left[:, None]) & (weights > base))
+    assert (out.sum(axis=1) == total).all(), "proportional_split lost rows"
+    return out
+
+
+def pair_rows(counts_LRE: np.ndarray, rows_LEW: np.ndarray,
+              devices_per_node: Optional[int] = None,
+              by_expert: bool = False) -> np.ndarray:
     """Rows every rank sends every device, int64 [L, R, W] (R = W, rank r on device r), or
     per expert [L, R, E, W] with ``by_expert`` (what the layer's send rows follow).
 
-    Nearest first, in three rounds, each a contiguous cut (each expert's remaining tokens,
-    in source-rank order, over its holders' remaining rows in device order: device w takes
-    the tokens numbered [sum_{v<w} rest[e, v], sum_{v<=w} rest[e, v]), rank r routed those
-    numbered [sum_{q<r} left[q, e], sum_{q<=r} left[q, e])):
+    Nearest first, in three rounds:
       1. a rank that holds expert e keeps min(its tokens of e, its rows of e) at home;
-      2. within each node of ``devices_per_node`` devices (None: skipped), the node's ranks'
-         remaining tokens over the node's holders' remaining rows;
-      3. everything left over every holder.
+      2. within each node of ``devices_per_node`` devices (None: skipped), the node serves
+         min(its ranks' remaining tokens of e, its holders' remaining rows of e), taken
+         from every rank and given to every holder in proportion to what each has left
+         (:func:`proportional_split`), then paired by a contiguous cut;
+      3. everything left over every holder, a contiguous cut: each expert's remaining
+         tokens, in source-rank order, over its holders' remaining rows in device order
+         (device w takes the tokens numbered [sum_{v<w} rest[e, v], sum_{v<=w} rest[e, v]),
+         rank r routed those numbered [sum_{q<r} left[q, e], sum_{q<=r} left[q, e])).
+    Round 2's proportions spread the rows that must cross nodes over all of a node's ranks
+    and holders; a cut in order would leave them all to the node's last ranks and holders.
     Tokens past the kept rows (a drop) are sent nowhere."""
     counts = np.asarray(counts_LRE, dtype=np.int64)
     rows = np.asarray(rows_LEW, dtype=np.int64)
@@ -251,11 +282,13 @@ def contiguous_cut(counts_LRE: np.ndarray, rows_LEW: np.ndarray,
         c = left.reshape(num_layers, nodes, dpn, num_experts)            # [L, N, n, E]
         r = rest.reshape(num_layers, num_experts, nodes, dpn)            # [L, E, N, n]
         supply = np.minimum(c.sum(axis=2), np.moveaxis(r.sum(axis=3), 2, 1))  # [L, N, E]
-        # the first `supply` tokens of each expert from the node's ranks, into its rows
-        c_take = np.diff(np.minimum(np.cumsum(c, axis=2), supply[:, :, None]), axis=2,
-                         prepend=0)
-        r_take = np.diff(np.minimum(np.cumsum(r, axis=3), np.moveaxis(supply, 1, 2)[..., None]),
-                         axis=3, prepend=0)
+        # `supply` tokens of each expert from the node's ranks, into the node's rows, each
+        # rank and holder in proportion to what it has left
+        c_take = np.moveaxis(proportional_split(
+            supply.ravel(), np.moveaxis(c, 2, 3).reshape(-1, dpn)).reshape(
+                num_layers, nodes, num_experts, dpn), 3, 2)                       # [L, N, n, E]
+        r_take = proportional_split(np.moveaxis(supply, 1, 2).ravel(),
+                                    r.reshape(-1, dpn)).reshape(r.shape)           # [L, E, N, n]
         blocks = _cut(c_take.reshape(num_layers * nodes, dpn, num_experts),
                       np.moveaxis(r_take, 2, 1).reshape(num_layers * nodes, num_experts, dpn),
                       by_expert)
@@ -422,7 +455,7 @@ def balance_step(counts_LRE: np.ndarray, home_LWS: np.ndarray, spare_W: np.ndarr
     even_split: EPLB's split, tokens spread evenly over an expert's replicas (largest
         remainder to the lower devices) instead of water-filling; no copies then.
     devices_per_node: devices of one node, for the same-node round of the per-pair cut
-        (:func:`contiguous_cut`); None: no node round.
+        (:func:`pair_rows`); None: no node round.
     by_expert: also return the per-pair rows per expert (``Balance.sent_LREW``).
     """
     counts = np.asarray(counts_LRE, dtype=np.int64)
@@ -461,10 +494,10 @@ def balance_step(counts_LRE: np.ndarray, home_LWS: np.ndarray, spare_W: np.ndarr
     else:
         dropped = _fit_buffers(rows, held, np.asarray(buffer_LW, dtype=np.int64))
     # Step 4: per-pair rows
-    per_expert = (contiguous_cut(counts, rows, devices_per_node, by_expert=True)
+    per_expert = (pair_rows(counts, rows, devices_per_node, by_expert=True)
                   if by_expert else None)
     sent = (per_expert.sum(axis=2) if by_expert
-            else contiguous_cut(counts, rows, devices_per_node))
+            else pair_rows(counts, rows, devices_per_node))
     return Balance(rows_LEW=rows, holder_LEW=held, copies_LWW=copies, copied_LE=copied,
                    source_LEW=source_of, sent_LRW=sent, dropped_L=dropped,
                    sent_LREW=per_expert)
