@@ -7,7 +7,8 @@ import pytest
 
 from ms_efficient.core.cluster import get_cluster
 from ms_efficient.moe.balance import (balance_step, holders_of, home_split, pair_rows,
-                                      proportional_split, water_fill)
+                                      water_fill)
+from ms_efficient.moe.split import proportional_split
 from ms_efficient.efficientmoe.balanced_cost import balanced_cost, copy_cost_rows_WW
 from ms_efficient.efficientmoe.cost import CostModel
 from ms_efficient.efficientmoe.layout import (LayoutConfig, migration_bytes_WW, place_home,
@@ -147,11 +148,31 @@ def test_the_node_round_spreads_the_rows_that_cross_nodes():
     assert across.sum(axis=0)[:3].tolist() == [0, 2, 2]
 
 
-def test_proportional_split_keeps_totals_and_caps():
+def _naive_proportional(total, room):
+    """Row by row: each next row to the bin whose share total * room / sum(room) is furthest
+    above what it holds, among bins with room (ties: lower bin); exact fractions."""
+    from fractions import Fraction
+
+    out = [0] * len(room)
+    for _ in range(total):
+        ahead = [Fraction(total * r, sum(room)) - o if o < r else Fraction(-1)
+                 for o, r in zip(out, room)]
+        out[ahead.index(max(ahead))] += 1
+    return out
+
+
+def test_proportional_split_of_many_groups_equals_a_row_by_row_loop():
     out = proportional_split(np.array([5, 0, 7]), np.array([[3, 3, 0], [2, 2, 2], [1, 6, 0]]))
-    # 5 over (3, 3): 2.5 each, the tie's extra row to the lower column; 7 over (1, 6): all
+    # 5 over (3, 3): 2.5 each, the tie's extra row to the lower bin; 7 over (1, 6): all
     assert out.tolist() == [[3, 2, 0], [0, 0, 0], [1, 6, 0]]
-    with pytest.raises(ValueError, match="above its weights"):
+    rng = np.random.default_rng(0)
+    room = rng.integers(0, 9, size=(50, 5))
+    total = (room.sum(axis=1) * rng.random(50)).astype(np.int64)
+    batched = proportional_split(total, room)
+    assert batched.tolist() == [_naive_proportional(int(t), r.tolist())
+                                for t, r in zip(total, room)]
+    assert proportional_split(3, np.array([1, 1, 4])).tolist() == [1, 0, 2]
+    with pytest.raises(ValueError, match="must be in"):
         proportional_split(np.array([4]), np.array([[1, 2]]))
 
 

@@ -50,11 +50,12 @@ from typing import Optional
 import numpy as np
 
 from ms_efficient.moe.plan import ExpertPlan
+from ms_efficient.moe.split import proportional_split
 
 SPLIT_ROUNDS = 16     # home_split's rounds at most (it stops when a round changes nothing)
 
 __all__ = ["Balance", "BalancedSpec", "balance_step", "home_plan", "home_split", "water_fill",
-           "holders_of", "pair_rows", "proportional_split"]
+           "holders_of", "pair_rows"]
 
 
 @dataclass(frozen=True)
@@ -217,29 +218,6 @@ def _cut(counts_LRE: np.ndarray, rows_LEW: np.ndarray, by_expert: bool) -> np.nd
     return out.astype(np.int64).reshape(shape)
 
 
-def proportional_split(total_G: np.ndarray, weights_GN: np.ndarray) -> np.ndarray:
-    """Whole rows of ``total_G[g]`` over the N columns of group g in proportion to
-    ``weights_GN[g]`` (int >= 0, summing to >= the total), each column at most its weight:
-    the fractional parts rounded down, the remainder one row each to the largest fractions
-    (ties: the lower column). int64 [G, N], summing to ``total_G``."""
-    total = np.asarray(total_G, dtype=np.int64)
-    weights = np.asarray(weights_GN, dtype=np.int64)
-    width = weights.shape[1]
-    whole_sum = weights.sum(axis=1)
-    if (total > whole_sum).any() or (total < 0).any():
-        raise ValueError("proportional_split: a total is negative or above its weights' sum.")
-    share = total[:, None] * (weights / np.maximum(whole_sum, 1)[:, None])
-    base = np.minimum(np.floor(share).astype(np.int64), weights)
-    left = total - base.sum(axis=1)
-    frac = np.where(weights > base, share - base, -np.inf)
-    order = np.lexsort((np.broadcast_to(np.arange(width), frac.shape), -frac), axis=1)
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.broadcast_to(np.arange(width), order.shape), axis=1)
-    out = base + ((rank < left[:, None]) & (weights > base))
-    assert (out.sum(axis=1) == total).all(), "proportional_split lost rows"
-    return out
-
-
 def pair_rows(counts_LRE: np.ndarray, rows_LEW: np.ndarray,
               devices_per_node: Optional[int] = None,
               by_expert: bool = False) -> np.ndarray:
@@ -251,7 +229,7 @@ def pair_rows(counts_LRE: np.ndarray, rows_LEW: np.ndarray,
       2. within each node of ``devices_per_node`` devices (None: skipped), the node serves
          min(its ranks' remaining tokens of e, its holders' remaining rows of e), taken
          from every rank and given to every holder in proportion to what each has left
-         (:func:`proportional_split`), then paired by a contiguous cut;
+         (:func:`~ms_efficient.moe.split.proportional_split`), then paired by a contiguous cut;
       3. everything left over every holder, a contiguous cut: each expert's remaining
          tokens, in source-rank order, over its holders' remaining rows in device order
          (device w takes the tokens numbered [sum_{v<w} rest[e, v], sum_{v<=w} rest[e, v]),

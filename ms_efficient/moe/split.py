@@ -55,23 +55,35 @@ def switch_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: 
     cap = max(1, min(cap, tokens))
     return int(-(-cap // multiple) * multiple)
 
-def proportional_split(total: int, room: np.ndarray) -> np.ndarray:
+def proportional_split(total, room: np.ndarray) -> np.ndarray:
     """Split ``total`` integer tokens over bins in proportion to ``room`` (int [n]), never
     exceeding a bin's room: floors first, then the leftover one by one to the largest
-    fractional parts (ties: lower index). Requires ``total <= room.sum()``."""
+    fractional parts (ties: lower index; the parts are exact integer remainders).
+    Requires 0 <= ``total`` <= ``room.sum()``.
+
+    Batched: ``total`` int [G] and ``room`` int [G, n] split every group at once (int64
+    [G, n]); a scalar total and room [n] give int64 [n]."""
     room = np.asarray(room, dtype=np.int64)
-    cap = int(room.sum())
-    assert 0 <= total <= cap, (total, cap)
-    if total == 0:
-        return np.zeros_like(room)
-    exact = room * (total / cap)
-    out = np.minimum(np.floor(exact).astype(np.int64), room)
-    left = total - int(out.sum())
-    if left:
-        order = np.lexsort((np.arange(room.size), -(exact - out)))
-        order = order[out[order] < room[order]][:left]
-        out[order] += 1
-    return out
+    single = room.ndim == 1
+    room2 = room[None] if single else room
+    total2 = np.asarray(total, dtype=np.int64).reshape(-1)
+    cap = room2.sum(axis=1)
+    if (total2 < 0).any() or (total2 > cap).any():
+        raise ValueError(f"proportional_split: every total must be in [0, the room's sum], but "
+                         f"got totals {total2[(total2 < 0) | (total2 > cap)][:4].tolist()} "
+                         f"for rooms of {cap[(total2 < 0) | (total2 > cap)][:4].tolist()}.")
+    # exact integer shares: room * total / cap = out + remainder / cap (no float ties)
+    scaled = room2 * total2[:, None]
+    out = scaled // np.maximum(cap, 1)[:, None]
+    remainder = scaled - out * cap[:, None]
+    left = total2 - out.sum(axis=1)
+    width = room2.shape[1]
+    frac = np.where(out < room2, remainder, -1)              # bins with room, largest first
+    order = np.lexsort((np.broadcast_to(np.arange(width), frac.shape), -frac), axis=1)
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.broadcast_to(np.arange(width), order.shape), axis=1)
+    out = out + ((rank < left[:, None]) & (out < room2))
+    return out[0] if single else out
 
 
 def _fill_rank_order(assigned_RS: np.ndarray, ranks: np.ndarray, demand_R: np.ndarray,
