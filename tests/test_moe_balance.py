@@ -482,3 +482,38 @@ def test_a_home_replan_is_adopted_only_when_its_gain_over_the_horizon_pays_the_m
     # on the routing it was planned for, the layout stays
     same = decide_home(first, layout, config, model, 1e9)
     assert not same.adopt and same.cost_s == 0.0
+
+
+def test_the_replicas_gradient_sync_is_charged_as_the_layers_send_it():
+    """The layers all-reduce one table over every rank each step (ReplicaGradSum), sized by
+    ``ep_routing.sync_rows``; the cost model charges that all-reduce, not one per replicated
+    expert over its holders."""
+    from ms_efficient.core.collectives import allreduce_time_s
+    from ms_efficient.efficientmoe.balanced_cost import home_sync_time_L
+    from ms_efficient.efficientmoe.cost import _sync_time_D
+    from ms_efficient.moe.ep_routing import replica_sync, sync_rows
+    from ms_efficient.moe.plan import ExpertPlan
+
+    model = CostModel(NODE_2x8, 256, 1024)
+    row_bytes = model.grad_bytes
+    link = NODE_2x8.intra_link
+    # balanced layer, E = 4 on W = 2 ranks with S_h = 3 home slots: any home table of that
+    # shape replicates at most min(4, 2 * 3 - 4) = 2 experts across ranks: a 2-row table,
+    # whether this one replicates one expert (0) or none
+    for home in ([[0, 1, 2], [0, 3, -1]], [[0, 1, -1], [2, 3, -1]]):
+        sync = home_sync_time_L(np.array([home, home]), 4, model)
+        assert sync.tolist() == [allreduce_time_s(2 * row_bytes, 2, link)] * 2
+    # S_h = 2 leaves no room for a replica: no table
+    assert home_sync_time_L(np.array([[[0, 1], [2, 3]]]), 4, model).tolist() == [0.0]
+    # one-level: a static layer all-reduces its cross experts (here expert 0, on devices 0
+    # and 1), a grouped layer a table for any plan of its slot budget (2: min(2, 4 - 2) rows)
+    static = ExpertPlan([0, 0, 1], [0, 1, 1], [10, 10, 20])
+    grouped = ExpertPlan([0, 0, 1], [0, 1, 1], [10, 10, 20], dispatch="grouped")
+    assert sync_rows(static, 2, 2) == replica_sync(static, 0).num_cross == 1
+    assert sync_rows(grouped, 2, 2, budget=2) == 2
+    ranks = np.array([0, 1])
+    assert _sync_time_D(static, 2, model, ranks)[:2].tolist() == \
+        [allreduce_time_s(row_bytes, 2, link)] * 2
+    assert _sync_time_D(grouped, 2, model, ranks)[:2].tolist() == \
+        [allreduce_time_s(2 * row_bytes, 2, link)] * 2
+    assert _sync_time_D(grouped, 2, model, ranks)[2:].sum() == 0.0

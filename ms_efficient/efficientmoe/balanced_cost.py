@@ -20,9 +20,10 @@ CostModel` of the other MoE rows):
                roofline max(FLOPs at peak x efficiency, bytes moved / HBM bandwidth) of
                :func:`~ms_efficient.efficientmoe.cost.compute_time_D`; the fixed buffer's
                unused rows cost memory, not time; the largest device counts.
-    sync       all-reduce of the gradients of experts with several home slots (the
-               layout's redundant replicas), :func:`home_sync_time_L`; a copy's gradient is
-               the backward transfer above, added into its home expert.
+    sync       the all-reduce of the redundant home replicas' gradients as the layer sends
+               it (:func:`home_sync_time_L`): one table sized for any home table of the
+               layout's shapes, over every rank, every step; a copy's gradient is the
+               backward transfer above, added into its home expert.
 """
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ms_efficient.efficientmoe.cost import (CostModel, _sync_time_D, count_exchange_time_s,
+from ms_efficient.efficientmoe.cost import (CostModel, count_exchange_time_s, sync_time_s,
                                             uneven_alltoall_time_s)
 from ms_efficient.moe.balance import Balance, home_plan
+from ms_efficient.moe.ep_routing import sync_rows
 
 __all__ = ["BalancedCost", "balanced_cost", "home_sync_time_L", "copy_cost_rows_WW"]
 
@@ -61,11 +63,16 @@ def _embed(matrix_LWW: np.ndarray, num_devices: int) -> np.ndarray:
 
 
 def home_sync_time_L(home_LWS: np.ndarray, num_experts: int, model: CostModel) -> np.ndarray:
-    """Seconds per layer to all-reduce the gradients of experts held by several home slots on
-    different devices: the largest per-device sum, float64 [L] (a layout's constant), the
-    one-level plans' rule (``cost._sync_time_D``) on the home table as a plan."""
-    return np.array([_sync_time_D(home_plan(home, num_experts), num_experts, model).max()
-                     for home in np.asarray(home_LWS)])
+    """Seconds per layer of the replicas' gradient sync, float64 [L] (a constant of the
+    layout's shapes): the balanced layer all-reduces, over its W ranks, a table of
+    :func:`~ms_efficient.moe.ep_routing.sync_rows` rows (cross_budget(E, W, S_h): as many
+    experts as any home table of S_h slots per device could replicate across devices) every
+    step, whichever experts the home table replicates now; no table when S_h leaves no room
+    for a replica (:func:`~ms_efficient.efficientmoe.cost.sync_time_s`)."""
+    home = np.asarray(home_LWS)
+    num_layers, world, slots = home.shape
+    rows = sync_rows(home_plan(home[0], num_experts), num_experts, world, budget=slots)
+    return np.full(num_layers, sync_time_s(rows, model, list(range(world))))
 
 
 def copy_cost_rows_WW(model: CostModel, num_devices: int) -> np.ndarray:

@@ -54,6 +54,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from ms_efficient.core.cluster import ClusterSpec
+from ms_efficient.moe.ep_routing import slots_per_device, sync_rows
 from ms_efficient.moe.exchange import exchange_rows
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import source_rows, split_tokens, static_assignments
@@ -85,7 +86,7 @@ class CostModel:
     dtype: activation/weight dtype ("bf16", "fp16", "fp32"); 2 bytes per value for 16-bit.
     compute_passes: expert FLOPs of a training step per forward FLOP (3: backward = 2x fwd).
     a2a_passes: All-to-Alls per step of the dispatch's size (4: dispatch + combine, fwd + bwd).
-    sync_replica_grads: charge an all-reduce of each replicated expert's gradients.
+    sync_replica_grads: charge the replicas' gradient all-reduce (:func:`sync_time_s`).
     static_blocks: how "static" plans send their rows, "equal" or "exact" (module docstring).
     dynamic_exchange_s: seconds each count-driven AlltoAllV of a "counts" or "alltoallv" plan
         costs beyond its rows (``DYNAMIC_EXCHANGE_S``, measured; module docstring).
@@ -228,16 +229,28 @@ def count_exchange_time_s(num_ranks: int, counts_per_rank: int, model: CostModel
                                            [int(d) for d in rank_device])
 
 
-def _sync_time_D(plan: ExpertPlan, num_experts: int, model: CostModel) -> np.ndarray:
-    """Seconds each device spends all-reducing replicated experts' gradients: float64 [D]."""
+def sync_time_s(rows: int, model: CostModel, devices: Sequence[int]) -> float:
+    """Seconds of the replicas' gradient sync of one layer-step: an all-reduce over the
+    group's ``devices`` of a table of ``rows`` experts' parameters (``model.grad_bytes``
+    each), what :class:`~ms_efficient.moe.ep_layer.ReplicaGradSum` sends
+    (:func:`~ms_efficient.moe.ep_routing.sync_rows`); 0 without rows or when
+    ``model.sync_replica_grads`` is off."""
+    if rows <= 0 or not model.sync_replica_grads or len(devices) < 2:
+        return 0.0
+    return model.cluster.collective_time_s("allreduce", rows * model.grad_bytes,
+                                           [int(d) for d in devices])
+
+
+def _sync_time_D(plan: ExpertPlan, num_experts: int, model: CostModel,
+                 rank_device: np.ndarray) -> np.ndarray:
+    """Seconds each device of the group (``rank_device``) spends in the replicas' gradient
+    sync of the one-level layer built for ``plan`` (:func:`sync_time_s`; a grouped or counts
+    layer's table holds any plan of its slot budget, a static layer's its cross experts):
+    float64 [D]."""
     sync = np.zeros(model.cluster.num_devices)
-    if not model.sync_replica_grads:
-        return sync
-    for e in np.flatnonzero(plan.replica_counts(num_experts) > 1):
-        devices = np.unique(plan.slot_device[plan.replicas_of(int(e))])
-        if devices.size > 1:
-            sync[devices] += model.cluster.collective_time_s("allreduce", model.grad_bytes,
-                                                             devices.tolist())
+    budget = slots_per_device(plan) if plan.grouped else None
+    rows = sync_rows(plan, num_experts, len(rank_device), budget)
+    sync[np.asarray(rank_device)] = sync_time_s(rows, model, rank_device)
     return sync
 
 
@@ -313,7 +326,7 @@ def layer_cost(plan: ExpertPlan, counts_RE: np.ndarray, model: CostModel,
     # Step 2: expert compute (padded capacities, or grouped kept rows), replica gradient sync
     rows_D = computed_rows_D(plan, assigned_RS, model)
     compute = float(compute_time_D(plan, assigned_RS, model).max())
-    sync = float(_sync_time_D(plan, counts_RE.shape[1], model).max())
+    sync = float(_sync_time_D(plan, counts_RE.shape[1], model, rd).max())
     tokens_D = np.bincount(plan.slot_device, weights=assigned_RS.sum(axis=0),
                            minlength=num_devices)
     return LayerCost(time_s=exchange + a2a + compute + sync, exchange_time_s=exchange,
@@ -379,13 +392,7 @@ def event_step_time_s(plan: ExpertPlan, counts_RE: np.ndarray, model: CostModel,
                       ("bwd.compute", lambda: compute("bwd.compute", model.compute_passes - 1)),
                       ("bwd.dispatch", lambda: a2a("bwd.dispatch", bytes_DD.T))):
         prev = barrier(tag, work())
-    sync_ids = []
-    if model.sync_replica_grads:
-        for e in np.flatnonzero(plan.replica_counts(counts.shape[1]) > 1):
-            devices = np.unique(plan.slot_device[plan.replicas_of(int(e))])
-            if devices.size > 1:
-                t = cluster.collective_time_s("allreduce", model.grad_bytes, devices.tolist())
-                sync_ids += [sim.add_task(f"sync.e{e}.dev{d}", f"dev{d}.sync", t, deps=prev)
-                             for d in devices]
-    barrier("sync", sync_ids)
+    sync_D = _sync_time_D(plan, counts.shape[1], model, rd)
+    barrier("sync", [sim.add_task(f"sync.dev{d}", f"dev{d}.sync", float(sync_D[d]), deps=prev)
+                     for d in rd if sync_D[d] > 0])
     return sim.run().makespan_s

@@ -53,7 +53,7 @@ from ms_efficient.moe.counted_alltoall import CountedAllToAllV
 from ms_efficient.moe.ep_layer import ReplicaGradSum
 from ms_efficient.moe.ep_migration import migrate_rows, row_layout
 from ms_efficient.moe.ep_replan import move_rows, record, weight_states
-from ms_efficient.moe.ep_routing import init_expert_weights, pad_rows, replica_sync
+from ms_efficient.moe.ep_routing import init_expert_weights, pad_rows, replica_sync, sync_rows
 from ms_efficient.moe.grouped_matmul import GroupedMatmul, row_groups
 from ms_efficient.moe.layer import TopKArrival, make_gelu, routing_statistics, sum_choices
 
@@ -214,8 +214,7 @@ class BalancedExpertParallelMoE(nn.Cell):
         self.budget, self.local_experts = self.slots_home, local      # as ExpertParallelMoE
         # the most experts any home table of these shapes can replicate across ranks: the
         # sync's shapes hold for every later set_plan
-        self.num_cross = (max(0, min(num_experts, self.world * self.slots_home - num_experts))
-                          if self.world > 1 else 0)
+        self.num_cross = sync_rows(self.plan, num_experts, self.world, self.slots_home)
         sync = replica_sync(self.plan, self.rank, self.slots_home, self.num_cross)
         can_replicate = self.world * self.slots_home > num_experts
         self.sync = ReplicaGradSum(sync.num_cross, group) if can_replicate else None

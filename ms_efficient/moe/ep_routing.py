@@ -78,7 +78,8 @@ from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import SPLIT_UNITS, grouped_split_weights
 
 __all__ = ["RankDispatch", "rank_dispatch", "GroupedDispatch", "grouped_dispatch",
-           "ReplicaSync", "replica_sync", "capacity_groups", "cross_budget", "expert_sources",
+           "ReplicaSync", "replica_sync", "capacity_groups", "cross_budget", "sync_rows",
+           "expert_sources",
            "slots_per_device", "grouped_tables", "check_replan", "pad_rows",
            "init_expert_weights"]
 
@@ -350,6 +351,26 @@ def cross_budget(num_experts: int, world: int, budget: int) -> int:
     if world < 2:
         return 0
     return int(max(0, min(num_experts, world * budget - num_experts)))
+
+
+def sync_rows(plan: ExpertPlan, num_experts: int, world: int,
+              budget: Optional[int] = None) -> int:
+    """Rows X of the gradient table :class:`~ms_efficient.moe.ep_layer.ReplicaGradSum`
+    all-reduces over the whole group in every backward step (each row one expert's
+    parameters; a rank adds zeros for the experts it does not hold), whatever the step routed:
+
+    - a layer built for any plan of ``budget`` slots per device (grouped and counts layers,
+      and the balanced layer's home table: its shapes must hold every later plan):
+      :func:`cross_budget` (E, W, budget);
+    - a static layer (``budget`` None): the experts ``plan`` holds on more than one device.
+
+    The cost model charges this table (``efficientmoe.cost``), so what it charges is what the
+    layers send."""
+    if budget is not None:
+        return cross_budget(num_experts, world, budget)
+    devices = [np.unique(plan.slot_device[plan.slot_expert == e]).size
+               for e in np.unique(plan.slot_expert)]
+    return int(sum(n > 1 for n in devices))
 
 
 @dataclass(frozen=True)
