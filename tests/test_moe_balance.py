@@ -1,5 +1,6 @@
 """EfficientMoE's two levels (numpy): the fast level's water-filling, copies, buffers and
 per-pair cut; the slow level's placement, buffers and re-plans."""
+import dataclasses
 import itertools
 
 import numpy as np
@@ -517,3 +518,28 @@ def test_the_replicas_gradient_sync_is_charged_as_the_layers_send_it():
     assert _sync_time_D(grouped, 2, model, ranks)[:2].tolist() == \
         [allreduce_time_s(2 * row_bytes, 2, link)] * 2
     assert _sync_time_D(grouped, 2, model, ranks)[2:].sum() == 0.0
+
+
+def test_the_layout_sizes_the_replica_table_and_re_plans_keep_within_it(tmp_path):
+    from ms_efficient.efficientmoe.layout import (cross_experts_L, load_layout, replan_home,
+                                                  save_layout)
+
+    # E = 4 on W = 2 with one redundant slot each: 2 extra slots. EPLB's rule gives them to
+    # experts 0 (10 per replica -> 5) and 1 (8): two experts on both devices; held to one,
+    # both go to expert 0 (3 replicas, two of them on one device)
+    load = np.array([[10.0, 8.0, 1.0, 1.0]])
+    assert cross_experts_L(place_home(load, 2, 1), 4).tolist() == [2]
+    capped = place_home(load, 2, 1, max_cross=1)
+    assert cross_experts_L(capped, 4).tolist() == [1]
+    assert (capped == 0).sum() == 3
+    # plan_layout: the table holds the most experts a layer replicates; a re-plan on other
+    # routing keeps within it; the layout file carries it
+    trace = skewed_trace(steps=12, layers=3)
+    model = CostModel(NODE_2x8, 256, 1024)
+    layout = plan_layout(trace.counts[:6], model, LayoutConfig(slots=1, redundant=1))
+    assert layout.sync_rows == cross_experts_L(layout.home_LWS, trace.num_experts).max() > 0
+    tight = dataclasses.replace(layout, sync_rows=1)
+    again = replan_home(trace.counts[::-1], tight, LayoutConfig(slots=1, redundant=1))
+    assert cross_experts_L(again.home_LWS, trace.num_experts).max() <= 1
+    save_layout(str(tmp_path / "layout.yaml"), layout)
+    assert load_layout(str(tmp_path / "layout.yaml")).sync_rows == layout.sync_rows

@@ -28,6 +28,7 @@ CostModel` of the other MoE rows):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -62,17 +63,19 @@ def _embed(matrix_LWW: np.ndarray, num_devices: int) -> np.ndarray:
     return out
 
 
-def home_sync_time_L(home_LWS: np.ndarray, num_experts: int, model: CostModel) -> np.ndarray:
+def home_sync_time_L(home_LWS: np.ndarray, num_experts: int, model: CostModel,
+                     rows: Optional[int] = None) -> np.ndarray:
     """Seconds per layer of the replicas' gradient sync, float64 [L] (a constant of the
-    layout's shapes): the balanced layer all-reduces, over its W ranks, a table of
-    :func:`~ms_efficient.moe.ep_routing.sync_rows` rows (cross_budget(E, W, S_h): as many
-    experts as any home table of S_h slots per device could replicate across devices) every
-    step, whichever experts the home table replicates now; no table when S_h leaves no room
-    for a replica (:func:`~ms_efficient.efficientmoe.cost.sync_time_s`)."""
+    layout): the balanced layer all-reduces, over its W ranks, a table of ``rows`` experts'
+    parameters every step, whichever experts the home table replicates now (the layout's
+    ``sync_rows``; None: as many as any home table of S_h slots per device could replicate,
+    :func:`~ms_efficient.moe.ep_routing.sync_rows`); no table without rows
+    (:func:`~ms_efficient.efficientmoe.cost.sync_time_s`)."""
     home = np.asarray(home_LWS)
     num_layers, world, slots = home.shape
-    rows = sync_rows(home_plan(home[0], num_experts), num_experts, world, budget=slots)
-    return np.full(num_layers, sync_time_s(rows, model, list(range(world))))
+    if rows is None:
+        rows = sync_rows(home_plan(home[0], num_experts), num_experts, world, budget=slots)
+    return np.full(num_layers, sync_time_s(int(rows), model, list(range(world))))
 
 
 def copy_cost_rows_WW(model: CostModel, num_devices: int) -> np.ndarray:

@@ -350,13 +350,16 @@ def load_plans_state(entries: Sequence[Dict]) -> List[ExpertPlan]:
 def layout_of(layers: Sequence) -> Layout:
     """The :class:`~ms_efficient.efficientmoe.layout.Layout` the balanced ``layers`` run now:
     their home tables [L, W, S_h], spare slots and buffers; ``redundant`` = S_h - ceil(E / W)
-    (the home slots beyond plain expert parallelism, which a re-plan keeps)."""
+    (the home slots beyond plain expert parallelism, which a re-plan keeps); ``sync_rows``
+    the rows of their replica-gradient table (a re-plan replicates at most that many
+    experts)."""
     first = layers[0]
     home = np.stack([layer.home_table.asnumpy().astype(np.int64) for layer in layers])
     buffers = np.stack([np.asarray(layer.buffer_W, dtype=np.int64) for layer in layers])
     redundant = int(first.slots_home) - -(-int(first.num_experts) // int(first.world))
     return Layout(home_LWS=home, spare_W=np.full(first.world, first.spare, dtype=np.int64),
-                  buffer_LW=buffers, slack_L=np.zeros(len(layers)), redundant=redundant)
+                  buffer_LW=buffers, slack_L=np.zeros(len(layers)), redundant=redundant,
+                  sync_rows=int(first.num_cross))
 
 
 def _ms(seconds: float) -> Optional[float]:

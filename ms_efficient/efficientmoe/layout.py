@@ -60,6 +60,7 @@ from ms_efficient.moe.balance import (BalancedSpec, balance_step, holders_of, ho
                                       water_fill)
 
 __all__ = ["Layout", "LayoutConfig", "plan_layout", "place_home", "refine_home", "uniform_home",
+           "cross_experts_L",
            "replan_home", "migration_bytes_WW", "migration_time_s", "HomeDecision",
            "decide_home", "size_buffers", "replay_cost_s",
            "save_layout", "load_layout", "training_specs"]
@@ -99,7 +100,11 @@ class LayoutConfig:
 @dataclass
 class Layout:
     """The slow level's plan (module docstring for the fields); slack_L: float [L], the
-    buffer slack over the mean share; redundant: redundant home slots per device."""
+    buffer slack over the mean share; redundant: redundant home slots per device;
+    sync_rows: rows of the table the layers all-reduce for their replicas' gradients (the
+    most experts a layer's home table may hold on more than one device, fixed for the run:
+    a re-plan keeps within it); None: as many as the shapes allow
+    (:func:`~ms_efficient.moe.ep_routing.cross_budget`)."""
 
     home_LWS: np.ndarray
     spare_W: np.ndarray
@@ -107,6 +112,7 @@ class Layout:
     slack_L: np.ndarray
     redundant: int
     method: str = "efficientmoe"
+    sync_rows: Optional[int] = None
 
     @property
     def num_layers(self) -> int:
@@ -119,6 +125,7 @@ class Layout:
     def to_dict(self) -> dict:
         """YAML-ready: the fixed shapes and the home table."""
         return {"method": self.method, "redundant_home_slots": self.redundant,
+                "sync_rows": self.sync_rows,
                 "spare_slots": self.spare_W.tolist(), "buffer_rows": self.buffer_LW.tolist(),
                 "slack": [round(float(s), 4) for s in self.slack_L],
                 "home_experts": self.home_LWS.tolist()}
@@ -151,7 +158,8 @@ def load_layout(path: str) -> Layout:
                          f"{slack.shape}.")
     return Layout(home_LWS=home, spare_W=spare, buffer_LW=buffers, slack_L=slack,
                   redundant=int(body.get("redundant_home_slots", 0)),
-                  method=str(body.get("method", "efficientmoe")))
+                  method=str(body.get("method", "efficientmoe")),
+                  sync_rows=None if body.get("sync_rows") is None else int(body["sync_rows"]))
 
 
 def _packing_LS(weights_LS: np.ndarray, num_devices: int, per_device: int,
@@ -209,13 +217,21 @@ def uniform_home(num_layers: int, num_experts: int, num_devices: int) -> np.ndar
                   per_device)
 
 
+def cross_experts_L(home_LWS: np.ndarray, num_experts: int) -> np.ndarray:
+    """Experts each layer's home table holds on more than one device, int64 [L] (the rows
+    of the layer's replica-gradient table they need)."""
+    return (holders_of(home_LWS, num_experts).sum(axis=2) > 1).sum(axis=1)
+
+
 def place_home(load_LE: np.ndarray, num_devices: int, redundant: int,
-               devices_per_node: Optional[int] = None) -> np.ndarray:
+               devices_per_node: Optional[int] = None,
+               max_cross: Optional[int] = None) -> np.ndarray:
     """EPLB's placement of every layer (module docstring, step 2): int64 [L, W, S_h] with
     S_h = ceil(E / W) + ``redundant``. load_LE: float [L, E] forecast rows per expert.
     devices_per_node: pack replicas onto nodes first, then onto the devices of each node
     (EPLB's hierarchical policy: hot experts spread over nodes, so tokens and copies cross
-    fewer node links); None or W: one level."""
+    fewer node links); None or W: one level. max_cross: replicas go to at most this many
+    experts of a layer (>= 1; the rows of a layout's replica-gradient table); None: any."""
     load = np.asarray(load_LE, dtype=np.float64)
     num_layers, num_experts = load.shape
     per_device = -(-num_experts // num_devices) + redundant
@@ -223,7 +239,11 @@ def place_home(load_LE: np.ndarray, num_devices: int, redundant: int,
     layers = np.arange(num_layers)
     replicas = np.ones((num_layers, num_experts), dtype=np.int64)
     for _ in range(total - num_experts):       # each extra slot: the largest load per replica
-        e = np.argmax(load / replicas, axis=1)
+        ratio = load / replicas
+        if max_cross:                          # only experts replicated already, when full
+            full = (replicas > 1).sum(axis=1, keepdims=True) >= max_cross
+            ratio = np.where(full & (replicas == 1), -np.inf, ratio)
+        e = np.argmax(ratio, axis=1)
         replicas[layers, e] += 1
     slot_expert = np.stack([np.repeat(np.arange(num_experts), r) for r in replicas])
     per_replica = np.take_along_axis(load / replicas, slot_expert, axis=1)
@@ -378,11 +398,13 @@ def size_buffers(max_over_mean_L: np.ndarray, mean_rows: float, margin: float,
 
 
 def replay_cost_s(rows_TLRE: np.ndarray, home_LWS: np.ndarray, spare_W: np.ndarray,
-                  model: CostModel, buffer_LW: Optional[np.ndarray] = None):
+                  model: CostModel, buffer_LW: Optional[np.ndarray] = None,
+                  sync_rows: Optional[int] = None):
     """(mean step seconds over the rows, largest load over mean per layer [L]) of the fast
-    level with this layout on ``rows_TLRE`` [T, L, R, E]."""
+    level with this layout (its replica-gradient table of ``sync_rows`` rows) on
+    ``rows_TLRE`` [T, L, R, E]."""
     num_experts = rows_TLRE.shape[-1]
-    sync = home_sync_time_L(home_LWS, num_experts, model)
+    sync = home_sync_time_L(home_LWS, num_experts, model, sync_rows)
     copy_cost = copy_cost_rows_WW(model, home_LWS.shape[1])
     total, worst = 0.0, np.zeros(home_LWS.shape[0])
     for counts in rows_TLRE:
@@ -400,10 +422,11 @@ def _forecast(history_TLRE: np.ndarray, window: int) -> np.ndarray:
 
 
 def _placed(load_LE: np.ndarray, recent_TLRE: np.ndarray, redundant: int,
-            config: LayoutConfig, devices_per_node: Optional[int]) -> np.ndarray:
-    """Step 2: EPLB's placement of the forecast, refined on the recent rows when
-    ``config.refine``."""
-    home = place_home(load_LE, recent_TLRE.shape[2], redundant, devices_per_node)
+            config: LayoutConfig, devices_per_node: Optional[int],
+            max_cross: Optional[int] = None) -> np.ndarray:
+    """Step 2: EPLB's placement of the forecast (replicas of at most ``max_cross`` experts
+    per layer), refined on the recent rows when ``config.refine``."""
+    home = place_home(load_LE, recent_TLRE.shape[2], redundant, devices_per_node, max_cross)
     if config.refine:
         home = refine_home(home, recent_TLRE.sum(axis=2), devices_per_node)
     return home
@@ -436,15 +459,18 @@ def plan_layout(history_TLRE: np.ndarray, model: CostModel,
     best = None
     for redundant, home in candidates:
         spare = np.full(num_devices, config.slots - redundant, dtype=np.int64)
-        cost, worst = replay_cost_s(recent, home, spare, model)
+        # the replica-gradient table holds the experts this placement replicates, the most
+        # of any layer; re-plans keep within it (replan_home)
+        sync_rows = int(cross_experts_L(home, num_experts).max())
+        cost, worst = replay_cost_s(recent, home, spare, model, sync_rows=sync_rows)
         if best is None or cost < best[0] - 1e-12:
-            best = (cost, redundant, home, spare, worst)
-    _, redundant, home, spare, worst = best
+            best = (cost, redundant, home, spare, worst, sync_rows)
+    _, redundant, home, spare, worst, sync_rows = best
     mean_rows = recent.sum(axis=(2, 3)).mean() / num_devices
     buffer_L, slack = size_buffers(worst, mean_rows, config.margin, tile)
     return Layout(home_LWS=home, spare_W=spare,
                   buffer_LW=np.repeat(buffer_L[:, None], num_devices, axis=1),
-                  slack_L=slack, redundant=redundant, method=method)
+                  slack_L=slack, redundant=redundant, method=method, sync_rows=sync_rows)
 
 
 def migration_bytes_WW(old_LWS: np.ndarray, new_LWS: np.ndarray, bytes_per_slot: float,
@@ -514,9 +540,10 @@ def decide_home(history_TLRE: np.ndarray, layout: Layout, config: LayoutConfig,
         return HomeDecision(candidate, float("nan"), cost_s, True,
                             "re-placed whatever the gain")
     recent = history[-config.window:]
-    gain_s = (replay_cost_s(recent, layout.home_LWS, layout.spare_W, model, layout.buffer_LW)[0]
+    gain_s = (replay_cost_s(recent, layout.home_LWS, layout.spare_W, model, layout.buffer_LW,
+                            layout.sync_rows)[0]
               - replay_cost_s(recent, candidate.home_LWS, candidate.spare_W, model,
-                              layout.buffer_LW)[0])
+                              layout.buffer_LW, layout.sync_rows)[0])
     adopt = gain_s * horizon_steps > cost_s
     verdict = "pays" if adopt else "does not pay"
     return HomeDecision(candidate, gain_s, cost_s, adopt,
@@ -527,13 +554,18 @@ def decide_home(history_TLRE: np.ndarray, layout: Layout, config: LayoutConfig,
 
 def replan_home(history_TLRE: np.ndarray, layout: Layout, config: LayoutConfig,
                 devices_per_node: Optional[int] = None) -> Layout:
-    """A candidate re-plan: steps 1-2 on the recent rows with the layout's split; spare
-    slots and buffers (the compiled shapes) unchanged."""
+    """A candidate re-plan: steps 1-2 on the recent rows with the layout's split, replicas
+    of at most ``layout.sync_rows`` experts per layer; spare slots, buffers and the replica
+    table (the compiled shapes) unchanged. The current layout when no such home table is
+    found."""
     if not config.forecast_home:
         return layout
     history = np.asarray(history_TLRE, dtype=np.int64)
     home = _placed(_forecast(history, config.window), history[-config.window:],
-                   layout.redundant, config, devices_per_node)
+                   layout.redundant, config, devices_per_node, layout.sync_rows)
+    if (layout.sync_rows is not None
+            and cross_experts_L(home, int(history.shape[-1])).max() > layout.sync_rows):
+        return layout
     return dataclasses.replace(layout, home_LWS=home)
 
 
@@ -554,11 +586,14 @@ def training_specs(num_layers: int, num_experts: int, world: int, spare_slots: i
                              f"ranks, {num_experts} experts], but got {history.shape}.")
         layout = plan_layout(history, model, LayoutConfig(slots=spare_slots), tile=tile)
         homes, spares, buffers = layout.home_LWS, layout.spare_W, layout.buffer_LW
+        sync_rows = layout.sync_rows
     else:
         homes = uniform_home(num_layers, num_experts, world)
         spares = np.full(world, spare_slots, dtype=np.int64)
         rows = int(np.ceil(mean_rows * (1.0 + buffer_slack) / tile) * tile)
         buffers = np.full((num_layers, world), rows, dtype=np.int64)
+        sync_rows = None
     cost = copy_cost_rows_WW(model, world)
     return [BalancedSpec(homes[layer], int(spares[0]), buffers[layer], cost,
-                         model.cluster.devices_per_node) for layer in range(num_layers)]
+                         model.cluster.devices_per_node, sync_rows)
+            for layer in range(num_layers)]

@@ -62,13 +62,15 @@ __all__ = ["Balance", "BalancedSpec", "balance_step", "home_plan", "home_split",
 class BalancedSpec:
     """What a :class:`BalancedExpertParallelMoE` is built for (one MoE layer of a layout):
     home_WS int [W, S_h], spare_slots S_s, buffer_W int [W] rows, copy_cost_WW float [W, W]
-    (rows of expert compute one copy costs; None: free), devices_per_node."""
+    (rows of expert compute one copy costs; None: free), devices_per_node, sync_rows (rows
+    of its replica-gradient table, the layout's; None: as many as S_h allows)."""
 
     home_WS: np.ndarray
     spare_slots: int
     buffer_W: np.ndarray
     copy_cost_WW: Optional[np.ndarray] = None
     devices_per_node: Optional[int] = None
+    sync_rows: Optional[int] = None
 
 
 @dataclass

@@ -53,7 +53,8 @@ from ms_efficient.moe.counted_alltoall import CountedAllToAllV
 from ms_efficient.moe.ep_layer import ReplicaGradSum
 from ms_efficient.moe.ep_migration import migrate_rows, row_layout
 from ms_efficient.moe.ep_replan import move_rows, record, weight_states
-from ms_efficient.moe.ep_routing import init_expert_weights, pad_rows, replica_sync, sync_rows
+from ms_efficient.moe.ep_routing import (init_expert_weights, pad_rows, replica_sync,
+                                        sync_rows as table_rows)
 from ms_efficient.moe.grouped_matmul import GroupedMatmul, row_groups
 from ms_efficient.moe.layer import TopKArrival, make_gelu, routing_statistics, sum_choices
 
@@ -153,6 +154,9 @@ class BalancedExpertParallelMoE(nn.Cell):
             compute (the fast level's threshold; None: copies free).
         trace_ranks, init_std, seed: as :class:`~ms_efficient.moe.ep_layer.ExpertParallelMoE`
             (weights from :func:`init_expert_weights`, the same on every rank).
+        sync_rows: rows of the replica-gradient table all-reduced every step (the layout's:
+            the most experts a home table of the run replicates across ranks; ``set_plan``
+            refuses more); None: as many as any home table of these shapes could.
 
     Outputs: y_BSH; aux_loss (Switch loss of the local tokens); counts_RE int32 [R, E] of the
     local tokens; dropped int32 (local assignments no buffer held). ``balance_stats``
@@ -168,7 +172,7 @@ class BalancedExpertParallelMoE(nn.Cell):
                  home_WS: np.ndarray, spare_slots: int, buffer_W: np.ndarray,
                  group: Optional[str] = None, devices_per_node: Optional[int] = None,
                  copy_cost_WW: Optional[np.ndarray] = None, trace_ranks: int = 1,
-                 init_std: float = 0.02, seed: int = 0):
+                 init_std: float = 0.02, seed: int = 0, sync_rows: Optional[int] = None):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"'top_k' must be in [1, {num_experts}], but got {top_k}.")
@@ -212,9 +216,10 @@ class BalancedExpertParallelMoE(nn.Cell):
         # weights: this rank's home slots; replicas tied by ReplicaGradSum
         local = home[self.rank][home[self.rank] >= 0]
         self.budget, self.local_experts = self.slots_home, local      # as ExpertParallelMoE
-        # the most experts any home table of these shapes can replicate across ranks: the
-        # sync's shapes hold for every later set_plan
-        self.num_cross = sync_rows(self.plan, num_experts, self.world, self.slots_home)
+        # the replica-gradient table: the layout's rows (a re-plan keeps within them), by
+        # default as many experts as any home table of these shapes can replicate
+        self.num_cross = (table_rows(self.plan, num_experts, self.world, self.slots_home)
+                          if sync_rows is None or self.world < 2 else int(sync_rows))
         sync = replica_sync(self.plan, self.rank, self.slots_home, self.num_cross)
         can_replicate = self.world * self.slots_home > num_experts
         self.sync = ReplicaGradSum(sync.num_cross, group) if can_replicate else None
@@ -245,7 +250,7 @@ class BalancedExpertParallelMoE(nn.Cell):
         """The layer of one :class:`BalancedSpec`."""
         return cls(hidden_size, ffn_hidden_size, num_experts, top_k, spec.home_WS,
                    spec.spare_slots, spec.buffer_W, group, spec.devices_per_node,
-                   spec.copy_cost_WW, **kwargs)
+                   spec.copy_cost_WW, sync_rows=spec.sync_rows, **kwargs)
 
     def set_weights(self, router_EH, w1_EHF, b1_E1F, w2_EFH, b2_E1H) -> None:
         """Load logical weights (numpy, all E experts) into the router and this rank's home
