@@ -20,7 +20,7 @@ from ms_efficient.core.cluster import get_cluster
 from ms_efficient.efficientmoe.cost import CostModel, layer_cost, uneven_alltoall_time_s
 from ms_efficient.moe.ep_layer import ExpertParallelMoE, init_expert_weights
 from ms_efficient.moe.exchange import exchange_rows
-from ms_efficient.moe.ep_routing import grouped_dispatch, rank_dispatch, replica_sync
+from ms_efficient.moe.ep_routing import layer_tables, rank_dispatch, replica_sync
 from ms_efficient.moe.layer import MoEFeedForward
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import (SPLIT_UNITS, grouped_assignments, grouped_split_weights,
@@ -270,7 +270,7 @@ def test_replicating_an_expert_changes_neither_outputs_nor_input_gradient():
     single, (dx_ref, g_ref) = one_slot_each("static")
     # expert 0 twice: slot 0 keeps its first 3 arrivals, slot 4 the rest
     replicated = ep_layer(w, [0, 1, 2, 3, 0], [3, T, T, T, T])
-    assert replicated.tables.ends_EJ[0].tolist() == [3, T + 3]
+    assert replicated.tables.static.ends_EJ[0].tolist() == [3, T + 3]
     for a, b in zip(replicated(x), single):
         np.testing.assert_array_equal(a.asnumpy(), b)
     dx, g = grads(replicated, x, dy)
@@ -426,7 +426,7 @@ def test_replicating_an_expert_in_a_grouped_plan_changes_neither_outputs_nor_inp
     x, dy = batch()
     single, (dx_ref, g_ref) = one_slot_each("grouped")
     replicated = grouped_layer(w, [0, 1, 2, 3, 0], caps)
-    cumw = replicated.tables.cut_hi_V[[0, 4]].tolist()          # expert 0's two slots
+    cumw = replicated.tables.grouped.cut_hi_V[[0, 4]].tolist()          # expert 0's two slots
     assert cumw == ([SPLIT_UNITS // 2, SPLIT_UNITS] if caps[0] == T else [768, SPLIT_UNITS])
     for a, b in zip(replicated(x), single):
         np.testing.assert_allclose(a.asnumpy(), b, rtol=1e-6, atol=1e-7)
@@ -444,13 +444,13 @@ def test_replicating_an_expert_in_a_grouped_plan_changes_neither_outputs_nor_inp
 
 def test_grouped_tables_follow_the_split_weights_and_device_buffers():
     plan = ExpertPlan([0, 1, 2, 0, 3], [0, 0, 0, 1, 1], [24, 32, 32, 8, 32], dispatch="grouped")
-    t1 = grouped_dispatch(plan, E, 1, 2)               # budget 3: device 1's third slot empty
+    t1 = layer_tables(plan, E, 1, 2).grouped              # budget 3: device 1's third slot empty
     assert t1.budget == 3 and t1.slot_of_V.tolist() == [0, 1, 2, 3, 4, -1]
     assert t1.expert_V.tolist() == [0, 1, 2, 0, 3, E]
     assert t1.cut_lo_V[[0, 3]].tolist() == [0, 2048]          # rank 1 spills half of expert 0
     assert t1.cut_hi_V[[0, 3]].tolist() == [2048, 4096]
     assert t1.cut_hi_V[[1, 2, 4, 5]].tolist() == [4096, 4096, 4096, 0]
-    t0 = grouped_dispatch(plan, E, 0, 2)
+    t0 = layer_tables(plan, E, 0, 2).grouped
     assert t0.cut_lo_V[[0, 3]].tolist() == [0, 4096] and t0.cut_hi_V[[0, 3]].tolist() == [4096] * 2
     assert t1.buffer_D.tolist() == [88, 40]
     assert t1.block_start_V.tolist() == [0, 0, 0, 88, 88, 88]
@@ -458,7 +458,7 @@ def test_grouped_tables_follow_the_split_weights_and_device_buffers():
     assert t1.earlier_on_device_VV[:, 5].tolist() == [0, 0, 0, 1, 1, 0]
     with pytest.raises(ValueError, match=r"'slots_per_device' must be >= .* \(3, per device "
                                          r"\[3, 2\]\), but got 2"):
-        grouped_dispatch(plan, E, 1, 2, budget=2)
+        layer_tables(plan, E, 1, 2, budget=2)
 
 
 def test_bad_grouped_plans_are_rejected():

@@ -54,7 +54,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from ms_efficient.core.cluster import ClusterSpec
-from ms_efficient.moe.ep_routing import slots_per_device, sync_rows
+from ms_efficient.moe.ep_routing import sync_rows
 from ms_efficient.moe.exchange import exchange_rows
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import source_rows, split_tokens, static_assignments
@@ -248,7 +248,9 @@ def _sync_time_D(plan: ExpertPlan, num_experts: int, model: CostModel,
     layer's table holds any plan of its slot budget, a static layer's its cross experts):
     float64 [D]."""
     sync = np.zeros(model.cluster.num_devices)
-    budget = slots_per_device(plan) if plan.grouped else None
+    # a grouped or counts layer's default slot budget: the most slots a device holds
+    # (ep_routing.layer_tables)
+    budget = int(np.bincount(plan.slot_device).max()) if plan.grouped else None
     rows = sync_rows(plan, num_experts, len(rank_device), budget)
     sync[np.asarray(rank_device)] = sync_time_s(rows, model, rank_device)
     return sync

@@ -32,8 +32,9 @@ a rank that routes more than its share of an expert drops the excess even if ano
 left room (the grouped path below would not: it exchanges the step's counts first). This is
 the path of every plan whose ``dispatch`` is ``"static"`` or ``"alltoallv"``.
 
-Grouped dispatch (``plan.dispatch`` ``"grouped"`` or ``"counts"``, padding-free experts) runs the package's rule
-:func:`~ms_efficient.moe.split.grouped_assignments` in the graph, on the step's counts:
+Grouped dispatch (``plan.dispatch`` ``"grouped"`` or ``"counts"``, padding-free experts) runs
+the package's rule :func:`~ms_efficient.moe.split.grouped_assignments` in the graph, on the
+step's counts:
 
     arrival p of (this rank, e) -> replica v of e by the fixed integer split (c_e local
             assignments cut at c_e * cut_v // SPLIT_UNITS, cut_v the cumulative split
@@ -82,7 +83,6 @@ expert gradients by 1/W like the rest.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import numpy as np
@@ -95,15 +95,12 @@ from ms_efficient.moe.alltoall import AllToAllV, CountExchange
 from ms_efficient.moe.counted_alltoall import CountedAllToAllV, device_counts
 from ms_efficient.moe.ep_migration import plan_migration
 from ms_efficient.moe.ep_replan import move_rows, record, weight_states
-from ms_efficient.moe.ep_routing import (check_replan, expert_sources, grouped_tables,
-                                         init_expert_weights, pad_rows, rank_dispatch,
-                                         replica_sync)
-from ms_efficient.moe.exchange import exchange_rows
+from ms_efficient.moe.ep_routing import init_expert_weights, layer_tables, pad_rows
 from ms_efficient.moe.grouped_matmul import GroupedMatmul, row_groups
 from ms_efficient.moe.layer import (TopKArrival, group_tables, make_gelu, routing_counts_buffer,
                                     routing_statistics, sum_choices)
 from ms_efficient.moe.plan import ExpertPlan
-from ms_efficient.moe.split import SPLIT_UNITS, source_rows
+from ms_efficient.moe.split import SPLIT_UNITS
 
 __all__ = ["ExpertParallelMoE", "ReplicaGradSum", "init_expert_weights"]
 
@@ -189,6 +186,9 @@ class ExpertParallelMoE(nn.Cell):
     for static plans. Non-trainable int32 Parameters hold the plan's tables (grouped:
     ``plan_expert_V``, ``plan_cut_lo_V``, ``plan_cut_hi_V``; both: ``sync_first_L``,
     ``sync_cross_L``, ``sync_pick_L``), so :meth:`set_plan` changes them as data.
+    ``tables`` (:class:`~ms_efficient.moe.ep_routing.LayerTables`) holds every numpy table of
+    this rank, from one pass over the plan (:func:`~ms_efficient.moe.ep_routing.layer_tables`)
+    in the constructor and again in :meth:`set_plan`.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
@@ -208,32 +208,19 @@ class ExpertParallelMoE(nn.Cell):
         self.rank = actual
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         self.trace_ranks = trace_ranks
-        self.plan = plan.validate(num_experts, self.world)
-
         self.group, self.devices_per_node = group, devices_per_node
-
         self.grouped = plan.grouped               # "grouped" or "counts"
         self.counted = plan.dispatch == "counts"  # count-driven exchange (counted_alltoall)
+        tables = layer_tables(plan, num_experts, self.rank, self.world, devices_per_node,
+                              slots_per_device, rank_load_RE)
+        self.tables, self.plan, self.budget = tables, tables.plan, tables.budget
+        self.local_slots, self.local_experts = tables.local_slots, tables.local_experts
         if self.grouped:
-            if rank_load_RE is not None:
-                raise ValueError("'rank_load_RE' splits the capacities of static plans; a "
-                                 "'grouped' plan splits tokens by its own 'rank_share', so "
-                                 "set that instead, but got rank_load_RE as well.")
-            sync = self._init_grouped(group, slots_per_device)
-            budget = self.tables.budget
-            sync_needed = self.world * budget > num_experts     # some plan may replicate
+            self._init_grouped(group, tables.grouped)
         else:
-            if slots_per_device is not None:
-                raise ValueError(f"'slots_per_device' sets the slot budget of 'grouped' plans, "
-                                 f"but the plan's dispatch is {plan.dispatch!r} and "
-                                 f"slots_per_device={slots_per_device}.")
-            self._init_static(group, devices_per_node, rank_load_RE)
-            budget = len(self.local_slots)
-            sync = replica_sync(plan, self.rank)
-            sync_needed = sync.needed
-        self.budget = budget
-        self.local_experts = plan.slot_expert[self.local_slots]
-        self.sync = ReplicaGradSum(sync.num_cross, group) if sync_needed else None
+            self._init_static(group, tables.static)
+        sync = tables.sync
+        self.sync = ReplicaGradSum(sync.num_cross, group) if tables.sync_needed else None
         self.sync_first_L = _table("sync_first_L", sync.first_L)
         self.sync_cross_L = _table("sync_cross_L", sync.cross_L)
         self.sync_pick_L = _table("sync_pick_L", sync.pick_L)
@@ -246,7 +233,7 @@ class ExpertParallelMoE(nn.Cell):
                                                      init_std, seed, self.local_experts)
         self.router = nn.Dense(hidden_size, num_experts, has_bias=False,
                                weight_init=Tensor(router))
-        w1, b1, w2, b2 = (pad_rows(a, budget) for a in (w1, b1, w2, b2))
+        w1, b1, w2, b2 = (pad_rows(a, self.budget) for a in (w1, b1, w2, b2))
         self.w1 = Parameter(Tensor(w1), name="w1")
         self.b1 = Parameter(Tensor(b1), name="b1")
         self.w2 = Parameter(Tensor(w2), name="w2")
@@ -256,30 +243,19 @@ class ExpertParallelMoE(nn.Cell):
         self.arrival = TopKArrival(num_experts, top_k)
         self.routing_counts = routing_counts_buffer(trace_ranks, num_experts)
 
-    def _init_static(self, group, devices_per_node, rank_load_RE) -> None:
-        """Static tables (numpy; the same rows_RS on every rank) and the two AlltoAllVs, whose
-        counts are :func:`~ms_efficient.moe.exchange.exchange_rows` (the cost model's)."""
+    def _init_static(self, group, tables) -> None:
+        """The static tables (:class:`~ms_efficient.moe.ep_routing.RankDispatch`) as
+        constants and the two AlltoAllVs: this rank sends every rank the rows it reserves on
+        that rank's slots (``send_counts``, what
+        :func:`~ms_efficient.moe.exchange.exchange_rows` charges) and receives the rows
+        every rank reserves on its own (``recv_counts``)."""
         h = self.hidden_size
-        # what the graph runs: static shapes (an "alltoallv" plan's slots with static rows)
-        self.plan = dataclasses.replace(self.plan, dispatch="static")
-        if rank_load_RE is not None:
-            self.plan = dataclasses.replace(self.plan, rank_share=rank_load_RE)
-        plan = self.plan
-        self.rows_RS = source_rows(plan, self.num_experts, self.world, devices_per_node,
-                                   plan.rank_share)
-        tables = rank_dispatch(plan, self.rows_RS, self.num_experts, self.rank,
-                               devices_per_node)
-        rows_WD = exchange_rows(plan, self.num_experts, np.arange(self.world), self.world,
-                                devices_per_node)
-        assert np.array_equal(rows_WD[self.rank], tables.send_counts), (rows_WD, tables)
-        self.tables = tables
-        self.local_slots = tables.local_slots
         self.groups = tuple((c, len(ix)) for c, ix in tables.groups)
-        self.send_total = int(rows_WD[self.rank].sum())
+        self.send_total = int(tables.send_counts.sum())
         self.num_rows = int(tables.recv_index_N.size)
-        self.dispatch = AllToAllV(rows_WD[self.rank], rows_WD[:, self.rank], h,
-                                  tables.send_rows, group)
-        self.undispatch = AllToAllV(rows_WD[:, self.rank], rows_WD[self.rank], h,
+        self.dispatch = AllToAllV(tables.send_counts, tables.recv_counts, h, tables.send_rows,
+                                  group)
+        self.undispatch = AllToAllV(tables.recv_counts, tables.send_counts, h,
                                     tables.send_rows, group)
         self.num_j = tables.replicas_per_expert
         self.rows_E = Tensor(tables.rows_E)
@@ -292,17 +268,12 @@ class ExpertParallelMoE(nn.Cell):
         self.back_index = Tensor(tables.back_index_M)
         self.group_members = tuple(tuple(int(i) for i in ix) for _, ix in tables.groups)
 
-    def _init_grouped(self, group, slots_per_device):
-        """Grouped tables (:func:`~ms_efficient.moe.ep_routing.grouped_tables`): the plan's
-        in Parameters, the layout's (fixed by W, S_b, the blocks C and the buffers B) as
-        constants; the count exchange and the two AlltoAllVs: block d of the send buffer has
-        C[r, d] rows (M = sum_d C[r, d]), and this rank receives W blocks of C[src, r] rows
-        (I in all), which it compacts into its buffer of N = B_r rows. Returns the
-        replica-sync tables."""
-        tables, sync = grouped_tables(self.plan, self.num_experts, self.rank, self.world,
-                                      self.devices_per_node, slots_per_device)
-        self.tables = tables
-        self.local_slots = tables.local_slots
+    def _init_grouped(self, group, tables) -> None:
+        """The grouped tables (:class:`~ms_efficient.moe.ep_routing.GroupedDispatch`): the
+        plan's in Parameters, the layout's (fixed by W, S_b, the blocks C and the buffers B)
+        as constants; the count exchange and the two AlltoAllVs: block d of the send buffer
+        has C[r, d] rows (M = sum_d C[r, d]), and this rank receives W blocks of C[src, r]
+        rows (I in all), which it compacts into its buffer of N = B_r rows."""
         world, block_WD = self.world, tables.block_WD
         self.num_rows = int(tables.buffer_D[self.rank])                # N = B_r
         self.send_total = int(block_WD[self.rank].sum())               # M = sum_d C[r, d]
@@ -327,14 +298,13 @@ class ExpertParallelMoE(nn.Cell):
         self.buffer_V = Tensor(tables.buffer_V)
         self.pair_limit_V = Tensor(tables.pair_limit_V)
         self.block_start_V = Tensor(tables.block_start_V)
-        self.local_start = self.rank * tables.budget      # this rank's budget slots start
+        self.local_start = self.rank * self.budget       # this rank's budget slots start
         recv_W = block_WD[:, self.rank]                                # I = sum_src C[src, r]
         source_I = np.repeat(np.arange(world), recv_W)
         first_W = np.cumsum(recv_W) - recv_W
         self.recv_source_I = Tensor(source_I.astype(np.int32))
         self.recv_row_I = Tensor((np.arange(source_I.size) - first_W[source_I]).astype(np.int32))
         self.recv_arange_I = Tensor(np.arange(source_I.size, dtype=np.int32))
-        return sync
 
     def set_weights(self, router_EH, w1_EHF, b1_E1F, w2_EFH, b2_E1H) -> None:
         """Load logical weights (numpy, all E experts): the router, and for every local slot
@@ -356,7 +326,7 @@ class ExpertParallelMoE(nn.Cell):
         when W > 1: every rank of the group calls it (one AllReduce of E * (2HF + F + H)
         floats, in which every rank fills the experts it is the source of, zeros elsewhere)."""
         params = (self.w1, self.b1, self.w2, self.b2)
-        source_E = expert_sources(self.plan, self.num_experts, self.rank)
+        source_E = self.tables.source_E
         flat = np.concatenate([p.asnumpy().reshape(self.budget, -1) for p in params], axis=1)
         table = np.where(source_E[:, None] >= 0, flat[np.maximum(source_E, 0)], 0.0)
         if self.world > 1:
@@ -390,21 +360,20 @@ class ExpertParallelMoE(nn.Cell):
         if not self.grouped:
             raise ValueError(f"set_plan switches 'grouped' layers, but this layer's dispatch is "
                              f"{self.plan.dispatch!r}; build a new ExpertParallelMoE instead.")
-        check_replan(plan, self.num_experts, self.tables.buffer_D, self.budget,
-                     self.tables.block_WD, self.plan.dispatch)
+        tables = layer_tables(plan, self.num_experts, self.rank, self.world,
+                              self.devices_per_node, compiled=self.tables)
         weights = (self.w1, self.b1, self.w2, self.b2)
         states = () if optimizer is None else weight_states(optimizer, weights)
-        tables, sync = grouped_tables(plan, self.num_experts, self.rank, self.world,
-                                      self.devices_per_node, self.budget)
         migration = plan_migration(self.plan, plan, self.budget, self.world,
                                    self.devices_per_node)
         move_rows(migration, self.rank, weights + sum(states, ()), self.group)
         self.last_migration = record(migration, weights, len(states))
-        self.plan, self.tables, self.local_slots = plan, tables, tables.local_slots
-        self.local_experts = plan.slot_expert[self.local_slots]
-        for param, values in ((self.plan_expert_V, tables.expert_V),
-                              (self.plan_cut_lo_V, tables.cut_lo_V),
-                              (self.plan_cut_hi_V, tables.cut_hi_V),
+        self.tables, self.plan = tables, plan
+        self.local_slots, self.local_experts = tables.local_slots, tables.local_experts
+        sync = tables.sync
+        for param, values in ((self.plan_expert_V, tables.grouped.expert_V),
+                              (self.plan_cut_lo_V, tables.grouped.cut_lo_V),
+                              (self.plan_cut_hi_V, tables.grouped.cut_hi_V),
                               (self.sync_first_L, sync.first_L),
                               (self.sync_cross_L, sync.cross_L),
                               (self.sync_pick_L, sync.pick_L)):

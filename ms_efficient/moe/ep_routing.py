@@ -7,6 +7,12 @@ replicas of one expert a rank sends to, C_send the largest static block any rank
 rank; grouped: C[r, d] = ``plan.send_rows(W)[r, d]`` the planned block rank r sends device d,
 B_d = ``plan.device_rows(W)[d]`` device d's row buffer, S_b the slot budget per device.
 
+One pass builds a layer: :func:`layer_tables` takes the plan, the rank, the world and the
+routing options once and returns :class:`LayerTables`, every table below computed once
+(the plan's per-source rows, buffers, blocks and split weights each read from the plan one
+time and passed on as arrays); the layer's constructor and its re-plan
+(``ExpertParallelMoE.set_plan``) call it and nothing else here for their tables.
+
 Static dispatch, in three tables:
 
 1. ``rows_RS`` (:func:`~ms_efficient.moe.split.source_rows`), int64 [W, S]: the rows of slot s
@@ -33,7 +39,7 @@ Static dispatch, in three tables:
    (``recv_index_N``, inverse ``back_index_M``). C_send, the largest block of the group, is
    what an emulation pads every block to.
 
-Grouped dispatch (:func:`grouped_dispatch`, plans with ``dispatch == "grouped"``): the
+Grouped dispatch (:func:`grouped_dispatch`, plans with ``dispatch`` "grouped" or "counts"): the
 tables of the package's rule :func:`~ms_efficient.moe.split.grouped_assignments`, which the
 layer evaluates in the graph on the step's counts. Rank r splits its c tokens of expert e over
 e's replicas (ascending slot) at the cumulative integer weights of
@@ -43,7 +49,8 @@ d keeps, out of what all ranks send it (rank-major, slot-minor), the first
 B_d = ``plan.device_rows()[d]`` rows; which of its rows a device keeps, every rank
 derives from the per-budget-slot counts each rank sends after its block cut, all-gathered
 ([W, V] int32, :class:`~ms_efficient.moe.alltoall.CountExchange`). The send buffer has one
-block of C[r, d] rows per device d (:func:`~ms_efficient.moe.exchange.exchange_rows`),
+block of C[r, d] rows per device d (the rows
+:func:`~ms_efficient.moe.exchange.exchange_rows` gives the plan),
 holding this rank's kept rows of d's slots in ascending slot order, full or not (unfilled
 rows are zeros); the receive buffer one block of C[src, r] rows per source.
 The tables are laid out over a slot budget of S_b slots per device (V = W * S_b budget slots,
@@ -73,14 +80,13 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from ms_efficient.moe.exchange import exchange_rows
+from ms_efficient.moe.exchange import slot_rows_by_device
 from ms_efficient.moe.plan import ExpertPlan
-from ms_efficient.moe.split import SPLIT_UNITS, grouped_split_weights
+from ms_efficient.moe.split import SPLIT_UNITS, grouped_split_weights, source_rows
 
-__all__ = ["RankDispatch", "rank_dispatch", "GroupedDispatch", "grouped_dispatch",
-           "ReplicaSync", "replica_sync", "capacity_groups", "cross_budget", "sync_rows",
-           "expert_sources",
-           "slots_per_device", "grouped_tables", "check_replan", "pad_rows",
+__all__ = ["LayerTables", "layer_tables", "RankDispatch", "rank_dispatch", "GroupedDispatch",
+           "grouped_dispatch", "ReplicaSync", "replica_sync", "capacity_groups", "cross_budget",
+           "sync_rows", "expert_sources", "check_replan", "pad_rows",
            "init_expert_weights"]
 
 
@@ -171,8 +177,7 @@ def rank_dispatch(plan: ExpertPlan, rows_RS: np.ndarray, num_experts: int, rank:
                          f"{plan.slot_capacity.tolist()}: {rows_RS.sum(axis=0).tolist()}.")
     local_slots = _local_slots(plan, rank, world)
     # Step 1: blocks: rank r sends to_dev_RD[r, d] rows to d; block offsets in both buffers.
-    to_dev_RD = np.zeros((world, world), dtype=np.int64)
-    np.add.at(to_dev_RD.T, plan.slot_device, rows_RS.T)
+    to_dev_RD = slot_rows_by_device(rows_RS, plan.slot_device, world)   # exchange_rows' sum
     send_rows = int(to_dev_RD.max())
     if send_rows == 0:
         raise ValueError("the expert plan reserves no row for any rank (all capacities are 0).")
@@ -221,11 +226,6 @@ def rank_dispatch(plan: ExpertPlan, rows_RS: np.ndarray, num_experts: int, rank:
     return RankDispatch(send_rows, send_counts.copy(), recv_counts.copy(), local_slots, groups,
                         i32(rows_E), i32(ends_EJ), i32(shift_EJ), i32(recv_index_N),
                         i32(back_index_M))
-
-
-def slots_per_device(plan: ExpertPlan) -> int:
-    """The most slots any device of ``plan`` holds (the default slot budget S_b)."""
-    return int(np.bincount(plan.slot_device).max())
 
 
 @dataclass(frozen=True)
@@ -281,30 +281,16 @@ class GroupedDispatch:
         return int(self.slot_of_V.size // self.buffer_D.size)
 
 
-def grouped_dispatch(plan: ExpertPlan, num_experts: int, rank: int, world: int,
-                     devices_per_node: Optional[int] = None,
-                     budget: Optional[int] = None) -> GroupedDispatch:
-    """The tables of ``rank`` in a group of ``world`` ranks (rank = device) for a
-    ``"grouped"`` plan (see the module docstring), over ``budget`` slots per device (default
-    :func:`slots_per_device`).
-
-    Raises ``ValueError`` when the rank hosts no slot, a device's row buffer is 0 or a device
-    holds more slots than the budget.
-    """
-    local_slots = _local_slots(plan, rank, world)
-    buffer_D = plan.device_rows(world)
-    if (buffer_D < 1).any():
-        d = int(np.flatnonzero(buffer_D < 1)[0])
-        raise ValueError(f"a 'grouped' ExpertPlan needs a row buffer >= 1 on every device, but "
-                         f"device_rows() is {buffer_D.tolist()} (device {d} has 0): give device "
-                         f"{d} a slot with capacity >= 1 or a 'device_buffer' >= 1.")
-    most = slots_per_device(plan)
-    budget = most if budget is None else int(budget)
-    if budget < most:
-        raise ValueError(f"'slots_per_device' must be >= the most slots a device holds in the "
-                         f"plan ({most}, per device "
-                         f"{np.bincount(plan.slot_device, minlength=world).tolist()}), but got "
-                         f"{budget}.")
+def grouped_dispatch(plan: ExpertPlan, num_experts: int, rank: int, local_slots: np.ndarray,
+                     buffer_D: np.ndarray, block_WD: np.ndarray, weights_S: np.ndarray,
+                     budget: int) -> GroupedDispatch:
+    """The tables of ``rank`` for a ``"grouped"`` or ``"counts"`` plan (see the module
+    docstring) from what :func:`layer_tables` computed and checked once: its ``local_slots``
+    (int64 [S_l]), the row buffers ``buffer_D`` (int64 [W], ``plan.device_rows(W)``), the send
+    blocks ``block_WD`` (int64 [W, W], ``plan.send_rows(W, W)``), its split weights
+    ``weights_S`` (int64 [S], units of 1 / SPLIT_UNITS, its row of
+    :func:`~ms_efficient.moe.split.grouped_split_weights`) and the slot ``budget`` S_b."""
+    world = int(buffer_D.size)
     # Step 1: the fixed layout: device-major budget slots, send blocks of C[rank, d] rows.
     num_v = world * budget
     device_V = np.arange(num_v) // budget
@@ -312,10 +298,6 @@ def grouped_dispatch(plan: ExpertPlan, num_experts: int, rank: int, world: int,
     device_onehot_VD[np.arange(num_v), device_V] = 1
     earlier_VV = ((device_V[:, None] == device_V[None, :])
                   & (np.arange(num_v)[:, None] < np.arange(num_v)[None, :]))
-    # the rows a "grouped" exchange carries; a "counts" plan's blocks are upper bounds (the
-    # same layout as its "grouped" twin, only the kept rows travel)
-    layout = plan if plan.dispatch == "grouped" else dataclasses.replace(plan, dispatch="grouped")
-    block_WD = exchange_rows(layout, num_experts, np.arange(world), world, devices_per_node)
     block_start_D = np.cumsum(block_WD[rank]) - block_WD[rank]
 
     # Step 2: the plan's slots in the budget slots of their devices, in ascending slot id.
@@ -327,13 +309,15 @@ def grouped_dispatch(plan: ExpertPlan, num_experts: int, rank: int, world: int,
     expert_V = np.full(num_v, num_experts, dtype=np.int64)
     expert_V[used] = plan.slot_expert[slot_of_V[used]]
 
-    # Step 3: this rank's cumulative split weights over every expert's replicas.
-    weights_S = grouped_split_weights(plan, num_experts, np.arange(world), devices_per_node)[rank]
-    cut_hi_S = np.zeros(plan.num_slots, dtype=np.int64)
-    for e in range(num_experts):
-        slots = plan.replicas_of(e)
-        cut_hi_S[slots] = np.cumsum(weights_S[slots])
-        assert cut_hi_S[slots[-1]] == SPLIT_UNITS, (e, weights_S[slots])
+    # Step 3: this rank's cumulative split weights over every expert's replicas (ascending
+    # slot id within an expert: a stable sort by expert, cumulative sums restarting per expert)
+    order = np.argsort(plan.slot_expert, kind="stable")
+    run_W = np.cumsum(weights_S[order])
+    first = np.r_[True, plan.slot_expert[order][1:] != plan.slot_expert[order][:-1]]
+    run_W -= np.maximum.accumulate(np.where(first, run_W - weights_S[order], 0))
+    cut_hi_S = np.empty(plan.num_slots, dtype=np.int64)
+    cut_hi_S[order] = run_W
+    assert (run_W[np.r_[first[1:], True]] == SPLIT_UNITS).all(), weights_S   # every expert
     cut_lo_S = cut_hi_S - weights_S
     cut_lo_V, cut_hi_V = np.zeros(num_v, np.int64), np.zeros(num_v, np.int64)
     cut_lo_V[used], cut_hi_V[used] = cut_lo_S[slot_of_V[used]], cut_hi_S[slot_of_V[used]]
@@ -441,25 +425,14 @@ def expert_sources(plan: ExpertPlan, num_experts: int, rank: int) -> np.ndarray:
     return source_E
 
 
-def grouped_tables(plan: ExpertPlan, num_experts: int, rank: int, world: int,
-                   devices_per_node: Optional[int] = None,
-                   budget: Optional[int] = None) -> Tuple[GroupedDispatch, ReplicaSync]:
-    """The dispatch and replica-sync tables of ``rank`` for a ``"grouped"`` plan over
-    ``budget`` slots per device (default :func:`slots_per_device`), the cross table sized for
-    any plan of that budget (:func:`cross_budget`), so both keep their shapes across plans."""
-    dispatch = grouped_dispatch(plan, num_experts, rank, world, devices_per_node, budget)
-    sync = replica_sync(plan, rank, dispatch.budget,
-                        cross_budget(num_experts, world, dispatch.budget))
-    return dispatch, sync
-
-
 def check_replan(plan: ExpertPlan, num_experts: int, buffer_D: np.ndarray,
                  budget: int, block_WD: Optional[np.ndarray] = None,
                  layer_dispatch: str = "grouped") -> None:
     """Raise ``ValueError`` unless ``plan`` fits the shapes a grouped layer compiled: a
-    plan of the layer's dispatch (``layer_dispatch``, "grouped" or "counts") with the row buffers ``buffer_D`` (int [W]) and send blocks
-    ``block_WD`` (int [W, W], when given), at most ``budget`` slots per device and every one
-    of the ``num_experts`` experts (ids below it) placed."""
+    plan of the layer's dispatch (``layer_dispatch``, "grouped" or "counts") with the row
+    buffers ``buffer_D`` (int [W]) and send blocks ``block_WD`` (int [W, W], when given), at
+    most ``budget`` slots per device and every one of the ``num_experts`` experts (ids below
+    it) placed."""
     world = int(buffer_D.size)
     if plan.dispatch != layer_dispatch:
         raise ValueError(f"set_plan switches a layer to plans of its own dispatch, but the "
@@ -470,11 +443,12 @@ def check_replan(plan: ExpertPlan, num_experts: int, buffer_D: np.ndarray,
         raise ValueError(f"set_plan keeps the compiled shapes, so the plan's device buffers "
                          f"'device_rows' must equal the layer's {buffer_D.tolist()}, but got "
                          f"{new.tolist()}; new buffers need a new layer (a recompile).")
-    if block_WD is not None and not np.array_equal(plan.send_rows(world, world), block_WD):
-        raise ValueError(f"set_plan keeps the compiled shapes, so the plan's send blocks "
-                         f"'send_rows' must equal the layer's {block_WD.tolist()}, but got "
-                         f"{plan.send_rows(world, world).tolist()}; new blocks need a new "
-                         f"layer (a recompile).")
+    if block_WD is not None:
+        new = plan.send_rows(world, world)
+        if not np.array_equal(new, block_WD):
+            raise ValueError(f"set_plan keeps the compiled shapes, so the plan's send blocks "
+                             f"'send_rows' must equal the layer's {block_WD.tolist()}, but got "
+                             f"{new.tolist()}; new blocks need a new layer (a recompile).")
     per_device = np.bincount(plan.slot_device, minlength=world)
     if per_device.max() > budget:
         raise ValueError(f"set_plan keeps the compiled shapes, so every device may hold at most "
@@ -486,6 +460,123 @@ def check_replan(plan: ExpertPlan, num_experts: int, buffer_D: np.ndarray,
     except ValueError as err:
         raise ValueError(f"set_plan: {err} A different expert set needs a new layer (a "
                          f"recompile).") from None
+
+
+@dataclass(frozen=True)
+class LayerTables:
+    """Every table one rank of an :class:`~ms_efficient.moe.ep_layer.ExpertParallelMoE`
+    needs, from one pass over its plan (:func:`layer_tables`); numpy.
+
+    plan: the plan the graph runs: the given one for "grouped" / "counts"; for the others
+        its slots with ``dispatch="static"`` (and ``rank_share`` = the layer's load forecast
+        when one is given).
+    budget: S_b, weight rows of this rank: the slot budget per device (grouped) or its slot
+        count S_l (static).
+    local_slots: int64 [S_l], global ids of this rank's slots, ascending.
+    local_experts: int64 [S_l], logical expert of each of them.
+    source_E: int64 [E], :func:`expert_sources`: the local weight row this rank contributes
+        to the logical [E, ...] table for every expert, -1 where another rank does.
+    sync: :class:`ReplicaSync`, the replica gradient-sum tables over the S_b weight rows
+        (grouped: with a cross table of :func:`cross_budget` rows, so any plan of the
+        budget fits).
+    sync_needed: whether the layer sums replica gradients at all (static: this plan has
+        replicas; grouped: W * S_b > E, some plan of the budget may have them).
+    static: :class:`RankDispatch` of a static plan, else None.
+    grouped: :class:`GroupedDispatch` of a grouped or counts plan, else None.
+    """
+
+    plan: ExpertPlan
+    budget: int
+    local_slots: np.ndarray
+    local_experts: np.ndarray
+    source_E: np.ndarray
+    sync: ReplicaSync
+    sync_needed: bool
+    static: Optional[RankDispatch] = None
+    grouped: Optional[GroupedDispatch] = None
+
+
+def layer_tables(plan: ExpertPlan, num_experts: int, rank: int, world: int,
+                 devices_per_node: Optional[int] = None, budget: Optional[int] = None,
+                 rank_load_RE: Optional[np.ndarray] = None,
+                 compiled: Optional[LayerTables] = None) -> LayerTables:
+    """All tables of ``rank`` in an expert-parallel group of ``world`` ranks (rank = device),
+    each computed once from ``plan``.
+
+    budget: S_b, grouped plans only: slots every device compiles weights for (default: the
+        most slots a device of ``plan`` holds).
+    rank_load_RE: float [W, E] load forecast, static plans only: each expert's capacity is
+        split among source ranks in proportion (:func:`~ms_efficient.moe.split.source_rows`).
+    compiled: the tables of a compiled grouped layer, for a re-plan: ``plan`` must fit its
+        shapes (:func:`check_replan`), and its buffers, send blocks and budget are reused.
+
+    Static: the per-source rows (:func:`~ms_efficient.moe.split.source_rows`), then
+    :func:`rank_dispatch` and :func:`replica_sync`. Grouped: the plan checked and validated,
+    its buffers ``plan.device_rows(W)`` and blocks ``plan.send_rows(W, W)``, this rank's split
+    weights (:func:`~ms_efficient.moe.split.grouped_split_weights`), then
+    :func:`grouped_dispatch` and :func:`replica_sync`. Both: :func:`expert_sources`.
+    Raises ``ValueError`` for an invalid plan or arguments (module docstring, the functions
+    named above).
+    """
+    if compiled is None:
+        plan.validate(num_experts, world)
+    elif compiled.grouped is None:
+        raise ValueError(f"a re-plan keeps the tables of a 'grouped' or 'counts' layer, but "
+                         f"the compiled layer's dispatch is {compiled.plan.dispatch!r}.")
+    else:                               # a re-plan: the compiled shapes
+        check_replan(plan, num_experts, compiled.grouped.buffer_D, compiled.budget,
+                     compiled.grouped.block_WD, compiled.plan.dispatch)
+    if not plan.grouped:
+        if budget is not None:
+            raise ValueError(f"'slots_per_device' sets the slot budget of 'grouped' plans, "
+                             f"but the plan's dispatch is {plan.dispatch!r} and "
+                             f"slots_per_device={budget}.")
+        # what the graph runs: static shapes (an "alltoallv" plan's slots with static rows)
+        plan = dataclasses.replace(plan, dispatch="static")
+        if rank_load_RE is not None:
+            plan = dataclasses.replace(plan, rank_share=rank_load_RE)
+        rows_RS = source_rows(plan, num_experts, np.arange(world), devices_per_node,
+                              plan.rank_share)
+        static = rank_dispatch(plan, rows_RS, num_experts, rank, devices_per_node)
+        sync = replica_sync(plan, rank)
+        return LayerTables(plan, static.local_slots.size, static.local_slots,
+                           plan.slot_expert[static.local_slots],
+                           expert_sources(plan, num_experts, rank), sync, sync.needed,
+                           static=static)
+    if rank_load_RE is not None:
+        raise ValueError("'rank_load_RE' splits the capacities of static plans; a "
+                         "'grouped' plan splits tokens by its own 'rank_share', so "
+                         "set that instead, but got rank_load_RE as well.")
+    local_slots = _local_slots(plan, rank, world)
+    if compiled is not None:            # checked above: the same buffers, blocks and budget
+        buffer_D, block_WD = compiled.grouped.buffer_D, compiled.grouped.block_WD
+        budget = compiled.budget
+    else:
+        buffer_D = plan.device_rows(world)
+        if (buffer_D < 1).any():
+            d = int(np.flatnonzero(buffer_D < 1)[0])
+            raise ValueError(f"a 'grouped' ExpertPlan needs a row buffer >= 1 on every "
+                             f"device, but device_rows() is {buffer_D.tolist()} (device {d} "
+                             f"has 0): give device {d} a slot with capacity >= 1 or a "
+                             f"'device_buffer' >= 1.")
+        per_device = np.bincount(plan.slot_device, minlength=world)
+        most = int(per_device.max())
+        budget = most if budget is None else int(budget)
+        if budget < most:
+            raise ValueError(f"'slots_per_device' must be >= the most slots a device holds in "
+                             f"the plan ({most}, per device {per_device.tolist()}), but got "
+                             f"{budget}.")
+        # the rows a "grouped" exchange carries; a "counts" plan's blocks are upper bounds
+        # (only the kept rows travel): exchange_rows of the plan's grouped twin
+        block_WD = np.ascontiguousarray(plan.send_rows(world, world), dtype=np.int64)
+    weights_S = grouped_split_weights(plan, num_experts, np.arange(world),
+                                      devices_per_node)[rank]
+    grouped = grouped_dispatch(plan, num_experts, rank, local_slots, buffer_D, block_WD,
+                               weights_S, budget)
+    sync = replica_sync(plan, rank, budget, cross_budget(num_experts, world, budget))
+    return LayerTables(plan, budget, local_slots, plan.slot_expert[local_slots],
+                       expert_sources(plan, num_experts, rank), sync,
+                       world * budget > num_experts, grouped=grouped)
 
 
 def pad_rows(rows_X: np.ndarray, budget: int) -> np.ndarray:

@@ -25,9 +25,9 @@ import numpy as np
 
 from ms_efficient.moe.plan import ExpertPlan
 
-__all__ = ["switch_capacity", "split_tokens", "source_rows", "static_assignments", "largest_remainder",
-           "proportional_split", "SPLIT_UNITS", "grouped_split_weights", "grouped_split",
-           "grouped_assignments"]
+__all__ = ["switch_capacity", "split_tokens", "source_rows", "static_assignments",
+           "largest_remainder", "proportional_split", "SPLIT_UNITS", "grouped_split_weights",
+           "grouped_split", "grouped_assignments"]
 
 # ``"grouped"`` dispatch splits a rank's tokens of an expert over its replicas in integer
 # units of 1 / SPLIT_UNITS, so the layer (int32 arithmetic in the graph) and the planners
@@ -137,7 +137,9 @@ def source_rows(plan: ExpertPlan, num_experts: int, rank_device: Union[int, Sequ
     if isinstance(rank_device, (int, np.integer)):
         plan.validate(num_experts, int(rank_device))
         rank_device = np.arange(int(rank_device))
-    rank_device = np.asarray(rank_device, dtype=np.int64)
+    else:
+        rank_device = np.asarray(rank_device, dtype=np.int64)
+        plan.validate(num_experts, max(int(plan.slot_device.max()), int(rank_device.max())) + 1)
     num_ranks = rank_device.size
     total_E = np.bincount(plan.slot_expert, weights=plan.slot_capacity,
                           minlength=num_experts).astype(np.int64)
@@ -159,9 +161,8 @@ def source_rows(plan: ExpertPlan, num_experts: int, rank_device: Union[int, Sequ
                           -(exact - share_RE)), axis=0)                  # per column
     share_RE[rank_of, np.arange(num_experts)[None, :]] += (
         np.arange(num_ranks)[:, None] < left[None, :])
-    # Step 2: shares to replicas by the count-based rule (a plain copy of the slots)
-    counted = ExpertPlan(plan.slot_expert, plan.slot_device, plan.slot_capacity)
-    rows_RS, dropped = split_tokens(counted, share_RE, rank_device, devices_per_node)
+    # Step 2: shares to replicas by the count-based rule
+    rows_RS, dropped = _tiered_assignments(plan, share_RE, rank_device, devices_per_node)
     assert dropped == 0 and np.array_equal(rows_RS.sum(axis=0), plan.slot_capacity)
     return rows_RS
 
@@ -341,6 +342,15 @@ def split_tokens(plan: ExpertPlan, counts_RE: np.ndarray, rank_device: Sequence[
         return static_assignments(plan, counts_RE, rows_RS, rank_device, devices_per_node)
     if plan.grouped:                      # "grouped" and "counts": the same drops
         return grouped_assignments(plan, counts_RE, rank_device, devices_per_node)
+    return _tiered_assignments(plan, counts_RE, rank_device, devices_per_node)
+
+
+def _tiered_assignments(plan: ExpertPlan, counts_RE: np.ndarray, rank_device: np.ndarray,
+                        devices_per_node: Optional[int]) -> Tuple[np.ndarray, int]:
+    """The ``"alltoallv"`` rule of :func:`split_tokens` (own device, same node, anywhere) for
+    any plan's slots, on checked inputs: counts_RE int64 [R, E], rank_device int64 [R].
+    Returns (assigned_RS int64 [R, S], dropped)."""
+    num_ranks, num_experts = counts_RE.shape
     caps = plan.slot_capacity
     assigned_RS = np.zeros((num_ranks, plan.num_slots), dtype=np.int64)
     replicas = plan.replica_counts(num_experts)
