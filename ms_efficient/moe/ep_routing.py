@@ -538,7 +538,7 @@ def layer_tables(plan: ExpertPlan, num_experts: int, rank: int, world: int,
         rows_RS = source_rows(plan, num_experts, np.arange(world), devices_per_node,
                               plan.rank_share)
         static = rank_dispatch(plan, rows_RS, num_experts, rank, devices_per_node)
-        sync = replica_sync(plan, rank)
+        sync = replica_sync(plan, rank, num_cross=sync_rows(plan, num_experts, world))
         return LayerTables(plan, static.local_slots.size, static.local_slots,
                            plan.slot_expert[static.local_slots],
                            expert_sources(plan, num_experts, rank), sync, sync.needed,
@@ -573,7 +573,7 @@ def layer_tables(plan: ExpertPlan, num_experts: int, rank: int, world: int,
                                       devices_per_node)[rank]
     grouped = grouped_dispatch(plan, num_experts, rank, local_slots, buffer_D, block_WD,
                                weights_S, budget)
-    sync = replica_sync(plan, rank, budget, cross_budget(num_experts, world, budget))
+    sync = replica_sync(plan, rank, budget, sync_rows(plan, num_experts, world, budget))
     return LayerTables(plan, budget, local_slots, plan.slot_expert[local_slots],
                        expert_sources(plan, num_experts, rank), sync,
                        world * budget > num_experts, grouped=grouped)
