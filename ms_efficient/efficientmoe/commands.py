@@ -77,7 +77,7 @@ def _plan_balanced(trace, cluster, args) -> int:
     took = time.perf_counter() - start
     recent = trace.counts[-config.window:]
     step_s, worst_L = replay_cost_s(recent, layout.home_LWS, layout.spare_W, model,
-                                    layout.buffer_LW)
+                                    layout.buffer_LW, layout.sync_rows)
     save_layout(args.out, layout, {"trace": os.path.basename(args.trace),
                                    "cluster": cluster.name, "hidden": hidden})
     mean = recent.sum(axis=(2, 3)).mean() / trace.num_ranks
@@ -86,7 +86,8 @@ def _plan_balanced(trace, cluster, args) -> int:
               f"({layout.buffer_LW[layer, 0] / mean:.2f}x the mean share), balanced max/mean "
               f"{worst_L[layer]:.2f} on the last {len(recent)} rows")
     print(f"layout: {layout.redundant} redundant home slot(s) and "
-          f"{int(layout.spare_W[0])} spare slot(s) per device, planned in {took:.2f} s; "
+          f"{int(layout.spare_W[0])} spare slot(s) per device, a replica-gradient table of "
+          f"{layout.sync_rows} expert(s), planned in {took:.2f} s; "
           f"simulated MoE time per step on the last {len(recent)} rows "
           f"{1e3 * step_s:.4g} ms ({cluster.name}, H={hidden})")
     print(f"layout written to {args.out}")
