@@ -526,12 +526,16 @@ def test_the_layout_sizes_the_replica_table_and_re_plans_keep_within_it(tmp_path
 
     # E = 4 on W = 2 with one redundant slot each: 2 extra slots. EPLB's rule gives them to
     # experts 0 (10 per replica -> 5) and 1 (8): two experts on both devices; held to one,
-    # both go to expert 0 (3 replicas, two of them on one device)
+    # expert 0 takes one (on both devices now) and the other slot stays empty (a third copy
+    # of expert 0 would sit twice on one device); held to none, both stay empty
     load = np.array([[10.0, 8.0, 1.0, 1.0]])
     assert cross_experts_L(place_home(load, 2, 1), 4).tolist() == [2]
     capped = place_home(load, 2, 1, max_cross=1)
     assert cross_experts_L(capped, 4).tolist() == [1]
-    assert (capped == 0).sum() == 3
+    assert (capped == 0).sum() == 2 and (capped == -1).sum() == 1
+    assert capped[0, :, -1].tolist().count(-1) == 1           # empty slots last
+    none = place_home(load, 2, 1, max_cross=0)
+    assert cross_experts_L(none, 4).tolist() == [0] and (none == -1).sum() == 2
     # plan_layout: the table holds the most experts a layer replicates; a re-plan on other
     # routing keeps within it; the layout file carries it
     trace = skewed_trace(steps=12, layers=3)
@@ -540,6 +544,27 @@ def test_the_layout_sizes_the_replica_table_and_re_plans_keep_within_it(tmp_path
     assert layout.sync_rows == cross_experts_L(layout.home_LWS, trace.num_experts).max() > 0
     tight = dataclasses.replace(layout, sync_rows=1)
     again = replan_home(trace.counts[::-1], tight, LayoutConfig(slots=1, redundant=1))
-    assert cross_experts_L(again.home_LWS, trace.num_experts).max() <= 1
+    assert not np.array_equal(again.home_LWS, tight.home_LWS)          # re-placed
+    assert cross_experts_L(again.home_LWS, trace.num_experts).max() == 1
     save_layout(str(tmp_path / "layout.yaml"), layout)
     assert load_layout(str(tmp_path / "layout.yaml")).sync_rows == layout.sync_rows
+
+
+def test_a_grouped_layers_slot_budget_sizes_the_table_the_model_charges():
+    """A grouped layer built with more slots per device than its plan fills (the trainer
+    builds them with ceil(E / W) + 1) all-reduces a table for any plan of that budget; the
+    cost model, told the budget, charges that table."""
+    from ms_efficient.core.collectives import allreduce_time_s
+    from ms_efficient.efficientmoe.cost import _sync_time_D
+    from ms_efficient.moe.ep_routing import layer_tables
+    from ms_efficient.moe.plan import ExpertPlan
+
+    plan = ExpertPlan([0, 1, 2, 3], [0, 0, 1, 1], [8, 8, 8, 8], dispatch="grouped")
+    built = layer_tables(plan, 4, 0, 2, budget=3).sync.num_cross      # min(4, 2 * 3 - 4)
+    assert built == 2
+    ranks = np.array([0, 1])
+    plain = CostModel(NODE_2x8, 256, 1024)
+    assert _sync_time_D(plan, 4, plain, ranks).sum() == 0.0              # budget 2: no table
+    model = CostModel(NODE_2x8, 256, 1024, slot_budget=3)
+    assert _sync_time_D(plan, 4, model, ranks)[:2].tolist() == \
+        [allreduce_time_s(built * model.grad_bytes, 2, NODE_2x8.intra_link)] * 2

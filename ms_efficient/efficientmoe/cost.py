@@ -32,7 +32,8 @@ For a layer with plan ``plan`` (:class:`ms_efficient.moe.plan.ExpertPlan`) and r
     A2A       = max over devices of the per-link send/receive time (uneven all-to-all)
     compute_d = max(compute_passes * rows_d * 4 H F / (peak FLOP/s * efficiency),
                     compute_passes * bytes its GEMMs move / HBM bandwidth)  (compute_time_D)
-    sync_d    = all-reduce of an expert's gradients among its replicas' devices
+    sync_d    = all-reduce, over every device of the group, of the replica-gradient
+                table the layer builds: ep_routing.sync_rows experts (sync_time_s)
 
 rows_d sums the device's slots' rows, each rounded up to the matrix unit's tile
 (``ClusterSpec.tiled_rows``: a matmul over m rows computes ceil(m / 16) * 16 of them on
@@ -90,6 +91,8 @@ class CostModel:
     static_blocks: how "static" plans send their rows, "equal" or "exact" (module docstring).
     dynamic_exchange_s: seconds each count-driven AlltoAllV of a "counts" or "alltoallv" plan
         costs beyond its rows (``DYNAMIC_EXCHANGE_S``, measured; module docstring).
+    slot_budget: the slot budget S_b grouped and counts layers are built with (their replica
+        table holds any plan of it); None: the most slots a device of the plan holds.
     """
 
     cluster: ClusterSpec
@@ -101,6 +104,7 @@ class CostModel:
     sync_replica_grads: bool = True
     static_blocks: str = "exact"
     dynamic_exchange_s: float = DYNAMIC_EXCHANGE_S
+    slot_budget: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not self.dynamic_exchange_s >= 0:
@@ -248,9 +252,10 @@ def _sync_time_D(plan: ExpertPlan, num_experts: int, model: CostModel,
     layer's table holds any plan of its slot budget, a static layer's its cross experts):
     float64 [D]."""
     sync = np.zeros(model.cluster.num_devices)
-    # a grouped or counts layer's default slot budget: the most slots a device holds
-    # (ep_routing.layer_tables)
-    budget = int(np.bincount(plan.slot_device).max()) if plan.grouped else None
+    # a grouped or counts layer's slot budget: the one it is built with, at least the most
+    # slots a device of the plan holds (ep_routing.layer_tables)
+    budget = (max(int(np.bincount(plan.slot_device).max()), model.slot_budget or 0)
+              if plan.grouped else None)
     rows = sync_rows(plan, num_experts, len(rank_device), budget)
     sync[np.asarray(rank_device)] = sync_time_s(rows, model, rank_device)
     return sync

@@ -185,7 +185,8 @@ class ExpertParallelReplanner:
                              f"{self.world} devices.")
         config = dataclasses.replace(planner_config(em), dispatch=first.plan.dispatch,
                                      slots_per_device=int(first.budget))   # the layers' own
-        model = CostModel(cluster, int(first.hidden_size), int(first.w1.shape[2]), "fp32")
+        model = CostModel(cluster, int(first.hidden_size), int(first.w1.shape[2]), "fp32",
+                          slot_budget=int(first.budget))
         self.planner = EfficientMoEPlanner(config, model, int(first.num_experts),
                                            list(range(self.world)), int(first.top_k),
                                            tokens_per_step, check_rows=em.replan_every,

@@ -36,7 +36,9 @@ How it is planned (:func:`plan_layout`), every step a pure function of the trace
         ratio's maximum over the rows plus ``margin`` (a device can only drop what exceeds
         a load seen in the recent trace by more than the margin).
 
-A re-plan (:func:`replan_home`) repeats steps 1-2 with the same split and keeps the buffers;
+A re-plan (:func:`replan_home`) repeats steps 1-2 with the same split and keeps the buffers
+and the replica-gradient table (``Layout.sync_rows``, set by step 3: the most experts the
+chosen placement replicates across devices; a re-plan replicates no more);
 it is adopted when the replayed gain over its horizon pays for moving the weights and
 optimizer state (:func:`decide_home`, the rows :func:`~ms_efficient.moe.ep_migration.
 migrate_rows` moves): the one rule of the simulator and of training. No MindSpore import
@@ -200,7 +202,9 @@ def _table(slot_expert_LS: np.ndarray, device_LS: np.ndarray, num_devices: int,
     num_layers = slot_expert_LS.shape[0]
     home = np.full((num_layers, num_devices, per_device), -1, dtype=np.int64)
     for layer in range(num_layers):
-        order = np.lexsort((slot_expert_LS[layer], device_LS[layer]))
+        expert = slot_expert_LS[layer]
+        order = np.lexsort((np.where(expert < 0, np.iinfo(np.int64).max, expert),
+                            device_LS[layer]))
         devices = device_LS[layer, order]
         position = np.arange(order.size) - np.searchsorted(devices, devices)
         home[layer, devices, position] = slot_expert_LS[layer, order]
@@ -231,7 +235,8 @@ def place_home(load_LE: np.ndarray, num_devices: int, redundant: int,
     devices_per_node: pack replicas onto nodes first, then onto the devices of each node
     (EPLB's hierarchical policy: hot experts spread over nodes, so tokens and copies cross
     fewer node links); None or W: one level. max_cross: replicas go to at most this many
-    experts of a layer (>= 1; the rows of a layout's replica-gradient table); None: any."""
+    experts of a layer (the rows of a layout's replica-gradient table; None: any); an extra
+    slot that no expert may take under it (an expert holds at most W slots) stays empty."""
     load = np.asarray(load_LE, dtype=np.float64)
     num_layers, num_experts = load.shape
     per_device = -(-num_experts // num_devices) + redundant
@@ -240,24 +245,32 @@ def place_home(load_LE: np.ndarray, num_devices: int, redundant: int,
     replicas = np.ones((num_layers, num_experts), dtype=np.int64)
     for _ in range(total - num_experts):       # each extra slot: the largest load per replica
         ratio = load / replicas
-        if max_cross:                          # only experts replicated already, when full
+        if max_cross is not None:              # only experts replicated already, when full,
             full = (replicas > 1).sum(axis=1, keepdims=True) >= max_cross
-            ratio = np.where(full & (replicas == 1), -np.inf, ratio)
+            ratio = np.where((full & (replicas == 1)) | (replicas >= num_devices), -np.inf,
+                             ratio)            # and never twice on one device
         e = np.argmax(ratio, axis=1)
-        replicas[layers, e] += 1
-    slot_expert = np.stack([np.repeat(np.arange(num_experts), r) for r in replicas])
-    per_replica = np.take_along_axis(load / replicas, slot_expert, axis=1)
+        take = np.isfinite(ratio[layers, e])   # else the slot stays empty
+        replicas[layers[take], e[take]] += 1
+    # every layer's slots: its experts' replicas, then empty slots (-1, no load)
+    slot_expert = np.stack([np.concatenate([np.repeat(np.arange(num_experts), r),
+                                            np.full(total - r.sum(), -1)]) for r in replicas])
+    empty = slot_expert < 0
+    per_replica = np.where(empty, 0.0, np.take_along_axis(
+        load / replicas, np.where(empty, 0, slot_expert), axis=1))
+    # packing groups: an expert's replicas apart; every empty slot a group of its own
+    group = np.where(empty, num_experts + np.cumsum(empty, axis=1), slot_expert)
     dpn = devices_per_node or num_devices
     if num_devices % dpn or dpn >= num_devices:
         return _table(slot_expert, _packing_LS(per_replica, num_devices, per_device,
-                                               slot_expert), num_devices, per_device)
+                                               group), num_devices, per_device)
     node = _packing_LS(per_replica, num_devices // dpn, per_device * dpn)       # [L, S]
     device = np.zeros_like(node)
     for n in range(num_devices // dpn):
         # every node holds exactly per_device * dpn replicas: gather them per layer
         items = np.argsort(node != n, axis=1, kind="stable")[:, :per_device * dpn]
         local = _packing_LS(np.take_along_axis(per_replica, items, axis=1), dpn, per_device,
-                            np.take_along_axis(slot_expert, items, axis=1))
+                            np.take_along_axis(group, items, axis=1))
         np.put_along_axis(device, items, n * dpn + local, axis=1)
     return _table(slot_expert, device, num_devices, per_device)
 

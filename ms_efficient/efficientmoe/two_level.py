@@ -76,8 +76,7 @@ def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_ro
     unbounded = method == "eplb-alltoallv"
     dpn = model.cluster.devices_per_node
     copy_cost = copy_cost_rows_WW(model, layout.num_devices)
-    sync = home_sync_time_L(layout.home_LWS, trace.num_experts, model,
-                                layout.sync_rows)
+    sync = home_sync_time_L(layout.home_LWS, trace.num_experts, model, layout.sync_rows)
     step_times, a2a_times, imbalance, copies, weights = [], [], [], [], []
     computed = kept = dropped = 0
     replans, overhead = 0, 0.0
@@ -89,8 +88,7 @@ def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_ro
             if decision.adopt:
                 layout, replans = decision.candidate, replans + 1
                 overhead += decision.cost_s
-                sync = home_sync_time_L(layout.home_LWS, trace.num_experts, model,
-                                layout.sync_rows)
+                sync = home_sync_time_L(layout.home_LWS, trace.num_experts, model, layout.sync_rows)
         bal = balance_step(counts[t], layout.home_LWS,
                            np.zeros_like(layout.spare_W) if unbounded else layout.spare_W,
                            None if unbounded else layout.buffer_LW, copy_cost,

@@ -187,6 +187,8 @@ class BalancedExpertParallelMoE(nn.Cell):
                              f"{buffers.tolist()}.")
         if spare_slots < 0:
             raise ValueError(f"'spare_slots' must be >= 0, but got {spare_slots}.")
+        if sync_rows is not None and sync_rows < 0:
+            raise ValueError(f"'sync_rows' must be >= 0 (or None), but got {sync_rows}.")
         self.plan = home_plan(home, num_experts)
         home = row_layout(self.plan, home.shape[1], self.world)     # empty slots last
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k

@@ -67,6 +67,9 @@ def proportional_split(total, room: np.ndarray) -> np.ndarray:
     single = room.ndim == 1
     room2 = room[None] if single else room
     total2 = np.asarray(total, dtype=np.int64).reshape(-1)
+    if total2.size != room2.shape[0]:
+        raise ValueError(f"proportional_split: {total2.size} totals for {room2.shape[0]} "
+                         f"groups of bins; give one total per row of 'room'.")
     cap = room2.sum(axis=1)
     if (total2 < 0).any() or (total2 > cap).any():
         raise ValueError(f"proportional_split: every total must be in [0, the room's sum], but "

@@ -41,6 +41,7 @@ the experts out by this job's initial plans (:meth:`ExpertParallelTrainer._resto
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -205,8 +206,28 @@ class ExpertParallelTrainer:
         model = self._cost_model()
         spare = budget - -(-moe.num_experts // self.world)
         mean_rows = self.tokens_per_step * moe.top_k / self.world
-        return training_specs(num_moe, moe.num_experts, self.world, spare, mean_rows, model,
-                              em.buffer_slack, history)
+        specs = training_specs(num_moe, moe.num_experts, self.world, spare, mean_rows, model,
+                               em.buffer_slack, history)
+        return [dataclasses.replace(spec, sync_rows=max(spec.sync_rows, needed))
+                if spec.sync_rows is not None else spec
+                for spec, needed in zip(specs, self._saved_cross(num_moe))]
+
+    def _saved_cross(self, num_moe: int) -> List[int]:
+        """Per MoE layer, the experts the home table of the run being resumed at this size
+        holds on more than one device (0 without one): the replica table a resumed layer
+        needs at least, whatever the layout planned now (its history or cost model may
+        have changed since) sizes."""
+        from ms_efficient.moe.ep_routing import sync_rows
+
+        path = os.path.join(self.out_dir, "state.json")
+        if not (self.resume and os.path.isfile(path)):
+            return [0] * num_moe
+        with open(path, encoding="utf-8") as fh:
+            state = json.load(fh)
+        if int(state.get("world_size", 1)) != self.world or "plans" not in state:
+            return [0] * num_moe            # resized: this job plans its own tables
+        return [sync_rows(plan, self.cfg.moe.num_experts, self.world)
+                for plan in load_plans_state(state["plans"])]
 
     def _cost_model(self):
         """The cost model of the run's cluster and expert sizes (float32): what sizes a
