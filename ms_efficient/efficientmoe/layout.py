@@ -233,8 +233,9 @@ def place_home(load_LE: np.ndarray, num_devices: int, redundant: int,
     """EPLB's placement of every layer (module docstring, step 2): int64 [L, W, S_h] with
     S_h = ceil(E / W) + ``redundant``. load_LE: float [L, E] forecast rows per expert.
     devices_per_node: pack replicas onto nodes first, then onto the devices of each node
-    (EPLB's hierarchical policy: hot experts spread over nodes, so tokens and copies cross
-    fewer node links); None or W: one level. max_cross: replicas go to at most this many
+    (hot experts spread over nodes, so tokens and copies cross fewer node links; this is
+    ours, not EPLB's hierarchical policy, which packs expert groups onto nodes for
+    group-limited routing and replicates within a node); None or W: one level. max_cross: replicas go to at most this many
     experts of a layer (the rows of a layout's replica-gradient table; None: any); an extra
     slot that no expert may take under it (an expert holds at most W slots) stays empty."""
     load = np.asarray(load_LE, dtype=np.float64)
