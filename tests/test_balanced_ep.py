@@ -158,6 +158,34 @@ def test_w_workers_with_per_step_copies_equal_one_process(balanced_layer_runs, w
                                        rtol=1e-4, atol=1e-5, err_msg=f"{world} {name}")
 
 
+def test_the_layer_builds_the_replica_table_the_simulator_charges(monkeypatch):
+    """A balanced layer of 2 ranks (the group faked: nothing is sent while it is built)
+    all-reduces a table of ReplicaGradSum.num_cross expert rows each step; the simulator
+    charges an all-reduce of as many rows of CostModel.grad_bytes (the weights w1, w2 of one
+    expert; biases left out), with the layout's rows or by default the shapes' bound, and
+    a re-plan that replicates more experts than the table holds is refused."""
+    from ms_efficient.core import backend
+    from ms_efficient.core.cluster import get_cluster
+    from ms_efficient.core.collectives import allreduce_time_s
+    from ms_efficient.efficientmoe.balanced_cost import home_sync_time_L
+    from ms_efficient.efficientmoe.cost import CostModel
+
+    monkeypatch.setattr(backend, "group_size", lambda *a, **k: 2)
+    monkeypatch.setattr(backend, "group_rank", lambda *a, **k: 0)
+    cluster = get_cluster("ascend910b-1x8")
+    model = CostModel(cluster, H, F, "fp32")
+    home = np.array([[0, 1, 2], [0, 3, -1]])             # E = 4, S_h = 3: expert 0 on both
+    for rows, built in ((None, 2), (1, 1)):             # bound min(4, 2 * 3 - 4); layout's
+        layer = BalancedExpertParallelMoE(H, F, E, K, home, 1, np.array([64, 64]),
+                                          sync_rows=rows)
+        assert layer.sync.num_cross == built
+        assert model.grad_bytes == 4 * (layer.w1[0].size + layer.w2[0].size)
+        assert home_sync_time_L(home[None], E, model, rows).tolist() == \
+            [allreduce_time_s(built * model.grad_bytes, 2, cluster.intra_link)]
+    with pytest.raises(ValueError, match="replicates 2 experts across ranks"):
+        layer.set_plan(home_plan(np.array([[0, 1, 2], [0, 1, 3]]), E))
+
+
 def test_the_fast_level_refuses_a_target_it_has_no_kernel_for(monkeypatch):
     from ms_efficient.core import backend
     from ms_efficient.moe.balanced_ep import FastLevel

@@ -34,8 +34,8 @@ import numpy as np
 
 from ms_efficient.efficientmoe.cost import (CostModel, count_exchange_time_s, sync_time_s,
                                             uneven_alltoall_time_s)
-from ms_efficient.moe.balance import Balance, home_plan
-from ms_efficient.moe.ep_routing import sync_rows
+from ms_efficient.moe.balance import Balance
+from ms_efficient.moe.ep_routing import cross_budget
 
 __all__ = ["BalancedCost", "balanced_cost", "home_sync_time_L", "copy_cost_rows_WW"]
 
@@ -71,10 +71,9 @@ def home_sync_time_L(home_LWS: np.ndarray, num_experts: int, model: CostModel,
     ``sync_rows``; None: as many as any home table of S_h slots per device could replicate,
     :func:`~ms_efficient.moe.ep_routing.sync_rows`); no table without rows
     (:func:`~ms_efficient.efficientmoe.cost.sync_time_s`)."""
-    home = np.asarray(home_LWS)
-    num_layers, world, slots = home.shape
-    if rows is None:
-        rows = sync_rows(home_plan(home[0], num_experts), num_experts, world, budget=slots)
+    num_layers, world, slots = np.shape(home_LWS)
+    if rows is None:                       # sync_rows of a layer built for S_h slots
+        rows = cross_budget(num_experts, world, slots)
     return np.full(num_layers, sync_time_s(int(rows), model, list(range(world))))
 
 
