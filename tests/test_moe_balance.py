@@ -548,6 +548,11 @@ def test_the_layout_sizes_the_replica_table_and_re_plans_keep_within_it(tmp_path
     assert cross_experts_L(again.home_LWS, trace.num_experts).max() == 1
     save_layout(str(tmp_path / "layout.yaml"), layout)
     assert load_layout(str(tmp_path / "layout.yaml")).sync_rows == layout.sync_rows
+    text = (tmp_path / "layout.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace(f"sync_rows: {layout.sync_rows}", "sync_rows: -2"))
+    with pytest.raises(ValueError, match=r"'sync_rows' must be an integer >= 0 .* got -2"):
+        load_layout(str(bad))
 
 
 def test_a_grouped_layers_slot_budget_sizes_the_table_the_model_charges():

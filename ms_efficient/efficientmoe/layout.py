@@ -158,10 +158,14 @@ def load_layout(path: str) -> Layout:
         raise ValueError(f"'{path}': layout shapes disagree: home_experts {home.shape}, "
                          f"buffer_rows {buffers.shape}, spare_slots {spare.shape}, slack "
                          f"{slack.shape}.")
+    sync_rows = body.get("sync_rows")
+    if sync_rows is not None and (isinstance(sync_rows, bool) or not isinstance(sync_rows, int)
+                                  or sync_rows < 0):
+        raise ValueError(f"'{path}': 'sync_rows' must be an integer >= 0 (or null: as many as "
+                         f"the shapes allow), but got {sync_rows!r}.")
     return Layout(home_LWS=home, spare_W=spare, buffer_LW=buffers, slack_L=slack,
                   redundant=int(body.get("redundant_home_slots", 0)),
-                  method=str(body.get("method", "efficientmoe")),
-                  sync_rows=None if body.get("sync_rows") is None else int(body["sync_rows"]))
+                  method=str(body.get("method", "efficientmoe")), sync_rows=sync_rows)
 
 
 def _packing_LS(weights_LS: np.ndarray, num_devices: int, per_device: int,
