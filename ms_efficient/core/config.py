@@ -63,6 +63,7 @@ def history_trace_path(path: str) -> str:
 # trainer runs the last three; the one-process trainer "static" and "grouped" ("counts" and
 # "balanced" run as "grouped" there: MoEConfig.layer_dispatch).
 DISPATCH_NAMES = ("static", "grouped", "counts", "balanced")
+FAST_LEVEL_IMPLS = ("auto", "host", "ops")      # ms_efficient.moe.fast_level's twins
 EXPERT_PARALLEL_DISPATCH = ("grouped", "counts", "balanced")
 
 
@@ -175,10 +176,16 @@ class MoEConfig:
     # for its experts (ExpertParallelMoE's slots_per_device); 0 = ceil(num_experts / W) + 1,
     # one spare slot for a replica an online re-plan may add.
     slots_per_device: int = 0
+    # moe.dispatch "balanced": how the fast level runs inside the compiled step
+    # (FAST_LEVEL_IMPLS): "host" the numpy function as a host op (CPU only), "ops" its
+    # MindSpore-ops twin (any target; equal tables), "auto" host on CPU, ops elsewhere.
+    fast_level: str = "auto"
 
     def validate(self, path: str) -> None:
         if self.slots_per_device < 0:
             _fail(f"{path}.slots_per_device", self.slots_per_device, ">= 0 (0 = automatic)")
+        if self.fast_level not in FAST_LEVEL_IMPLS:
+            _fail(f"{path}.fast_level", self.fast_level, f"one of {list(FAST_LEVEL_IMPLS)}")
         if self.dispatch not in DISPATCH_NAMES:
             _fail(f"{path}.dispatch", self.dispatch, f"one of {list(DISPATCH_NAMES)}")
         if self.num_experts < 1:

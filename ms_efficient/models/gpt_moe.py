@@ -160,7 +160,7 @@ class GPTMoE(nn.Cell):
                 ffn = BalancedExpertParallelMoE.from_spec(
                     h, model.ffn_hidden_size, moe.num_experts, moe.top_k,
                     plans[len(moe_layers)], trace_ranks=trace_ranks, init_std=std,
-                    seed=len(moe_layers))
+                    seed=len(moe_layers), fast_level=moe.fast_level)
                 moe_layers.append(i)
             elif (i + 1) % moe.moe_every == 0 and plans is not None:
                 ffn = ExpertParallelMoE(h, model.ffn_hidden_size, moe.num_experts, moe.top_k,

@@ -16,9 +16,10 @@ charges), and the compiled graph runs on unchanged. Per step, on this rank's tok
     x_TH -> router -> top-k (expert_ids_A, weights_TK), arrival p of each assignment
          -> counts_E -> AllGather -> counts_WE (every rank sees every rank's counts)
          -> fast level: :func:`~ms_efficient.moe.balance.balance_step` on counts_WE, the
-            same function the simulator replays (run in the graph as a host op on CPU,
-            :class:`FastLevel`): per (source, expert, device) rows sent_WEW, the slot of
-            every expert on every device, the expert and weight source of every spare slot
+            same function the simulator replays (``FastLevel``: a host op running it on
+            CPU, or its MindSpore-ops twin on any target, equal entry for entry): per
+            (source, expert, device) rows sent_WEW, the slot of every expert on every
+            device, the expert and weight source of every spare slot
          -> send row of every assignment: rank r's tokens of e, in arrival order, fill
             devices in order, sent_WEW[r, e, w] each; within a (r -> w) block rows are
             expert-major; past the sum: dropped
@@ -48,92 +49,19 @@ from mindspore import Parameter, Tensor, nn, ops
 from ms_efficient.core import backend
 from ms_efficient.core.params import write_parameter
 from ms_efficient.moe.alltoall import AllToAll, CountExchange
-from ms_efficient.moe.balance import BalancedSpec, balance_step, home_plan
+from ms_efficient.moe.balance import BalancedSpec, home_plan
 from ms_efficient.moe.counted_alltoall import CountedAllToAllV
 from ms_efficient.moe.ep_layer import ReplicaGradSum
 from ms_efficient.moe.ep_migration import migrate_rows, row_layout
 from ms_efficient.moe.ep_replan import move_rows, record, weight_states
 from ms_efficient.moe.ep_routing import (init_expert_weights, pad_rows, replica_sync,
                                         sync_rows as table_rows)
+from ms_efficient.moe.fast_level import FastLevel, fast_level_tables
 from ms_efficient.moe.grouped_matmul import GroupedMatmul, row_groups
 from ms_efficient.moe.layer import TopKArrival, make_gelu, routing_statistics, sum_choices
 
 __all__ = ["BalancedExpertParallelMoE", "BalancedSpec", "FastLevel", "fast_level_tables",
            "home_plan"]
-
-
-def fast_level_tables(counts_WE: np.ndarray, home_WS: np.ndarray, spare: int,
-                      buffer_W: np.ndarray, copy_cost_WW: Optional[np.ndarray] = None,
-                      devices_per_node: Optional[int] = None):
-    """The fast level's tables for one layer-step, int32 (what :class:`FastLevel` returns):
-
-    sent_WEW [W, E, W]: rows rank s sends device w of expert e.
-    slot_EW [E, W]: local slot of expert e on device w (home slot index, or S_h + spare
-        index), -1 where w does not compute e.
-    spare_WS [W, S_s]: expert of each spare slot (-1: empty), ascending expert per device.
-    source_WS [W, S_s]: device whose home slot sends that copy's weights (-1: empty).
-    home_slot_WE [W, E]: home slot of expert e on device w, -1 if none.
-    stats [3 + W]: copies, dropped rows, kept rows, then the rows of every device.
-    """
-    counts = np.asarray(counts_WE, dtype=np.int64)[None]
-    home = np.asarray(home_WS, dtype=np.int64)
-    world, num_experts = counts.shape[1], counts.shape[2]
-    slots_home = home.shape[1]
-    bal = balance_step(counts, home[None], np.full(world, spare, dtype=np.int64),
-                       np.asarray(buffer_W, dtype=np.int64)[None], copy_cost_WW,
-                       devices_per_node=devices_per_node, by_expert=True)
-    sent = bal.sent_LREW[0]
-    home_slot = np.full((world, num_experts), -1, dtype=np.int64)
-    for w in range(world):
-        for s in range(slots_home):
-            if home[w, s] >= 0 and home_slot[w, home[w, s]] < 0:
-                home_slot[w, home[w, s]] = s
-    slot = home_slot.T.copy()                                           # [E, W]
-    spare_WS = np.full((world, spare), -1, dtype=np.int64)
-    source_WS = spare_WS.copy()
-    copies = bal.source_LEW[0]                                          # [E, W]
-    for w in range(world):
-        for j, e in enumerate(np.flatnonzero(copies[:, w] >= 0)):
-            spare_WS[w, j], source_WS[w, j] = e, copies[e, w]
-            slot[e, w] = slots_home + j
-    stats = np.concatenate([[bal.copies_L[0], bal.dropped_L[0], bal.rows_LEW[0].sum()],
-                            bal.load_LW[0]])
-    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
-    return (i32(sent), i32(slot), i32(spare_WS), i32(source_WS), i32(home_slot), i32(stats))
-
-
-class FastLevel(nn.Cell):
-    """``construct(counts_WE int32, home_WS int32) -> the tables of`` :func:`fast_level_tables`.
-
-    On CPU a host op in the compiled graph (``ops.Custom`` of type "pyfunc") running the
-    numpy fast level itself; the tables are integers and carry no gradient. On Ascend the
-    same function needs a device kernel, not written here: building it for another target
-    raises."""
-
-    def __init__(self, world: int, num_experts: int, spare: int, buffer_W: np.ndarray,
-                 copy_cost_WW: Optional[np.ndarray], devices_per_node: Optional[int]):
-        super().__init__()
-        if backend.device_target() != backend.CPU:
-            raise ValueError(f"the balanced layer's fast level runs as a host op on CPU only "
-                             f"(its {backend.device_target()} kernel is not built); use "
-                             f"moe.dispatch 'grouped' or 'counts' there.")
-        buffers = np.asarray(buffer_W, dtype=np.int64)
-        cost = None if copy_cost_WW is None else np.asarray(copy_cost_WW, dtype=np.float64)
-
-        def tables(counts_WE, home_WS):
-            return fast_level_tables(counts_WE, home_WS, spare, buffers, cost,
-                                     devices_per_node)
-
-        shapes = ((world, num_experts, world), (num_experts, world), (world, spare),
-                  (world, spare), (world, num_experts), (3 + world,))
-        self.op = ops.Custom(tables, out_shape=lambda *_: shapes,
-                             out_dtype=lambda *_: (ms.int32,) * 6, func_type="pyfunc")
-
-    def construct(self, counts_WE, home_WS):
-        return self.op(counts_WE, home_WS)
-
-    def bprop(self, counts_WE, home_WS, out, dout):
-        return ops.zeros_like(counts_WE), ops.zeros_like(home_WS)
 
 
 class BalancedExpertParallelMoE(nn.Cell):
@@ -157,6 +85,8 @@ class BalancedExpertParallelMoE(nn.Cell):
         sync_rows: rows of the replica-gradient table all-reduced every step (the layout's:
             the most experts a home table of the run replicates across ranks; ``set_plan``
             refuses more); None: as many as any home table of these shapes could.
+        fast_level: "auto" (host op on CPU, MindSpore-ops twin elsewhere), "host" or "ops"
+            (:class:`~ms_efficient.moe.fast_level.FastLevel`).
 
     Outputs: y_BSH; aux_loss (Switch loss of the local tokens); counts_RE int32 [R, E] of the
     local tokens; dropped int32 (local assignments no buffer held). ``balance_stats``
@@ -172,7 +102,8 @@ class BalancedExpertParallelMoE(nn.Cell):
                  home_WS: np.ndarray, spare_slots: int, buffer_W: np.ndarray,
                  group: Optional[str] = None, devices_per_node: Optional[int] = None,
                  copy_cost_WW: Optional[np.ndarray] = None, trace_ranks: int = 1,
-                 init_std: float = 0.02, seed: int = 0, sync_rows: Optional[int] = None):
+                 init_std: float = 0.02, seed: int = 0, sync_rows: Optional[int] = None,
+                 fast_level: str = "auto"):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"'top_k' must be in [1, {num_experts}], but got {top_k}.")
@@ -200,7 +131,7 @@ class BalancedExpertParallelMoE(nn.Cell):
         self.home_table = Parameter(Tensor(home.astype(np.int32)), name="home_table",
                                     requires_grad=False)
         self.fast = FastLevel(self.world, num_experts, self.spare, buffers, copy_cost_WW,
-                              devices_per_node)
+                              devices_per_node, fast_level)
         self.count_exchange = CountExchange(self.world, self.rank, group)
         # send layout: block w holds at most B_w rows (no rank can send device w more)
         block_WW = np.broadcast_to(buffers[None, :], (self.world, self.world))
