@@ -41,6 +41,8 @@ def test_shipped_config_loads():
     ({"efficientmoe": {"dispatch": "counts"}},
      r"'efficientmoe.dispatch' \('counts'\) is now 'moe.dispatch', one of \['static', "
      r"'grouped', 'counts', 'balanced'\]"),
+    ({"moe": {"fast_level": "device"}},
+     r"'moe.fast_level' must be one of \['auto', 'host', 'ops'\], but got 'device'"),
     ({"efficientmoe": {"buffer_slack": -0.5}},
      r"'efficientmoe.buffer_slack' must be in \[0, 64\], but got -0.5"),
 ])
