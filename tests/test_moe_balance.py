@@ -231,6 +231,24 @@ def test_the_cost_charges_copied_weights_both_ways():
     assert cost.compute_L[0] < balanced_cost(none, model, np.zeros(1)).compute_L[0] / 4
 
 
+def test_the_fast_level_time_is_charged_once_per_layer_and_only_where_it_runs():
+    model = CostModel(NODE_2x8, 256, 1024)
+    counts = np.zeros((2, 16, 16), dtype=np.int64)
+    counts[:, :, 0] = 512
+    bal = balance_step(counts, uniform_home(2, 16, 16), np.ones(16, int), devices_per_node=8)
+    free = balanced_cost(bal, model, np.zeros(2))
+    timed = dataclasses.replace(model, fast_level_s=2e-3)
+    charged = balanced_cost(bal, timed, np.zeros(2))
+    np.testing.assert_allclose(charged.time_L - free.time_L, [2e-3, 2e-3], rtol=1e-12)
+    np.testing.assert_allclose(charged.exchange_L - free.exchange_L, [2e-3, 2e-3], rtol=1e-12)
+    # EPLB's even split computes no per-step tables: not charged
+    even = balanced_cost(bal, timed, np.zeros(2), fast_level=False)
+    np.testing.assert_allclose(even.time_L, free.time_L, rtol=1e-12)
+    with pytest.raises(ValueError, match="'fast_level_s' must be a finite number >= 0 "
+                                         "seconds, but got -0.001"):
+        CostModel(NODE_2x8, 256, 1024, fast_level_s=-1e-3)
+
+
 def test_hierarchical_placement_spreads_the_hot_experts_over_nodes():
     load = np.array([[100.0, 90.0, 1, 1, 1, 1, 1, 1]])              # 4 devices, 2 nodes
     home = place_home(load, 4, 0, devices_per_node=2)

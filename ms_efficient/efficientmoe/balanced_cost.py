@@ -7,6 +7,9 @@ CostModel` of the other MoE rows):
     exchange   AllGather of the int32 routing counts [R, E] (static shape), once per step;
                a dynamic-shape system (``dynamic=True``) also pays ``dynamic_exchange_s``
                per count-driven All-to-All, as every data-sized exchange in this package.
+               The fast level's own computation of the tables is ``model.fast_level_s``
+               (default 0: a fused device kernel taken as free; ``fast_level=False`` for
+               EPLB's even split, which computes no per-step tables beyond a division).
     a2a        four All-to-Alls of the per-pair rows (dispatch and combine, forward and
                backward; :func:`~ms_efficient.efficientmoe.cost.uneven_alltoall_time_s`):
                the forward dispatch also carries the step's expert copies (weights, dtype
@@ -93,15 +96,18 @@ def copy_cost_rows_WW(model: CostModel, num_devices: int) -> np.ndarray:
 
 
 def balanced_cost(balance: Balance, model: CostModel, sync_L: np.ndarray,
-                  dynamic: bool = False) -> BalancedCost:
+                  dynamic: bool = False, fast_level: bool = True) -> BalancedCost:
     """The cost of one balanced step (module docstring). sync_L: :func:`home_sync_time_L` of
-    the layout; dynamic: charge the dynamic-shape overhead of count-driven exchanges."""
+    the layout; dynamic: charge the dynamic-shape overhead of count-driven exchanges;
+    fast_level: charge ``model.fast_level_s`` per layer for the fast level's tables."""
     cluster = model.cluster
     num_layers, num_ranks, _ = balance.sent_LRW.shape
     num_experts = balance.rows_LEW.shape[1]
     exchange = count_exchange_time_s(num_ranks, num_experts, model, list(range(num_ranks)))
     if dynamic and num_ranks > 1:
         exchange += model.a2a_passes * model.dynamic_exchange_s
+    if fast_level:
+        exchange += model.fast_level_s
     tokens = _embed(balance.sent_LRW * float(model.bytes_per_token), cluster.num_devices)
     weights = _embed(balance.copies_LWW * float(model.grad_bytes), cluster.num_devices)
     back = np.swapaxes(tokens, 1, 2)

@@ -158,6 +158,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="simulated All-to-All of static-graph methods: per-peer counts "
                              "fixed at compile time (AlltoAllV, what ExpertParallelMoE sends), "
                              "or every block padded to the largest (equal-split AlltoAll)")
+    parser.add_argument("--fast-level-ms", type=float, default=0.0, metavar="MS",
+                        help="charge the two-level methods' fast level this many ms per MoE "
+                             "layer-step (default 0: a fused device kernel taken as free; "
+                             "scripts/time_fast_level.py measures the twins here)")
     parser.add_argument("--methods", nargs="+", metavar="M",
                         help="simulated methods to replay (default: "
                              "ms_efficient.efficientmoe.replay.DEFAULT_METHODS; any of "
@@ -178,6 +182,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"'--steps' must be a positive integer, but got {args.steps}.")
+    if not 0.0 <= args.fast_level_ms < float("inf"):
+        raise ValueError(f"'--fast-level-ms' must be a finite number >= 0 milliseconds, but "
+                         f"got {args.fast_level_ms}.")
     if args.no_measured and args.no_simulated:
         raise ValueError("'--no-measured' and '--no-simulated' together leave nothing to run; "
                          "give at most one of them.")
@@ -220,7 +227,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if not args.no_simulated:
         rows += run_simulated(traces, args.cluster, args.quick, methods=args.methods or DEFAULT_METHODS,
-                              config=ReplayConfig(static_blocks=args.static_blocks))
+                              config=ReplayConfig(static_blocks=args.static_blocks,
+                                                  fast_level_s=args.fast_level_ms / 1e3))
     if measured:
         print("Measured (MindSpore GRAPH_MODE on this CPU):")
         print(benchio.markdown_table(measured, MEASURED_COLUMNS))
@@ -238,6 +246,7 @@ def run_bench(args: argparse.Namespace) -> int:
     write_bench_json(args.json, "moe", rows,
                      meta={"quick": args.quick, "seconds": round(time.perf_counter() - start, 1),
                            "config": args.config, "init_from": args.init_from,
-                           "static_blocks": args.static_blocks})
+                           "static_blocks": args.static_blocks,
+                           "fast_level_ms": args.fast_level_ms})
     print(f"rows written to {args.json}")
     return 0

@@ -93,6 +93,10 @@ class CostModel:
         costs beyond its rows (``DYNAMIC_EXCHANGE_S``, measured; module docstring).
     slot_budget: the slot budget S_b grouped and counts layers are built with (their replica
         table holds any plan of it); None: the most slots a device of the plan holds.
+    fast_level_s: seconds the fast level's tables take per balanced layer-step (between the
+        counts' AllGather and the dispatch; :mod:`balanced_cost`); 0: a fused device kernel
+        taken as free. Not measured on Ascend: a knob for the sensitivity (``bench moe
+        --fast-level-ms``).
     """
 
     cluster: ClusterSpec
@@ -105,8 +109,12 @@ class CostModel:
     static_blocks: str = "exact"
     dynamic_exchange_s: float = DYNAMIC_EXCHANGE_S
     slot_budget: Optional[int] = None
+    fast_level_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.fast_level_s < float("inf"):
+            raise ValueError(f"'fast_level_s' must be a finite number >= 0 seconds, but got "
+                             f"{self.fast_level_s!r}.")
         if not self.dynamic_exchange_s >= 0:
             raise ValueError(f"'dynamic_exchange_s' must be >= 0 seconds, but got "
                              f"{self.dynamic_exchange_s!r}.")

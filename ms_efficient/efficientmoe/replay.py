@@ -183,6 +183,7 @@ class ReplayConfig:
     max_block_drop_rate: the most expected drops the send blocks of our "grouped"/"counts"
         plans and of the grouped baselines may cause; the per-pair target within it is chosen
         by cost (PlannerConfig, placement.choose_blocks).
+    fast_level_s: the two-level methods' fast-level time per layer-step (CostModel).
     """
 
     slots_per_device: Optional[int] = None
@@ -202,6 +203,7 @@ class ReplayConfig:
     sync_replica_grads: bool = True
     dispatch: str = "grouped"
     max_block_drop_rate: float = 0.001
+    fast_level_s: float = 0.0
 
     def planner_config(self) -> PlannerConfig:
         """The settings of our planner (the same class the trainer builds from its config)."""
@@ -319,7 +321,8 @@ class _Context:
         hidden = config.hidden or trace.hidden or 1024
         self.model = CostModel(cluster, hidden, config.ffn_hidden or 4 * hidden, config.dtype,
                                sync_replica_grads=config.sync_replica_grads,
-                               static_blocks=config.static_blocks)
+                               static_blocks=config.static_blocks,
+                               fast_level_s=config.fast_level_s)
         self.rank_device = np.arange(trace.num_ranks)
         self.stride = _stride(trace)
         self.check_rows = max(1, round(config.check_every_steps / self.stride))

@@ -93,7 +93,7 @@ def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_ro
                            np.zeros_like(layout.spare_W) if unbounded else layout.spare_W,
                            None if unbounded else layout.buffer_LW, copy_cost,
                            even_split=unbounded, devices_per_node=dpn)
-        cost = balanced_cost(bal, model, sync, dynamic=unbounded)
+        cost = balanced_cost(bal, model, sync, dynamic=unbounded, fast_level=not unbounded)
         step_times.append(float(cost.time_L.sum()))
         a2a_times.append(float(cost.a2a_L.sum() + cost.exchange_L.sum()))
         load = bal.load_LW
