@@ -6,8 +6,10 @@ may change this table, it is data), its number of spare slots, and its receive b
 step and MoE layer, from that step's all-gathered counts, this module decides where every
 token is computed, vectorised over layers. One function for the layer and the simulator:
 the balanced expert-parallel layer (:mod:`ms_efficient.moe.balanced_ep`) runs
-:func:`balance_step` inside its compiled graph, on the all-gathered counts, and the
-simulator (``ms_efficient.efficientmoe.two_level``) replays it on a trace:
+:func:`balance_step` inside its compiled graph, on the all-gathered counts (as a host op,
+or as its MindSpore-ops twin :class:`~ms_efficient.moe.fast_level.FastLevelOps`, which a
+test holds equal to it), and the simulator (``ms_efficient.efficientmoe.two_level``)
+replays it on a trace:
 
     Step 1 (home split): an expert held by one home slot computes all its tokens there;
         an expert held by several (a redundant home replica) starts from an even split and
