@@ -2,14 +2,14 @@
 
     python scripts/time_fast_level.py [--trace TRACE.npz] [--steps 20] [--json out.json]
 
-For each shape it builds a home table (experts round-robin over the devices, the spare home
-slots given to the hottest experts), buffers of 1.5x the mean share and one spare slot per
-device, and runs the fast level on ``--steps`` rows of counts: the ``host`` twin (the numpy
-``balance_step`` itself, what a host op runs) and the ``ops`` twin (``FastLevelOps`` compiled
-in GRAPH mode, what Ascend would compile). The rows come from ``--trace`` (layer 0 of every
-row; the shared real trace is 16 ranks x 32 experts) or, without one, a Zipf(1.2) draw of
-16,384 tokens per rank. It checks that the two give the same tables and prints a table and
-JSON of milliseconds per call (compile time apart).
+The layout is the slow level's own (``efficientmoe.layout.plan_layout`` on the trace's first
+16 rows, the 910B cluster ``bench moe`` prices that many ranks on, its default slots): the
+home table, spare slots, buffers and copy costs a run would compile. Layer 0 of the next
+``--steps`` rows then goes through the ``host`` twin (the numpy ``balance_step`` itself, what
+the host op runs) and the ``ops`` twin (``FastLevelOps`` compiled in GRAPH mode, what Ascend
+would compile). Without ``--trace`` the Zipf 1.45 16-rank trace of ``bench moe``
+(``moe.trace.skewed_trace``). It checks that the two give the same tables and prints a table
+and JSON of milliseconds per call (compile time apart).
 """
 from __future__ import annotations
 
@@ -20,37 +20,27 @@ import time
 import numpy as np
 
 
-def shapes_from(trace_path, steps, seed):
-    """[(name, counts [N, W, E])]: the trace's layer 0, or Zipf draws of two shapes."""
-    if trace_path:
-        from ms_efficient.moe.trace import load_trace
+def planned(trace, steps: int):
+    """(counts [N, W, E], spec): layer 0 of the ``steps`` rows after the 16 the layout is
+    planned on, and that layout's layer 0 (home table, spare slots, buffers, copy costs,
+    devices per node) as a dict."""
+    from ms_efficient.efficientmoe.balanced_cost import copy_cost_rows_WW
+    from ms_efficient.efficientmoe.cost import CostModel
+    from ms_efficient.efficientmoe.layout import plan_layout
+    from ms_efficient.efficientmoe.replay import cluster_for_ranks
 
-        counts = np.asarray(load_trace(trace_path).counts)        # [T, L, R, E]
-        return [(f"trace layer 0 ({counts.shape[2]}x{counts.shape[3]})",
-                 counts[:steps, 0].astype(np.int64))]
-    rng = np.random.default_rng(seed)
-    out = []
-    for world, experts in ((4, 8), (16, 32)):
-        p = 1.0 / np.arange(1, experts + 1) ** 1.2
-        p /= p.sum()
-        rows = np.stack([np.stack([rng.multinomial(16384, rng.permutation(p))
-                                   for _ in range(world)]) for _ in range(steps)])
-        out.append((f"zipf 1.2 ({world}x{experts})", rows))
-    return out
-
-
-def layout_for(counts_NWE):
-    """(home_WS, buffer_W): ceil(E / W) + 1 home slots per device, experts round-robin, the
-    free home slots holding the hottest experts again; buffers 1.5x the mean share."""
-    _, world, experts = counts_NWE.shape
-    slots = -(-experts // world) + 1
-    table = np.full(world * slots, -1)
-    table[:experts] = np.arange(experts)
-    hot = np.argsort(-counts_NWE.sum(axis=(0, 1)), kind="stable")
-    table[experts:] = np.resize(hot, world * slots - experts)
-    home = table.reshape(slots, world).T.copy()
-    mean = counts_NWE.sum(axis=(1, 2)).mean() / world
-    return home, np.full(world, int(np.ceil(1.5 * mean)))
+    counts = np.asarray(trace.counts, dtype=np.int64)          # [T, L, R, E]
+    if counts.shape[0] < 17:
+        raise SystemExit(f"the trace needs >= 17 rows (16 to plan on), but has "
+                         f"{counts.shape[0]}.")
+    hidden = int(trace.hidden or 1024)
+    model = CostModel(cluster_for_ranks(trace.num_ranks), hidden, 4 * hidden)
+    layout = plan_layout(counts[:16], model)
+    spec = {"home_WS": layout.home_LWS[0], "spare": int(layout.spare_W.max()),
+            "buffer_W": layout.buffer_LW[0],
+            "copy_cost_WW": copy_cost_rows_WW(model, layout.num_devices),
+            "devices_per_node": model.cluster.devices_per_node}
+    return counts[16:16 + steps, 0], spec
 
 
 def main(argv=None):
@@ -69,38 +59,45 @@ def main(argv=None):
     from ms_efficient.moe.fast_level import FastLevelOps, fast_level_tables
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
-    rows = []
-    for name, counts in shapes_from(args.trace, args.steps, args.seed):
-        home, buffers = layout_for(counts)
-        world, experts = counts.shape[1:]
-        spare = 1
-        twin = FastLevelOps(world, experts, spare, buffers, None, None)
+    from ms_efficient.moe.trace import load_trace, skewed_trace
+
+    trace = (load_trace(args.trace) if args.trace
+             else skewed_trace(steps=16 + args.steps, layers=1, seed=args.seed))
+    name = (f"{'trace' if args.trace else 'zipf 1.45'} layer 0 "
+            f"({trace.num_ranks}x{trace.num_experts})")
+    counts, spec = planned(trace, args.steps)
+    home, spare, buffers = spec["home_WS"], spec["spare"], spec["buffer_W"]
+    cost, dpn = spec["copy_cost_WW"], spec["devices_per_node"]
+    world, experts = counts.shape[1:]
+    twin = FastLevelOps(world, experts, spare, buffers, cost, dpn)
+    start = time.perf_counter()
+    twin(Tensor(counts[0].astype(np.int32)), Tensor(home.astype(np.int32)))
+    compile_s = time.perf_counter() - start
+    host_s, ops_s, copies, dropped = 0.0, 0.0, 0, 0
+    for step in counts:
         start = time.perf_counter()
-        twin(Tensor(counts[0].astype(np.int32)), Tensor(home.astype(np.int32)))
-        compile_s = time.perf_counter() - start
-        host_s, ops_s, copies, dropped = 0.0, 0.0, 0, 0
-        for step in counts:
-            start = time.perf_counter()
-            want = fast_level_tables(step, home, spare, buffers)
-            host_s += time.perf_counter() - start
-            start = time.perf_counter()
-            got = twin(Tensor(step.astype(np.int32)), Tensor(home.astype(np.int32)))
-            got = [t.asnumpy() for t in got]
-            ops_s += time.perf_counter() - start
-            if any((a != b).any() for a, b in zip(want, got)):
-                raise SystemExit(f"{name}: the twins' tables differ; this is a bug.")
-            copies += int(want[5][0])
-            dropped += int(want[5][1])
-        n = len(counts)
-        rows.append({"shape": name, "steps": n, "host_ms": 1e3 * host_s / n,
-                     "ops_ms": 1e3 * ops_s / n, "ops_compile_s": compile_s,
-                     "copies_per_step": copies / n, "dropped_rows": dropped,
-                     "tables_equal": True})
-    print(f"{'shape':<30} {'host ms':>8} {'ops ms':>8} {'compile s':>9} {'copies':>7} "
-          f"{'drops':>6}  (measured, this CPU; ms per layer-step)")
+        want = fast_level_tables(step, home, spare, buffers, cost, dpn)
+        host_s += time.perf_counter() - start
+        start = time.perf_counter()
+        got = [t.asnumpy() for t in twin(Tensor(step.astype(np.int32)),
+                                         Tensor(home.astype(np.int32)))]
+        ops_s += time.perf_counter() - start
+        if any((a != b).any() for a, b in zip(want, got)):
+            raise SystemExit(f"{name}: the twins' tables differ; this is a bug.")
+        copies += int(want[5][0])
+        dropped += int(want[5][1])
+    n = len(counts)
+    replicated = int((np.bincount(home[home >= 0], minlength=experts) > 1).sum())
+    rows = [{"shape": name, "steps": n, "host_ms": 1e3 * host_s / n, "ops_ms": 1e3 * ops_s / n,
+             "ops_compile_s": compile_s, "spare_slots": spare,
+             "replicated_experts": replicated, "copies_per_step": copies / n,
+             "dropped_rows": dropped, "tables_equal": True}]
+    print(f"{'shape':<26} {'host ms':>8} {'ops ms':>8} {'compile s':>9} {'replicas':>8} "
+          f"{'copies':>7} {'drops':>6}  (measured, this CPU; ms per layer-step)")
     for r in rows:
-        print(f"{r['shape']:<30} {r['host_ms']:>8.2f} {r['ops_ms']:>8.2f} "
-              f"{r['ops_compile_s']:>9.2f} {r['copies_per_step']:>7.2f} {r['dropped_rows']:>6}")
+        print(f"{r['shape']:<26} {r['host_ms']:>8.2f} {r['ops_ms']:>8.2f} "
+              f"{r['ops_compile_s']:>9.2f} {r['replicated_experts']:>8} "
+              f"{r['copies_per_step']:>7.2f} {r['dropped_rows']:>6}")
     text = json.dumps({"kind": "measured", "rows": rows}, indent=1)
     print(text)
     if args.json:
