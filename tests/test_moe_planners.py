@@ -635,6 +635,22 @@ def test_bench_rows_follow_the_issue_format_and_plan_trace_writes_plans(small_tr
     save_plans(str(tmp_path / "p.yaml"), plans, 16)
 
 
+def test_a_fast_level_time_adds_exactly_its_layers_to_the_rows_that_run_one():
+    """ReplayConfig.fast_level_s (bench moe --fast-level-ms) charges every layer of every
+    step of a two-level row once, changes no decision (it is a constant of every step), and
+    leaves EPLB's even split untouched."""
+    trace = synthetic_trace(steps=20, layers=2, ranks=16, experts=16, hidden=1024,
+                            tokens_per_rank=2048, step_stride=50, seed=1)
+    base, timed = ReplayConfig(warmup=12), ReplayConfig(warmup=12, fast_level_s=1e-3)
+    for method, charged in (("efficientmoe", True), ("moonep", True),
+                            ("eplb-alltoallv", False)):
+        a = replay(trace, method, CLUSTER_2x8, base)
+        b = replay(trace, method, CLUSTER_2x8, timed)
+        added = trace.num_layers * 1e-3 if charged else 0.0
+        assert b.iteration_time_s - a.iteration_time_s == pytest.approx(added, abs=1e-12)
+        assert (b.replans, b.drop_rate) == (a.replans, a.drop_rate)
+
+
 def test_hindsight_capacities_hand_case_and_brute_force_optimum():
     import itertools
 
