@@ -101,6 +101,8 @@ def test_fast_level_picks_its_twin_by_target_and_refuses_bad_names(monkeypatch):
     with pytest.raises(ValueError, match="'fast_level' must be one of .'auto', 'host', "
                                          "'ops'., but got 'device'"):
         FastLevel(*args, impl="device")
+    with pytest.raises(ValueError, match=r"'buffer_W' must be \[2\] rows"):
+        FastLevelOps(2, 4, 1, np.array([8]), None, None)
     monkeypatch.setattr(backend, "device_target", lambda: "Ascend")
     assert FastLevel(*args).impl == "ops"
     with pytest.raises(ValueError, match="on CPU only, but the target is Ascend"):

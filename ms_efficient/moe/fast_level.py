@@ -154,9 +154,18 @@ class FastLevelOps(nn.Cell):
         super().__init__()
         self.world, self.num_experts, self.spare = int(world), int(num_experts), int(spare)
         w, e = self.world, self.num_experts
-        self.buffer_W = Tensor(np.asarray(buffer_W, dtype=np.int64))
+        buffers = np.asarray(buffer_W, dtype=np.int64)
         cost = (np.zeros((w, w)) if copy_cost_WW is None
                 else np.asarray(copy_cost_WW, dtype=np.float64))
+        if w < 1 or e < 1 or self.spare < 0:
+            raise ValueError(f"FastLevelOps needs world >= 1, num_experts >= 1 and spare >= 0, "
+                             f"but got {w}, {e} and {self.spare}.")
+        if buffers.shape != (w,) or cost.shape != (w, w) or not np.isfinite(cost).all() \
+                or (cost < 0).any():
+            raise ValueError(f"'buffer_W' must be [{w}] rows and 'copy_cost_WW' [{w}, {w}] "
+                             f"finite costs >= 0, but got shapes {buffers.shape} and "
+                             f"{cost.shape}.")
+        self.buffer_W = Tensor(buffers)
         self.cost_WW = Tensor(cost)
         self.inf_WW = Tensor(np.full((w, w), np.inf))
         self.inf_W = Tensor(np.full(w, np.inf))
