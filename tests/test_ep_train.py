@@ -138,7 +138,7 @@ def one_rank_runs(prefix, dispatches):
     return runs
 
 
-@workers.in_background("one_rank_ep_runs", lane="cpu")
+@workers.in_background("one_rank_ep_runs")
 def _one_rank_ep_runs():
     """The one-process run and the W = 1 runs of every dispatch the tests compare with it
     (balanced: tests/test_ep_balanced_train.py): one reference run for all of them."""

@@ -341,7 +341,7 @@ def test_from_network_rejects_an_unknown_mode(ms_graphs):
         from_network(nn.ReLU(), np.ones((2, 2), np.float32), mode="backward")
 
 
-@workers.in_background("mindcv_graph", lane="cpu")
+@workers.in_background("mindcv_graph")
 def _mindcv_graph():
     """resnet18's graph twice (extracted, then from its cache) and an unknown model's error,
     in a child process: mindcv's Cells otherwise outlive MindSpore at interpreter exit and

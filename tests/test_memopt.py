@@ -392,7 +392,7 @@ def test_max_batches_match_a_batch_by_batch_scan():
     assert found["none"] < found["checkmate-milp"] <= 12
 
 
-@workers.in_background("measured_memopt", lane="cpu")
+@workers.in_background("measured_memopt")
 def _measured_memopt():
     """The measured check of the test below: eight MindSpore processes (calibration two at a
     time), about a minute; in the background from the session's start (tests/workers.py)."""

@@ -191,7 +191,7 @@ _KILL_MID_WRITE = (
     "sys.exit(main(sys.argv[1:]))\n")
 
 
-@workers.in_background("killed_mid_write", lane="cpu")
+@workers.in_background("killed_mid_write")
 def _killed_mid_write():
     """``train`` of ``config``'s settings in a child process SIGKILLed while step 6's
     checkpoint is half written (in the background: tests/workers.py); (run folder, its

@@ -99,7 +99,7 @@ def test_resume_restores_the_checkpointed_state_bit_for_bit(tmp_path, text_dir):
 KILL_STEPS = 60
 
 
-@workers.in_background("sigkilled_run", lane="cpu")
+@workers.in_background("sigkilled_run")
 def _sigkilled_run():
     """The CLI's training run SIGKILLed as soon as its first checkpoint is recorded
     (state.json appears), then ``train --resume`` of it, and the unbroken run of the same

@@ -123,7 +123,7 @@ def in_process(request):
     return name, _RECORDS[name]
 
 
-@workers.in_background("zoo_mindcv", lane="cpu")
+@workers.in_background("zoo_mindcv")
 def _zoo_mindcv():
     """scripts/zoo.py on the mindcv networks in a child process, in the background
     (tests/workers.py); (CompletedProcess, records) or None without mindcv."""

@@ -184,10 +184,9 @@ def run_cli(args, env=None, cwd=None) -> subprocess.CompletedProcess:
                           cwd=cwd, capture_output=True, text=True)
 
 
-_BACKGROUND = {}             # fixture name -> (the function computing its value, its lane)
+_BACKGROUND = {}             # fixture name -> the function computing its value
 _FUTURES = {}                # fixture name -> its Future, once queued
-_POOLS = {}                  # lane -> the thread that computes its fixtures
-LANES = ("msrun", "cpu")
+_POOL = None                 # the thread that computes them
 _DIRS = []                   # temporary_dir's folders
 
 
@@ -202,39 +201,33 @@ def cleanup() -> None:
     """At the session's end (also an early one, -x or Ctrl-C): drop the background
     computations not started yet, stop the checks' job if it still runs, delete the
     folders."""
-    for pool in _POOLS.values():
-        pool.shutdown(wait=False, cancel_futures=True)
+    if _POOL is not None:
+        _POOL.shutdown(wait=False, cancel_futures=True)
     stop_checks()
     for folder in _DIRS:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def in_background(fixture_name: str, lane: str = "msrun"):
-    """Decorator: ``fn()`` computes the value of fixture ``fixture_name`` in a background
+def in_background(fixture_name: str):
+    """Decorator: ``fn()`` computes the value of fixture ``fixture_name`` in the background
     thread, queued when collection ends if a selected test uses that fixture (conftest), so
-    its child processes overlap the tests that run before it. ``lane``: "msrun" for msrun
-    jobs (most of an msrun job's start-up is waiting, not computing), "cpu" for child
-    processes that compute from their start; each lane is one thread running its fixtures
-    one after another, so a CPU lane fills the msrun lane's waits."""
-    if lane not in LANES:
-        raise ValueError(f"'lane' must be one of {list(LANES)}, but got {lane!r}.")
-
+    its child processes overlap the tests that run before it."""
     def register(fn):
-        _BACKGROUND[fixture_name] = (fn, lane)
+        _BACKGROUND[fixture_name] = fn
         return fn
     return register
 
 
 def start_background(fixture_names) -> None:
     """Queue the registered computations of ``fixture_names`` (in that order) that are not
-    queued yet, each on its lane's thread."""
+    queued yet. One thread runs them one after another: with the tests in the main thread,
+    that is about what 2 cores hold."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background")
     for name in fixture_names:
         if name in _BACKGROUND and name not in _FUTURES:
-            lane = _BACKGROUND[name][1]
-            if lane not in _POOLS:
-                _POOLS[lane] = ThreadPoolExecutor(max_workers=1,
-                                                  thread_name_prefix=f"background-{lane}")
-            _FUTURES[name] = _POOLS[lane].submit(_timed, name)
+            _FUTURES[name] = _POOL.submit(_timed, name)
 
 
 _TIMES = {}                  # fixture name -> (start, end) of its computation (perf_counter)
@@ -244,7 +237,7 @@ _T0 = time.perf_counter()    # about when the session started (this module's imp
 def _timed(name: str):
     start = time.perf_counter()
     try:
-        return _BACKGROUND[name][0]()
+        return _BACKGROUND[name]()
     finally:
         _TIMES[name] = (start - _T0, time.perf_counter() - _T0)
 
@@ -253,7 +246,7 @@ def timeline() -> str:
     """When each background computation ran, in seconds from the session's start (the
     terminal summary shows it: whether the background thread or the main one sets the
     session's length)."""
-    return ", ".join(f"{name} ({_BACKGROUND[name][1]}) {a:.0f}-{b:.0f} s" for name, (a, b) in
+    return ", ".join(f"{name} {a:.0f}-{b:.0f} s" for name, (a, b) in
                      sorted(_TIMES.items(), key=lambda kv: kv[1]))
 
 
