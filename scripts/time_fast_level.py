@@ -6,8 +6,9 @@ The layout is the slow level's own (``efficientmoe.layout.plan_layout`` on the t
 16 rows, the 910B cluster ``bench moe`` prices that many ranks on, its default slots): the
 home table, spare slots, buffers and copy costs a run would compile. Layer 0 of the next
 ``--steps`` rows then goes through the ``host`` twin (the numpy ``balance_step`` itself, what
-the host op runs) and the ``ops`` twin (``FastLevelOps`` compiled in GRAPH mode, what Ascend
-would compile). Without ``--trace`` the Zipf 1.45 16-rank trace of ``bench moe``
+the host op runs), the ``aot`` twin (``kernels/cpu/fast_level.cc`` compiled, called as a
+one-op GRAPH-mode Cell: its time includes that call's launch) and the ``ops`` twin
+(``FastLevelOps`` compiled in GRAPH mode, what Ascend would compile). Without ``--trace`` the Zipf 1.45 16-rank trace of ``bench moe``
 (``moe.trace.skewed_trace``). It checks that the two give the same tables and prints a table
 and JSON of milliseconds per call (compile time apart).
 """
@@ -43,6 +44,45 @@ def planned(trace, steps: int):
     return counts[16:16 + steps, 0], spec
 
 
+def kernel_call(spare: int, dpn, buffers, cost):
+    """``f(counts_WE, home_WS) -> seconds``: one direct call of the compiled kernel's entry
+    point through ctypes (no MindSpore), the kernel's own time."""
+    import ctypes
+
+    from ms_efficient.moe.kernels import KERNEL_SOURCE, build_kernel_library
+
+    lib = ctypes.CDLL(build_kernel_library(KERNEL_SOURCE.parent / "fast_level.cc"))
+    entry = lib.FastLevelTables
+    entry.restype = ctypes.c_int
+
+    def call(counts, home):
+        world, experts = counts.shape
+        cols = max(spare, 1)
+        arrays = [np.ascontiguousarray(counts, np.int32), np.ascontiguousarray(home, np.int32),
+                  np.ascontiguousarray(buffers, np.int64), np.ascontiguousarray(cost, np.float64),
+                  np.array([spare, dpn or 0], np.int64),
+                  np.zeros((world, experts, world), np.int32), np.zeros((experts, world), np.int32),
+                  np.zeros((world, cols), np.int32), np.zeros((world, cols), np.int32),
+                  np.zeros((world, experts), np.int32), np.zeros(3 + world, np.int32)]
+        n = len(arrays)
+        params = (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays])
+        ndims = (ctypes.c_int * n)(*[a.ndim for a in arrays])
+        dims = [(ctypes.c_int64 * max(a.ndim, 1))(*a.shape) for a in arrays]
+        shapes = (ctypes.POINTER(ctypes.c_int64) * n)(
+            *[ctypes.cast(d, ctypes.POINTER(ctypes.c_int64)) for d in dims])
+        names = {np.dtype(np.int32): b"int32", np.dtype(np.int64): b"int64",
+                 np.dtype(np.float64): b"float64"}
+        dtypes = (ctypes.c_char_p * n)(*[names[a.dtype] for a in arrays])
+        start = time.perf_counter()
+        status = entry(n, params, ndims, shapes, dtypes, None, None)
+        elapsed = time.perf_counter() - start
+        if status != 0:
+            raise SystemExit(f"FastLevelTables returned {status}")
+        return elapsed
+
+    return call
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", default="")
@@ -56,7 +96,7 @@ def main(argv=None):
     import mindspore as ms
     from mindspore import Tensor
 
-    from ms_efficient.moe.fast_level import FastLevelOps, fast_level_tables
+    from ms_efficient.moe.fast_level import FastLevel, FastLevelOps, fast_level_tables
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
     from ms_efficient.moe.trace import load_trace, skewed_trace
@@ -70,32 +110,44 @@ def main(argv=None):
     cost, dpn = spec["copy_cost_WW"], spec["devices_per_node"]
     world, experts = counts.shape[1:]
     twin = FastLevelOps(world, experts, spare, buffers, cost, dpn)
+    kernel = FastLevel(world, experts, spare, buffers, cost, dpn, impl="aot")
+    kernel(Tensor(counts[0].astype(np.int32)), Tensor(home.astype(np.int32)))
     start = time.perf_counter()
     twin(Tensor(counts[0].astype(np.int32)), Tensor(home.astype(np.int32)))
     compile_s = time.perf_counter() - start
-    host_s, ops_s, copies, dropped = 0.0, 0.0, 0, 0
+    direct = kernel_call(spare, dpn, buffers, np.zeros((world, world)) if cost is None else cost)
+    host_s, aot_s, ops_s, kernel_s, copies, dropped = 0.0, 0.0, 0.0, 0.0, 0, 0
     for step in counts:
         start = time.perf_counter()
         want = fast_level_tables(step, home, spare, buffers, cost, dpn)
         host_s += time.perf_counter() - start
         start = time.perf_counter()
+        compiled = [t.asnumpy() for t in kernel(Tensor(step.astype(np.int32)),
+                                                Tensor(home.astype(np.int32)))]
+        aot_s += time.perf_counter() - start
+        kernel_s += direct(step, home)
+        start = time.perf_counter()
         got = [t.asnumpy() for t in twin(Tensor(step.astype(np.int32)),
                                          Tensor(home.astype(np.int32)))]
         ops_s += time.perf_counter() - start
-        if any((a != b).any() for a, b in zip(want, got)):
+        if any((a != b).any() or (a != c).any() for a, b, c in zip(want, got, compiled)):
             raise SystemExit(f"{name}: the twins' tables differ; this is a bug.")
         copies += int(want[5][0])
         dropped += int(want[5][1])
     n = len(counts)
     replicated = int((np.bincount(home[home >= 0], minlength=experts) > 1).sum())
-    rows = [{"shape": name, "steps": n, "host_ms": 1e3 * host_s / n, "ops_ms": 1e3 * ops_s / n,
+    rows = [{"shape": name, "steps": n, "host_ms": 1e3 * host_s / n,
+             "aot_ms": 1e3 * aot_s / n, "kernel_us": 1e6 * kernel_s / n,
+             "ops_ms": 1e3 * ops_s / n,
              "ops_compile_s": compile_s, "spare_slots": spare,
              "replicated_experts": replicated, "copies_per_step": copies / n,
              "dropped_rows": dropped, "tables_equal": True}]
-    print(f"{'shape':<26} {'host ms':>8} {'ops ms':>8} {'compile s':>9} {'replicas':>8} "
-          f"{'copies':>7} {'drops':>6}  (measured, this CPU; ms per layer-step)")
+    print(f"{'shape':<26} {'host ms':>8} {'aot ms':>7} {'kernel us':>9} {'ops ms':>8} "
+          f"{'compile s':>9} {'replicas':>8} {'copies':>7} {'drops':>6}  (measured, this CPU; "
+          f"per layer-step)")
     for r in rows:
-        print(f"{r['shape']:<26} {r['host_ms']:>8.2f} {r['ops_ms']:>8.2f} "
+        print(f"{r['shape']:<26} {r['host_ms']:>8.2f} {r['aot_ms']:>7.3f} "
+              f"{r['kernel_us']:>9.1f} {r['ops_ms']:>8.2f} "
               f"{r['ops_compile_s']:>9.2f} {r['replicated_experts']:>8} "
               f"{r['copies_per_step']:>7.2f} {r['dropped_rows']:>6}")
     text = json.dumps({"kind": "measured", "rows": rows}, indent=1)

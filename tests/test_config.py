@@ -42,7 +42,7 @@ def test_shipped_config_loads():
      r"'efficientmoe.dispatch' \('counts'\) is now 'moe.dispatch', one of \['static', "
      r"'grouped', 'counts', 'balanced'\]"),
     ({"moe": {"fast_level": "device"}},
-     r"'moe.fast_level' must be one of \['auto', 'host', 'ops'\], but got 'device'"),
+     r"'moe.fast_level' must be one of \['auto', 'host', 'aot', 'ops'\], but got 'device'"),
     ({"efficientmoe": {"buffer_slack": -0.5}},
      r"'efficientmoe.buffer_slack' must be in \[0, 64\], but got -0.5"),
 ])

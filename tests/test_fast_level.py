@@ -1,7 +1,8 @@
-"""The fast level's two twins agree: FastLevelOps (MindSpore ops, compiled in GRAPH mode) gives
-the tables of fast_level_tables (numpy balance_step) entry for entry, on random counts with hot,
-cold and empty experts, replicated and empty home slots, tight buffers (moves and drops),
-per-step copies with copy costs, and node rounds."""
+"""The fast level's twins agree: FastLevelOps (MindSpore ops, compiled in GRAPH mode) and the
+aot kernel (kernels/cpu/fast_level.cc) give the tables of fast_level_tables (numpy
+balance_step) entry for entry, on random counts with hot, cold and empty experts, replicated
+and empty home slots, tight buffers (moves and drops), per-step copies with copy costs, and
+node rounds."""
 import numpy as np
 import pytest
 
@@ -49,22 +50,25 @@ CASES = [(4, 8, 3, 1, None, (20, 120), True),
 
 
 @pytest.mark.parametrize("world,experts,slots,spare,dpn,buf,costly", CASES)
-def test_the_ops_twin_gives_the_numpy_fast_level_tables(world, experts, slots, spare, dpn,
-                                                         buf, costly):
+def test_the_compiled_twins_give_the_numpy_fast_level_tables(world, experts, slots, spare, dpn,
+                                                             buf, costly):
     rng = np.random.default_rng(world * 100 + experts + spare)
     cost = rng.uniform(0, 30, (world, world)) if costly else None
     if cost is not None:
         np.fill_diagonal(cost, 0.0)
     buffer_W = rng.integers(*buf, world)
-    twin = FastLevelOps(world, experts, spare, buffer_W, cost, dpn)
+    twins = (FastLevelOps(world, experts, spare, buffer_W, cost, dpn),
+             FastLevel(world, experts, spare, buffer_W, cost, dpn, impl="aot"))
     seen = np.zeros(4, dtype=int)           # copies, drops, replicated experts, empty experts
     for i in range(24):
         home = random_home(rng, world, experts, slots)
         counts = random_counts(rng, i % 3, world, experts)
         want = fast_level_tables(counts, home, spare, buffer_W, cost, dpn)
-        got = twin(Tensor(counts.astype(np.int32)), Tensor(home.astype(np.int32)))
-        for name, a, b in zip(NAMES, want, got):
-            assert b.asnumpy().tolist() == a.tolist(), (name, home.tolist(), counts.tolist())
+        for twin in twins:
+            got = twin(Tensor(counts.astype(np.int32)), Tensor(home.astype(np.int32)))
+            for name, a, b in zip(NAMES, want, got):
+                assert b.asnumpy().tolist() == a.tolist(), (type(twin).__name__, name,
+                                                            home.tolist(), counts.tolist())
         seen += [want[5][0] > 0, want[5][1] > 0,
                  (np.bincount(home[home >= 0], minlength=experts) > 1).any(),
                  (counts.sum(axis=0) == 0).any()]
@@ -99,11 +103,13 @@ def test_fast_level_picks_its_twin_by_target_and_refuses_bad_names(monkeypatch):
     assert FastLevel(*args).impl == "host"                 # CPU: the numpy function itself
     assert FastLevel(*args, impl="ops").impl == "ops"
     with pytest.raises(ValueError, match="'fast_level' must be one of .'auto', 'host', "
-                                         "'ops'., but got 'device'"):
+                                         "'aot', 'ops'., but got 'device'"):
         FastLevel(*args, impl="device")
     with pytest.raises(ValueError, match=r"'buffer_W' must be \[2\] rows"):
         FastLevelOps(2, 4, 1, np.array([8]), None, None)
     monkeypatch.setattr(backend, "device_target", lambda: "Ascend")
     assert FastLevel(*args).impl == "ops"
-    with pytest.raises(ValueError, match="on CPU only, but the target is Ascend"):
-        FastLevel(*args, impl="host")
+    for impl in ("host", "aot"):
+        with pytest.raises(ValueError, match=f"'{impl}' runs on the host, on CPU only, but the "
+                                             f"target is Ascend"):
+            FastLevel(*args, impl=impl)

@@ -63,7 +63,7 @@ def history_trace_path(path: str) -> str:
 # trainer runs the last three; the one-process trainer "static" and "grouped" ("counts" and
 # "balanced" run as "grouped" there: MoEConfig.layer_dispatch).
 DISPATCH_NAMES = ("static", "grouped", "counts", "balanced")
-FAST_LEVEL_IMPLS = ("auto", "host", "ops")      # ms_efficient.moe.fast_level's twins
+FAST_LEVEL_IMPLS = ("auto", "host", "aot", "ops")   # ms_efficient.moe.fast_level's twins
 EXPERT_PARALLEL_DISPATCH = ("grouped", "counts", "balanced")
 
 
@@ -177,8 +177,9 @@ class MoEConfig:
     # one spare slot for a replica an online re-plan may add.
     slots_per_device: int = 0
     # moe.dispatch "balanced": how the fast level runs inside the compiled step
-    # (FAST_LEVEL_IMPLS): "host" the numpy function as a host op (CPU only), "ops" its
-    # MindSpore-ops twin (any target; equal tables), "auto" host on CPU, ops elsewhere.
+    # (FAST_LEVEL_IMPLS): "host" the numpy function as a host op (CPU only), "aot" the same
+    # compiled in C++ (CPU only), "ops" its MindSpore-ops twin (any target); all give equal
+    # tables. "auto": host on CPU, ops elsewhere.
     fast_level: str = "auto"
 
     def validate(self, path: str) -> None:

@@ -6,6 +6,9 @@ compiled step, from that step's all-gathered counts, and has two twins of it her
 
 - ``"host"``: :func:`fast_level_tables` runs ``balance_step`` itself as a host op in the graph
   (``ops.Custom`` of type "pyfunc"), CPU only.
+- ``"aot"``: the same algorithm compiled (``kernels/cpu/fast_level.cc``, an ``ops.Custom``
+  aot kernel built with g++ on first use), CPU only: one call, no Python, the tables of the
+  numpy function entry for entry (the same test holds it).
 - ``"ops"``: :class:`FastLevelOps` is the same algorithm written in MindSpore ops (static
   shapes, integer arithmetic, ``while`` loops with tensor conditions), so it compiles for any
   target whose kernels cover int64/float64 elementwise ops, reductions and cumsum. It is
@@ -384,8 +387,9 @@ class FastLevel(nn.Cell):
     """``construct(counts_WE int32, home_WS int32) -> the tables of`` :func:`fast_level_tables`.
 
     impl "host": a host op in the compiled graph (``ops.Custom`` of type "pyfunc") running
-    the numpy fast level itself, CPU only; "ops": :class:`FastLevelOps`, the MindSpore-ops
-    twin, any target; "auto": host on CPU, ops elsewhere. The tables are integers and carry
+    the numpy fast level itself, CPU only; "aot": the compiled C++ kernel
+    (``kernels/cpu/fast_level.cc``), CPU only; "ops": :class:`FastLevelOps`, the
+    MindSpore-ops twin, any target; "auto": host on CPU, ops elsewhere. The tables are integers and carry
     no gradient (stopped on both sides)."""
 
     def __init__(self, world: int, num_experts: int, spare: int, buffer_W: np.ndarray,
@@ -396,15 +400,18 @@ class FastLevel(nn.Cell):
             raise ValueError(f"'fast_level' must be one of {list(FAST_LEVEL_IMPLS)}, but got "
                              f"{impl!r}.")
         on_cpu = backend.device_target() == backend.CPU
-        if impl == "host" and not on_cpu:
-            raise ValueError(f"fast_level 'host' runs the numpy fast level as a host op, on CPU "
-                             f"only, but the target is {backend.device_target()}; use 'ops' "
-                             f"(or 'auto').")
-        self.impl = "host" if impl == "host" or (impl == "auto" and on_cpu) else "ops"
+        if impl in ("host", "aot") and not on_cpu:
+            raise ValueError(f"fast_level {impl!r} runs on the host, on CPU only, but the "
+                             f"target is {backend.device_target()}; use 'ops' (or 'auto').")
+        self.impl = impl if impl != "auto" else ("host" if on_cpu else "ops")
+        self.spare = int(spare)
         buffers = np.asarray(buffer_W, dtype=np.int64)
         cost = None if copy_cost_WW is None else np.asarray(copy_cost_WW, dtype=np.float64)
         if self.impl == "ops":
             self.op = FastLevelOps(world, num_experts, spare, buffers, cost, devices_per_node)
+            return
+        if self.impl == "aot":
+            self.op = _aot_tables(world, num_experts, spare, buffers, cost, devices_per_node)
             return
 
         def tables(counts_WE, home_WS):
@@ -420,4 +427,37 @@ class FastLevel(nn.Cell):
         # integer tables, no gradient: stopped on both sides, so autodiff never enters the
         # twin's loops (a custom bprop around them fails to compile in MindSpore 2.10)
         tables = self.op(ops.stop_gradient(counts_WE), ops.stop_gradient(home_WS))
+        if self.impl == "aot":                  # the kernel's spare columns are max(S_s, 1)
+            tables = (tables[0], tables[1], tables[2][:, :self.spare],
+                      tables[3][:, :self.spare], tables[4], tables[5])
         return tuple(ops.stop_gradient(t) for t in tables)
+
+
+class _AotTables(nn.Cell):
+    """``FastLevelTables`` of ``kernels/cpu/fast_level.cc`` with the layout's constants as
+    inputs: ``construct(counts_WE, home_WS)`` -> the six tables (spare columns max(S_s, 1))."""
+
+    def __init__(self, library: str, world: int, num_experts: int, spare: int,
+                 buffer_W: np.ndarray, copy_cost_WW: Optional[np.ndarray],
+                 devices_per_node: Optional[int]):
+        super().__init__()
+        w, e, cols = world, num_experts, max(int(spare), 1)
+        self.buffer_W = Tensor(np.asarray(buffer_W, dtype=np.int64))
+        self.cost_WW = Tensor(np.zeros((w, w)) if copy_cost_WW is None
+                              else np.asarray(copy_cost_WW, dtype=np.float64))
+        self.conf = Tensor(np.array([int(spare), int(devices_per_node or 0)], dtype=np.int64))
+        shapes = ((w, e, w), (e, w), (w, cols), (w, cols), (w, e), (3 + w,))
+        self.op = ops.Custom(f"{library}:FastLevelTables", out_shape=lambda *_: shapes,
+                             out_dtype=lambda *_: (ms.int32,) * 6, func_type="aot")
+
+    def construct(self, counts_WE, home_WS):
+        return self.op(counts_WE, home_WS, self.buffer_W, self.cost_WW, self.conf)
+
+
+def _aot_tables(world, num_experts, spare, buffer_W, copy_cost_WW, devices_per_node):
+    """The aot kernel's Cell, building ``kernels/cpu/fast_level.cc`` on first use."""
+    from ms_efficient.moe.kernels import KERNEL_SOURCE, build_kernel_library
+
+    source = KERNEL_SOURCE.parent / "fast_level.cc"
+    return _AotTables(build_kernel_library(source), world, num_experts, spare, buffer_W,
+                      copy_cost_WW, devices_per_node)
