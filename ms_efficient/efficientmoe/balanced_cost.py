@@ -7,9 +7,10 @@ CostModel` of the other MoE rows):
     exchange   AllGather of the int32 routing counts [R, E] (static shape), once per step;
                a dynamic-shape system (``dynamic=True``) also pays ``dynamic_exchange_s``
                per count-driven All-to-All, as every data-sized exchange in this package.
-               The fast level's own computation of the tables is ``model.fast_level_s``
-               (default 0: a fused device kernel taken as free; ``fast_level=False`` for
-               EPLB's even split, which computes no per-step tables beyond a division).
+    fast       the fast level's own computation of the tables, ``model.fast_level_s`` per
+               layer-step (default 0: a fused device kernel taken as free; ``fast_level=
+               False`` for EPLB's even split, which computes no per-step tables beyond a
+               division); not part of the exchange's share.
     a2a        four All-to-Alls of the per-pair rows (dispatch and combine, forward and
                backward; :func:`~ms_efficient.efficientmoe.cost.uneven_alltoall_time_s`):
                the forward dispatch also carries the step's expert copies (weights, dtype
@@ -48,7 +49,7 @@ class BalancedCost:
     """One step's cost per layer, seconds, float64 [L] each (time = the sum of the others).
 
     weight_bytes_L: bytes of expert copies sent this step (forward; the same bytes of
-    gradients return in backward)."""
+    gradients return in backward). fast_L: the fast level's own time."""
 
     time_L: np.ndarray
     exchange_L: np.ndarray
@@ -56,6 +57,7 @@ class BalancedCost:
     compute_L: np.ndarray
     sync_L: np.ndarray
     weight_bytes_L: np.ndarray
+    fast_L: Optional[np.ndarray] = None
 
 
 def _embed(matrix_LWW: np.ndarray, num_devices: int) -> np.ndarray:
@@ -106,8 +108,7 @@ def balanced_cost(balance: Balance, model: CostModel, sync_L: np.ndarray,
     exchange = count_exchange_time_s(num_ranks, num_experts, model, list(range(num_ranks)))
     if dynamic and num_ranks > 1:
         exchange += model.a2a_passes * model.dynamic_exchange_s
-    if fast_level:
-        exchange += model.fast_level_s
+    fast_L = np.full(num_layers, model.fast_level_s if fast_level else 0.0)
     tokens = _embed(balance.sent_LRW * float(model.bytes_per_token), cluster.num_devices)
     weights = _embed(balance.copies_LWW * float(model.grad_bytes), cluster.num_devices)
     back = np.swapaxes(tokens, 1, 2)
@@ -125,7 +126,7 @@ def balanced_cost(balance: Balance, model: CostModel, sync_L: np.ndarray,
     compute = np.maximum(flops_LW, memory_LW).max(axis=1)
     sync = np.asarray(sync_L, dtype=np.float64)
     exchange_L = np.full(num_layers, exchange)
-    return BalancedCost(time_L=exchange_L + a2a + compute + sync, exchange_L=exchange_L,
-                        a2a_L=a2a, compute_L=compute, sync_L=sync,
+    return BalancedCost(time_L=exchange_L + a2a + compute + sync + fast_L,
+                        exchange_L=exchange_L, a2a_L=a2a, compute_L=compute, sync_L=sync,
                         weight_bytes_L=balance.copies_LWW.sum(axis=(1, 2))
-                        * float(model.grad_bytes))
+                        * float(model.grad_bytes), fast_L=fast_L)
