@@ -144,6 +144,24 @@ def _cut(counts_GRE, rows_GEW):
     return ops.maximum(overlap, 0)
 
 
+def _checked_layout(world: int, num_experts: int, spare: int, buffer_W, copy_cost_WW):
+    """(buffer_W int64 [W], copy_cost_WW float64 [W, W], zeros for None), or ValueError
+    naming what is wrong."""
+    w = int(world)
+    buffers = np.asarray(buffer_W, dtype=np.int64)
+    cost = (np.zeros((w, w)) if copy_cost_WW is None
+            else np.asarray(copy_cost_WW, dtype=np.float64))
+    if w < 1 or num_experts < 1 or spare < 0:
+        raise ValueError(f"the fast level needs world >= 1, num_experts >= 1 and spare >= 0, "
+                         f"but got {w}, {num_experts} and {spare}.")
+    if buffers.shape != (w,) or cost.shape != (w, w) or not np.isfinite(cost).all() \
+            or (cost < 0).any():
+        raise ValueError(f"'buffer_W' must be [{w}] rows and 'copy_cost_WW' [{w}, {w}] "
+                         f"finite costs >= 0, but got shapes {buffers.shape} and "
+                         f"{cost.shape}.")
+    return buffers, cost
+
+
 class FastLevelOps(nn.Cell):
     """The fast level of one layer-step in MindSpore ops (module docstring):
     ``construct(counts_WE int32 [W, E], home_WS int32 [W, S_h]) -> the tables of``
@@ -157,17 +175,7 @@ class FastLevelOps(nn.Cell):
         super().__init__()
         self.world, self.num_experts, self.spare = int(world), int(num_experts), int(spare)
         w, e = self.world, self.num_experts
-        buffers = np.asarray(buffer_W, dtype=np.int64)
-        cost = (np.zeros((w, w)) if copy_cost_WW is None
-                else np.asarray(copy_cost_WW, dtype=np.float64))
-        if w < 1 or e < 1 or self.spare < 0:
-            raise ValueError(f"FastLevelOps needs world >= 1, num_experts >= 1 and spare >= 0, "
-                             f"but got {w}, {e} and {self.spare}.")
-        if buffers.shape != (w,) or cost.shape != (w, w) or not np.isfinite(cost).all() \
-                or (cost < 0).any():
-            raise ValueError(f"'buffer_W' must be [{w}] rows and 'copy_cost_WW' [{w}, {w}] "
-                             f"finite costs >= 0, but got shapes {buffers.shape} and "
-                             f"{cost.shape}.")
+        buffers, cost = _checked_layout(w, e, self.spare, buffer_W, copy_cost_WW)
         self.buffer_W = Tensor(buffers)
         self.cost_WW = Tensor(cost)
         self.inf_WW = Tensor(np.full((w, w), np.inf))
@@ -389,8 +397,8 @@ class FastLevel(nn.Cell):
     impl "host": a host op in the compiled graph (``ops.Custom`` of type "pyfunc") running
     the numpy fast level itself, CPU only; "aot": the compiled C++ kernel
     (``kernels/cpu/fast_level.cc``), CPU only; "ops": :class:`FastLevelOps`, the
-    MindSpore-ops twin, any target; "auto": host on CPU, ops elsewhere. The tables are integers and carry
-    no gradient (stopped on both sides)."""
+    MindSpore-ops twin, any target; "auto": host on CPU, ops elsewhere. The tables are
+    integers and carry no gradient (stopped on both sides)."""
 
     def __init__(self, world: int, num_experts: int, spare: int, buffer_W: np.ndarray,
                  copy_cost_WW: Optional[np.ndarray], devices_per_node: Optional[int],
@@ -405,8 +413,7 @@ class FastLevel(nn.Cell):
                              f"target is {backend.device_target()}; use 'ops' (or 'auto').")
         self.impl = impl if impl != "auto" else ("host" if on_cpu else "ops")
         self.spare = int(spare)
-        buffers = np.asarray(buffer_W, dtype=np.int64)
-        cost = None if copy_cost_WW is None else np.asarray(copy_cost_WW, dtype=np.float64)
+        buffers, cost = _checked_layout(world, num_experts, self.spare, buffer_W, copy_cost_WW)
         if self.impl == "ops":
             self.op = FastLevelOps(world, num_experts, spare, buffers, cost, devices_per_node)
             return
