@@ -101,8 +101,8 @@ def test_w_workers_with_per_step_copies_equal_one_process(balanced_layer_runs, w
     copies sent back) equal MoEFeedForward on the whole batch, and after 3 Adam steps every
     home slot's weights equal the one-process run's, although the home experts were re-placed
     after the first step (weights and Adam moments moved across ranks). The buffers never
-    change shape. The 2-worker run's fast level is the compiled aot kernel, the 4-worker
-    run's its MindSpore-ops twin."""
+    change shape. The 2-worker run's fast level is the numpy function as a host op, the
+    4-worker run's its MindSpore-ops twin."""
     wk = workers.load_script("check_balanced_ep")
     assert (wk.E, wk.H, wk.F, wk.K) == (E, H, F, K)       # test_ep_layer's reference sizes
     ref = dense_layer(wk.logical_weights(), capacity=world * wk.T_LOCAL, trace_ranks=world)

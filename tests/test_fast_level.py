@@ -100,7 +100,8 @@ def test_fast_level_picks_its_twin_by_target_and_refuses_bad_names(monkeypatch):
     from ms_efficient.core import backend
 
     args = (2, 4, 1, np.array([8, 8]), None, None)
-    assert FastLevel(*args).impl == "host"                 # CPU: the numpy function itself
+    assert FastLevel(*args).impl == "aot"                  # CPU: the compiled kernel
+    assert FastLevel(*args, impl="host").impl == "host"
     assert FastLevel(*args, impl="ops").impl == "ops"
     with pytest.raises(ValueError, match="'fast_level' must be one of .'auto', 'host', "
                                          "'aot', 'ops'., but got 'device'"):
@@ -113,3 +114,19 @@ def test_fast_level_picks_its_twin_by_target_and_refuses_bad_names(monkeypatch):
         with pytest.raises(ValueError, match=f"'{impl}' runs on the host, on CPU only, but the "
                                              f"target is Ascend"):
             FastLevel(*args, impl=impl)
+
+
+def test_auto_falls_back_to_the_host_op_when_the_kernel_cannot_be_built(monkeypatch, caplog):
+    import ms_efficient.moe.fast_level as fast_level
+    from ms_efficient.moe.kernels import KernelBuildError
+
+    def no_compiler(*_):
+        raise KernelBuildError("C++ compiler 'g++' not found on PATH")
+
+    monkeypatch.setattr(fast_level, "_aot_tables", no_compiler)
+    args = (2, 4, 1, np.array([8, 8]), None, None)
+    with caplog.at_level("WARNING"):
+        assert FastLevel(*args).impl == "host"
+    assert "the aot kernel cannot be built (C++ compiler 'g++' not found" in caplog.text
+    with pytest.raises(KernelBuildError, match="not found"):
+        FastLevel(*args, impl="aot")                       # asked for by name: no fallback

@@ -179,7 +179,7 @@ class MoEConfig:
     # moe.dispatch "balanced": how the fast level runs inside the compiled step
     # (FAST_LEVEL_IMPLS): "host" the numpy function as a host op (CPU only), "aot" the same
     # compiled in C++ (CPU only), "ops" its MindSpore-ops twin (any target); all give equal
-    # tables. "auto": host on CPU, ops elsewhere.
+    # tables. "auto": aot on CPU (host when g++ cannot build it), ops elsewhere.
     fast_level: str = "auto"
 
     def validate(self, path: str) -> None:

@@ -85,7 +85,8 @@ class BalancedExpertParallelMoE(nn.Cell):
         sync_rows: rows of the replica-gradient table all-reduced every step (the layout's:
             the most experts a home table of the run replicates across ranks; ``set_plan``
             refuses more); None: as many as any home table of these shapes could.
-        fast_level: "auto" (host op on CPU, MindSpore-ops twin elsewhere), "host" or "ops"
+        fast_level: "auto" (aot kernel on CPU, MindSpore-ops twin elsewhere), "host", "aot"
+            or "ops"
             (:class:`~ms_efficient.moe.fast_level.FastLevel`).
 
     Outputs: y_BSH; aux_loss (Switch loss of the local tokens); counts_RE int32 [R, E] of the

@@ -25,11 +25,12 @@ compiled step, from that step's all-gathered counts, and has two twins of it her
         sort kernel is needed;
     copy targets compare load + copy cost in float64, as numpy does.
 
-:class:`FastLevel` picks the twin: ``"auto"`` is the host op on CPU and the ops twin on any
-other target. Shapes: W devices (= ranks), E experts, S_h home slots, S_s spare slots.
+:class:`FastLevel` picks the twin: ``"auto"`` is the aot kernel on CPU (the host op when it
+cannot be built, e.g. without g++) and the ops twin on any other target. Shapes: W devices (= ranks), E experts, S_h home slots, S_s spare slots.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import numpy as np
@@ -41,6 +42,8 @@ from ms_efficient.core.config import FAST_LEVEL_IMPLS
 from ms_efficient.moe.balance import SPLIT_ROUNDS, balance_step
 
 __all__ = ["FastLevel", "FastLevelOps", "fast_level_tables", "FAST_LEVEL_IMPLS"]
+
+logger = logging.getLogger(__name__)
 
 
 def fast_level_tables(counts_WE: np.ndarray, home_WS: np.ndarray, spare: int,
@@ -397,7 +400,8 @@ class FastLevel(nn.Cell):
     impl "host": a host op in the compiled graph (``ops.Custom`` of type "pyfunc") running
     the numpy fast level itself, CPU only; "aot": the compiled C++ kernel
     (``kernels/cpu/fast_level.cc``), CPU only; "ops": :class:`FastLevelOps`, the
-    MindSpore-ops twin, any target; "auto": host on CPU, ops elsewhere. The tables are
+    MindSpore-ops twin, any target; "auto": aot on CPU (host when the kernel cannot be
+    built), ops elsewhere. The tables are
     integers and carry no gradient (stopped on both sides)."""
 
     def __init__(self, world: int, num_experts: int, spare: int, buffer_W: np.ndarray,
@@ -411,15 +415,25 @@ class FastLevel(nn.Cell):
         if impl in ("host", "aot") and not on_cpu:
             raise ValueError(f"fast_level {impl!r} runs on the host, on CPU only, but the "
                              f"target is {backend.device_target()}; use 'ops' (or 'auto').")
-        self.impl = impl if impl != "auto" else ("host" if on_cpu else "ops")
+        self.impl = impl if impl != "auto" else ("aot" if on_cpu else "ops")
         self.spare = int(spare)
         buffers, cost = _checked_layout(world, num_experts, self.spare, buffer_W, copy_cost_WW)
         if self.impl == "ops":
             self.op = FastLevelOps(world, num_experts, spare, buffers, cost, devices_per_node)
             return
         if self.impl == "aot":
-            self.op = _aot_tables(world, num_experts, spare, buffers, cost, devices_per_node)
-            return
+            from ms_efficient.moe.kernels import KernelBuildError
+
+            try:
+                self.op = _aot_tables(world, num_experts, spare, buffers, cost,
+                                      devices_per_node)
+                return
+            except KernelBuildError as err:
+                if impl == "aot":
+                    raise
+                logger.warning("fast level: the aot kernel cannot be built (%s); running the "
+                               "numpy function as a host op instead", str(err).splitlines()[0])
+                self.impl = "host"
 
         def tables(counts_WE, home_WS):
             return fast_level_tables(counts_WE, home_WS, spare, buffers, cost,
