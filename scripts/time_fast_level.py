@@ -9,13 +9,12 @@ home table, spare slots, buffers and copy costs a run would compile. Layer 0 of 
 the host op runs), the ``aot`` twin (``kernels/cpu/fast_level.cc`` compiled, called as a
 one-op GRAPH-mode Cell: its time includes that call's launch) and the ``ops`` twin
 (``FastLevelOps`` compiled in GRAPH mode, what Ascend would compile). Without ``--trace`` the Zipf 1.45 16-rank trace of ``bench moe``
-(``moe.trace.skewed_trace``). It checks that the two give the same tables and prints a table
-and JSON of milliseconds per call (compile time apart).
+(``moe.trace.skewed_trace``). It checks that every twin gives the same tables and prints a
+table of milliseconds per layer-step (compile time apart); ``--json`` writes the rows.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
@@ -96,6 +95,7 @@ def main(argv=None):
     import mindspore as ms
     from mindspore import Tensor
 
+    from ms_efficient.core.benchio import markdown_table, write_bench_json
     from ms_efficient.moe.fast_level import FastLevel, FastLevelOps, fast_level_tables
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
@@ -115,7 +115,7 @@ def main(argv=None):
     start = time.perf_counter()
     twin(Tensor(counts[0].astype(np.int32)), Tensor(home.astype(np.int32)))
     compile_s = time.perf_counter() - start
-    direct = kernel_call(spare, dpn, buffers, np.zeros((world, world)) if cost is None else cost)
+    direct = kernel_call(spare, dpn, buffers, cost)
     host_s, aot_s, ops_s, kernel_s, copies, dropped = 0.0, 0.0, 0.0, 0.0, 0, 0
     for step in counts:
         start = time.perf_counter()
@@ -136,26 +136,21 @@ def main(argv=None):
         dropped += int(want[5][1])
     n = len(counts)
     replicated = int((np.bincount(home[home >= 0], minlength=experts) > 1).sum())
-    rows = [{"shape": name, "steps": n, "host_ms": 1e3 * host_s / n,
-             "aot_ms": 1e3 * aot_s / n, "kernel_us": 1e6 * kernel_s / n,
-             "ops_ms": 1e3 * ops_s / n,
-             "ops_compile_s": compile_s, "spare_slots": spare,
-             "replicated_experts": replicated, "copies_per_step": copies / n,
-             "dropped_rows": dropped, "tables_equal": True}]
-    print(f"{'shape':<26} {'host ms':>8} {'aot ms':>7} {'kernel us':>9} {'ops ms':>8} "
-          f"{'compile s':>9} {'replicas':>8} {'copies':>7} {'drops':>6}  (measured, this CPU; "
-          f"per layer-step)")
-    for r in rows:
-        print(f"{r['shape']:<26} {r['host_ms']:>8.2f} {r['aot_ms']:>7.3f} "
-              f"{r['kernel_us']:>9.1f} {r['ops_ms']:>8.2f} "
-              f"{r['ops_compile_s']:>9.2f} {r['replicated_experts']:>8} "
-              f"{r['copies_per_step']:>7.2f} {r['dropped_rows']:>6}")
-    text = json.dumps({"kind": "measured", "rows": rows}, indent=1)
-    print(text)
+    shared = {"evidence": "measured", "workload": name, "steps": n, "spare_slots": spare,
+              "replicated_experts": replicated, "copies_per_step": copies / n,
+              "dropped_rows": dropped}
+    rows = [{**shared, "method": method, "ms_per_layer_step": 1e3 * seconds / n}
+            for method, seconds in (("host (numpy, pyfunc)", host_s),
+                                    ("aot (one-op Cell, launch included)", aot_s),
+                                    ("aot kernel (direct call)", kernel_s),
+                                    ("ops (MindSpore-ops twin)", ops_s))]
+    print("Measured (MindSpore GRAPH_MODE on this CPU), every twin gave the same tables:")
+    print(markdown_table(rows, ["workload", "method", "ms_per_layer_step", "replicated_experts",
+                                "copies_per_step", "dropped_rows"]))
+    print(f"ops twin compile: {compile_s:.2f} s")
     if args.json:
-        from ms_efficient.core.fileio import atomic_write_text
-
-        atomic_write_text(args.json, text + "\n")
+        write_bench_json(args.json, "fast_level", rows,
+                         meta={"trace": args.trace, "ops_compile_s": compile_s})
 
 
 if __name__ == "__main__":
