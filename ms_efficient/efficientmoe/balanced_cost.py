@@ -57,7 +57,7 @@ class BalancedCost:
     compute_L: np.ndarray
     sync_L: np.ndarray
     weight_bytes_L: np.ndarray
-    fast_L: Optional[np.ndarray] = None
+    fast_L: np.ndarray
 
 
 def _embed(matrix_LWW: np.ndarray, num_devices: int) -> np.ndarray:
