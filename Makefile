@@ -7,6 +7,14 @@ STAMP := $(VENV)/.ms_efficient-installed
 # msrun starts workers with the `python` on PATH, so the venv's bin goes first.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
+# The tests run Python with mimalloc preloaded (cmeel-mimalloc, from requirements.txt): MindSpore's
+# graph compiler spends about a quarter of its CPU time in glibc's malloc on this suite, and
+# every test and msrun worker compiles graphs (docs/testing.md). Without the library, plain malloc.
+MIMALLOC = $(firstword $(wildcard $(abspath $(VENV))/lib/python3*/site-packages/cmeel.prefix/lib/libmimalloc.so.3))
+FAST_MALLOC = $(if $(MIMALLOC),LD_PRELOAD=$(MIMALLOC) MIMALLOC_ALLOW_THP=0 MIMALLOC_PURGE_DELAY=-1)
+# ... and end pytest without the interpreter's teardown of every compiled graph (tests/conftest.py).
+export MS_EFFICIENT_TESTS_FAST_EXIT := 1
+
 .PHONY: install demo test test-fast clean
 
 install: $(STAMP)
@@ -22,10 +30,10 @@ demo: install
 	$(VENV)/bin/ms-efficient train configs/gpt_moe_tiny.yaml --out runs/demo --overwrite
 
 test: install
-	$(PY) -m pytest -q --durations=15 tests
+	$(FAST_MALLOC) $(PY) tests/run_lanes.py -q --durations=15
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" tests
+	$(FAST_MALLOC) $(PY) -m pytest -q -m "not slow" tests
 
 clean:
 	rm -rf runs build *.egg-info .pytest_cache

@@ -7,22 +7,18 @@ exported checkpoint gives the run's validation loss in the one-process reference
 """
 import json
 import os
-import shutil
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
 import yaml
 
-import workers
-from conftest import tiny_config_dict, write_corpus
+from conftest import tiny_config_dict
 from ms_efficient.cli import main
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.train.relayout import (gather_experts, home_slots, merge_trace_ranks, relayout,
                                          resumed_counts, scatter_experts)
-from workers import MSRUN, needs_msrun
+from test_ep_train import KILL_AFTER, REPLAN_AT, STEPS, two_workers_killed  # noqa: F401
+from workers import needs_msrun
 
 # --- the re-layout (numpy) -------------------------------------------------------------------
 
@@ -274,60 +270,21 @@ def test_export_refuses_differing_replicas_and_a_home_table_that_contradicts_the
 
 
 # --- msrun: 2 workers resumed at 1, 2 and 4 ----------------------------------------------------
-
-BASE_STEPS = 7       # the 2-worker run; the re-plan forced at step 6 adds replicas
-TOTAL = 17           # every continuation trains to here (--steps): 10 more steps
-
-
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(workers.REPO), env.get("PYTHONPATH")]
-                                        if p)
-    return env
-
-
-def _cli(*args):
-    proc = subprocess.run([sys.executable, "-m", "ms_efficient.cli", *args], env=_env(),
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
-@workers.in_background("resized_runs")
-def _resized_runs():
-    """A 2-worker run of BASE_STEPS steps (replicas in its final plans), then copies of it
-    resumed to TOTAL steps on 2, 1 and 4 workers, and its export: (base, {workers: run
-    folder}, model.ckpt, seconds)."""
-    if MSRUN is None:
-        return None
-    tmp = workers.temporary_dir("ep_resize_")
-    cfg = tiny_config_dict(write_corpus(tmp / "corpus"), str(tmp / "base"))
-    cfg["moe"].update(capacity_factor=0, trace_ranks=1, dispatch="grouped")
-    cfg["train"].update(steps=BASE_STEPS, log_every=1, eval_every=BASE_STEPS,
-                        save_every=BASE_STEPS)
-    cfg["efficientmoe"] = {"enabled": True, "warmup_steps": 3, "replan_every": 3, "window": 3,
-                           "force_replan_step": 6}
-    cfg["cluster"] = {"preset": "cpu-local", "devices_per_node": 4}    # room for 4 ranks
-    (tmp / "ep.yaml").write_text(yaml.safe_dump(cfg))
-    seconds = {}
-    start = time.perf_counter()
-    _cli("train", str(tmp / "ep.yaml"), "--workers", "2", "--out", str(tmp / "base"))
-    seconds["base"] = time.perf_counter() - start
-    _cli("checkpoint", "export", str(tmp / "base"), "--out", str(tmp / "model.ckpt"))
-    runs = {}
-    for n in (2, 1, 4):
-        runs[n] = tmp / f"resumed_{n}"
-        shutil.copytree(tmp / "base", runs[n], ignore=shutil.ignore_patterns("msrun_log"))
-        start = time.perf_counter()
-        _cli("train", "--resume", str(runs[n]), "--workers", str(n), "--steps", str(TOTAL))
-        seconds[n] = time.perf_counter() - start
-    return tmp / "base", runs, tmp / "model.ckpt", seconds
+# The 2-worker base is test_ep_train's run killed at step KILL_AFTER (its re-plan forced at
+# step REPLAN_AT adds replicas); copies of it resume on 1 and 4 workers, the killed run itself
+# on 2 (the run continued at 2), each to STEPS: 10 more steps. One base for both modules saves
+# two msrun launches (tests/workers.py: the suite's time is mostly msrun start-ups).
 
 
 @pytest.fixture(scope="module")
-def resized_runs():
-    if MSRUN is None:
-        pytest.skip("msrun is not on PATH")
-    return workers.background_result("resized_runs")
+def resized_runs(two_workers_killed):  # noqa: F811 (the fixture imported above)
+    """(the base's state.json, {workers: run folder}, model.ckpt, {workers: seconds of the
+    resume})."""
+    killed = two_workers_killed
+    assert killed["resumed"].returncode == 0, (killed["resumed"].stdout[-3000:]
+                                               + killed["resumed"].stderr[-3000:])
+    return (killed["base_state"], {2: killed["part"], **killed["resized"]}, killed["export"],
+            killed["seconds"])
 
 
 def _rows(run_dir, kind):
@@ -340,24 +297,26 @@ def _rows(run_dir, kind):
 @pytest.mark.parametrize("workers_n", [1, 4])
 def test_resumed_at_another_size_follows_the_run_continued_at_two(resized_runs, workers_n):
     """The same loss per step (1e-3 relative) for the 10 steps after the resume, and the same
-    validation loss at the end; the step and the LR schedule continue (steps 5..14, once)."""
+    validation loss at the end; the step and the LR schedule continue (steps 11..20, once)."""
     base, runs, _, seconds = resized_runs
-    plans = json.loads((base / "state.json").read_text())["plans"]
-    assert max(len(p["slot_expert"]) for p in plans) > 4          # replicated experts
+    base_step = base["step"]
+    assert base_step == KILL_AFTER and base["world_size"] == 2
+    assert _rows(runs[2], "replan")[0]["step"] == REPLAN_AT < base_step
+    assert max(len(p["slot_expert"]) for p in base["plans"]) > 4  # replicated experts
     two = {r["step"]: r["loss"] for r in _rows(runs[2], "train")}
     other = {r["step"]: r["loss"] for r in _rows(runs[workers_n], "train")}
-    assert sorted(other) == sorted(two) == list(range(1, TOTAL + 1))
-    steps = range(BASE_STEPS + 1, TOTAL + 1)
+    assert sorted(other) == sorted(two) == list(range(1, STEPS + 1))
+    steps = range(base_step + 1, STEPS + 1)
     gaps = [abs(other[s] - two[s]) / two[s] for s in steps]
     print(f"\n2 -> {workers_n} workers: worst relative loss gap {max(gaps):.2e} over "
           f"{len(gaps)} steps vs continuing at 2 (runs took {seconds})")
     assert max(gaps) <= 1e-3
-    assert other[BASE_STEPS + 1] != other[BASE_STEPS]       # it trained on
+    assert other[base_step + 1] != other[base_step]         # it trained on
     val = {r["step"]: r["val_loss"] for r in _rows(runs[workers_n], "val")}
     val2 = {r["step"]: r["val_loss"] for r in _rows(runs[2], "val")}
-    assert val[TOTAL] == pytest.approx(val2[TOTAL], rel=1e-3)
+    assert val[STEPS] == pytest.approx(val2[STEPS], rel=1e-3)
     state = json.loads((runs[workers_n] / "state.json").read_text())
-    assert state["step"] == TOTAL
+    assert state["step"] == STEPS
     if workers_n == 4:
         assert state["world_size"] == 4 and len(state["plans"]) == 2
         assert all(max(p["slot_device"]) == 3 for p in state["plans"])
@@ -373,16 +332,17 @@ def test_exported_checkpoint_gives_the_runs_validation_loss(resized_runs):
     from ms_efficient.core.config import load_config
     from ms_efficient.train.trainer import Trainer
 
-    base, _, model, _ = resized_runs
-    cfg = load_config(str(base / "config.yaml"), {"moe.dispatch": "grouped",
+    base, runs, model, _ = resized_runs
+    base_step = base["step"]
+    cfg = load_config(str(runs[2] / "config.yaml"), {"moe.dispatch": "grouped",
                                                   "efficientmoe.enabled": False})
-    trainer = Trainer(cfg, str(base.parent / "unused"))
+    trainer = Trainer(cfg, str(model.parent / "unused"))
     missing, unexpected = ms.load_param_into_net(trainer.net, ms.load_checkpoint(str(model)),
                                                  strict_load=True)
     assert missing == [] and unexpected == []
-    vals = {r["step"]: r["val_loss"] for r in _rows(base, "val")}
+    vals = {r["step"]: r["val_loss"] for r in _rows(runs[2], "val")}
     val = trainer.evaluate()
     print(f"\nexported checkpoint: validation loss {val:.6f}, the run recorded "
-          f"{vals[BASE_STEPS]:.5f} (rounded to 5 decimals) at step {BASE_STEPS}")
-    assert val == pytest.approx(vals[BASE_STEPS], abs=2e-5)
-    assert vals[BASE_STEPS] < vals[0] - 1e-3              # the trained state, not the initial
+          f"{vals[base_step]:.5f} (rounded to 5 decimals) at step {base_step}")
+    assert val == pytest.approx(vals[base_step], abs=2e-5)
+    assert vals[base_step] < vals[0] - 1e-3               # the trained state, not the initial

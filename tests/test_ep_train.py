@@ -5,6 +5,7 @@ and ``--resume`` after kill -9 continuing with the same losses.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -105,36 +106,37 @@ def test_resume_of_a_state_without_plans_on_other_workers_is_refused(tmp_path, c
 # --- one rank in process ---------------------------------------------------------------------
 
 
-_ONE_PROCESS = ("import sys\n"
-                "from ms_efficient.core.config import load_config\n"
-                "from ms_efficient.train.trainer import Trainer\n"
-                "Trainer(load_config(sys.argv[1], {'moe.dispatch': 'grouped'}), "
-                "sys.argv[2]).run()\n")
-_ONE_RANK = ("import sys\n"
-             "from ms_efficient.train.ep_worker import worker_main\n"
-             "sys.exit(worker_main(sys.argv[1:]))\n")
+_RUNS = ("import sys\n"
+         "from ms_efficient.core.config import load_config\n"
+         "from ms_efficient.train.ep_worker import worker_main\n"
+         "from ms_efficient.train.trainer import Trainer\n"
+         "for config, out, one in zip(*[iter(sys.argv[1:])] * 3):\n"
+         "    if one == 'one':\n"
+         "        Trainer(load_config(config, {'moe.dispatch': 'grouped'}), out).run()\n"
+         "    elif worker_main([config, '--out', out]) != 0:\n"
+         "        sys.exit(1)\n")
 
 
 def one_rank_runs(prefix, dispatches):
     """The one-process trainer with grouped (dropless) experts (``moe.dispatch`` grouped:
     one run serves every dispatch) and the W = 1 expert-parallel
     worker (``worker_main``, no msrun) with each of ``dispatches``, 4 steps of one config on
-    the same corpus, each in a child process (the background thread runs them while the
-    main thread runs other tests: tests/workers.py); {"one" or dispatch: run folder}."""
+    the same corpus, one after another in one child process (one MindSpore start-up for all;
+    the background thread runs it while the main thread runs other tests:
+    tests/workers.py); {"one" or dispatch: run folder}."""
     tmp = workers.temporary_dir(prefix)
     corpus = write_corpus(tmp / "corpus")
-    runs, env = {}, _cli_env()
+    runs, args = {}, []
     for name in ("one", *dispatches):
         folder = tmp / name
         folder.mkdir()
         sections = {} if name == "one" else {"moe": {"dispatch": name}}
         config = _config(folder, corpus, train={"steps": 4, "save_every": 4}, **sections)
         runs[name] = folder / "run"
-        command = ([_ONE_PROCESS, config, runs[name]] if name == "one" else
-                   [_ONE_RANK, config, "--out", runs[name]])
-        proc = subprocess.run([sys.executable, "-c", *map(str, command)], env=env,
-                              capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        args += [config, runs[name], "one" if name == "one" else "ep"]
+    proc = subprocess.run([sys.executable, "-c", _RUNS, *map(str, args)], env=_cli_env(),
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return runs
 
 
@@ -184,9 +186,12 @@ def _two_workers_config():
     the first background function that needs it (both run in the one background thread)."""
     if not _RUN:
         tmp = workers.temporary_dir("ep_train_")
-        _RUN.update(tmp=tmp, config=_config(tmp, write_corpus(tmp / "corpus"), efficientmoe={
-            "enabled": True, "warmup_steps": 4, "replan_every": 4, "window": 4,
-            "force_replan_step": REPLAN_AT}))
+        _RUN.update(tmp=tmp, config=_config(
+            tmp, write_corpus(tmp / "corpus"),
+            efficientmoe={"enabled": True, "warmup_steps": 4, "replan_every": 4, "window": 4,
+                          "force_replan_step": REPLAN_AT},
+            # room for 4 ranks: copies of the killed run resume on 4 workers
+            cluster={"preset": "cpu-local", "devices_per_node": 4}))
     return _RUN["tmp"], _RUN["config"]
 
 
@@ -208,9 +213,14 @@ def _two_workers_run():
 @workers.in_background("two_workers_killed")
 def _two_workers_killed_run():
     """The same config on 2 workers killed with SIGKILL (msrun, its scheduler and both
-    ranks) once its state.json reaches step KILL_AFTER, then ``train --resume`` of it (in
-    child processes, in the background: tests/workers.py); (run folder, the step state.json
-    named when the kill was sent, the resume's CompletedProcess)."""
+    ranks) once its state.json reaches step KILL_AFTER, then ``train --resume`` of it, and
+    copies of the killed run resumed on 1 and 4 workers and exported
+    (tests/test_ep_resize.py: the killed run is their 2-worker base, and its resume the run
+    continued at 2); all in child processes, in the background (tests/workers.py).
+    Returns {"part": the killed run resumed, "reached": the step state.json named when the
+    kill was sent, "resumed": the resume's CompletedProcess, "resized": {workers: run
+    folder}, "base_state": the killed run's state.json, "export": model.ckpt of the killed
+    run, "seconds": {workers: resume time}}."""
     if MSRUN is None:
         return None
     tmp, config = _two_workers_config()
@@ -218,8 +228,25 @@ def _two_workers_killed_run():
     reached = workers.run_and_kill(
         [sys.executable, "-m", "ms_efficient.cli", "train", config, "--workers", "2", "--out",
          part], part / "state.json", KILL_AFTER, poll_s=0.1, env=_cli_env())
-    # world size from state.json
-    return part, reached, workers.run_cli(["train", "--resume", part], env=_cli_env())
+    base_state = json.loads((part / "state.json").read_text())
+    resized = {n: tmp / f"resized_{n}" for n in (1, 4)}
+    for folder in resized.values():            # before the resume below changes the folder
+        shutil.copytree(part, folder, ignore=shutil.ignore_patterns("msrun_log"))
+    export = tmp / "model.ckpt"
+    done = workers.run_cli(["checkpoint", "export", resized[1], "--out", export],
+                           env=_cli_env())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    seconds = {}
+    start = time.perf_counter()
+    resumed = workers.run_cli(["train", "--resume", part], env=_cli_env())
+    seconds[2] = time.perf_counter() - start
+    for n, folder in resized.items():
+        start = time.perf_counter()
+        done = workers.run_cli(["train", "--resume", folder, "--workers", n], env=_cli_env())
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        seconds[n] = time.perf_counter() - start
+    return {"part": part, "reached": reached, "resumed": resumed, "base_state": base_state,
+            "resized": resized, "export": export, "seconds": seconds}
 
 
 _REFERENCES = {}     # what the one-process trainer computes -> (its run folder, seconds)
@@ -282,8 +309,8 @@ def two_workers(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_workers_killed():
-    """(run folder, step at the kill, the resume's CompletedProcess) of the killed 2-worker
-    run (``_two_workers_killed_run``)."""
+    """The killed 2-worker run, its resume and its resized copies
+    (``_two_workers_killed_run``)."""
     if MSRUN is None:
         pytest.skip("msrun is not on PATH")
     return workers.background_result("two_workers_killed")
@@ -350,7 +377,8 @@ def test_two_workers_replan_without_recompiling_and_save_every_rank(two_workers)
 @needs_msrun
 def test_resume_after_kill_9_continues_with_the_same_losses(two_workers, two_workers_killed):
     config, ep, _, _ = two_workers
-    part, reached, resumed = two_workers_killed
+    killed = two_workers_killed
+    part, reached, resumed = killed["part"], killed["reached"], killed["resumed"]
     state_path = part / "state.json"
     assert KILL_AFTER <= reached < STEPS, f"killed at step {reached}"
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
