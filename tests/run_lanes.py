@@ -6,7 +6,7 @@ Lane A is every test module but those in LANE_B; lane B is LANE_B. Each session 
 background thread of tests/workers.py for the child processes its tests read (msrun jobs,
 measurement processes). The lanes share no fixture: a module using ``shared_graphs`` or a
 background fixture of lane A's stays in lane A. One session leaves a core idle whenever its
-background jobs wait (an msrun job spends most of its 18-24 s start-up and shut-down
+background jobs wait (an msrun job spends most of its 14-15 s start-up and shut-down
 waiting, scripts/time_msrun_startup.py); the second session uses it. Lane A's output streams; lane B's
 is printed when both have finished. The exit status is lane A's, or lane B's if A passed.
 Extra arguments go to both sessions (e.g. ``-x``, ``--durations=15``).

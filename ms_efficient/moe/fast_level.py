@@ -459,13 +459,13 @@ class _AotTables(nn.Cell):
     inputs: ``construct(counts_WE, home_WS)`` -> the six tables (spare columns max(S_s, 1))."""
 
     def __init__(self, library: str, world: int, num_experts: int, spare: int,
-                 buffer_W: np.ndarray, copy_cost_WW: Optional[np.ndarray],
+                 buffer_W: np.ndarray, copy_cost_WW: np.ndarray,
                  devices_per_node: Optional[int]):
+        """buffer_W int64 [W] and copy_cost_WW float64 [W, W]: ``_checked_layout``'s."""
         super().__init__()
         w, e, cols = world, num_experts, max(int(spare), 1)
-        self.buffer_W = Tensor(np.asarray(buffer_W, dtype=np.int64))
-        self.cost_WW = Tensor(np.zeros((w, w)) if copy_cost_WW is None
-                              else np.asarray(copy_cost_WW, dtype=np.float64))
+        self.buffer_W = Tensor(buffer_W)
+        self.cost_WW = Tensor(copy_cost_WW)
         self.conf = Tensor(np.array([int(spare), int(devices_per_node or 0)], dtype=np.int64))
         shapes = ((w, e, w), (e, w), (w, cols), (w, cols), (w, e), (3 + w,))
         self.op = ops.Custom(f"{library}:FastLevelTables", out_shape=lambda *_: shapes,

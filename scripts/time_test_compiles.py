@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""Where the test suite's CPU goes in one expert-parallel rank, measured (MindSpore on this CPU).
+
+Two measurements on the tests' tiny expert-parallel config (2 layers, 4 experts, grouped
+dispatch, W = 1, no msrun), each in fresh child processes, ``--repeat`` times:
+
+- ``worker``: CPU seconds (user + system) of a whole W = 1 run of ``ep_worker.worker_main``
+  (3 steps: imports, both graph compiles, the steps), with glibc's malloc and with mimalloc
+  preloaded as ``make test`` does (``LD_PRELOAD`` of the venv's cmeel-mimalloc,
+  ``MIMALLOC_ALLOW_THP=0 MIMALLOC_PURGE_DELAY=-1``; also with transparent huge pages allowed);
+- ``compile``: CPU seconds of the first ``train_step`` call (its compile) of
+  ``ExpertParallelTrainer``, as built and with ``GradReducer.construct`` replaced by the
+  identity: the reducer's share of the compile.
+
+Prints a table and JSON (``core.benchio`` rows, evidence "measured"; ``--json`` writes it).
+
+    python scripts/time_test_compiles.py [--repeat 3] [--json out.json]
+"""
+import argparse
+import glob
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from conftest import tiny_config_dict, write_corpus  # noqa: E402  (the tests' own config)
+from ms_efficient.core.benchio import markdown_table, write_bench_json  # noqa: E402
+
+WORKER = ("import sys\n"
+          "from ms_efficient.train.ep_worker import worker_main\n"
+          "sys.exit(worker_main(sys.argv[1:]))\n")
+COMPILE = ("import sys, time\n"
+           "import numpy as np\n"
+           "from mindspore import Tensor\n"
+           "from ms_efficient.core.config import load_config\n"
+           "from ms_efficient.train import expert_parallel as ep\n"
+           "def identity(self, grads):\n"
+           "    return grads\n"
+           "if sys.argv[3] == 'identity':\n"
+           "    ep.GradReducer.construct = identity\n"
+           "cfg = load_config(sys.argv[1])\n"
+           "t = ep.ExpertParallelTrainer(cfg, sys.argv[2])\n"
+           "x = Tensor(np.zeros((t.local_batch, cfg.model.seq_length), np.int32))\n"
+           "start = time.process_time()\n"
+           "t.train_step(x, x)\n"
+           "print('compile_cpu_s', time.process_time() - start)\n")
+
+
+def mimalloc() -> str:
+    """The venv's libmimalloc (what ``make test`` preloads), or ''."""
+    found = glob.glob(os.path.join(os.path.dirname(os.path.dirname(sys.executable)), "lib",
+                                   "python3*", "site-packages", "cmeel.prefix", "lib",
+                                   "libmimalloc.so.3"))
+    return found[0] if found else ""
+
+
+def child(code: str, args, env_extra) -> tuple:
+    """Run ``code`` as a script file (MindSpore parses the source of what it compiles) with
+    ``args`` and ``env_extra``: (CPU seconds of the child, stdout)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               GLOG_v="3", **env_extra)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as fh:
+        fh.write(code)
+    try:
+        proc = subprocess.run([sys.executable, fh.name, *map(str, args)], env=env,
+                              capture_output=True, text=True)
+    finally:
+        os.unlink(fh.name)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise RuntimeError(f"child failed (rc={proc.returncode}):\n{proc.stderr[-2000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return cpu, proc.stdout
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each row (>= 1)")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"'--repeat' must be >= 1, but got {args.repeat}.")
+    tmp = tempfile.mkdtemp(prefix="time_test_compiles_")
+    cfg = tiny_config_dict(write_corpus(__import__("pathlib").Path(tmp) / "corpus"),
+                           os.path.join(tmp, "run"))
+    cfg["moe"].update(trace_ranks=1, dispatch="grouped")
+    cfg["train"].update(steps=3, log_every=1, eval_every=3, save_every=3)
+    config = os.path.join(tmp, "ep.yaml")
+    with open(config, "w", encoding="utf-8") as fh:
+        yaml.safe_dump(cfg, fh)
+
+    lib = mimalloc()
+    allocators = {"glibc": {}}
+    if lib:
+        allocators["mimalloc (make test)"] = {"LD_PRELOAD": lib, "MIMALLOC_ALLOW_THP": "0",
+                                              "MIMALLOC_PURGE_DELAY": "-1"}
+        allocators["mimalloc, THP allowed"] = {"LD_PRELOAD": lib, "MIMALLOC_PURGE_DELAY": "-1"}
+    rows = []
+    for name, extra in allocators.items():
+        runs = [child(WORKER, [config, "--out", os.path.join(tmp, f"w{len(rows)}_{i}")],
+                      extra)[0] for i in range(args.repeat)]
+        rows.append({"evidence": "measured", "workload": "W=1 EP worker, 3 steps",
+                     "method": name, "cpu_s_mean": round(sum(runs) / len(runs), 2),
+                     "cpu_s_runs": [round(r, 2) for r in runs]})
+    for reducer in ("as built", "identity"):
+        runs = []
+        for i in range(args.repeat):
+            out = child(COMPILE, [config, os.path.join(tmp, f"c{reducer[0]}{i}"), reducer],
+                        {})[1]
+            runs.append(float(out.split("compile_cpu_s")[-1].split()[0]))
+        rows.append({"evidence": "measured", "workload": "EP train_step compile (W=1)",
+                     "method": f"GradReducer {reducer}",
+                     "cpu_s_mean": round(sum(runs) / len(runs), 2),
+                     "cpu_s_runs": [round(r, 2) for r in runs]})
+    print(markdown_table(rows))
+    print(json.dumps({"benchmark": "test suite CPU parts", "rows": rows}, indent=1))
+    if args.json:
+        write_bench_json(args.json, "test suite CPU parts", rows, {"mimalloc": lib})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
