@@ -10,20 +10,26 @@ dispatch, W = 1, no msrun), each in fresh child processes, ``--repeat`` times:
   ``MIMALLOC_ALLOW_THP=0 MIMALLOC_PURGE_DELAY=-1``; also with transparent huge pages allowed);
 - ``compile``: CPU seconds of the first ``train_step`` call (its compile) of
   ``ExpertParallelTrainer``, as built and with ``GradReducer.construct`` replaced by the
-  identity: the reducer's share of the compile.
+  identity: the reducer's share of the compile;
+- ``workers`` (when msrun is on PATH): CPU and wall seconds of ``ms-efficient train --workers
+  W`` (W = 2 and 4, 20 steps, the tests' config with a forced re-plan), with MindSpore's graph
+  pipeline off (what the launcher sets on CPU: ``core.backend.runtime_conf``) and on (the
+  user's ``MS_DEV_RUNTIME_CONF=graph_pipeline:True``, which the launcher keeps).
 
 Prints a table and JSON (``core.benchio`` rows, evidence "measured"; ``--json`` writes it).
 
-    python scripts/time_test_compiles.py [--repeat 3] [--json out.json]
+    PATH=.venv/bin:$PATH python scripts/time_test_compiles.py [--repeat 3] [--json out.json]
 """
 import argparse
 import glob
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import yaml
 
@@ -82,6 +88,27 @@ def child(code: str, args, env_extra) -> tuple:
     return cpu, proc.stdout
 
 
+def launch(config: str, workers: int, out: str, pipeline: str) -> tuple:
+    """``ms-efficient train CONFIG --workers W --out OUT`` with ``MS_DEV_RUNTIME_CONF`` set to
+    ``pipeline`` ("" leaves it unset): (CPU seconds of the launch and its ranks, wall seconds)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               GLOG_v="3")
+    env.pop("MS_DEV_RUNTIME_CONF", None)
+    if pipeline:
+        env["MS_DEV_RUNTIME_CONF"] = pipeline
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "ms_efficient.cli", "train", config,
+                           "--workers", str(workers), "--out", out], env=env,
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise RuntimeError(f"train --workers {workers} failed (rc={proc.returncode}):\n"
+                           f"{proc.stderr[-2000:]}")
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), wall
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=3, help="runs of each row (>= 1)")
@@ -121,6 +148,28 @@ def main(argv=None) -> int:
                      "method": f"GradReducer {reducer}",
                      "cpu_s_mean": round(sum(runs) / len(runs), 2),
                      "cpu_s_runs": [round(r, 2) for r in runs]})
+    if shutil.which("msrun") or shutil.which("msrun", path=os.path.dirname(sys.executable)):
+        cfg["moe"]["dispatch"] = "balanced"
+        cfg["train"].update(steps=20, log_every=1, eval_every=10, save_every=5)
+        cfg["efficientmoe"] = {"enabled": True, "force_replan_step": 16}
+        cfg["cluster"] = {"preset": "cpu-local", "devices_per_node": 4}
+        config = os.path.join(tmp, "ep_workers.yaml")
+        with open(config, "w", encoding="utf-8") as fh:
+            yaml.safe_dump(cfg, fh)
+        for workers in (2, 4):
+            for tag, name, pipeline in (
+                    ("off", "graph pipeline off (launcher default on CPU)", ""),
+                    ("on", "graph pipeline on", "graph_pipeline:True")):
+                runs = [launch(config, workers, os.path.join(tmp, f"w{workers}_{tag}_{i}"),
+                               pipeline) for i in range(args.repeat)]
+                cpu = [r[0] for r in runs]
+                rows.append({"evidence": "measured",
+                             "workload": f"train --workers {workers}, 20 steps (balanced)",
+                             "method": name, "cpu_s_mean": round(sum(cpu) / len(cpu), 2),
+                             "cpu_s_runs": [round(c, 2) for c in cpu],
+                             "wall_s_runs": [round(r[1], 1) for r in runs]})
+    else:
+        print("msrun is not on PATH: no 'train --workers' rows (PATH=.venv/bin:$PATH)")
     print(markdown_table(rows))
     print(json.dumps({"benchmark": "test suite CPU parts", "rows": rows}, indent=1))
     if args.json:

@@ -173,3 +173,18 @@ def test_use_device_twice_after_a_kernel_ran_is_allowed():
     backend.use_device("CPU")
     backend.use_device("CPU")
     assert backend.device_target() == "CPU"
+
+
+def test_runtime_conf_turns_the_graph_pipeline_off_on_cpu_only_and_keeps_the_users_items():
+    """The CPU ranks' MS_DEV_RUNTIME_CONF (core.backend.runtime_conf): the user's items first,
+    then graph_pipeline:False; a user's own graph_pipeline stands; other targets unchanged."""
+    from ms_efficient.core import backend
+
+    assert backend.runtime_conf("CPU", "") == "graph_pipeline:False"
+    assert (backend.runtime_conf("CPU", "compile_statistics:True") ==
+            "compile_statistics:True,graph_pipeline:False")
+    assert backend.runtime_conf("CPU", "memory_statistics:True,") == \
+        "memory_statistics:True,graph_pipeline:False"
+    assert backend.runtime_conf("CPU", "graph_pipeline:True") == "graph_pipeline:True"
+    assert backend.runtime_conf("Ascend", "") == ""
+    assert backend.runtime_conf("Ascend", "pipeline:False") == "pipeline:False"

@@ -360,6 +360,10 @@ def test_two_workers_replan_without_recompiling_and_save_every_rank(two_workers)
     assert state["world_size"] == 2 and state["step"] == STEPS
     for rank in range(2):
         assert (ep / state["checkpoint"].format(rank=rank)).is_file()
+        # the launcher ran the CPU ranks with MindSpore's graph pipeline off (core.backend.
+        # runtime_conf): MindSpore prints the runtime config it parsed into the rank's log
+        log = (ep / "msrun_log" / f"worker_{rank}.log").read_text(errors="replace")
+        assert "[MS_DEV_RUNTIME_CONF] config:  graph_pipeline:False" in log
     from ms_efficient.moe.trace import load_trace
 
     trace = load_trace(str(ep / "trace.npz"))

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from ms_efficient.core import backend
+
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = REPO / "scripts" / "msrun_launcher.sh"
 # msrun from PATH, else the one installed beside this interpreter (the project's venv)
@@ -77,6 +79,8 @@ def launch(name: str, run_dir: Path, world: int) -> subprocess.Popen:
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([os.path.dirname(MSRUN), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)
+    # CPU ranks as `train --workers` starts them: MindSpore's graph pipeline off
+    env["MS_DEV_RUNTIME_CONF"] = backend.runtime_conf("CPU", env.get("MS_DEV_RUNTIME_CONF", ""))
     script = REPO / "tests" / "dist" / f"{name}.py"
     command = ["bash", str(LAUNCHER), f"python {script} {run_dir / 'out'}", str(world),
                str(world), "127.0.0.1", str(free_port()), "0", str(run_dir / "log"),

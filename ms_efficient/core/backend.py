@@ -31,14 +31,24 @@ reason, in one table:
                                                            AllToAllV emulation: the same values
                                                            (unfilled block rows are zeros), the
                                                            padded traffic.
+    runtime_conf()    as given   CPU: adds                 MindSpore's graph pipeline runs a
+                                 "graph_pipeline:False"    step's graph on a queue thread while
+                                 to MS_DEV_RUNTIME_CONF    the Python thread that waits for its
+                                                           outputs spins (a loop with no sleep),
+                                                           a core per rank; CPU ranks share the
+                                                           host's cores, so the spinning takes
+                                                           them from the ranks that compute. Off:
+                                                           the same steps, a third to a half less
+                                                           CPU (scripts/time_test_compiles.py).
 
 Add a new choice as a function ``<thing>_impl(device_target=None) -> str`` that returns one of a
 few documented string constants, and list it in the table above.
 """
+import os
 from typing import Optional
 
-import mindspore as ms
-from mindspore.communication import GlobalComm, get_group_size, get_rank
+# MindSpore is imported by the functions that ask it, so that the msrun launcher (which only
+# needs runtime_conf) starts without it.
 
 __all__ = [
     "ASCEND",
@@ -63,6 +73,8 @@ __all__ = [
     "group_size",
     "group_rank",
     "recompile_on_next_call",
+    "RUNTIME_CONF_ENV",
+    "runtime_conf",
 ]
 
 ASCEND = "Ascend"
@@ -88,6 +100,8 @@ COUNTED_BLOCK_EMULATION = "block-emulation"  # the static blocks through AllToAl
 
 def device_target() -> str:
     """The MindSpore device target of this process: "Ascend", "CPU" or "GPU"."""
+    import mindspore as ms
+
     return ms.get_context("device_target")
 
 
@@ -96,6 +110,8 @@ def use_device(target: str) -> None:
     MindSpore refuses ``set_device`` once a kernel has run, even to the same target, so a
     process that builds several networks (a benchmark, a test run) calls this every time."""
     if device_target() != target:
+        import mindspore as ms
+
         ms.set_device(target)
 
 
@@ -138,18 +154,43 @@ def counted_alltoall_impl(target: Optional[str] = None) -> str:
     return COUNTED_NATIVE if is_ascend(target) else COUNTED_BLOCK_EMULATION
 
 
+RUNTIME_CONF_ENV = "MS_DEV_RUNTIME_CONF"     # MindSpore reads it once, at its first use
+
+
+def runtime_conf(target: str, conf: Optional[str] = None) -> str:
+    """The ``MS_DEV_RUNTIME_CONF`` value for processes on ``target``, from ``conf`` (default:
+    this process's environment): on CPU ``conf`` with ``graph_pipeline:False`` added, unless
+    it names ``graph_pipeline`` itself (the user's choice stands); elsewhere ``conf`` as it
+    is. "key:value" items, comma-separated, as MindSpore parses them. Set it in the
+    environment of the worker processes before they start (``train --workers`` does):
+    MindSpore reads the variable once per process."""
+    conf = os.environ.get(RUNTIME_CONF_ENV, "") if conf is None else conf
+    if target != CPU:
+        return conf
+    keys = {item.split(":", 1)[0].strip() for item in conf.split(",") if ":" in item}
+    if "graph_pipeline" in keys:
+        return conf
+    return ",".join(item for item in (conf.strip(", "), "graph_pipeline:False") if item)
+
+
 def world_group() -> str:
     """Name of the world communication group of the initialised backend (e.g. "mccl_world_group")."""
+    from mindspore.communication import GlobalComm
+
     return GlobalComm.WORLD_COMM_GROUP
 
 
 def group_size(group: Optional[str] = None) -> int:
     """Number of ranks in `group` (default: the world group); 1 before ``init()`` is called."""
+    from mindspore.communication import get_group_size
+
     return get_group_size(group or world_group())
 
 
 def group_rank(group: Optional[str] = None) -> int:
     """This process's rank inside `group` (default: the world group); 0 before ``init()``."""
+    from mindspore.communication import get_rank
+
     return get_rank(group or world_group())
 
 

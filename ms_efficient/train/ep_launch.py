@@ -17,6 +17,7 @@ import subprocess
 import sys
 from typing import List, Optional
 
+from ms_efficient.core import backend
 from ms_efficient.core.config import check_dispatch, load_config
 
 __all__ = ["launch", "saved_world_size", "is_expert_parallel_run", "load_run_config",
@@ -122,6 +123,9 @@ def launch(workers: int, config: Optional[str], out: Optional[str] = None,
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.path.dirname(msrun),
                                    env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join(p for p in [PACKAGE_PARENT, env.get("PYTHONPATH")] if p)
+    conf = backend.runtime_conf(cfg.context.device_target, env.get(backend.RUNTIME_CONF_ENV, ""))
+    if conf:
+        env[backend.RUNTIME_CONF_ENV] = conf
     cmd = [msrun, f"--worker_num={workers}", f"--local_worker_num={workers}",
            "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "--join=True",
            f"--cluster_time_out={timeout_s}", f"--log_dir={log_dir}"]

@@ -7,7 +7,7 @@ on the rank, everything else is replicated (data-parallel):
 
     global batch [B, S] (train.batch_size rows)  -> rank r takes rows [r B/W, (r+1) B/W)
     forward/backward on the local rows            -> local loss_r, grads
-    dense + router grads: one flat AllReduce, / W (the gradient of the mean of the ranks'
+    dense + router grads: AllReduce each, / W (the gradient of the mean of the ranks'
         losses); expert grads: / W only (the All-to-All's backward already summed every
         rank's contribution: ep_layer's "Gradient scale");
     clipping by the global norm: dense norm^2 + AllReduce of the local expert norm^2, every
@@ -53,6 +53,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+from mindspore.ops import composite as C, functional as F
 
 from ms_efficient.core import backend
 from ms_efficient.core.config import RunConfig, check_dispatch, save_config
@@ -77,15 +78,52 @@ __all__ = ["ExpertParallelTrainer", "GradReducer"]
 logger = logging.getLogger(__name__)
 
 
+_unflatten = C.MultitypeFuncGraph("_unflatten")
+
+
+@_unflatten.register("Tensor", "Number", "Number", "Tuple", "Number", "Tensor")
+def _unflatten_one(flat, offset, size, shape, world, grad):
+    """One gradient of a W-rank step: a dense one (``size`` > 0) read back from ``flat``, the
+    AllReduce-summed dense gradients / W, at ``offset``; an expert one / W (the All-to-All's
+    backward summed it)."""
+    if size > 0:
+        return ops.reshape(ops.slice(flat, (offset,), (size,)), shape)
+    return grad / world
+
+
+_dense_square = C.MultitypeFuncGraph("_dense_square")
+
+
+@_dense_square.register("Bool", "Tensor")
+def _dense_square_one(dense, grad):
+    """Squared norm of a dense gradient, 0 for an expert one (weighted per slot apart)."""
+    if dense:
+        return (grad * grad).sum()
+    return ops.zeros((), ms.float32)
+
+
+_scale = C.MultitypeFuncGraph("_scale")
+
+
+@_scale.register("Tensor", "Tensor")
+def _scale_one(scale, grad):
+    return grad * scale
+
+
 class GradReducer(nn.Cell):
     """``construct(grads) -> grads`` for ``params`` (the optimizer's order): dense gradients
-    averaged over the W ranks (one AllReduce of them flattened), expert gradients divided by
-    W, then all clipped by the global norm ``clip`` (0: no clipping) as
+    averaged over the W ranks (one AllReduce of them flattened), expert gradients divided by W,
+    then all clipped by the global norm ``clip`` (0: no clipping) as
     ``ops.clip_by_global_norm`` clips the one-process gradients. ``norm_weight_{j}`` float32
     [S_b] of MoE layer j: 1 / replicas of the slot's expert, 0 for empty slots; data
     (Parameters): call :meth:`set_plans` after every re-plan (the trainer does; in a
     ``Model.train`` loop with ``EfficientMoECallback``, do it when its ``plans`` grows).
-    ``grads``: the tuple of gradients, one per parameter, each of its parameter's shape."""
+    ``grads``: the tuple of gradients, one per parameter, each of its parameter's shape.
+
+    Built from ``HyperMap`` over the gradient tuple, not a Python loop, because every EP rank
+    compiles it: the loop (index the tuple, split the flat buffer, rebuild the tuple) took 3.6
+    of the 8.4 CPU-s of a W = 1 train-step compile (scripts/time_test_compiles.py at commit
+    a7f48c6). With one rank nothing is reduced."""
 
     def __init__(self, params, layers: List[ExpertParallelMoE], world: int, clip: float):
         super().__init__()
@@ -93,15 +131,21 @@ class GradReducer(nn.Cell):
         for j, layer in enumerate(layers):
             for p in (layer.w1, layer.b1, layer.w2, layer.b2):
                 owner[id(p)] = j
-        self.kind = tuple(owner.get(id(p), -1) for p in params)   # -1: dense
-        self.dense = tuple(i for i, k in enumerate(self.kind) if k < 0)
-        self.sizes = tuple(int(np.prod(params[i].shape)) for i in self.dense)
-        self.shapes = tuple(tuple(params[i].shape) for i in self.dense)
+        kind = [owner.get(id(p), -1) for p in params]        # -1: dense
+        self.is_dense = tuple(k < 0 for k in kind)
+        self.dense = tuple(i for i, k in enumerate(kind) if k < 0)
+        self.experts = tuple((i, k) for i, k in enumerate(kind) if k >= 0)
+        # dense gradient i at flat[offsets[i]:offsets[i] + sizes[i]] (size 0: an expert's)
+        self.sizes = tuple(int(np.prod(p.shape)) if k < 0 else 0 for p, k in zip(params, kind))
+        self.offsets = tuple(int(o) for o in np.cumsum((0,) + self.sizes)[:-1])
+        self.shapes = tuple(tuple(p.shape) for p in params)
         self.world, self.clip = world, float(clip)
+        self.worlds = (world,) * len(params)                     # HyperMap's per-gradient W
         self.weights = ParameterTuple([Parameter(Tensor(np.zeros(layer.budget, np.float32)),
                                                  name=f"norm_weight_{j}", requires_grad=False)
                                        for j, layer in enumerate(layers)])
         self.set_plans(layers)
+        self.hyper_map = C.HyperMap()
         if world > 1:
             self.all_reduce = ops.AllReduce(op=ops.ReduceOp.SUM)
 
@@ -115,33 +159,24 @@ class GradReducer(nn.Cell):
             write_parameter(weight, values)     # in place: the jit train step sees it
 
     def construct(self, grads):
-        n = len(self.kind)
-        dense = ops.concat([grads[i].reshape(-1) for i in self.dense])
         if self.world > 1:
-            dense = self.all_reduce(dense) / self.world
-        parts = ops.split(dense, self.sizes)
-        sq = (dense * dense).sum()
-        expert_sq = ops.zeros((), ms.float32)
-        out = ()
-        d = 0
-        for i in range(n):
-            j = self.kind[i]
-            if j < 0:
-                out = out + (parts[d].reshape(self.shapes[d]),)
-                d += 1
-            else:
-                g = grads[i] / self.world
-                rows = (g * g).reshape(g.shape[0], -1).sum(axis=1)
-                expert_sq = expert_sq + (rows * self.weights[j]).sum()
-                out = out + (g,)
+            flat = ops.concat([grads[i].reshape(-1) for i in self.dense])
+            flat = self.all_reduce(flat) / self.world
+            grads = self.hyper_map(F.partial(_unflatten, flat), self.offsets, self.sizes,
+                                   self.shapes, self.worlds, grads)
         if self.clip <= 0:
-            return out
+            return grads
+        sq = ops.addn(self.hyper_map(_dense_square, self.is_dense, grads))
+        expert_sq = ops.zeros((), ms.float32)
+        for i, j in self.experts:
+            g = grads[i]
+            rows = (g * g).reshape(g.shape[0], -1).sum(axis=1)
+            expert_sq = expert_sq + (rows * self.weights[j]).sum()
         if self.world > 1:
             expert_sq = self.all_reduce(expert_sq)
         norm = ops.sqrt(sq + expert_sq)
         norm = ops.select(norm >= self.clip, norm, ops.fill(ms.float32, (), self.clip))
-        scale = self.clip / norm
-        return tuple(g * scale for g in out)
+        return self.hyper_map(F.partial(_scale, self.clip / norm), grads)
 
 
 class ExpertParallelTrainer:
