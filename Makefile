@@ -14,6 +14,10 @@ MIMALLOC = $(firstword $(wildcard $(abspath $(VENV))/lib/python3*/site-packages/
 FAST_MALLOC = $(if $(MIMALLOC),LD_PRELOAD=$(MIMALLOC) MIMALLOC_ALLOW_THP=0 MIMALLOC_PURGE_DELAY=-1)
 # ... and end pytest without the interpreter's teardown of every compiled graph (tests/conftest.py).
 export MS_EFFICIENT_TESTS_FAST_EXIT := 1
+# ... and let Python cache the byte code of what it imports (some environments set
+# PYTHONDONTWRITEBYTECODE, and then every test and worker process compiles every module of
+# ms_efficient and the tests from source again).
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install demo test test-fast clean
 
