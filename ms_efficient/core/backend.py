@@ -38,8 +38,9 @@ reason, in one table:
                                                            a core per rank; CPU ranks share the
                                                            host's cores, so the spinning takes
                                                            them from the ranks that compute. Off:
-                                                           the same steps, a third to a half less
-                                                           CPU (scripts/time_test_compiles.py).
+                                                           the same steps, a fifth (2 ranks) to
+                                                           30 % (4) less CPU, sooner done
+                                                           (scripts/time_test_compiles.py).
 
 Add a new choice as a function ``<thing>_impl(device_target=None) -> str`` that returns one of a
 few documented string constants, and list it in the table above.

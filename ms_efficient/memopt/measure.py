@@ -84,9 +84,10 @@ def measure_plan(model: Dict[str, Any], moe: Dict[str, Any], batch_size: int,
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
                GLOG_v="3")
-    # MindSpore's graph pipeline off (core.backend.runtime_conf): with it, the Python thread
-    # spins while a step runs, and a step's CPU seconds were twice its work (0.58 against
-    # 0.30 s for the unoptimised reference model; the allocator peak is the same bytes)
+    # MindSpore's graph pipeline off (core.backend.runtime_conf): with it the Python thread
+    # spins while a step runs, and "step_cpu_s" counted the spinning (0.58 against 0.30 s
+    # for the unoptimised reference model, the same allocator peak; compare with
+    # MS_DEV_RUNTIME_CONF=graph_pipeline:True, which this keeps)
     env[backend.RUNTIME_CONF_ENV] = backend.runtime_conf(backend.CPU,
                                                          env.get(backend.RUNTIME_CONF_ENV, ""))
     proc = subprocess.run([sys.executable, "-m", "ms_efficient.memopt.measure", spec],
