@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Where the test suite's CPU goes in one expert-parallel rank, measured (MindSpore on this CPU).
+"""Where the test suite's CPU goes in its expert-parallel ranks, measured (MindSpore on this CPU).
 
-Two measurements on the tests' tiny expert-parallel config (2 layers, 4 experts, grouped
-dispatch, W = 1, no msrun), each in fresh child processes, ``--repeat`` times:
+Measurements on the tests' tiny expert-parallel config (2 layers, 4 experts; grouped
+dispatch at W = 1 without msrun for the first two), each in fresh child processes,
+``--repeat`` times:
 
 - ``worker``: CPU seconds (user + system) of a whole W = 1 run of ``ep_worker.worker_main``
   (3 steps: imports, both graph compiles, the steps), with glibc's malloc and with mimalloc

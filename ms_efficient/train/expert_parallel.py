@@ -7,7 +7,7 @@ on the rank, everything else is replicated (data-parallel):
 
     global batch [B, S] (train.batch_size rows)  -> rank r takes rows [r B/W, (r+1) B/W)
     forward/backward on the local rows            -> local loss_r, grads
-    dense + router grads: AllReduce each, / W (the gradient of the mean of the ranks'
+    dense + router grads: one flat AllReduce, / W (the gradient of the mean of the ranks'
         losses); expert grads: / W only (the All-to-All's backward already summed every
         rank's contribution: ep_layer's "Gradient scale");
     clipping by the global norm: dense norm^2 + AllReduce of the local expert norm^2, every
