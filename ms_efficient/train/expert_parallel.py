@@ -94,10 +94,11 @@ def _unflatten_one(flat, offset, size, shape, world, grad):
 _dense_square = C.MultitypeFuncGraph("_dense_square")
 
 
-@_dense_square.register("Bool", "Tensor")
-def _dense_square_one(dense, grad):
-    """Squared norm of a dense gradient, 0 for an expert one (weighted per slot apart)."""
-    if dense:
+@_dense_square.register("Number", "Tensor")
+def _dense_square_one(size, grad):
+    """Squared norm of a dense gradient (``size`` > 0), 0 for an expert one (``size`` 0:
+    weighted per slot apart)."""
+    if size > 0:
         return (grad * grad).sum()
     return ops.zeros((), ms.float32)
 
@@ -132,7 +133,6 @@ class GradReducer(nn.Cell):
             for p in (layer.w1, layer.b1, layer.w2, layer.b2):
                 owner[id(p)] = j
         kind = [owner.get(id(p), -1) for p in params]        # -1: dense
-        self.is_dense = tuple(k < 0 for k in kind)
         self.dense = tuple(i for i, k in enumerate(kind) if k < 0)
         self.experts = tuple((i, k) for i, k in enumerate(kind) if k >= 0)
         # dense gradient i at flat[offsets[i]:offsets[i] + sizes[i]] (size 0: an expert's)
@@ -166,7 +166,7 @@ class GradReducer(nn.Cell):
                                    self.shapes, self.worlds, grads)
         if self.clip <= 0:
             return grads
-        sq = ops.addn(self.hyper_map(_dense_square, self.is_dense, grads))
+        sq = ops.addn(self.hyper_map(_dense_square, self.sizes, grads))
         expert_sq = ops.zeros((), ms.float32)
         for i, j in self.experts:
             g = grads[i]
