@@ -85,9 +85,9 @@ def measure_plan(model: Dict[str, Any], moe: Dict[str, Any], batch_size: int,
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
                GLOG_v="3")
     # MindSpore's graph pipeline off (core.backend.runtime_conf): with it the Python thread
-    # spins while a step runs, and "step_cpu_s" counted the spinning (0.58 against 0.30 s
-    # for the unoptimised reference model, the same allocator peak; compare with
-    # MS_DEV_RUNTIME_CONF=graph_pipeline:True, which this keeps)
+    # spins while a step runs, and "step_cpu_s" counted the spinning (0.64 against 0.31 s
+    # for the unoptimised reference model, the same allocator peak: docs/results.md; compare
+    # with MS_DEV_RUNTIME_CONF=graph_pipeline:True, which this keeps)
     env[backend.RUNTIME_CONF_ENV] = backend.runtime_conf(backend.CPU,
                                                          env.get(backend.RUNTIME_CONF_ENV, ""))
     proc = subprocess.run([sys.executable, "-m", "ms_efficient.memopt.measure", spec],
