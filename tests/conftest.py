@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny config and a tiny text corpus built inside tests/ (no ../shared), and
 the 2-worker msrun checks' results (one job for the session, see tests/workers.py)."""
+import gc
 import os
 import sys
 import time
@@ -33,6 +34,25 @@ def pytest_collection_finish(session):
     if not session.config.option.collectonly:
         workers.start_background([n for item in session.items
                                   for n in _background_fixtures(item)])
+
+
+_FROZEN = {}                 # "module": the test module whose first test froze the heap
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before the first test of each module (before its fixtures), collect and then freeze
+    what the session holds (``gc.freeze``: the imported modules, the session's caches of
+    compiled networks): MindSpore runs a full ``gc.collect()`` before every Cell compile,
+    and a frozen object is not traversed again. After collection that is ~200 000 objects
+    (88 ms a collect here); in a ``perf record`` of three in-process modules the collector's
+    share of the CPU fell from 4.4 % to 0.7 %. An object frozen and dropped later is freed by
+    its reference count, or, if in a cycle, only at the end of the session."""
+    module = item.nodeid.split("::")[0]
+    if module != _FROZEN.get("module"):
+        _FROZEN["module"] = module
+        gc.collect()
+        gc.freeze()
 
 
 def pytest_sessionfinish(session):
