@@ -229,7 +229,7 @@ def _two_workers_killed_run():
     # end at that checkpoint. Steps take ~50 ms here: when the machine is loaded, the
     # watcher can see state.json only after the next checkpoint (step 15: one of three
     # clean-clone runs of make test). Such a run is run again (at most 3 runs in all).
-    for attempt in range(3):
+    for _ in range(3):
         shutil.rmtree(part, ignore_errors=True)
         reached = workers.run_and_kill(
             [sys.executable, "-m", "ms_efficient.cli", "train", config, "--workers", "2",
