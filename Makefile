@@ -17,8 +17,8 @@ export MS_EFFICIENT_TESTS_FAST_EXIT := 1
 # ... and let Python cache the byte code of what it imports (some environments set
 # PYTHONDONTWRITEBYTECODE, and then every test and worker process compiles every module of
 # ms_efficient and the tests from source again). The install skips pip's byte compilation
-# (`--no-compile`: about 13 s of the install, most of it on modules no run imports); the
-# first process importing a module writes its cache.
+# (`--no-compile`: the requirements took 22.9 s without it, 27.5 s with it, in a fresh venv;
+# most of it on modules no run imports); the first process importing a module writes its cache.
 unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install demo test test-fast clean
