@@ -15,6 +15,31 @@ import graph_cache  # noqa: E402  (tests/graph_cache.py)
 import workers  # noqa: E402  (tests/workers.py)
 
 
+def _host_blocking_run_in_this_process() -> None:
+    """Start this session's MindSpore with ``MS_DEV_HOST_BLOCKING_RUN=1`` (a developer
+    variable of MindSpore 2.10, read when its runtime starts): ops and graphs run on the
+    calling thread, with no ``frontend_queue`` / ``backend_queue`` threads, whose
+    ``AsyncRQueue::Wait`` spun in this process and in its queue thread (6-8 % of a
+    two-module session's CPU in ``perf record``, about 2 % of the whole suite's) and took
+    the core from the other session and the child processes. The variable is set for the
+    first op only: the child processes the tests start (msrun ranks, CLI runs) get the
+    environment as it was, as users run them. The suite's equality checks (one-process
+    against expert-parallel runs, replicated against unreplicated experts) run either way."""
+    if "MS_DEV_HOST_BLOCKING_RUN" in os.environ:        # the caller's choice stands
+        return
+    import numpy as np
+    import mindspore as ms
+
+    os.environ["MS_DEV_HOST_BLOCKING_RUN"] = "1"
+    try:
+        (ms.Tensor(np.ones(1, np.float32)) + 1).asnumpy()
+    finally:
+        os.environ.pop("MS_DEV_HOST_BLOCKING_RUN", None)
+
+
+_host_blocking_run_in_this_process()
+
+
 def _background_fixtures(item):
     return [n for n in getattr(item, "fixturenames", ()) if n in workers._BACKGROUND]
 
