@@ -12,6 +12,10 @@ dispatch at W = 1 without msrun for the first two), each in fresh child processe
 - ``compile``: CPU seconds of the first ``train_step`` call (its compile) of
   ``ExpertParallelTrainer``, as built and with ``GradReducer.construct`` replaced by the
   identity: the reducer's share of the compile;
+- ``one-process``: CPU and wall seconds of the one-process ``ms-efficient train
+  configs/gpt_moe_tiny.yaml --steps N`` (the demo's model; ``--steps``, default 50), with the
+  graph pipeline off (what ``train`` sets in its process on CPU) and on (the user's
+  ``MS_DEV_RUNTIME_CONF=graph_pipeline:True``, which it keeps);
 - ``workers`` (when msrun is on PATH): CPU and wall seconds of ``ms-efficient train --workers
   W`` (W = 2 and 4, 20 steps, the tests' config with a forced re-plan), with MindSpore's graph
   pipeline off (what the launcher sets on CPU: ``core.backend.runtime_conf``) and on (the
@@ -20,6 +24,7 @@ dispatch at W = 1 without msrun for the first two), each in fresh child processe
 Prints a table and JSON (``core.benchio`` rows, evidence "measured"; ``--json`` writes it).
 
     PATH=.venv/bin:$PATH python scripts/time_test_compiles.py [--repeat 3] [--json out.json]
+        [--only worker|compile|one-process|workers ...] [--steps 50]
 """
 import argparse
 import glob
@@ -41,6 +46,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from conftest import tiny_config_dict, write_corpus  # noqa: E402  (the tests' own config)
 from ms_efficient.core.benchio import markdown_table, write_bench_json  # noqa: E402
 
+PARTS = ("worker", "compile", "one-process", "workers")
 WORKER = ("import sys\n"
           "from ms_efficient.train.ep_worker import worker_main\n"
           "sys.exit(worker_main(sys.argv[1:]))\n")
@@ -89,9 +95,10 @@ def child(code: str, args, env_extra) -> tuple:
     return cpu, proc.stdout
 
 
-def launch(config: str, workers: int, out: str, pipeline: str) -> tuple:
-    """``ms-efficient train CONFIG --workers W --out OUT`` with ``MS_DEV_RUNTIME_CONF`` set to
-    ``pipeline`` ("" leaves it unset): (CPU seconds of the launch and its ranks, wall seconds)."""
+def launch(config: str, workers, out: str, pipeline: str, extra=()) -> tuple:
+    """``ms-efficient train CONFIG --workers W --out OUT EXTRA`` (no ``--workers`` when
+    ``workers`` is None: one process) with ``MS_DEV_RUNTIME_CONF`` set to ``pipeline`` (""
+    leaves it unset): (CPU seconds of the launch and its ranks, wall seconds)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                GLOG_v="3")
     env.pop("MS_DEV_RUNTIME_CONF", None)
@@ -99,9 +106,10 @@ def launch(config: str, workers: int, out: str, pipeline: str) -> tuple:
         env["MS_DEV_RUNTIME_CONF"] = pipeline
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "ms_efficient.cli", "train", config,
-                           "--workers", str(workers), "--out", out], env=env,
-                          capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "ms_efficient.cli", "train", config, "--out", out, *extra]
+    if workers is not None:
+        cmd += ["--workers", str(workers)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
@@ -114,9 +122,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=3, help="runs of each row (>= 1)")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--only", choices=PARTS, action="append",
+                        help="measure only these parts (repeatable; default: all)")
+    parser.add_argument("--steps", type=int, default=50,
+                        help="steps of the one-process runs of configs/gpt_moe_tiny.yaml")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error(f"'--repeat' must be >= 1, but got {args.repeat}.")
+    if args.steps < 1:
+        parser.error(f"'--steps' must be >= 1, but got {args.steps}.")
     tmp = tempfile.mkdtemp(prefix="time_test_compiles_")
     cfg = tiny_config_dict(write_corpus(__import__("pathlib").Path(tmp) / "corpus"),
                            os.path.join(tmp, "run"))
@@ -132,14 +146,15 @@ def main(argv=None) -> int:
         allocators["mimalloc (make test)"] = {"LD_PRELOAD": lib, "MIMALLOC_ALLOW_THP": "0",
                                               "MIMALLOC_PURGE_DELAY": "-1"}
         allocators["mimalloc, THP allowed"] = {"LD_PRELOAD": lib, "MIMALLOC_PURGE_DELAY": "-1"}
+    parts = set(args.only or PARTS)
     rows = []
-    for name, extra in allocators.items():
+    for name, extra in (allocators.items() if "worker" in parts else ()):
         runs = [child(WORKER, [config, "--out", os.path.join(tmp, f"w{len(rows)}_{i}")],
                       extra)[0] for i in range(args.repeat)]
         rows.append({"evidence": "measured", "workload": "W=1 EP worker, 3 steps",
                      "method": name, "cpu_s_mean": round(sum(runs) / len(runs), 2),
                      "cpu_s_runs": [round(r, 2) for r in runs]})
-    for reducer in ("as built", "identity"):
+    for reducer in (("as built", "identity") if "compile" in parts else ()):
         runs = []
         for i in range(args.repeat):
             out = child(COMPILE, [config, os.path.join(tmp, f"c{reducer[0]}{i}"), reducer],
@@ -149,7 +164,22 @@ def main(argv=None) -> int:
                      "method": f"GradReducer {reducer}",
                      "cpu_s_mean": round(sum(runs) / len(runs), 2),
                      "cpu_s_runs": [round(r, 2) for r in runs]})
-    if shutil.which("msrun") or shutil.which("msrun", path=os.path.dirname(sys.executable)):
+    demo = os.path.join(ROOT, "configs", "gpt_moe_tiny.yaml")
+    for tag, name, pipeline in ((("off", "graph pipeline off (train's default on CPU)", ""),
+                                 ("on", "graph pipeline on", "graph_pipeline:True"))
+                                if "one-process" in parts else ()):
+        runs = [launch(demo, None, os.path.join(tmp, f"one_{tag}_{i}"), pipeline,
+                       ["--steps", str(args.steps)]) for i in range(args.repeat)]
+        cpu = [r[0] for r in runs]
+        rows.append({"evidence": "measured",
+                     "workload": f"train configs/gpt_moe_tiny.yaml, {args.steps} steps, "
+                                 "one process",
+                     "method": name, "cpu_s_mean": round(sum(cpu) / len(cpu), 2),
+                     "cpu_s_runs": [round(c, 2) for c in cpu],
+                     "wall_s_runs": [round(r[1], 1) for r in runs]})
+    if "workers" not in parts:
+        pass
+    elif shutil.which("msrun") or shutil.which("msrun", path=os.path.dirname(sys.executable)):
         cfg["moe"]["dispatch"] = "balanced"
         cfg["train"].update(steps=20, log_every=1, eval_every=10, save_every=5)
         cfg["efficientmoe"] = {"enabled": True, "force_replan_step": 16}

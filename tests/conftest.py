@@ -80,6 +80,20 @@ def pytest_runtest_setup(item):
         gc.freeze()
 
 
+@pytest.fixture(autouse=True)
+def _runtime_conf_as_it_was():
+    """A test calling the CLI's one-process ``train`` in this process (``cli.main``) sets
+    ``MS_DEV_RUNTIME_CONF`` here as that command does in its own process
+    (``core.backend.set_runtime_conf``; this session's runtime started long before, so it
+    changes only what later child processes inherit): put it back after each test."""
+    before = os.environ.get("MS_DEV_RUNTIME_CONF")
+    yield
+    if before is None:
+        os.environ.pop("MS_DEV_RUNTIME_CONF", None)
+    else:
+        os.environ["MS_DEV_RUNTIME_CONF"] = before
+
+
 def pytest_sessionfinish(session):
     workers.cleanup()
     _EXIT["status"] = int(session.exitstatus)

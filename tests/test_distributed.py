@@ -7,6 +7,7 @@ values are computed here with numpy. msrun must be on PATH and the `python` besi
 have mindspore.
 """
 import json
+import os
 
 import numpy as np
 import pytest
@@ -188,3 +189,17 @@ def test_runtime_conf_turns_the_graph_pipeline_off_on_cpu_only_and_keeps_the_use
     assert backend.runtime_conf("CPU", "graph_pipeline:True") == "graph_pipeline:True"
     assert backend.runtime_conf("Ascend", "") == ""
     assert backend.runtime_conf("Ascend", "pipeline:False") == "pipeline:False"
+
+
+def test_set_runtime_conf_sets_it_in_this_process_and_keeps_the_users_choice(monkeypatch):
+    """What the one-process ``train`` sets before its first op (core.backend.set_runtime_conf)."""
+    from ms_efficient.core import backend
+
+    env = backend.RUNTIME_CONF_ENV
+    monkeypatch.delenv(env, raising=False)
+    assert backend.set_runtime_conf("CPU") == "graph_pipeline:False" == os.environ[env]
+    monkeypatch.setenv(env, "graph_pipeline:True,compile_statistics:True")
+    assert backend.set_runtime_conf("CPU") == "graph_pipeline:True,compile_statistics:True"
+    assert os.environ[env] == "graph_pipeline:True,compile_statistics:True"
+    monkeypatch.delenv(env)
+    assert backend.set_runtime_conf("Ascend") == "" and env not in os.environ

@@ -138,6 +138,10 @@ def test_a_run_killed_with_sigkill_loses_at_most_one_checkpoint_interval(sigkill
     assert trace_steps == saved
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert unbroken.returncode == 0, unbroken.stdout[-3000:] + unbroken.stderr[-3000:]
+    # the one-process CLI ran with MindSpore's graph pipeline off (cli._one_process_runtime):
+    # MindSpore prints the runtime config it parsed when its runtime starts
+    assert "[MS_DEV_RUNTIME_CONF] config:  graph_pipeline:False" in (unbroken.stdout
+                                                                     + unbroken.stderr)
     a = load_trace(os.path.join(full, "trace.npz")).counts
     b = load_trace(os.path.join(killed, "trace.npz")).counts
     assert a.shape == b.shape == (steps, 2, 2, 4)

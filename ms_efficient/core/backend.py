@@ -40,7 +40,11 @@ reason, in one table:
                                                            them from the ranks that compute. Off:
                                                            the same steps, a fifth (2 ranks) to
                                                            30 % (4) less CPU, sooner done
-                                                           (scripts/time_test_compiles.py).
+                                                           (scripts/time_test_compiles.py). The
+                                                           one-process ``train`` sets it in its
+                                                           own process (``set_runtime_conf``):
+                                                           the same losses, about a third less
+                                                           CPU on 2 cores.
 
 Add a new choice as a function ``<thing>_impl(device_target=None) -> str`` that returns one of a
 few documented string constants, and list it in the table above.
@@ -76,6 +80,7 @@ __all__ = [
     "recompile_on_next_call",
     "RUNTIME_CONF_ENV",
     "runtime_conf",
+    "set_runtime_conf",
 ]
 
 ASCEND = "Ascend"
@@ -172,6 +177,18 @@ def runtime_conf(target: str, conf: Optional[str] = None) -> str:
     if "graph_pipeline" in keys:
         return conf
     return ",".join(item for item in (conf.strip(", "), "graph_pipeline:False") if item)
+
+
+def set_runtime_conf(target: str) -> str:
+    """Set ``MS_DEV_RUNTIME_CONF`` in this process's environment to ``runtime_conf(target)``
+    and return it ("" leaves the variable as it is). MindSpore reads the variable once, when
+    its runtime starts (the process's first op or graph), so a process's entry point calls
+    this before any MindSpore op (the one-process ``ms-efficient train`` does); called later,
+    it changes only what the process's children inherit."""
+    conf = runtime_conf(target)
+    if conf:
+        os.environ[RUNTIME_CONF_ENV] = conf
+    return conf
 
 
 def world_group() -> str:
