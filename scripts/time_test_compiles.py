@@ -15,7 +15,8 @@ dispatch at W = 1 without msrun for the first two), each in fresh child processe
 - ``one-process``: CPU and wall seconds of the one-process ``ms-efficient train
   configs/gpt_moe_tiny.yaml --steps N`` (the demo's model; ``--steps``, default 50), with the
   graph pipeline off (what ``train`` sets in its process on CPU) and on (the user's
-  ``MS_DEV_RUNTIME_CONF=graph_pipeline:True``, which it keeps);
+  ``MS_DEV_RUNTIME_CONF=graph_pipeline:True``, which it keeps); ``same_losses``: every
+  logged loss of the setting's last run equals the first run's with the pipeline off;
 - ``workers`` (when msrun is on PATH): CPU and wall seconds of ``ms-efficient train --workers
   W`` (W = 2 and 4, 20 steps, the tests' config with a forced re-plan), with MindSpore's graph
   pipeline off (what the launcher sets on CPU: ``core.backend.runtime_conf``) and on (the
@@ -118,6 +119,13 @@ def launch(config: str, workers, out: str, pipeline: str, extra=()) -> tuple:
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), wall
 
 
+def _losses(run_dir: str) -> list:
+    """The (step, loss) of every train row of ``run_dir``'s metrics.jsonl."""
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
+        rows = [json.loads(line) for line in fh if line.strip()]
+    return [(r["step"], r["loss"]) for r in rows if r.get("kind") == "train"]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=3, help="runs of each row (>= 1)")
@@ -176,7 +184,10 @@ def main(argv=None) -> int:
                                  "one process",
                      "method": name, "cpu_s_mean": round(sum(cpu) / len(cpu), 2),
                      "cpu_s_runs": [round(c, 2) for c in cpu],
-                     "wall_s_runs": [round(r[1], 1) for r in runs]})
+                     "wall_s_runs": [round(r[1], 1) for r in runs],
+                     # every logged loss of every run of either setting, the same?
+                     "same_losses": _losses(os.path.join(tmp, f"one_{tag}_{args.repeat - 1}"))
+                     == _losses(os.path.join(tmp, "one_off_0"))})
     if "workers" not in parts:
         pass
     elif shutil.which("msrun") or shutil.which("msrun", path=os.path.dirname(sys.executable)):
