@@ -74,7 +74,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
         workers = saved if workers is None else workers
     if (workers or 1) > 1:
         return _train_expert_parallel(args, workers)
-    _one_process_runtime(args)
     result = train(args.config, out_dir=args.out, steps=args.steps, resume=args.resume,
                    overrides=overrides, overwrite=args.overwrite)
     drop = result.first_val_loss - result.final_val_loss
@@ -85,20 +84,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
           f"({result.tokens_per_s:.0f} tokens/s, MindSpore GRAPH_MODE on CPU)")
     print(f"report: {os.path.join(result.out_dir, 'report.md')}")
     return 0
-
-
-def _one_process_runtime(args: argparse.Namespace) -> None:
-    """Before this process's first MindSpore op: on CPU, MindSpore's graph pipeline off, as
-    ``train --workers`` starts its ranks (``core.backend.runtime_conf``): with it on, the
-    Python thread waiting for a step's outputs spins on a core the step needs. 50 steps of
-    configs/gpt_moe_tiny.yaml: the same losses, about a third less CPU on 2 cores
-    (scripts/time_test_compiles.py)."""
-    from ms_efficient.core import backend
-    from ms_efficient.core.config import load_config
-    from ms_efficient.train.ep_launch import load_run_config
-
-    cfg = load_run_config(args.resume) if args.resume else load_config(args.config)
-    backend.set_runtime_conf(cfg.context.device_target)
 
 
 def _train_expert_parallel(args: argparse.Namespace, workers: int) -> int:

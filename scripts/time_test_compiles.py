@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from conftest import tiny_config_dict, write_corpus  # noqa: E402  (the tests' own config)
 from ms_efficient.core.benchio import markdown_table, write_bench_json  # noqa: E402
+from ms_efficient.train.report import read_metrics  # noqa: E402
 
 PARTS = ("worker", "compile", "one-process", "workers")
 WORKER = ("import sys\n"
@@ -121,9 +122,7 @@ def launch(config: str, workers, out: str, pipeline: str, extra=()) -> tuple:
 
 def _losses(run_dir: str) -> list:
     """The (step, loss) of every train row of ``run_dir``'s metrics.jsonl."""
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
-        rows = [json.loads(line) for line in fh if line.strip()]
-    return [(r["step"], r["loss"]) for r in rows if r.get("kind") == "train"]
+    return [(r["step"], r["loss"]) for r in read_metrics(run_dir) if r["kind"] == "train"]
 
 
 def main(argv=None) -> int:
@@ -188,9 +187,8 @@ def main(argv=None) -> int:
                      # every logged loss of every run of either setting, the same?
                      "same_losses": _losses(os.path.join(tmp, f"one_{tag}_{args.repeat - 1}"))
                      == _losses(os.path.join(tmp, "one_off_0"))})
-    if "workers" not in parts:
-        pass
-    elif shutil.which("msrun") or shutil.which("msrun", path=os.path.dirname(sys.executable)):
+    msrun = shutil.which("msrun") or shutil.which("msrun", path=os.path.dirname(sys.executable))
+    if "workers" in parts and msrun:
         cfg["moe"]["dispatch"] = "balanced"
         cfg["train"].update(steps=20, log_every=1, eval_every=10, save_every=5)
         cfg["efficientmoe"] = {"enabled": True, "force_replan_step": 16}
@@ -210,7 +208,7 @@ def main(argv=None) -> int:
                              "method": name, "cpu_s_mean": round(sum(cpu) / len(cpu), 2),
                              "cpu_s_runs": [round(c, 2) for c in cpu],
                              "wall_s_runs": [round(r[1], 1) for r in runs]})
-    else:
+    elif "workers" in parts:
         print("msrun is not on PATH: no 'train --workers' rows (PATH=.venv/bin:$PATH)")
     print(markdown_table(rows))
     print(json.dumps({"benchmark": "test suite CPU parts", "rows": rows}, indent=1))

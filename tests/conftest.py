@@ -82,8 +82,8 @@ def pytest_runtest_setup(item):
 
 @pytest.fixture(autouse=True)
 def _runtime_conf_as_it_was():
-    """A test calling the CLI's one-process ``train`` in this process (``cli.main``) sets
-    ``MS_DEV_RUNTIME_CONF`` here as that command does in its own process
+    """A test calling the one-process ``train.trainer.train`` in this process (directly or
+    through ``cli.main``) sets ``MS_DEV_RUNTIME_CONF`` here as it does in a process of its own
     (``core.backend.set_runtime_conf``; this session's runtime started long before, so it
     changes only what later child processes inherit): put it back after each test."""
     before = os.environ.get("MS_DEV_RUNTIME_CONF")

@@ -60,11 +60,14 @@ def test_train_writes_the_run_folder_and_the_loss_falls(tmp_path, text_dir):
     assert "Validation loss fell by" in report and "expert_load.png" in report
 
 
-def test_resume_after_a_kill_continues_exactly(tmp_path, text_dir):
+def test_resume_after_a_kill_continues_exactly(tmp_path, text_dir, monkeypatch):
     """Train 6 steps in one go, and 3 + resume 3: same parameters, trace and losses."""
     config = _write_config(tmp_path, text_dir, steps=6, save_every=3, eval_every=3)
     full = str(tmp_path / "full")
+    monkeypatch.delenv("MS_DEV_RUNTIME_CONF", raising=False)
     assert main(["train", config, "--out", full]) == 0
+    # train() set the CPU runtime config for its process (core.backend.set_runtime_conf)
+    assert os.environ["MS_DEV_RUNTIME_CONF"] == "graph_pipeline:False"
     part = str(tmp_path / "part")
     assert main(["train", config, "--out", part, "--steps", "3"]) == 0
     # the interrupted run's config said 3 steps; resuming with --steps 6 continues it,
@@ -138,7 +141,7 @@ def test_a_run_killed_with_sigkill_loses_at_most_one_checkpoint_interval(sigkill
     assert trace_steps == saved
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert unbroken.returncode == 0, unbroken.stdout[-3000:] + unbroken.stderr[-3000:]
-    # the one-process CLI ran with MindSpore's graph pipeline off (cli._one_process_runtime):
+    # the one-process CLI ran with MindSpore's graph pipeline off (trainer.train):
     # MindSpore prints the runtime config it parsed when its runtime starts
     assert "[MS_DEV_RUNTIME_CONF] config:  graph_pipeline:False" in (unbroken.stdout
                                                                      + unbroken.stderr)

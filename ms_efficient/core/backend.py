@@ -41,10 +41,11 @@ reason, in one table:
                                                            the same steps, a fifth (2 ranks) to
                                                            30 % (4) less CPU, sooner done
                                                            (scripts/time_test_compiles.py). The
-                                                           one-process ``train`` sets it in its
-                                                           own process (``set_runtime_conf``):
-                                                           the same losses, about a third less
-                                                           CPU on 2 cores.
+                                                           one-process ``train()`` sets it in
+                                                           its own process
+                                                           (``set_runtime_conf``): the same
+                                                           losses, about a third less CPU on
+                                                           2 cores.
 
 Add a new choice as a function ``<thing>_impl(device_target=None) -> str`` that returns one of a
 few documented string constants, and list it in the table above.
@@ -183,7 +184,7 @@ def set_runtime_conf(target: str) -> str:
     """Set ``MS_DEV_RUNTIME_CONF`` in this process's environment to ``runtime_conf(target)``
     and return it ("" leaves the variable as it is). MindSpore reads the variable once, when
     its runtime starts (the process's first op or graph), so a process's entry point calls
-    this before any MindSpore op (the one-process ``ms-efficient train`` does); called later,
+    this before any MindSpore op (the one-process ``train.trainer.train`` does); called later,
     it changes only what the process's children inherit."""
     conf = runtime_conf(target)
     if conf:

@@ -433,6 +433,12 @@ def train(config_path: str, out_dir: Optional[str] = None, steps: Optional[int] 
     overrides: dotted config keys to set, e.g. ``{"efficientmoe.enabled": True}``.
     overwrite: replace an earlier run in the output folder (else a non-empty one is refused).
     The folder is locked and checked before the model is built.
+    On CPU it turns MindSpore's graph pipeline off in this process's environment, as
+    ``train --workers`` does for its ranks (``core.backend.set_runtime_conf``): with it on,
+    the Python thread waiting for a step's outputs spins on a core the step needs (50 steps
+    of configs/gpt_moe_tiny.yaml: the same losses, 108 -> 68 CPU-s on 2 cores,
+    scripts/time_test_compiles.py). It takes effect when this is the process's first
+    MindSpore work, as in ``ms-efficient train``.
     """
     from ms_efficient.train.report import write_report
 
@@ -449,6 +455,7 @@ def train(config_path: str, out_dir: Optional[str] = None, steps: Optional[int] 
         cfg = load_config(config_path, overrides)
         out = cfg.train.out_dir
     check_fits_machine(cfg, config_path)
+    backend.set_runtime_conf(cfg.context.device_target)
     if not resume and not overwrite:
         run_ckpt.check_fresh(out)             # refuse before any work (checked again locked)
     with run_ckpt.acquire_lock(out):
