@@ -94,7 +94,7 @@ def _train_expert_parallel(args: argparse.Namespace, workers: int) -> int:
     from ms_efficient.train.report import write_report
 
     out = launch(workers, args.config, out=args.out, steps=args.steps, resume=args.resume,
-                 efficientmoe=args.efficientmoe)
+                 efficientmoe=args.efficientmoe, overwrite=args.overwrite)
     with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
     vals = [r for r in rows if r["kind"] == "val"]

@@ -5,6 +5,7 @@ import os
 import sys
 import time
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,6 +39,63 @@ def _host_blocking_run_in_this_process() -> None:
 
 
 _host_blocking_run_in_this_process()
+
+
+# --- float32 rounding bounds ------------------------------------------------------------------
+# For tests that compare two float32 computations of the same quantity by different kernels or
+# summation orders (a grouped matmul against a batched one, one slot against two replicas, a
+# 2-rank run against one process, numpy against MindSpore). Their results need not be equal
+# bit for bit; how far apart they may be follows from float32 rounding: any evaluation of a
+# sum of n products, in any order, blocked or with FMA, satisfies
+#     |fl(sum_i a_i b_i) - sum_i a_i b_i| <= gamma_n * sum_i |a_i| |b_i|,
+#     gamma_n = n u / (1 - n u),  u = 2**-24 (float32's unit roundoff)
+# (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., eq. 3.5), so two of them
+# differ by at most twice that. A test derives `n` and the per-element `scale` (the sum of
+# the terms' magnitudes) from its shapes and inputs; a real bug (a wrong expert, a missing
+# bias, a dropped token, a factor of 2) moves values by about their own size, orders of
+# magnitude above these bounds.
+
+U32 = 2.0 ** -24                  # float32 unit roundoff (round to nearest)
+
+
+def gamma32(n):
+    """gamma_n = n u / (1 - n u) for float32: the relative bound on a sum of n products."""
+    n = np.asarray(n, np.float64)
+    if np.any(n * U32 >= 1):
+        raise ValueError(f"gamma_n needs n * u < 1, but got n = {n}")
+    return n * U32 / (1 - n * U32)
+
+
+def float32_bound(n, scale):
+    """2 * gamma_n * scale: the most two float32 evaluations of the same sum of ``n``
+    products (any two orders or kernels) can differ by, ``scale`` being the sum of the
+    terms' magnitudes sum_i |a_i| |b_i| (a number or an array, per element)."""
+    return 2 * gamma32(n) * np.asarray(scale, np.float64)
+
+
+FLOAT32_MARGINS = []              # (label, max |a - b|, its bound, max |a - b| / bound) per check
+
+
+def assert_within_float32_bound(actual, desired, bound, err_msg=""):
+    """|actual - desired| <= bound element by element (in float64; ``bound`` broadcasts, as
+    from :func:`float32_bound`). Records the check's margin in FLOAT32_MARGINS."""
+    actual = np.asarray(actual, np.float64)
+    desired = np.asarray(desired, np.float64)
+    bound = np.broadcast_to(np.asarray(bound, np.float64), desired.shape)
+    assert actual.shape == desired.shape, (actual.shape, desired.shape, err_msg)
+    diff = np.abs(actual - desired)
+    ratio = np.divide(diff, bound, out=np.where(diff > 0, np.inf, 0.0), where=bound > 0)
+    worst = np.unravel_index(np.argmax(ratio), ratio.shape) if ratio.size else ()
+    FLOAT32_MARGINS.append((err_msg, float(diff.max(initial=0.0)),
+                            float(bound[worst]) if ratio.size else 0.0,
+                            float(ratio.max(initial=0.0))))
+    bad = ~(diff <= bound)                                 # NaN differences fail too
+    if bad.any():
+        raise AssertionError(
+            f"{err_msg}: {int(bad.sum())} of {diff.size} elements differ by more than the "
+            f"float32 rounding bound; worst at {worst}: |{actual[worst]!r} - {desired[worst]!r}| "
+            f"= {diff[worst]:.3g} > {bound[worst]:.3g} (max difference {diff.max():.3g}, "
+            f"max difference / bound {ratio.max():.3g})")
 
 
 def _background_fixtures(item):
@@ -156,8 +214,9 @@ def dist_checks():
 
 @pytest.fixture(scope="session")
 def one_rank_ep_runs():
-    """{"one" or dispatch: run folder} of the one-process run and the W = 1 expert-parallel
-    runs (tests/test_ep_train.py's ``_one_rank_ep_runs``, computed in the background)."""
+    """({"one" or dispatch: run folder}, the child's stdout) of the one-process run and the
+    W = 1 expert-parallel runs (tests/test_ep_train.py's ``_one_rank_ep_runs``, computed in
+    the background)."""
     return workers.background_result("one_rank_ep_runs")
 
 

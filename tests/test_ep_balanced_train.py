@@ -19,17 +19,18 @@ from test_ep_train import (MSRUN, _cli_env, _config, _losses, _rows, needs_msrun
 STEPS = 20
 REPLAN_STEP = 16          # the slow level re-places the home experts after this step
 RESUME_STEP = 15          # a copy of the 2-worker run resumes from its checkpoint of this step
+                          # (its rank-1 checkpoint of step 20 garbled)
 
 
 def test_one_rank_balanced_run_equals_the_one_process_trainer(one_rank_ep_runs):
     """W = 1 with dispatch balanced against the one-process trainer with grouped experts, 4
     steps each in child processes (test_ep_train.one_rank_runs, with the other dispatches'
     W = 1 runs)."""
-    one, ep = _losses(one_rank_ep_runs["one"]), _losses(one_rank_ep_runs["balanced"])
+    one, ep = _losses(one_rank_ep_runs[0]["one"]), _losses(one_rank_ep_runs[0]["balanced"])
     assert sorted(ep) == [1, 2, 3, 4]
     for step in one:
         np.testing.assert_allclose(ep[step], one[step], rtol=1e-5)
-    row = _rows(one_rank_ep_runs["balanced"], "train")[-1]
+    row = _rows(one_rank_ep_runs[0]["balanced"], "train")[-1]
     # one device: every row stays home, no copy, the buffer holds the mean share x 1.5
     assert [b["copies"] for b in row["balance"]] == [0, 0]
     assert row["balance"][0]["rows_per_device"] == [4 * 32 * 2]
@@ -56,16 +57,15 @@ def _balanced_runs():
                                str(runs[name])], env=_cli_env(), capture_output=True,
                               text=True)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # the 2-worker run resumed from step 15, before the re-plan: its copy's state.json
-    # points at the step-15 checkpoints
+    # the 2-worker run resumed from step 15, before the re-plan: its copy's rank-1
+    # checkpoint of step 20 is garbled (one byte flipped in the middle, the size kept), so the
+    # newest step that verifies on both ranks is 15
     runs["2-resumed"] = tmp / "ep2-resumed"
     shutil.copytree(runs[2], runs["2-resumed"])
-    state_path = runs["2-resumed"] / "state.json"
-    state = json.loads(state_path.read_text())
-    state["step"] = RESUME_STEP
-    state["checkpoint"] = state["checkpoint"].replace(f"step_{STEPS:06d}",
-                                                      f"step_{RESUME_STEP:06d}")
-    state_path.write_text(json.dumps(state))
+    garbled = runs["2-resumed"] / "ckpt" / "rank_1" / f"step_{STEPS:06d}.ckpt"
+    data = bytearray(garbled.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    garbled.write_bytes(bytes(data))
     proc = subprocess.run([sys.executable, "-m", "ms_efficient.cli", "train", "--workers", "2",
                            "--resume", str(runs["2-resumed"])], env=_cli_env(),
                           capture_output=True, text=True)
@@ -126,15 +126,23 @@ def test_balanced_workers_match_the_one_process_loss_with_copies(balanced_runs, 
 @pytest.mark.parametrize("other", ["2-again", "2-resumed"])
 def test_two_identical_balanced_runs_are_bit_identical(balanced_runs, other):
     """The same config twice on 2 workers, per-step copies and a home re-plan included, and
-    the run resumed from its step-15 checkpoint (the re-plan at step 16 made again): every
-    logged loss and every rank's final checkpoint (weights and Adam moments) are equal bit
-    for bit."""
+    the run resumed from its step-15 checkpoint because rank 1's of step 20 is garbled (the
+    re-plan at step 16 made again): every logged loss and every rank's final checkpoint
+    (weights and Adam moments) are equal bit for bit, and the resumed run said which steps
+    it lost."""
     import mindspore as ms
 
     runs, _ = balanced_runs
     a, b = runs[2], runs[other]
     assert _losses(a) == _losses(b) and len(_losses(b)) == STEPS
     assert _rows(a, "replan")[0]["moved_slots"] == _rows(b, "replan")[0]["moved_slots"]
+    if other == "2-resumed":
+        for rank in range(2):
+            log = (b / "msrun_log" / f"worker_{rank}.log").read_text(errors="replace")
+            assert (f"rank_1/step_{STEPS:06d}.ckpt (step {STEPS}, rank 1) does not match its "
+                    f"recorded SHA-256 (corrupted)") in log
+            assert (f"resuming from step {RESUME_STEP}, the newest with a verified checkpoint"
+                    in log and f"steps {RESUME_STEP + 1}-{STEPS} are lost" in log)
     for rank in range(2):
         (ckpt_a,) = sorted((a / "ckpt" / f"rank_{rank}").glob("step_*.ckpt"))[-1:]
         ckpt_b = b / "ckpt" / f"rank_{rank}" / ckpt_a.name

@@ -19,6 +19,7 @@ from conftest import tiny_config_dict, write_corpus
 from ms_efficient.cli import main
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.efficientmoe.ep_replanner import dropless_plans, experts_to_fetch, slot_budget
+from ms_efficient.train.checkpoint import file_sha256
 from workers import MSRUN, needs_msrun
 
 STEPS = 20          # steps compared with the one-process run
@@ -110,20 +111,41 @@ _RUNS = ("import sys\n"
          "from ms_efficient.core.config import load_config\n"
          "from ms_efficient.train.ep_worker import worker_main\n"
          "from ms_efficient.train.trainer import Trainer\n"
-         "for config, out, one in zip(*[iter(sys.argv[1:])] * 3):\n"
-         "    if one == 'one':\n"
+         "for config, out, how in zip(*[iter(sys.argv[1:])] * 3):\n"
+         "    if how == 'one':\n"
          "        Trainer(load_config(config, {'moe.dispatch': 'grouped'}), out).run()\n"
-         "    elif worker_main([config, '--out', out]) != 0:\n"
+         "        continue\n"
+         "    if how == 'overwrite':\n"
+         "        try:\n"
+         "            worker_main([config, '--out', out])\n"
+         "            sys.exit('a new run into an old run\\'s folder was not refused')\n"
+         "        except ValueError as err:\n"
+         "            print('REFUSED:', err)\n"
+         "    if worker_main([config, '--out', out] + (['--overwrite'] if how == 'overwrite'\n"
+         "                                            else [])) != 0:\n"
          "        sys.exit(1)\n")
 
 
-def one_rank_runs(prefix, dispatches):
+def _old_run(folder):
+    """An earlier 2-rank run's files in ``folder`` (step 40), and a file of the user's."""
+    for rank in range(2):
+        (folder / "ckpt" / f"rank_{rank}").mkdir(parents=True)
+        (folder / "ckpt" / f"rank_{rank}" / "step_000040.ckpt").write_bytes(b"old run")
+    (folder / "state.json").write_text(json.dumps({"step": 40, "world_size": 2, "plans": []}))
+    (folder / "metrics.jsonl").write_text("")
+    (folder / "notes.txt").write_text("mine")
+
+
+def one_rank_runs(prefix, dispatches, overwrite=None):
     """The one-process trainer with grouped (dropless) experts (``moe.dispatch`` grouped:
     one run serves every dispatch) and the W = 1 expert-parallel
     worker (``worker_main``, no msrun) with each of ``dispatches``, 4 steps of one config on
     the same corpus, one after another in one child process (one MindSpore start-up for all;
     the background thread runs it while the main thread runs other tests:
-    tests/workers.py); {"one" or dispatch: run folder}."""
+    tests/workers.py); ({"one" or dispatch: run folder}, the child's stdout). The run of
+    dispatch ``overwrite`` goes into a folder that holds an older run (``_old_run``): first
+    without ``--overwrite`` (refused: the child prints ``REFUSED: <message>``), then
+    with it."""
     tmp = workers.temporary_dir(prefix)
     corpus = write_corpus(tmp / "corpus")
     runs, args = {}, []
@@ -133,18 +155,21 @@ def one_rank_runs(prefix, dispatches):
         sections = {} if name == "one" else {"moe": {"dispatch": name}}
         config = _config(folder, corpus, train={"steps": 4, "save_every": 4}, **sections)
         runs[name] = folder / "run"
-        args += [config, runs[name], "one" if name == "one" else "ep"]
+        how = "one" if name == "one" else "overwrite" if name == overwrite else "ep"
+        if how == "overwrite":
+            _old_run(runs[name])
+        args += [config, runs[name], how]
     proc = subprocess.run([sys.executable, "-c", _RUNS, *map(str, args)], env=_cli_env(),
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return runs
+    return runs, proc.stdout
 
 
 @workers.in_background("one_rank_ep_runs")
 def _one_rank_ep_runs():
     """The one-process run and the W = 1 runs of every dispatch the tests compare with it
     (balanced: tests/test_ep_balanced_train.py): one reference run for all of them."""
-    return one_rank_runs("one_rank_ep_", ("grouped", "counts", "balanced"))
+    return one_rank_runs("one_rank_ep_", ("grouped", "counts", "balanced"), overwrite="counts")
 
 
 @pytest.mark.mindspore
@@ -155,7 +180,7 @@ def test_one_rank_expert_parallel_run_equals_the_one_process_trainer(one_rank_ep
     one-process trainer with grouped (dropless) experts, same seed and batches; with
     ``moe.dispatch`` grouped or counts (the count-driven exchange: the same rows).
     Both run in child processes (``one_rank_runs``)."""
-    one_dir, ep_dir = one_rank_ep_runs["one"], one_rank_ep_runs[dispatch]
+    one_dir, ep_dir = one_rank_ep_runs[0]["one"], one_rank_ep_runs[0][dispatch]
     one, ep = _losses(one_dir), _losses(ep_dir)
     assert sorted(ep) == [1, 2, 3, 4]
     for step in one:
@@ -164,6 +189,69 @@ def test_one_rank_expert_parallel_run_equals_the_one_process_trainer(one_rank_ep
     assert state["world_size"] == 1 and len(state["plans"]) == 2
     assert all(p["dispatch"] == dispatch for p in state["plans"])
     assert (ep_dir / "ckpt" / "rank_0" / "step_000004.ckpt").is_file()
+
+
+@pytest.mark.mindspore
+def test_a_rank_refuses_an_old_runs_folder_and_overwrite_replaces_only_its_files(
+        one_rank_ep_runs):
+    """The worker itself (msrun started directly, no launcher): a new run into a folder
+    holding an older 2-rank run is refused before any step; with ``--overwrite`` the old
+    run's files go (its step-40 checkpoints, its rank-1 folder) and the user's stay."""
+    runs, stdout = one_rank_ep_runs
+    folder = runs["counts"]
+    assert (f"REFUSED: run folder '{folder}' already holds a run (state.json); pass --resume "
+            f"{folder} to continue it, --overwrite to replace it") in stdout
+    assert (folder / "notes.txt").read_text() == "mine"
+    assert not (folder / "ckpt" / "rank_1").exists()
+    assert sorted(os.listdir(folder / "ckpt" / "rank_0")) == [
+        "run.lock", "state.json", "step_000004.ckpt"]
+    assert json.loads((folder / "state.json").read_text())["step"] == 4
+
+
+def test_a_new_expert_parallel_run_into_an_old_runs_folder_is_refused_untouched(
+        tmp_path, text_dir, capsys):
+    """The launcher refuses before msrun starts, and changes no file of the old run."""
+    config = _config(tmp_path, text_dir)
+    old = tmp_path / "old"
+    _old_run(old)
+    files = lambda: {p: p.read_bytes() for p in old.rglob("*") if p.is_file()}  # noqa: E731
+    before = files()
+    assert main(["train", config, "--workers", "2", "--out", str(old)]) == 2
+    assert (f"run folder '{old}' already holds a run (state.json); pass --resume {old} to "
+            f"continue it, --overwrite to replace it") in capsys.readouterr().err
+    after = files()
+    assert after.pop(old / "run.lock") == str(os.getpid()).encode() + b"\n"   # the launcher's
+    assert after == before
+    assert sorted(os.listdir(old)) == ["ckpt", "metrics.jsonl", "notes.txt", "run.lock",
+                                       "state.json"]
+
+
+def test_an_expert_parallel_run_into_a_folder_in_use_is_refused_with_the_holders_pid(
+        tmp_path, text_dir, capsys):
+    config = _config(tmp_path, text_dir)
+    out = tmp_path / "busy"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom ms_efficient.train.checkpoint import "
+         "acquire_lock\nacquire_lock(sys.argv[1])\nprint('locked', flush=True)\n"
+         "time.sleep(60)\n", str(out)], stdout=subprocess.PIPE, text=True, env=_cli_env())
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        for extra in ([], ["--overwrite"]):
+            assert main(["train", config, "--workers", "2", "--out", str(out)] + extra) == 2
+            assert (f"run folder '{out}' is in use by process {holder.pid}"
+                    in capsys.readouterr().err)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_worker_command_passes_overwrite_to_the_ranks():
+    from ms_efficient.train.ep_launch import worker_command
+
+    cmd = worker_command("c.yaml", "out", 5, None, None, overwrite=True)
+    assert cmd[1:] == [os.path.abspath("c.yaml"), "--out", os.path.abspath("out"),
+                       "--overwrite", "--steps", "5"]
+    assert "--overwrite" not in worker_command("c.yaml", "out", None, None, None)
 
 
 # --- 2 msrun workers -------------------------------------------------------------------------
@@ -213,30 +301,34 @@ def _two_workers_run():
 @workers.in_background("two_workers_killed")
 def _two_workers_killed_run():
     """The same config on 2 workers killed with SIGKILL (msrun, its scheduler and both
-    ranks) once its state.json reaches step KILL_AFTER, then ``train --resume`` of it, and
+    ranks) while rank 1 writes the checkpoint after step KILL_AFTER's, then ``train
+    --resume`` of it, and
     copies of the killed run resumed on 1 and 4 workers and exported
     (tests/test_ep_resize.py: the killed run is their 2-worker base, and its resume the run
     continued at 2); all in child processes, in the background (tests/workers.py).
     Returns {"part": the killed run resumed, "reached": the step state.json named when the
-    kill was sent, "resumed": the resume's CompletedProcess, "resized": {workers: run
+    kill was sent, "half_written": the temporaries rank 1 left, "resumed": the resume's CompletedProcess, "resized": {workers: run
     folder}, "base_state": the killed run's state.json, "export": model.ckpt of the killed
     run, "seconds": {workers: resume time}}."""
     if MSRUN is None:
         return None
     tmp, config = _two_workers_config()
     part = tmp / "part"
-    # The resized runs compare the KILL_AFTER steps after the kill, so the killed run must
-    # end at that checkpoint. Steps take ~50 ms here: when the machine is loaded, the
-    # watcher can see state.json only after the next checkpoint (step 15: one of three
-    # clean-clone runs of make test). Such a run is run again (at most 3 runs in all).
-    for _ in range(3):
-        shutil.rmtree(part, ignore_errors=True)
-        reached = workers.run_and_kill(
-            [sys.executable, "-m", "ms_efficient.cli", "train", config, "--workers", "2",
-             "--out", part], part / "state.json", KILL_AFTER, poll_s=0.02, env=_cli_env())
-        base_state = json.loads((part / "state.json").read_text())
-        if base_state["step"] == KILL_AFTER:
-            break
+    # The kill lands while rank 1 writes step KILL_AFTER + 5's checkpoint (a hook that
+    # writes half of it, then waits to be killed), so state.json names KILL_AFTER, rank 0
+    # may have written and recorded the later step, and rank 1 leaves a temporary.
+    hook = tmp / "kill_hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_KILL_DURING_SAVE)
+    marker = tmp / "rank1_half_written"
+    env = _cli_env()
+    env.update(PYTHONPATH=os.pathsep.join([str(hook), env["PYTHONPATH"]]),
+               EP_KILL_SAVE_STEP=str(KILL_AFTER + 5), EP_KILL_MARKER=str(marker))
+    reached = workers.run_and_kill(
+        [sys.executable, "-m", "ms_efficient.cli", "train", config, "--workers", "2",
+         "--out", part], part / "state.json", KILL_AFTER, poll_s=0.02, env=env, marker=marker)
+    base_state = json.loads((part / "state.json").read_text())
+    half_written = sorted(n for n in os.listdir(part / "ckpt" / "rank_1") if n.startswith(".tmp"))
     resized = {n: tmp / f"resized_{n}" for n in (1, 4)}
     for folder in resized.values():            # before the resume below changes the folder
         shutil.copytree(part, folder, ignore=shutil.ignore_patterns("msrun_log"))
@@ -254,7 +346,33 @@ def _two_workers_killed_run():
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         seconds[n] = time.perf_counter() - start
     return {"part": part, "reached": reached, "resumed": resumed, "base_state": base_state,
-            "resized": resized, "export": export, "seconds": seconds}
+            "resized": resized, "export": export, "seconds": seconds,
+            "half_written": half_written}
+
+
+# sitecustomize of the killed run's processes: on rank 1 (msrun's MS_NODE_ID), the save of
+# step EP_KILL_SAVE_STEP writes 64 KiB of its checkpoint, creates EP_KILL_MARKER and waits
+# for the test's watcher to SIGKILL the job (tests/workers.py, run_and_kill)
+_KILL_DURING_SAVE = """
+import os
+if os.environ.get("MS_NODE_ID") == "1" and os.environ.get("EP_KILL_SAVE_STEP"):
+    import time
+    from ms_efficient.train import checkpoint as _ck
+    _save = _ck.save_checkpoint
+
+    def _half_then_wait(path):
+        with open(path, "wb") as fh:
+            fh.write(b"\\0" * (1 << 16))
+        open(os.environ["EP_KILL_MARKER"], "w").close()
+        time.sleep(600)
+
+    def _patched(run_dir, step, write_fn, rank=None):
+        if step == int(os.environ["EP_KILL_SAVE_STEP"]):
+            write_fn = _half_then_wait
+        return _save(run_dir, step, write_fn, rank)
+
+    _ck.save_checkpoint = _patched
+"""
 
 
 _REFERENCES = {}     # what the one-process trainer computes -> (its run folder, seconds)
@@ -392,8 +510,20 @@ def test_resume_after_kill_9_continues_with_the_same_losses(two_workers, two_wor
     killed = two_workers_killed
     part, reached, resumed = killed["part"], killed["reached"], killed["resumed"]
     state_path = part / "state.json"
-    assert KILL_AFTER <= reached < STEPS, f"killed at step {reached}"
+    # killed while rank 1 wrote step KILL_AFTER + 5: the shared state names KILL_AFTER, and
+    # the resume started there, every rank's checkpoint of it verified, the temporary gone
+    assert reached == KILL_AFTER and killed["base_state"]["step"] == KILL_AFTER
+    assert len(killed["half_written"]) == 1, killed["half_written"]
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    for rank in range(2):
+        folder = part / "ckpt" / f"rank_{rank}"
+        assert not [n for n in os.listdir(folder) if n.startswith(".tmp")]
+        records = json.loads((folder / "state.json").read_text())["checkpoints"]
+        assert [r["step"] for r in records] == [STEPS - 5, STEPS]
+        assert sorted(n for n in os.listdir(folder) if n.endswith(".ckpt")) == [
+            f"step_{STEPS - 5:06d}.ckpt", f"step_{STEPS:06d}.ckpt"]
+        for r in records:
+            assert r["sha256"] == file_sha256(str(part / r["path"]))
     a, b = _losses(ep), _losses(part)
     # up to the kill the two runs are the same config run twice, the re-plan at REPLAN_AT
     # included: every logged loss is bit-identical

@@ -145,36 +145,70 @@ def stop_checks() -> None:
 
 _KILL_WATCHER = """
 import json, os, signal, subprocess, sys, time
-state, step, poll_s, timeout_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
-proc = subprocess.Popen(sys.argv[5:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+state, step, poll_s, timeout_s, marker = (sys.argv[1], int(sys.argv[2]), float(sys.argv[3]),
+                                          float(sys.argv[4]), sys.argv[5])
+proc = subprocess.Popen(sys.argv[6:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                         start_new_session=True)
+
+def tree(root):
+    # root and every process descending from it (msrun starts its ranks in new sessions,
+    # so a process group does not reach them)
+    children = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(pid))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+def read_step():
+    if not os.path.isfile(state):
+        return 0
+    with open(state) as fh:
+        return json.load(fh)["step"]
+
 reached, deadline = 0, time.monotonic() + timeout_s
 try:
     while time.monotonic() < deadline and proc.poll() is None:
-        if os.path.isfile(state):
-            with open(state) as fh:
-                reached = json.load(fh)["step"]
+        if marker != "-":
+            if os.path.exists(marker):
+                reached = read_step()
+                break
+        else:
+            reached = read_step()
             if reached >= step:
                 break
         time.sleep(poll_s)
 finally:
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+        for pid in tree(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     proc.wait()
 print(reached)
 """
 
 
 def run_and_kill(command, state_path, step: int, poll_s: float, env=None,
-                 timeout_s: float = 240) -> int:
-    """Start ``command`` (in its own process group) and SIGKILL that group once
-    ``state_path`` (a run's state.json) names ``step`` or a later one; the step it named
+                 timeout_s: float = 240, marker=None) -> int:
+    """Start ``command`` (in its own session) and SIGKILL it and every process descending
+    from it (msrun's ranks too) once ``state_path`` (a run's state.json) names ``step`` or a
+    later one, or, given ``marker``, once that file exists; the step state.json named then
     (0 if it never appeared). The polling and the kill are done by a small watcher process,
     not by this thread: a background thread could be held back by the main thread's
     MindSpore calls and kill late."""
     out = subprocess.run([sys.executable, "-c", _KILL_WATCHER, str(state_path), str(step),
-                          str(poll_s), str(timeout_s), *map(str, command)], env=env,
-                         capture_output=True, text=True, timeout=timeout_s + 60)
+                          str(poll_s), str(timeout_s), str(marker or "-"), *map(str, command)],
+                         env=env, capture_output=True, text=True, timeout=timeout_s + 60)
     assert out.returncode == 0, out.stderr[-3000:]
     return int(out.stdout.split()[-1])
 

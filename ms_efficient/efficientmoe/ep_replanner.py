@@ -180,9 +180,7 @@ class ExpertParallelReplanner:
         self.layers, self.em = list(layers), em
         self.world = int(first.world)
         if cluster.num_devices < self.world:
-            raise ValueError(f"'cluster' ({cluster.name}) has {cluster.num_devices} devices, "
-                             f"but the run has {self.world} ranks; choose a cluster with >= "
-                             f"{self.world} devices.")
+            raise ValueError(_too_small(cluster, self.world))
         config = dataclasses.replace(planner_config(em), dispatch=first.plan.dispatch,
                                      slots_per_device=int(first.budget))   # the layers' own
         model = CostModel(cluster, int(first.hidden_size), int(first.w1.shape[2]), "fp32",
@@ -399,10 +397,7 @@ class HomeReplanner:
         first = self.layers[0]
         self.world, self.num_experts = int(first.world), int(first.num_experts)
         if model.cluster.num_devices < self.world:
-            raise ValueError(f"'cluster' ({model.cluster.name}) has "
-                             f"{model.cluster.num_devices} devices, but the run has "
-                             f"{self.world} ranks; choose a cluster with >= {self.world} "
-                             f"devices.")
+            raise ValueError(_too_small(model.cluster, self.world))
         layout = layout_of(self.layers)
         self.config = LayoutConfig(slots=layout.redundant + int(first.spare), window=em.window,
                                    redundant=layout.redundant)
@@ -481,3 +476,12 @@ class HomeReplanner:
         """Restore the history rows (the trace up to the checkpoint)."""
         self.counts = deque((np.asarray(row, dtype=np.int64) for row in counts_TLWE),
                             maxlen=self.em.window)
+
+
+def _too_small(cluster, world: int) -> str:
+    """The refusal of a cluster with fewer devices than the run's ranks, naming the fields."""
+    per_node = cluster.devices_per_node
+    return (f"'cluster' ({cluster.name}) has {cluster.num_devices} devices "
+            f"({cluster.nodes} x {per_node}), but the run has {world} ranks; set 'cluster.nodes' "
+            f"to >= {-(-world // per_node)} or 'cluster.preset' to a cluster with >= {world} "
+            f"devices (for a resumed run: in its config.yaml).")

@@ -142,19 +142,21 @@ def acquire_lock(run_dir: str, rank: Optional[int] = None) -> RunLock:
     return lock
 
 
-def _contents(run_dir: str) -> List[str]:
+def _contents(run_dir: str, ignore: Iterable[str] = ()) -> List[str]:
     if not os.path.isdir(run_dir):
         return []
-    return sorted(n for n in os.listdir(run_dir) if n != LOCK_NAME)
+    skip = {LOCK_NAME, *ignore}
+    return sorted(n for n in os.listdir(run_dir) if n not in skip)
 
 
-def check_fresh(run_dir: str, overwrite: bool = False) -> None:
-    """Refuse to start a new run in a folder that holds files (besides the lock).
+def check_fresh(run_dir: str, overwrite: bool = False, ignore: Iterable[str] = ()) -> None:
+    """Refuse to start a new run in a folder that holds files (besides the lock and the
+    names in ``ignore``, e.g. the launcher's ``msrun_log``).
 
     overwrite=True removes the run files of an earlier run (:func:`clear_run`) instead;
     other files stay where they are.
     """
-    names = _contents(run_dir)
+    names = _contents(run_dir, ignore)
     if not names:
         return
     if overwrite:
@@ -255,7 +257,11 @@ def commit_state(run_dir: str, record: Dict, state: Optional[Dict] = None, keep:
 
     state: fields to store beside the records (e.g. capacities); the previous records are
     read from the existing state file. The ``keep`` records of the highest steps stay;
-    the others' files are deleted after state.json is written. Returns the written state.
+    the others' files are deleted after state.json is written. Records of steps above
+    ``record``'s are dropped too: the run went back to an earlier step (a resume from the
+    newest checkpoint that verifies), so they belong to a future that was abandoned, and
+    kept they would count among the highest steps and push this run's good ones out.
+    Returns the written state.
     """
     if keep < 1:
         raise ValueError(f"'keep' must be a positive integer, but got {keep}.")
@@ -266,7 +272,7 @@ def commit_state(run_dir: str, record: Dict, state: Optional[Dict] = None, keep:
             old = [r for r in _records(read_state(run_dir, rank)) if "sha256" in r]
         except ValueError:
             old = []
-    records = [r for r in old if int(r["step"]) != int(record["step"])] + [record]
+    records = [r for r in old if int(r["step"]) < int(record["step"])] + [record]
     records.sort(key=lambda r: int(r["step"]), reverse=True)
     kept, dropped = records[:keep], records[keep:]
     new = dict(state or {})
@@ -320,16 +326,37 @@ def verified_latest(run_dir: str, state: Dict) -> Tuple[Dict, List[int]]:
     raise ValueError(f"no checkpoint of '{run_dir}' can be trusted: {'; '.join(bad)}.")
 
 
-def newest_common_step(run_dir: str, ranks: Iterable[int]) -> Dict[int, Dict]:
+def newest_common_step(run_dir: str, ranks: Iterable[int],
+                       steps: Optional[Iterable[int]] = None) -> Dict[int, Dict]:
     """For a per-rank run: {rank: record} of the newest step whose checkpoint verifies on
-    every rank of ``ranks``; ValueError when there is none."""
+    every rank of ``ranks`` (and is one of ``steps``, when given: the steps the run's shared
+    state describes); ValueError when there is none. A newer step that some rank lacks or
+    fails to verify is named in a warning, with the steps lost."""
     good: Dict[int, Dict[int, Dict]] = {}
+    bad: List[str] = []
+    allowed = None if steps is None else {int(s) for s in steps}
     for rank in ranks:
         state = read_state(run_dir, rank)
-        good[rank] = {int(r["step"]): r for r in _records(state) if _verify(run_dir, r) is None}
+        good[rank] = {}
+        for r in _records(state):
+            if allowed is not None and int(r["step"]) not in allowed:
+                continue
+            why = _verify(run_dir, r)
+            if why is None:
+                good[rank][int(r["step"])] = r
+            else:
+                bad.append(f"{r['path']} (step {r['step']}, rank {rank}) {why}")
     common = set.intersection(*(set(g) for g in good.values())) if good else set()
     if not common:
+        found = {r: sorted(g) for r, g in good.items()}
         raise ValueError(f"no step of '{run_dir}' has a verified checkpoint on every rank "
-                         f"({ {r: sorted(g) for r, g in good.items()} }).")
+                         f"(verified steps per rank: {found}"
+                         f"{'; ' + '; '.join(bad) if bad else ''}).")
     step = max(common)
+    newest = max(max(g) if g else step for g in good.values())
+    newest = max([newest] + [int(s) for s in allowed or ()])
+    if bad or newest > step:
+        logger.warning("resuming from step %d, the newest with a verified checkpoint on every "
+                       "rank%s: steps %d-%d are lost and will be trained again", step,
+                       f" ({'; '.join(bad)})" if bad else "", step + 1, newest)
     return {rank: g[step] for rank, g in good.items()}

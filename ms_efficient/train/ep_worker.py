@@ -1,6 +1,7 @@
 """msrun entry of ``ms-efficient train --workers W``: one rank of the expert-parallel run.
 
     msrun --worker_num=W ... ms_efficient/train/ep_worker.py CONFIG --out DIR [--steps N]
+                                                               [--overwrite]
     msrun ... ms_efficient/train/ep_worker.py --resume DIR
 
 (on a cluster: ``bash scripts/msrun_launcher.sh "python ms_efficient/train/ep_worker.py
@@ -16,7 +17,7 @@ from typing import List, Optional
 
 def worker_main(argv: Optional[List[str]] = None, configure_logging: bool = False) -> int:
     """One rank of ``train --workers W``: ``CONFIG --out DIR [--steps N] [--efficientmoe
-    on|off]`` or ``--resume DIR [--steps N]``. Initialises the communication when started
+    on|off] [--overwrite]`` or ``--resume DIR [--steps N]``. Initialises the communication when started
     by msrun (``MS_ROLE`` set), else runs as the only rank; ``configure_logging``: INFO
     records to stderr with the rank in each line (the msrun entry sets it)."""
     import argparse
@@ -32,6 +33,8 @@ def worker_main(argv: Optional[List[str]] = None, configure_logging: bool = Fals
     parser.add_argument("--steps", type=int)
     parser.add_argument("--resume")
     parser.add_argument("--efficientmoe", choices=("on", "off"))
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier run in the --out folder")
     args = parser.parse_args(argv)
     if os.environ.get("MS_ROLE"):
         from mindspore.communication import init
@@ -52,7 +55,7 @@ def worker_main(argv: Optional[List[str]] = None, configure_logging: bool = Fals
             overrides["train.out_dir"] = args.out
         cfg = load_config(args.config, overrides)
         out = cfg.train.out_dir
-    ExpertParallelTrainer(cfg, out, resume=bool(args.resume)).run()
+    ExpertParallelTrainer(cfg, out, resume=bool(args.resume), overwrite=args.overwrite).run()
     return 0
 
 

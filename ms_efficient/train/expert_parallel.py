@@ -65,6 +65,7 @@ from ms_efficient.moe.ep_layer import ExpertParallelMoE
 from ms_efficient.moe.exchange import slot_rows_by_device
 from ms_efficient.moe.split import split_tokens
 from ms_efficient.moe.trace import layer_balance, load_trace, save_trace
+from ms_efficient.train import checkpoint as run_ckpt
 from ms_efficient.train.data import load_corpus
 from ms_efficient.train.relayout import resumed_counts
 from ms_efficient.efficientmoe.ep_replanner import (ExpertParallelReplanner, HomeReplanner,
@@ -73,9 +74,11 @@ from ms_efficient.efficientmoe.ep_replanner import (ExpertParallelReplanner, Hom
 from ms_efficient.train.optim import is_scratch as _is_scratch, make_optimizer
 from ms_efficient.train.trainer import _fmt_eta
 
-__all__ = ["ExpertParallelTrainer", "GradReducer"]
+__all__ = ["ExpertParallelTrainer", "GradReducer", "KEEP_CHECKPOINTS"]
 
 logger = logging.getLogger(__name__)
+
+KEEP_CHECKPOINTS = 2     # checkpoints each rank keeps (the one-process trainer keeps as many)
 
 
 _unflatten = C.MultitypeFuncGraph("_unflatten")
@@ -181,11 +184,16 @@ class GradReducer(nn.Cell):
 
 class ExpertParallelTrainer:
     """Trains ``GPTMoE`` with expert-parallel MoE layers on this rank, per ``cfg``, into
-    ``out_dir``; ``resume=True`` continues from state.json. ``init()`` must have run when
-    the job has several ranks (without it: one rank, W = 1, no collectives)."""
+    ``out_dir``; ``resume=True`` continues from state.json; ``overwrite=True`` replaces an
+    earlier run in ``out_dir`` (else a folder that holds files is refused). ``init()`` must
+    have run when the job has several ranks (without it: one rank, W = 1, no collectives)."""
 
-    def __init__(self, cfg: RunConfig, out_dir: str, resume: bool = False):
-        self.cfg, self.out_dir, self.resume = cfg, out_dir, resume
+    def __init__(self, cfg: RunConfig, out_dir: str, resume: bool = False,
+                 overwrite: bool = False):
+        if resume and overwrite:
+            raise ValueError("give either resume (continue the run) or overwrite (replace "
+                             "it), not both.")
+        self.cfg, self.out_dir, self.resume, self.overwrite = cfg, out_dir, resume, overwrite
         check_dispatch(cfg, expert_parallel=True)
         ms.set_context(mode=getattr(ms, cfg.context.mode))
         backend.use_device(cfg.context.device_target)
@@ -221,11 +229,12 @@ class ExpertParallelTrainer:
             self.replanner = HomeReplanner(self.layers, cfg.efficientmoe, self._cost_model())
         else:
             self.replanner = ExpertParallelReplanner(self.layers, cfg.efficientmoe,
-                                                     cfg.cluster_spec(), self.tokens_per_step)
+                                                     self._cluster(), self.tokens_per_step)
         self._build_steps()
         self.step, self.metrics, self.counts = 0, [], []
         self.trace_start = 0                         # steps before the trace's first row
         self.pending: Optional[Dict] = None          # a re-plan waiting for its next step
+        self.saved_steps: List[Dict] = []            # state.json's "steps" (save())
 
     def _balanced_specs(self, num_moe: int, budget: int):
         """The layout of a "balanced" run (:func:`~ms_efficient.efficientmoe.layout.
@@ -251,7 +260,8 @@ class ExpertParallelTrainer:
         """Per MoE layer, the experts the home table of the run being resumed at this size
         holds on more than one device (0 without one): the replica table a resumed layer
         needs at least, whatever the layout planned now (its history or cost model may
-        have changed since) sizes."""
+        have changed since) sizes; the most over the steps state.json describes (the one
+        resumed from is the newest that verifies on every rank, not known yet here)."""
         from ms_efficient.moe.ep_routing import sync_rows
 
         path = os.path.join(self.out_dir, "state.json")
@@ -261,8 +271,11 @@ class ExpertParallelTrainer:
             state = json.load(fh)
         if int(state.get("world_size", 1)) != self.world or "plans" not in state:
             return [0] * num_moe            # resized: this job plans its own tables
-        return [sync_rows(plan, self.cfg.moe.num_experts, self.world)
-                for plan in load_plans_state(state["plans"])]
+        needed = [0] * num_moe
+        for entry in state.get("steps") or [state]:
+            needed = [max(n, sync_rows(plan, self.cfg.moe.num_experts, self.world))
+                      for n, plan in zip(needed, load_plans_state(entry["plans"]))]
+        return needed
 
     def _cost_model(self):
         """The cost model of the run's cluster and expert sizes (float32): what sizes a
@@ -270,7 +283,19 @@ class ExpertParallelTrainer:
         from ms_efficient.efficientmoe.cost import CostModel
 
         mc = self.cfg.model
-        return CostModel(self.cfg.cluster_spec(), mc.hidden_size, mc.ffn_hidden_size, "fp32")
+        return CostModel(self._cluster(), mc.hidden_size, mc.ffn_hidden_size, "fp32")
+
+    def _cluster(self):
+        """The run's cluster for this job's W ranks. ``cpu-local`` is this machine, one rank
+        per device, so it grows to W devices on its node (a run resumed at 4 ranks from a
+        2-rank config); any other preset must hold W devices, or the re-planner refuses
+        naming the fields to change."""
+        spec = self.cfg.cluster_spec()
+        if spec.name == "cpu-local" and spec.nodes == 1 and spec.num_devices < self.world:
+            logger.info("cluster cpu-local: %d devices for the %d ranks of this job",
+                        self.world, self.world)
+            spec = spec.with_overrides(devices_per_node=self.world)
+        return spec
 
     def _device_rows(self, counts_LWE: np.ndarray) -> np.ndarray:
         """Rows every device computed in the last step, int64 [L, W]: the fast level's own
@@ -333,25 +358,34 @@ class ExpertParallelTrainer:
     def _rows(self, a: np.ndarray) -> Tensor:
         return Tensor(a[self.rank * self.local_batch:(self.rank + 1) * self.local_batch])
 
+    def _all_agree(self, ok: bool) -> bool:
+        """True when ``ok`` holds on every rank (one AllReduce; a barrier too)."""
+        if self.barrier_op is None:
+            return ok
+        flags = self.barrier_op(Tensor(np.array([1.0 if ok else 0.0], np.float32))).asnumpy()
+        return int(round(float(flags[0]))) == self.world
+
     def _barrier(self) -> None:
         if self.barrier_op is not None:
             self.barrier_op(Tensor(np.ones(1, np.float32))).asnumpy()
 
     # ------------------------------------------------------------------ state
     def save(self) -> None:
-        """Every rank its checkpoint; then rank 0 the trace, metrics and state.json (last)."""
-        rel = os.path.join("ckpt", "rank_{rank}", f"step_{self.step:06d}.ckpt")
-        path = os.path.join(self.out_dir, rel.format(rank=self.rank))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        seen, tensors = set(), []
+        """Every rank its checkpoint, written and recorded through the checksummed path
+        (:func:`~ms_efficient.train.checkpoint.save_checkpoint`, then the rank's own
+        ``ckpt/rank_r/state.json``, which prunes only its own older records); then, after
+        every rank has, rank 0 the trace, metrics and the shared state.json (last), which
+        describes the newest steps (``steps``: plans, re-planner state, a pending re-plan)."""
+        tensors, seen = [], set()
         for p in list(self.net.get_parameters()) + list(self.optimizer.get_parameters()):
             if p.name not in seen and not _is_scratch(p.name):
                 seen.add(p.name)
                 tensors.append({"name": p.name, "data": p})
-        atomic_write_with(path, lambda tmp: ms.save_checkpoint(tensors, tmp), suffix=".ckpt")
-        folder = os.path.dirname(path)
-        for name in sorted(f for f in os.listdir(folder) if f.startswith("step_"))[:-2]:
-            os.unlink(os.path.join(folder, name))
+        record = run_ckpt.save_checkpoint(self.out_dir, self.step,
+                                          lambda tmp: ms.save_checkpoint(tensors, tmp),
+                                          rank=self.rank)
+        run_ckpt.commit_state(self.out_dir, record, {"world_size": self.world},
+                              keep=KEEP_CHECKPOINTS, rank=self.rank)
         self._barrier()
         if self.rank != 0:
             return
@@ -362,32 +396,40 @@ class ExpertParallelTrainer:
                        os.path.join(self.out_dir, "trace.npz"))
         atomic_write_text(os.path.join(self.out_dir, "metrics.jsonl"),
                           "".join(json.dumps(m) + "\n" for m in self.metrics))
-        state = {"step": self.step, "world_size": self.world, "checkpoint": rel,
-                 "plans": [layer.plan.to_dict() for layer in self.layers]}
+        entry = {"step": self.step, "plans": [layer.plan.to_dict() for layer in self.layers]}
         if self.replanner is not None:
-            state["replan"] = self.replanner.state()
+            entry["replan"] = self.replanner.state()
         if self.pending is not None:        # applied, its next step not run yet
-            state["pending_replan"] = self.pending
+            entry["pending_replan"] = self.pending
+        # one entry more than the ranks keep: a kill between a rank's commit and this write
+        # leaves the ranks' older step described here
+        self.saved_steps = [e for e in self.saved_steps if e["step"] < self.step]
+        self.saved_steps = self.saved_steps[-KEEP_CHECKPOINTS:] + [entry]
+        state = dict(entry, world_size=self.world,
+                     checkpoint=os.path.join("ckpt", "rank_{rank}", f"step_{self.step:06d}.ckpt"),
+                     steps=self.saved_steps)
         atomic_write_text(os.path.join(self.out_dir, "state.json"), json.dumps(state) + "\n")
 
     def _restore(self) -> None:
-        path = os.path.join(self.out_dir, "state.json")
-        if not os.path.isfile(path):
+        from ms_efficient.train.logical_state import read_run
+
+        if not os.path.isfile(os.path.join(self.out_dir, "state.json")):
             raise ValueError(f"--resume: '{self.out_dir}' has no state.json; nothing to resume.")
-        with open(path, encoding="utf-8") as fh:
-            state = json.load(fh)
+        state = run_ckpt.read_state(self.out_dir)
         saved = int(state.get("world_size", 1))
         if "plans" not in state:
             raise ValueError(f"--resume: '{self.out_dir}' was trained with world_size {saved} "
                              f"(one process) but this job has {self.world} ranks; resume it "
                              f"without --workers.")
+        run = read_run(self.out_dir)        # the newest step every rank's checksums verify
         if saved != self.world:
-            self._restore_resized()
+            self._restore_resized(run)
             return
-        for layer, plan in zip(self.layers, load_plans_state(state["plans"])):
+        state = run.state
+        for layer, plan in zip(self.layers, run.plans):
             if plan.to_dict() != layer.plan.to_dict():
                 layer.set_plan(plan)          # layout first; the checkpoint has the values
-        ckpt = os.path.join(self.out_dir, state["checkpoint"].format(rank=self.rank))
+        ckpt = run.paths[self.rank]
         params = ms.load_checkpoint(ckpt)
         params.pop("learning_rate", None)
         for cell in (self.net, self.optimizer):
@@ -397,7 +439,8 @@ class ExpertParallelTrainer:
                 raise ValueError(f"checkpoint '{ckpt}' does not match the model: it lacks "
                                  f"{missing[:5]}.")
         self.reducer.set_plans(self.layers)
-        self.step = int(state["step"])
+        self.step = run.step
+        self.saved_steps = [e for e in state.get("steps", []) if e["step"] <= self.step]
         self._saved_counts(saved)
         if self.replanner is not None:
             self.replanner.load_state(state.get("replan", {}), np.array(self.counts))
@@ -431,7 +474,7 @@ class ExpertParallelTrainer:
                 rows = [json.loads(line) for line in fh if line.strip()]
             self.metrics = [m for m in rows if m["step"] <= self.step]
 
-    def _restore_resized(self) -> None:
+    def _restore_resized(self, run) -> None:
         """Resume a run saved by another number of ranks: every rank reads all the saved
         ranks' checkpoints as the logical (one-process) state
         (:func:`~ms_efficient.train.logical_state.logical_state`) and takes its rows of the
@@ -441,11 +484,9 @@ class ExpertParallelTrainer:
         (:func:`~ms_efficient.train.relayout.merge_trace_ranks`), else it restarts at this
         step and rank 0 keeps the old one as ``trace_world{W}_step{N}.npz``; the re-planner
         starts a new observation window."""
-        from ms_efficient.train.logical_state import (EXPERT_TABLES, MOMENTS, logical_state,
-                                                      read_run)
+        from ms_efficient.train.logical_state import EXPERT_TABLES, MOMENTS, logical_state
         from ms_efficient.train.relayout import scatter_experts
 
-        run = read_run(self.out_dir)
         values = logical_state(run)
         prefixes = {id(c): n + "." for n, c in self.net.cells_and_names()}
         experts = {}                    # parameter name -> its layer
@@ -494,9 +535,42 @@ class ExpertParallelTrainer:
         logger.info("step %d/%d  val_loss %.4f", self.step, self.cfg.train.steps, val)
 
     def run(self) -> int:
-        """Train until ``train.steps``; returns the step reached."""
-        tr, mc = self.cfg.train, self.cfg.model
+        """Train until ``train.steps``; returns the step reached.
+
+        The run folder's guarantees (:mod:`ms_efficient.train.checkpoint`), as the
+        one-process trainer's: rank 0 holds the folder's lock for the job (unless the
+        launcher that started the job holds it: ``FOLDER_LOCK_ENV`` names it), removes
+        the temporaries of interrupted writes and refuses a folder that holds another run
+        (``overwrite``: replaces it); every rank learns rank 0's verdict (one AllReduce) and
+        raises with it, then holds its own rank lock while it trains."""
+        from ms_efficient.train.ep_launch import FOLDER_LOCK_ENV, LOG_DIR
+
         os.makedirs(self.out_dir, exist_ok=True)
+        error, folder_lock = None, None
+        if self.rank == 0:
+            lock_file = os.path.realpath(os.path.join(self.out_dir, run_ckpt.LOCK_NAME))
+            try:
+                if os.environ.get(FOLDER_LOCK_ENV) != lock_file:
+                    folder_lock = run_ckpt.acquire_lock(self.out_dir)
+                run_ckpt.clean_temporaries(self.out_dir)
+                if not self.resume:
+                    run_ckpt.check_fresh(self.out_dir, self.overwrite, ignore=(LOG_DIR,))
+            except ValueError as err:
+                error = err
+        if not self._all_agree(error is None):
+            if folder_lock is not None:
+                folder_lock.release()
+            raise error or ValueError(f"rank 0 refused the run folder '{self.out_dir}' (its "
+                                      f"log says why).")
+        try:
+            with run_ckpt.acquire_lock(self.out_dir, self.rank):
+                return self._run()
+        finally:
+            if folder_lock is not None:
+                folder_lock.release()
+
+    def _run(self) -> int:
+        tr, mc = self.cfg.train, self.cfg.model
         if self.resume:
             self._restore()
         if self.rank == 0:

@@ -3,7 +3,9 @@
 An expert-parallel run (:mod:`ms_efficient.train.expert_parallel`) records::
 
     state.json      {"step", "world_size": W, "checkpoint": "ckpt/rank_{rank}/step_N.ckpt",
-                     "plans": [ExpertPlan dict per MoE layer, in block order], ...}
+                     "plans": [ExpertPlan dict per MoE layer, in block order], ...,
+                     "steps": [{"step", "plans", "replan", ...} per kept checkpoint]}
+    ckpt/rank_r/state.json   rank r's checksummed records (:mod:`ms_efficient.train.checkpoint`)
     config.yaml     the resolved config (model, moe: the reference model's shape)
     ckpt/rank_r/step_N.ckpt   rank r's network and optimizer: dense parameters (the same on
                      every rank), per MoE layer the router and [S_b, ...] expert tables
@@ -12,7 +14,8 @@ An expert-parallel run (:mod:`ms_efficient.train.expert_parallel`) records::
                      layer's layout tables (``plan_*``, ``sync_*``; balanced layers: the
                      home table ``home_table`` int32 [W, S_h] and ``balance_stats``)
 
-:func:`read_run` checks that record; :func:`logical_state` turns the W checkpoints into one
+:func:`read_run` checks that record and picks the newest step that verifies on every rank;
+:func:`logical_state` turns the W checkpoints into one
 dict under the one-process model's names: dense parameters and their moments from rank 0,
 every expert table [E, ...] (weights and moments) from the home copy of each expert (its
 replicas checked equal), ``global_step`` from rank 0 (checked equal on every rank); layout
@@ -92,7 +95,16 @@ def read_run(run_dir: str) -> RunCheckpoints:
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"{where} field 'world_size' must be an integer >= 1, but got "
                          f"{world!r}.")
-    entries, blocks = state["plans"], _moe_blocks(cfg)
+    plans = _parse_plans(state["plans"], cfg, world, where)
+    chosen, step, paths = _verified_step(run_dir, state, world)
+    if chosen["plans"] != state["plans"]:       # an older step's layout
+        plans = _parse_plans(chosen["plans"], cfg, world, where)
+    return RunCheckpoints(run_dir, cfg, chosen, world, step, plans, paths)
+
+
+def _parse_plans(entries, cfg: RunConfig, world: int, where: str) -> List[ExpertPlan]:
+    """state.json's ``plans`` as checked ExpertPlans (ValueError naming the field)."""
+    blocks = _moe_blocks(cfg)
     if not isinstance(entries, list) or len(entries) != len(blocks):
         raise ValueError(f"{where} field 'plans' must list one expert plan per MoE layer "
                          f"({len(blocks)} in config.yaml), but got "
@@ -106,17 +118,46 @@ def read_run(run_dir: str) -> RunCheckpoints:
         check_run_plan(plan, cfg.moe.num_experts, world, plan.num_slots,
                        f"{where} field 'plans'[{j}]")
         plans.append(plan)
+    return plans
+
+
+def _verified_step(run_dir: str, state: Dict, world: int):
+    """(the state of the step to load, that step, every rank's checkpoint path) of an
+    expert-parallel run: the newest step that the shared state.json describes (its
+    ``steps`` entries: plans, re-planner state) and whose checkpoint verifies on every rank
+    (``ckpt/rank_r/state.json``'s checksummed records,
+    :func:`~ms_efficient.train.checkpoint.newest_common_step`, which names the steps lost).
+    A folder written before per-rank records existed has only ``checkpoint`` (a path with
+    ``{rank}``) and is read unverified, as :func:`~ms_efficient.train.checkpoint.
+    verified_latest` reads a one-process record without a checksum."""
+    where = f"'{run_ckpt.state_path(run_dir)}'"
+    entries = state.get("steps")
+    if entries is None:
+        entries = [{k: v for k, v in state.items() if k != "steps"}]
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and "step" in e
+                                                 for e in entries):
+        raise ValueError(f"{where} field 'steps' must list one object with a 'step' per "
+                         f"kept checkpoint, but got {entries!r:.80}.")
+    by_step = {int(e["step"]): e for e in entries}
+    if all(os.path.isfile(run_ckpt.state_path(run_dir, r)) for r in range(world)):
+        records = run_ckpt.newest_common_step(run_dir, range(world), by_step)
+        step = int(records[0]["step"])
+        paths = [os.path.join(run_dir, records[r]["path"]) for r in range(world)]
+        return dict(state, **by_step[step]), step, paths
+    logger.warning("%s has no per-rank checkpoint records (written before they existed); "
+                   "loading step %s unverified", run_dir, state["step"])
     pattern = state["checkpoint"]
     if not isinstance(pattern, str) or "{rank}" not in pattern:
         raise ValueError(f"{where} field 'checkpoint' must be a path with '{{rank}}' (e.g. "
                          f"'ckpt/rank_{{rank}}/step_000010.ckpt'), but got {pattern!r}.")
+    step = state["step"]
     paths = [os.path.join(run_dir, pattern.format(rank=r)) for r in range(world)]
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
         raise ValueError(f"{where} names {world} rank checkpoints ({pattern}), but "
                          f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
                          f"missing; every rank's checkpoint of step {step} is needed.")
-    return RunCheckpoints(run_dir, cfg, state, world, step, plans, paths)
+    return state, step, paths
 
 
 def _read_checkpoint(path: str) -> Dict[str, np.ndarray]:
