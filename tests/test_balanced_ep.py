@@ -178,6 +178,47 @@ def test_w_workers_with_per_step_copies_equal_one_process(balanced_layer_runs, w
                                        rtol=1e-4, atol=1e-5, err_msg=f"{world} {name}")
 
 
+@pytest.mark.slow
+@workers.needs_msrun
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_bytes_each_rank_sends_are_what_the_simulator_charges_for_those_counts(
+        balanced_layer_runs, world):
+    """The traffic audit: every step of the 2- and 4-worker runs (copies made every step),
+    the count operand of the layer's dispatch as it ran (``exchange_rows``: rows of H
+    float32 values each rank sent each device, tokens and expert copies) against the
+    simulator's charge for the step's routing counts (``balance_step`` on the counts all
+    ranks routed, with the layer's home table, spare slot and buffers, then
+    ``dispatch_bytes_LWW``), exactly, per (rank, device) pair; the copies' part is
+    ``copy_bytes`` per copy made (only those: no dense exchange of spare slots), and the
+    combine's operand is the token part."""
+    from ms_efficient.core.cluster import get_cluster
+    from ms_efficient.efficientmoe.balanced_cost import dispatch_bytes_LWW
+    from ms_efficient.efficientmoe.cost import CostModel
+
+    wk = workers.load_script("check_balanced_ep")
+    res = [np.load(balanced_layer_runs[world] / f"rank{r}.npz") for r in range(world)]
+    model = CostModel(get_cluster("ascend910b-1x8"), wk.H, wk.F, "fp32")
+    row_bytes = wk.H * 4
+    homes = [wk.home_table(world)] + [wk.home_after(world)] * (wk.TRAIN_STEPS - 1)
+    for step in range(wk.TRAIN_STEPS):
+        counts = np.concatenate([r["counts" if step == 0 else f"counts_{step}"]
+                                 for r in res])                                  # [W, E]
+        bal = balance_step(counts[None], homes[step][None], np.full(world, wk.SPARE),
+                           wk.buffers(world)[None], by_expert=True)    # as fast_level_tables
+        charged = dispatch_bytes_LWW(bal, model)[0]
+        assert bal.copies_L[0] > 0
+        for rank, got in enumerate(res):
+            sent, tokens = got[f"exchange_{step}"].astype(np.int64)
+            assert np.array_equal(sent * row_bytes, charged), (world, step, rank)
+            assert np.array_equal(tokens * row_bytes,
+                                  bal.sent_LRW[0] * model.bytes_per_token)
+            # the copies' rows: copy_bytes per copy made, from its source to its device
+            assert np.array_equal((sent - tokens) * row_bytes,
+                                  bal.copies_LWW[0] * model.copy_bytes)
+            assert int((sent - tokens).sum()) * row_bytes == \
+                int(got["stats" if step == 0 else f"stats_{step}"][0]) * model.copy_bytes
+
+
 def test_the_layer_builds_the_replica_table_the_simulator_charges(monkeypatch):
     """A balanced layer of 2 ranks (the group faked: nothing is sent while it is built)
     all-reduces a table of ReplicaGradSum.num_cross expert rows each step; the simulator

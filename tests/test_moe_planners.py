@@ -639,9 +639,12 @@ def test_a_fast_level_time_adds_exactly_its_layers_to_the_rows_that_run_one():
     """ReplayConfig.fast_level_s (bench moe --fast-level-ms) charges every layer of every
     step of a two-level row once, changes no decision (it is a constant of every step), and
     leaves EPLB's even split untouched."""
+    from ms_efficient.efficientmoe.cost import DYNAMIC_EXCHANGE_S
+
     trace = synthetic_trace(steps=20, layers=2, ranks=16, experts=16, hidden=1024,
                             tokens_per_rank=2048, step_stride=50, seed=1)
-    base, timed = ReplayConfig(warmup=12), ReplayConfig(warmup=12, fast_level_s=1e-3)
+    base, timed = (ReplayConfig(warmup=12, fast_level_s=0.0),
+                   ReplayConfig(warmup=12, fast_level_s=1e-3))
     for method, charged in (("efficientmoe", True), ("moonep", True),
                             ("eplb-alltoallv", False)):
         a = replay(trace, method, CLUSTER_2x8, base)
@@ -649,6 +652,9 @@ def test_a_fast_level_time_adds_exactly_its_layers_to_the_rows_that_run_one():
         added = trace.num_layers * 1e-3 if charged else 0.0
         assert b.iteration_time_s - a.iteration_time_s == pytest.approx(added, abs=1e-12)
         assert (b.replans, b.drop_rate) == (a.replans, a.drop_rate)
+        # the row says what it was charged: every two-level layer dispatches count-driven
+        assert b.extra["fast_level_s"] == (1e-3 if charged else 0.0)
+        assert b.extra["dynamic_exchange_s"] == DYNAMIC_EXCHANGE_S
 
 
 def test_hindsight_capacities_hand_case_and_brute_force_optimum():
@@ -675,3 +681,32 @@ def test_hindsight_capacities_hand_case_and_brute_force_optimum():
     # re-planned every step, hindsight capacities fit every load: no padding, no drop
     pad, drop = static_capacity_limit(loads[:, None, :], 0.0, window=1)
     assert pad == 0.0 and drop == 0.0
+
+
+def test_no_method_beats_the_lower_bound_on_random_counts():
+    """``oracle-bound`` (two_level.lower_bound_step_s) is a true bound: on random routing
+    (Dirichlet-skewed counts, 16 ranks x 16 experts, top-2) every default row's time of
+    every step is at least the bound's for that step, and the bound is the hand figure:
+    the mean rows per device x one row's time, summed over the layers."""
+    from ms_efficient.efficientmoe.replay import DEFAULT_METHODS
+    from ms_efficient.efficientmoe.two_level import LOWER_BOUND, lower_bound_step_s
+
+    rng = np.random.default_rng(7)
+    steps, layers, ranks, experts, tokens = 16, 2, 16, 16, 512
+    probs = rng.dirichlet(np.full(experts, 0.3), size=(steps, layers, ranks))
+    counts = np.stack([[[rng.multinomial(2 * tokens, p) for p in layer] for layer in step]
+                       for step in probs])
+    trace = RoutingTrace(counts=counts, top_k=2, hidden=1024, tokens_per_rank=tokens,
+                         steps=np.arange(1, steps + 1) * 10)
+    config = ReplayConfig(warmup=8)
+    bound = replay(trace, LOWER_BOUND, CLUSTER_2x8, config)
+    model = CostModel(CLUSTER_2x8, 1024, 4096, "bf16")
+    assert bound.step_time_s[0] == pytest.approx(
+        layers * (2 * tokens * ranks / ranks) * model.row_time_s, rel=1e-12)
+    assert lower_bound_step_s(counts[8], model) == pytest.approx(bound.step_time_s[0])
+    for method in DEFAULT_METHODS:
+        if method == LOWER_BOUND:
+            continue
+        got = replay(trace, method, CLUSTER_2x8, config)
+        assert (got.step_time_s >= bound.step_time_s).all(), method
+        assert got.iteration_time_s >= bound.iteration_time_s, method

@@ -13,9 +13,11 @@ CostModel` of the other MoE rows):
                division); not part of the exchange's share.
     a2a        four All-to-Alls of the per-pair rows (dispatch and combine, forward and
                backward; :func:`~ms_efficient.efficientmoe.cost.uneven_alltoall_time_s`):
-               the forward dispatch also carries the step's expert copies (weights, dtype
-               bytes, home holder -> spare slot) and the backward dispatch-gradient carries
-               their gradients back (spare slot -> home holder). Charged on the same links
+               the forward dispatch also carries the step's expert copies (each
+               ``model.copy_bytes``: its parameters as whole rows of H, home holder -> spare
+               slot, only the copies made, as the layer sends them in its one count-driven
+               dispatch) and the backward dispatch-gradient carries their gradients back
+               (spare slot -> home holder). Charged on the same links
                as the tokens, serially: no overlap with compute is claimed (on Ascend a copy
                could start with the dispatch and overlap the home slots' compute; the model
                does not count on it).
@@ -41,15 +43,17 @@ from ms_efficient.efficientmoe.cost import (CostModel, count_exchange_time_s, sy
 from ms_efficient.moe.balance import Balance
 from ms_efficient.moe.ep_routing import cross_budget
 
-__all__ = ["BalancedCost", "balanced_cost", "home_sync_time_L", "copy_cost_rows_WW"]
+__all__ = ["BalancedCost", "balanced_cost", "dispatch_bytes_LWW", "home_sync_time_L",
+           "copy_cost_rows_WW"]
 
 
 @dataclass
 class BalancedCost:
     """One step's cost per layer, seconds, float64 [L] each (time = the sum of the others).
 
-    weight_bytes_L: bytes of expert copies sent this step (forward; the same bytes of
-    gradients return in backward). fast_L: the fast level's own time."""
+    weight_bytes_L: bytes of expert copies sent this step (forward, ``model.copy_bytes``
+    each; the same bytes of gradients return in backward). fast_L: the fast level's own time.
+    copies_L: what the copies add to a2a_L (a2a_L less the same exchanges without them)."""
 
     time_L: np.ndarray
     exchange_L: np.ndarray
@@ -58,6 +62,7 @@ class BalancedCost:
     sync_L: np.ndarray
     weight_bytes_L: np.ndarray
     fast_L: np.ndarray
+    copies_L: np.ndarray = None      # the part of a2a_L the copies' weights add (seconds)
 
 
 def _embed(matrix_LWW: np.ndarray, num_devices: int) -> np.ndarray:
@@ -91,10 +96,20 @@ def copy_cost_rows_WW(model: CostModel, num_devices: int) -> np.ndarray:
     node = np.arange(num_devices) // cluster.devices_per_node
     same = node[:, None] == node[None, :]
     link_s = np.where(same, cluster.intra_link.latency_s
-                      + model.grad_bytes / cluster.intra_link.bandwidth_Bps,
+                      + model.copy_bytes / cluster.intra_link.bandwidth_Bps,
                       cluster.inter_link.latency_s
-                      + model.grad_bytes / cluster.inter_link.bandwidth_Bps)
+                      + model.copy_bytes / cluster.inter_link.bandwidth_Bps)
     return 2.0 * link_s / model.row_time_s
+
+
+def dispatch_bytes_LWW(balance: Balance, model: CostModel) -> np.ndarray:
+    """Bytes every rank sends every device in each layer's dispatch, int64 [L, W, W]: its
+    token rows (``bytes_per_token`` each), then the weights of every expert copy it is the
+    source of for that device (``copy_bytes`` each: whole rows of H). What the balanced
+    layer's count-driven dispatch sends (its ``exchange_bytes``; tests/test_balanced_ep.py
+    holds the two equal on a run with copies); the combine sends the token part back."""
+    return (balance.sent_LRW.astype(np.int64) * int(model.bytes_per_token)
+            + balance.copies_LWW.astype(np.int64) * int(model.copy_bytes))
 
 
 def balanced_cost(balance: Balance, model: CostModel, sync_L: np.ndarray,
@@ -110,13 +125,17 @@ def balanced_cost(balance: Balance, model: CostModel, sync_L: np.ndarray,
         exchange += model.a2a_passes * model.dynamic_exchange_s
     fast_L = np.full(num_layers, model.fast_level_s if fast_level else 0.0)
     tokens = _embed(balance.sent_LRW * float(model.bytes_per_token), cluster.num_devices)
-    weights = _embed(balance.copies_LWW * float(model.grad_bytes), cluster.num_devices)
+    dispatch = _embed(dispatch_bytes_LWW(balance, model).astype(np.float64),
+                      cluster.num_devices)
+    weights = dispatch - tokens
     back = np.swapaxes(tokens, 1, 2)
-    a2a = (uneven_alltoall_time_s(tokens + weights, cluster)                # fwd dispatch
+    a2a = (uneven_alltoall_time_s(dispatch, cluster)                        # fwd dispatch
            + uneven_alltoall_time_s(back, cluster)                          # fwd combine
            + uneven_alltoall_time_s(tokens, cluster)                        # bwd combine-grad
            + uneven_alltoall_time_s(back + np.swapaxes(weights, 1, 2), cluster))
     a2a = a2a * (model.a2a_passes / 4.0)
+    tokens_only = (2 * uneven_alltoall_time_s(tokens, cluster)
+                   + 2 * uneven_alltoall_time_s(back, cluster)) * (model.a2a_passes / 4.0)
     rows = cluster.tiled_rows(balance.rows_LEW).astype(np.float64)           # [L, E, W]
     h, f = model.hidden, model.ffn_hidden
     flops_LW = rows.sum(axis=1) * model.row_time_s
@@ -129,4 +148,5 @@ def balanced_cost(balance: Balance, model: CostModel, sync_L: np.ndarray,
     return BalancedCost(time_L=exchange_L + a2a + compute + sync + fast_L,
                         exchange_L=exchange_L, a2a_L=a2a, compute_L=compute, sync_L=sync,
                         weight_bytes_L=balance.copies_LWW.sum(axis=(1, 2))
-                        * float(model.grad_bytes), fast_L=fast_L)
+                        * float(model.copy_bytes), fast_L=fast_L,
+                        copies_L=a2a - tokens_only)

@@ -158,9 +158,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="simulated All-to-All of static-graph methods: per-peer counts "
                              "fixed at compile time (AlltoAllV, what ExpertParallelMoE sends), "
                              "or every block padded to the largest (equal-split AlltoAll)")
-    parser.add_argument("--fast-level-ms", type=float, default=0.0, metavar="MS",
+    parser.add_argument("--fast-level-ms", type=float, default=None, metavar="MS",
                         help="charge the two-level methods' fast level this many ms per MoE "
-                             "layer-step (default 0: a fused device kernel taken as free; "
+                             "layer-step (default: the compiled kernel's in-graph time "
+                             "measured on CPU, cost.FAST_LEVEL_S = 0.75 ms; "
                              "scripts/time_fast_level.py measures the twins here)")
     parser.add_argument("--methods", nargs="+", metavar="M",
                         help="simulated methods to replay (default: "
@@ -182,6 +183,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"'--steps' must be a positive integer, but got {args.steps}.")
+    if args.fast_level_ms is None:
+        from ms_efficient.efficientmoe.cost import FAST_LEVEL_S
+
+        args.fast_level_ms = FAST_LEVEL_S * 1e3
     if not 0.0 <= args.fast_level_ms < float("inf"):
         raise ValueError(f"'--fast-level-ms' must be a finite number >= 0 milliseconds, but "
                          f"got {args.fast_level_ms}.")

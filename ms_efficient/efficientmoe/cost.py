@@ -61,7 +61,7 @@ from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import source_rows, split_tokens, static_assignments
 from ms_efficient.sim import Simulator
 
-__all__ = ["CostModel", "LayerCost", "DYNAMIC_EXCHANGE_S", "uneven_alltoall_time_s", "computed_rows_D",
+__all__ = ["CostModel", "LayerCost", "DYNAMIC_EXCHANGE_S", "FAST_LEVEL_S", "DYNAMIC_DISPATCH", "uneven_alltoall_time_s", "computed_rows_D",
            "compute_time_D",
            "check_rank_device", "count_exchange_time_s", "layer_cost", "event_step_time_s"]
 
@@ -77,6 +77,15 @@ COUNT_BYTES = 4   # one routing count in the exchange: int32
 DYNAMIC_EXCHANGE_S = 363e-6
 # the dispatch modes whose All-to-All sizes are data (a dynamic shape), charged the above
 DYNAMIC_DISPATCH = ("counts", "alltoallv")
+# Seconds the balanced layer's fast level (the per-step tables from the all-gathered counts)
+# takes per layer-step inside a compiled graph: the compiled C++ kernel
+# (kernels/cpu/fast_level.cc, ``moe.fast_level: aot``) as a one-op MindSpore GRAPH-mode Cell,
+# launch included, on layer 0 of the real 16-rank x 32-expert trace, measured on the shared
+# 2-core CPU machine (scripts/time_fast_level.py: 0.75 ms alone; the kernel itself 0.07-0.14
+# ms, the rest is the op's launch). The only measured figure: on Ascend the fast level runs as
+# the MindSpore-ops twin or the same algorithm on the AI CPU, not measured here; the default
+# of every preset, overridden by ``bench moe --fast-level-ms``.
+FAST_LEVEL_S = 0.75e-3
 
 
 @dataclass(frozen=True)
@@ -94,9 +103,8 @@ class CostModel:
     slot_budget: the slot budget S_b grouped and counts layers are built with (their replica
         table holds any plan of it); None: the most slots a device of the plan holds.
     fast_level_s: seconds the fast level's tables take per balanced layer-step (between the
-        counts' AllGather and the dispatch; :mod:`balanced_cost`); 0: a fused device kernel
-        taken as free. Not measured on Ascend: a knob for the sensitivity (``bench moe
-        --fast-level-ms``).
+        counts' AllGather and the dispatch; :mod:`balanced_cost`); ``FAST_LEVEL_S`` (measured
+        on CPU, in a graph) unless given (``bench moe --fast-level-ms``).
     """
 
     cluster: ClusterSpec
@@ -109,7 +117,7 @@ class CostModel:
     static_blocks: str = "exact"
     dynamic_exchange_s: float = DYNAMIC_EXCHANGE_S
     slot_budget: Optional[int] = None
-    fast_level_s: float = 0.0
+    fast_level_s: float = FAST_LEVEL_S
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fast_level_s < float("inf"):
@@ -156,6 +164,15 @@ class CostModel:
     def grad_bytes(self) -> int:
         """Bytes of one expert's gradient (dtype)."""
         return self.dtype_bytes * self.expert_params
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes one expert copy takes in the balanced layer's dispatch, each way: its
+        parameters with biases as whole rows of H (:func:`~ms_efficient.moe.exchange.
+        copy_rows`, what the layer sends)."""
+        from ms_efficient.moe.exchange import copy_rows
+
+        return copy_rows(self.hidden, self.ffn_hidden) * self.bytes_per_token
 
 
 @dataclass(frozen=True)

@@ -67,11 +67,13 @@ one static row buffer per device, after a routing-count exchange (``dispatch="gr
                      the chosen row exactly.
     oracle           our scheduler with the true counts of each step, exact capacities, and
                      free re-planning every step (a reference, not a reachable system).
-    oracle-grouped   the same with grouped dispatch (blocks of exactly the step's rows): the
-                     bound of any forecast-driven placement with grouped or counts dispatch
-                     and the same slots. Its gap to efficientmoe is what the unforecastable
-                     part of the routing costs (every predictor's MAPE, printed beside it,
-                     shows how much of it is step-to-step noise).
+    oracle-grouped   the same with grouped dispatch (blocks of exactly the step's rows). Not
+                     a bound: it pays a replica-sync table every step, and the two-level
+                     rows beat it.
+    oracle-bound     a true lower bound (:func:`two_level.lower_bound_step_s`): every
+                     assignment computed, perfectly spread, at peak, with no exchange,
+                     copy, sync or fast level; no row can beat it (a test holds every
+                     method to it on random counts).
     oracle-static    ours with perfect foresight and nothing else changed: a static graph,
                      re-planned by the same checks and the same rule at the same cost, whose
                      planner is given the true counts of the rows each candidate plan would
@@ -105,13 +107,14 @@ import numpy as np
 
 from ms_efficient.core.cluster import PRESETS, ClusterSpec, get_cluster
 from ms_efficient.efficientmoe import baselines
-from ms_efficient.efficientmoe.cost import CostModel, layer_cost
+from ms_efficient.efficientmoe.cost import DYNAMIC_DISPATCH, FAST_LEVEL_S, CostModel, layer_cost
 from ms_efficient.efficientmoe.predictor import Forecaster
 from ms_efficient.efficientmoe.planner import (DispatchChoice, EfficientMoEPlanner, PlannerConfig,
                                                choose_dispatch)
 from ms_efficient.efficientmoe.predictor import FLOOR_FRACTION, error_floor
 from ms_efficient.efficientmoe.planner import ReplanLoop
-from ms_efficient.efficientmoe.two_level import TWO_LEVEL_METHODS, replay_two_level
+from ms_efficient.efficientmoe.two_level import (LOWER_BOUND, TWO_LEVEL_METHODS,
+                                                 replay_lower_bound, replay_two_level)
 from ms_efficient.efficientmoe.schedule import (DropMonitor, ReplanDecision, choose_horizon,
                                                 decide_replan, migration_time_s, plans_equal,
                                                 recompiles)
@@ -130,15 +133,15 @@ METHODS = ("efficientmoe", "efficientmoe-fixed-home", "moonep", "ablation-eplb-s
            "dropless-grouped", "fastermoe", "eplb-ema", "eplb-ar", "eplb-ema-grouped",
            "eplb-ar-grouped", "eplb-ema-counts", "eplb-ar-counts", "mindspeed-greedy",
            "mindspeed-greedy-grouped", "oracle", "oracle-grouped", "oracle-static",
-           "efficientmoe-auto")
+           "efficientmoe-auto", "oracle-bound")
 # what ``bench moe`` replays unless told (issue 32's rows): ours, ours without home re-plans
 # (what train --workers runs with dispatch "balanced" today), MoonEP, the fast level under
 # EPLB's placement, EPLB as published with each exchange, FasterMoE, Switch, dropless grouped,
-# the per-step oracle; the one-level rows stay available through --methods
+# the lower bound; the one-level rows stay available through --methods
 DEFAULT_METHODS = ("efficientmoe", "efficientmoe-fixed-home", "moonep", "ablation-eplb-split",
                    "eplb-alltoallv",
                    "eplb-ema-counts", "eplb-ema-grouped", "fastermoe", "switch-cf1.25",
-                   "dropless-grouped", "oracle-grouped")
+                   "dropless-grouped", "oracle-bound")
 _EPLB = {"eplb-ema", "eplb-ar", "eplb-ema-grouped", "eplb-ar-grouped", "eplb-ema-counts",
          "eplb-ar-counts"}                    # re-balanced on their own periodic schedule
 _ADAPTIVE = _EPLB | {"efficientmoe", "efficientmoe-counts", "efficientmoe-static",
@@ -183,7 +186,8 @@ class ReplayConfig:
     max_block_drop_rate: the most expected drops the send blocks of our "grouped"/"counts"
         plans and of the grouped baselines may cause; the per-pair target within it is chosen
         by cost (PlannerConfig, placement.choose_blocks).
-    fast_level_s: the two-level methods' fast-level time per layer-step (CostModel).
+    fast_level_s: the two-level methods' fast-level time per layer-step (CostModel;
+        default ``FAST_LEVEL_S``, measured).
     """
 
     slots_per_device: Optional[int] = None
@@ -203,7 +207,7 @@ class ReplayConfig:
     sync_replica_grads: bool = True
     dispatch: str = "grouped"
     max_block_drop_rate: float = 0.001
-    fast_level_s: float = 0.0
+    fast_level_s: float = FAST_LEVEL_S
 
     def planner_config(self) -> PlannerConfig:
         """The settings of our planner (the same class the trainer builds from its config)."""
@@ -473,6 +477,8 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
     cluster = cluster or cluster_for_ranks(trace.num_ranks)
     check_trace_fits(trace, cluster)
     ctx = _Context(trace, cluster, config)
+    if method == LOWER_BOUND:
+        return ReplayResult(**replay_lower_bound(trace, ctx.model, config.warmup))
     if method in TWO_LEVEL_METHODS:
         per_device = -(-trace.num_experts // trace.num_ranks)
         extra = (1 if config.slots_per_device is None
@@ -491,7 +497,7 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
     plans: List[ExpertPlan] = []
     if method.startswith("switch-cf") or method in ("dropless-static", "dropless-grouped"):
         plans = ctx.static_plans(method)
-    step_times, a2a_times, imbalance = [], [], []
+    step_times, a2a_times, imbalance, weight_bytes = [], [], [], []
     rows = computed = assigned = dropped = 0
     replans, forced, overhead = 0, 0, 0.0
     monitor = DropMonitor(ctx.monitor_rows, ctx.costs.max_drop_rate)
@@ -513,6 +519,9 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
                     for layer in range(trace.num_layers)]
             plans = [p for p, _ in made]
             extra_s = sum(b for _, b in made)
+            # every shadowed expert's weights reach every other device of the job
+            shadows = sum(int((p.replica_counts(trace.num_experts) > 1).sum()) for p in plans)
+            weight_bytes.append(shadows * ctx.model.grad_bytes * (trace.num_ranks - 1))
         elif loop is not None:                        # ours: the trainer's loop and planner
             polled = loop.poll(t, counts[:t], plans or None,
                                forecaster=ctx.forecaster(method, t))
@@ -557,7 +566,12 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
             loop.observe(dropped_L, counts[t].sum(axis=(1, 2)))
         rows += 1
     routed = int(counts[config.warmup:].sum())
+    dynamic = bool(plans) and plans[0].dispatch in DYNAMIC_DISPATCH
+    charged = {"fast_level_s": 0.0,
+               "dynamic_exchange_s": ctx.model.dynamic_exchange_s if dynamic else 0.0,
+               "weight_bytes_per_step": float(np.mean(weight_bytes)) if weight_bytes else 0.0}
     return ReplayResult(
+        extra=charged,
         method=label,
         iteration_time_s=float(np.mean(step_times)) + overhead / (rows * ctx.stride),
         a2a_time_s=float(np.mean(a2a_times)),

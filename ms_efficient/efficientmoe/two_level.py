@@ -44,7 +44,15 @@ from ms_efficient.efficientmoe.cost import CostModel
 from ms_efficient.efficientmoe.layout import LayoutConfig, decide_home, plan_layout
 from ms_efficient.moe.balance import balance_step
 
-__all__ = ["TWO_LEVEL_METHODS", "layout_config_for", "replay_two_level"]
+__all__ = ["TWO_LEVEL_METHODS", "TERMS", "layout_config_for", "replay_two_level",
+           "lower_bound_step_s", "replay_lower_bound", "LOWER_BOUND"]
+
+# the parts of a two-level step's time (ms per iteration in a row's ``terms_ms``): the counts'
+# AllGather and the dynamic-shape overhead of every count-driven pass; the token exchange;
+# what the copies' weights add to it; the grouped expert compute; the replicas' gradient
+# sync; the fast level
+TERMS = ("exchange", "tokens", "copies", "compute", "sync", "fast_level")
+LOWER_BOUND = "oracle-bound"
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +86,7 @@ def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_ro
     copy_cost = copy_cost_rows_WW(model, layout.num_devices)
     sync = home_sync_time_L(layout.home_LWS, trace.num_experts, model, layout.sync_rows)
     step_times, a2a_times, imbalance, copies, weights = [], [], [], [], []
+    terms = {name: 0.0 for name in TERMS}
     computed = kept = dropped = 0
     replans, overhead = 0, 0.0
     for t in range(warmup, trace.num_steps):
@@ -93,8 +102,13 @@ def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_ro
                            np.zeros_like(layout.spare_W) if unbounded else layout.spare_W,
                            None if unbounded else layout.buffer_LW, copy_cost,
                            even_split=unbounded, devices_per_node=dpn)
-        cost = balanced_cost(bal, model, sync, dynamic=unbounded, fast_level=not unbounded)
+        # every two-level row's layer dispatches with the count-driven exchange (AlltoAllVC
+        # on Ascend): each of its passes pays the dynamic-shape overhead, ours included
+        cost = balanced_cost(bal, model, sync, dynamic=True, fast_level=not unbounded)
         step_times.append(float(cost.time_L.sum()))
+        for name, part in zip(TERMS, (cost.exchange_L, cost.a2a_L - cost.copies_L,
+                                      cost.copies_L, cost.compute_L, cost.sync_L, cost.fast_L)):
+            terms[name] += float(part.sum())
         a2a_times.append(float(cost.a2a_L.sum() + cost.exchange_L.sum()))
         load = bal.load_LW
         imbalance.extend(load.max(axis=1) / np.maximum(load.mean(axis=1), 1e-12))
@@ -112,9 +126,37 @@ def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_ro
         padding_fraction=(computed - kept) / computed if computed else 0.0,
         drop_rate=dropped / routed if routed else 0.0, replans=replans,
         replan_overhead_s=overhead, step_time_s=np.array(step_times),
-        extra={"copies_per_step": float(np.mean(copies)),
+        extra={"terms_ms": {n: 1e3 * v / len(step_times) for n, v in terms.items()},
+               "fast_level_s": 0.0 if unbounded else model.fast_level_s,
+               "dynamic_exchange_s": model.dynamic_exchange_s,
+               "copies_per_step": float(np.mean(copies)),
                "weight_bytes_per_step": float(np.mean(weights)),
                "redundant_home_slots": int(layout.redundant),
                "spare_slots": int(layout.spare_W.max()),
                "buffer_over_mean": float(1.0 + layout.slack_L.mean()),
                "recompiles": 0})
+
+
+def lower_bound_step_s(counts_LRE: np.ndarray, model: CostModel) -> float:
+    """A lower bound on any MoE method's time for one training step of ``counts_LRE`` (int
+    [L, R, E] routed assignments), seconds: per layer, every assignment computed (no drop),
+    spread perfectly over the R devices (each the mean, no tile rounding, no weight reads),
+    at the cluster's peak rate; no token or weight exchange (a rank's own assignments are the
+    mean, so perfect balance needs none), no count exchange, copy, sync, fast level or
+    launch. Every row of ``bench moe`` computes at least this (tests/test_moe_planners.py
+    checks it on random counts)."""
+    counts = np.asarray(counts_LRE, dtype=np.float64)
+    rows_L = counts.sum(axis=(1, 2)) / counts.shape[1]
+    return float((rows_L * model.row_time_s).sum())
+
+
+def replay_lower_bound(trace, model: CostModel, warmup: int):
+    """The ``oracle-bound`` row: :func:`lower_bound_step_s` of rows [warmup, T), as the
+    fields of :class:`~ms_efficient.efficientmoe.replay.ReplayResult`."""
+    steps = np.array([lower_bound_step_s(c, model) for c in trace.counts[warmup:]])
+    return dict(method=LOWER_BOUND, iteration_time_s=float(steps.mean()), a2a_time_s=0.0,
+                max_over_mean_load=1.0, padding_fraction=0.0, drop_rate=0.0,
+                step_time_s=steps,
+                extra={"fast_level_s": 0.0, "dynamic_exchange_s": 0.0,
+                       "weight_bytes_per_step": 0.0, "copies_per_step": 0.0,
+                       "recompiles": 0})

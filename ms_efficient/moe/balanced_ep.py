@@ -48,7 +48,7 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from ms_efficient.core import backend
 from ms_efficient.core.params import write_parameter
-from ms_efficient.moe.alltoall import AllToAll, CountExchange
+from ms_efficient.moe.alltoall import CountExchange
 from ms_efficient.moe.balance import BalancedSpec, home_plan
 from ms_efficient.moe.counted_alltoall import CountedAllToAllV
 from ms_efficient.moe.ep_layer import ReplicaGradSum
@@ -56,6 +56,7 @@ from ms_efficient.moe.ep_migration import migrate_rows, row_layout
 from ms_efficient.moe.ep_replan import move_rows, record, weight_states
 from ms_efficient.moe.ep_routing import (init_expert_weights, pad_rows, replica_sync,
                                         sync_rows as table_rows)
+from ms_efficient.moe.exchange import copy_rows
 from ms_efficient.moe.fast_level import FastLevel, fast_level_tables
 from ms_efficient.moe.grouped_matmul import GroupedMatmul, row_groups
 from ms_efficient.moe.layer import TopKArrival, make_gelu, routing_statistics, sum_choices
@@ -92,7 +93,9 @@ class BalancedExpertParallelMoE(nn.Cell):
     Outputs: y_BSH; aux_loss (Switch loss of the local tokens); counts_RE int32 [R, E] of the
     local tokens; dropped int32 (local assignments no buffer held). ``balance_stats``
     (non-trainable int32 [3 + W], written every step): copies made, rows dropped, rows kept,
-    then every device's rows; the same on every rank.
+    then every device's rows; the same on every rank. ``exchange_rows`` (non-trainable int32
+    [2, W, W], written every step): the dispatch's per-pair row counts (tokens, then the
+    copies' rows), and the token rows alone (:meth:`exchange_bytes`).
 
     Parameters: ``router.weight`` [E, H] (data-parallel), ``w1`` [S_h, H, F], ``b1``
     [S_h, 1, F], ``w2`` [S_h, F, H], ``b2`` [S_h, 1, H] (this rank's home slots; an empty
@@ -134,19 +137,35 @@ class BalancedExpertParallelMoE(nn.Cell):
         self.fast = FastLevel(self.world, num_experts, self.spare, buffers, copy_cost_WW,
                               devices_per_node, fast_level)
         self.count_exchange = CountExchange(self.world, self.rank, group)
-        # send layout: block w holds at most B_w rows (no rank can send device w more)
-        block_WW = np.broadcast_to(buffers[None, :], (self.world, self.world))
+        # the dispatch's blocks: rank s may send device w B_w token rows and, when copies can
+        # happen, S_s expert copies of R rows of H each (copy_rows: an expert's X
+        # parameters, zero-padded to whole rows), after its token rows
+        self.copy_rows = copy_rows(hidden_size, ffn_hidden_size)
+        self.copies = self.world > 1 and self.spare > 0
+        token_WW = np.broadcast_to(buffers[None, :], (self.world, self.world))
+        block_WW = token_WW + (self.spare * self.copy_rows if self.copies else 0)
         self.send_total = int(block_WW[self.rank].sum())
+        self.token_total = int(token_WW[self.rank].sum())   # the combine's receive layout
+        self.token_start_W = Tensor((np.cumsum(token_WW[self.rank])
+                                     - token_WW[self.rank]).astype(np.int32))
         self.block_start_W = Tensor((np.cumsum(block_WW[self.rank])
                                      - block_WW[self.rank]).astype(np.int32))
         self.dispatch = CountedAllToAllV(block_WW, self.rank, hidden_size, group)
-        self.undispatch = CountedAllToAllV(block_WW.T, self.rank, hidden_size, group)
-        recv_W = block_WW[:, self.rank]
+        self.undispatch = CountedAllToAllV(token_WW.T, self.rank, hidden_size, group)
+        recv_W = token_WW[:, self.rank]              # the token rows of the receive layout
         source_I = np.repeat(np.arange(self.world), recv_W)
         first_W = np.cumsum(recv_W) - recv_W
         self.recv_source_I = Tensor(source_I.astype(np.int32))
         self.recv_row_I = Tensor((np.arange(source_I.size) - first_W[source_I]).astype(np.int32))
-        self.copy_exchange = AllToAll(group) if self.world > 1 and self.spare else None
+        block_in_W = block_WW[:, self.rank]          # the dispatch's receive blocks
+        recv_start_W = np.cumsum(block_in_W) - block_in_W
+        self.recv_total = int(block_in_W.sum())
+        self.recv_start_W = Tensor(recv_start_W.astype(np.int32))
+        self.recv_token_I = Tensor((recv_start_W[source_I] + np.arange(source_I.size)
+                                    - first_W[source_I]).astype(np.int32))
+        self.arange_R = Tensor(np.arange(self.copy_rows, dtype=np.int32))
+        self.arange_W = Tensor(np.arange(self.world, dtype=np.int32))
+        self.lower_SS = Tensor(np.tril(np.ones((self.spare, self.spare), np.int32), -1))
         # weights: this rank's home slots; replicas tied by ReplicaGradSum
         local = home[self.rank][home[self.rank] >= 0]
         self.budget, self.local_experts = self.slots_home, local      # as ExpertParallelMoE
@@ -171,12 +190,19 @@ class BalancedExpertParallelMoE(nn.Cell):
         self.b2 = Parameter(Tensor(pad_rows(b2, self.slots_home)), name="b2")
         self.shapes = tuple(tuple(p.shape[1:]) for p in (self.w1, self.b1, self.w2, self.b2))
         self.sizes = tuple(int(np.prod(s)) for s in self.shapes)
+        self.copy_numel = sum(self.sizes)                  # X: one expert's parameters
+        if self.copy_numel > self.copy_rows * hidden_size:
+            raise AssertionError("copy_rows does not hold an expert's parameters")
         self.gmm = GroupedMatmul()
         self.gelu = make_gelu()
         self.arrival = TopKArrival(num_experts, top_k)
         self.arange_L = Tensor(np.arange(self.slots_home + self.spare, dtype=np.int32))
         self.balance_stats = Parameter(Tensor(np.zeros(3 + self.world, np.int32)),
                                        name="balance_stats", requires_grad=False)
+        # the step's count operands of the exchanges (rows of H values): [0] the dispatch's
+        # (tokens and copies), [1] the tokens alone (the combine sends their transpose back)
+        self.exchange_rows = Parameter(Tensor(np.zeros((2, self.world, self.world), np.int32)),
+                                       name="exchange_rows", requires_grad=False)
 
     @classmethod
     def from_spec(cls, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
@@ -185,6 +211,16 @@ class BalancedExpertParallelMoE(nn.Cell):
         return cls(hidden_size, ffn_hidden_size, num_experts, top_k, spec.home_WS,
                    spec.spare_slots, spec.buffer_W, group, spec.devices_per_node,
                    spec.copy_cost_WW, sync_rows=spec.sync_rows, **kwargs)
+
+    def exchange_bytes(self, dtype_bytes: int = 4):
+        """(dispatch_WW, copies_WW): bytes every rank sent every device in the last step's
+        dispatch (its count operand x one row of H values of ``dtype_bytes``), and the part
+        of them that were expert copies; int64 [W, W] each, read from ``exchange_rows``
+        (the same on every rank). What the simulator charges
+        (:func:`~ms_efficient.efficientmoe.balanced_cost.dispatch_bytes_LWW`)."""
+        rows = self.exchange_rows.asnumpy().astype(np.int64)
+        row_bytes = int(self.hidden_size) * int(dtype_bytes)
+        return rows[0] * row_bytes, (rows[0] - rows[1]) * row_bytes
 
     def set_weights(self, router_EH, w1_EHF, b1_E1F, w2_EFH, b2_E1H) -> None:
         """Load logical weights (numpy, all E experts) into the router and this rank's home
@@ -255,33 +291,56 @@ class BalancedExpertParallelMoE(nn.Cell):
         flat_A = expert_ids_A * world + dev_A
         earlier_EW = ops.cumsum(sent_EW, 0) - sent_EW            # earlier experts' rows
         start_A = ops.gather(end_EW.reshape(-1) - sent_EW.reshape(-1), flat_A, 0)
-        row_A = (ops.gather(self.block_start_W, dev_A, 0)
-                 + ops.gather(earlier_EW.reshape(-1), flat_A, 0) + position_A - start_A)
+        offset_A = (ops.gather(earlier_EW.reshape(-1), flat_A, 0) + position_A - start_A)
+        row_A = ops.gather(self.block_start_W, dev_A, 0) + offset_A          # dispatch row
         row_A = ops.select(keep_A, row_A, ops.fill(ms.int32, row_A.shape, m))
+        ret_A = ops.gather(self.token_start_W, dev_A, 0) + offset_A          # return row
+        ret_A = ops.select(keep_A, ret_A, ops.fill(ms.int32, ret_A.shape, self.token_total))
 
-        # Step 3: send buffer [M, H]; exchange; compact into the fixed buffer by local slot.
+        # Step 3: send buffer [M, H]: the token rows, then the weight rows of every copy this
+        # rank is the source of; one count-driven exchange; the tokens compacted into the
+        # fixed buffer by local slot, the copies into the spare slots.
+        home = self._home_weights()
+        tokens_WW = sent_WEW.sum(axis=1)                        # [source, device] rows
         token_A = ops.tile(ops.arange(t, dtype=ms.int32), (k,))
-        row_token = ops.fill(ms.int32, (m + 1,), t)
-        row_token = ops.tensor_scatter_update(row_token, row_A.reshape(-1, 1), token_A)
-        x_pad = ops.concat((x_TH, ops.zeros((1, h), x_TH.dtype)), 0)
-        sent_WW = sent_WEW.sum(axis=1)
-        recv_IH = self.dispatch(ops.gather(x_pad, row_token[:m], 0), sent_WW)
-        out_IH = self._experts(recv_IH, sent_WEW, slot_EW, spare_WS, source_WS, home_slot_WE)
+        if self.copies:
+            rows_XH, pos_VR, src_VR, copies_WW = self._copy_sends(
+                home, spare_WS, source_WS, home_slot_WE, tokens_WW, t, x_TH.dtype)
+            source_NH = ops.concat((x_TH, rows_XH, ops.zeros((1, h), x_TH.dtype)), 0)
+            row_src = ops.fill(ms.int32, (m + 1,), source_NH.shape[0] - 1)   # the zero row
+            row_src = ops.tensor_scatter_update(row_src, row_A.reshape(-1, 1), token_A)
+            row_src = ops.tensor_scatter_update(row_src, pos_VR.reshape(-1, 1),
+                                                src_VR.reshape(-1))
+            send_WW = tokens_WW + copies_WW * self.copy_rows
+        else:
+            source_NH = ops.concat((x_TH, ops.zeros((1, h), x_TH.dtype)), 0)
+            row_src = ops.fill(ms.int32, (m + 1,), t)                        # the zero row
+            row_src = ops.tensor_scatter_update(row_src, row_A.reshape(-1, 1), token_A)
+            send_WW = tokens_WW
+        send_MH = ops.gather(source_NH, row_src[:m], 0)
+        recv_JH = self.dispatch(send_MH, send_WW)
+        recv_IH = ops.gather(recv_JH, self.recv_token_I, 0)
+        spare_SX = (self._copy_receives(recv_JH, spare_WS, source_WS, tokens_WW)
+                    if self.copies else None)
+        out_IH = self._experts(recv_IH, sent_WEW, slot_EW, spare_WS,
+                               self._slot_weights(home, spare_SX))
 
         # Step 4: results back; every assignment reads its row, weighted; drops read 0.
-        ret_MH = self.undispatch(out_IH, sent_WW.transpose(1, 0))
+        ret_MH = self.undispatch(out_IH, tokens_WW.transpose(1, 0))
         ret_pad = ops.concat((ret_MH, ops.zeros((1, h), ret_MH.dtype)), 0)
         gate_A = weights_TK.transpose(1, 0).reshape(-1) * keep_A.astype(ms.float32)
-        y_AH = ops.gather(ret_pad, row_A, 0) * gate_A.reshape(-1, 1).astype(x.dtype)
+        y_AH = ops.gather(ret_pad, ret_A, 0) * gate_A.reshape(-1, 1).astype(x.dtype)
         y_TH = sum_choices(y_AH, k, t)
         aux_loss, counts_RE = routing_statistics(probs_TE, onehot_AE, k, self.trace_ranks)
         dropped = (k * t - keep_A.astype(ms.int32).sum()).astype(ms.int32)
         ops.assign(self.balance_stats, stats)
+        ops.assign(self.exchange_rows, ops.stack((send_WW, tokens_WW)).astype(ms.int32))
         return y_TH.reshape(b, s, h), aux_loss, counts_RE, dropped
 
-    def _experts(self, recv_IH, sent_WEW, slot_EW, spare_WS, source_WS, home_slot_WE):
+    def _experts(self, recv_IH, sent_WEW, slot_EW, spare_WS, weights):
         """Received rows [I, H] -> the fixed buffer [B_me, H] grouped by local slot -> FFNs ->
-        back to the received layout [I, H] (unfilled rows: zeros)."""
+        back to the received layout [I, H] (unfilled rows: zeros). weights: (w1, b1, w2, b2)
+        of the L local slots (:meth:`_slot_weights`)."""
         n, num_e = self.num_rows, self.num_experts
         num_local = self.slots_home + self.spare
         to_me_WE = sent_WEW[:, :, self.rank]                      # rows each source sends me
@@ -312,7 +371,7 @@ class BalancedExpertParallelMoE(nn.Cell):
         index_N = ops.tensor_scatter_update(index_N, dest_I.reshape(-1, 1),
                                             ops.arange(self.recv_row_I.shape[0], dtype=ms.int32))
         recv_pad = ops.concat((recv_IH, ops.zeros((1, recv_IH.shape[1]), recv_IH.dtype)), 0)
-        w1, b1, w2, b2 = self._slot_weights(spare_WS, source_WS, home_slot_WE)
+        w1, b1, w2, b2 = weights
         x_NH = ops.gather(recv_pad, index_N[:n], 0)
         group_N = row_groups(size_L, n)
         b1_pad = ops.concat((b1.reshape(num_local, -1), ops.zeros((1, b1.shape[2]), b1.dtype)))
@@ -322,26 +381,70 @@ class BalancedExpertParallelMoE(nn.Cell):
         out_pad = ops.concat((out_NH, ops.zeros((1, out_NH.shape[1]), out_NH.dtype)), 0)
         return ops.gather(out_pad, dest_I, 0)
 
-    def _slot_weights(self, spare_WS, source_WS, home_slot_WE):
-        """(w1, b1, w2, b2) of the L local slots: the home slots' (tied replicas), then the
-        spare slots' copies, received this step from their sources."""
+    def _home_weights(self):
+        """(w1, b1, w2, b2) of the home slots, redundant replicas tied (ReplicaGradSum)."""
         weights = (self.w1, self.b1, self.w2, self.b2)
         if self.sync is not None:
             weights = tuple(self.sync(w, *self.sync_tables) for w in weights)
+        return weights
+
+    def _copy_sends(self, home, spare_WS, source_WS, home_slot_WE, tokens_WW, t, dtype):
+        """What this rank sends of the step's copies, in the dispatch: (rows_XH [S_h R, H]
+        its home slots' parameters as rows, pos_VR int32 [V, R] the send row of every row of
+        every spare slot V = W x S_s it is the source of (M, the dropped row, elsewhere),
+        src_VR int32 [V, R] the row of ``t + rows_XH`` it takes, copies_WW int32 [W, W] the
+        copies every rank sends every device). A (source -> device) block holds the token
+        rows, then the copies in the device's spare-slot order, R rows each."""
+        r, m, world, spare = self.copy_rows, self.send_total, self.world, self.spare
+        flat_SX = ops.concat(tuple(w.reshape(self.slots_home, -1) for w in home), 1)
+        pad = r * self.hidden_size - flat_SX.shape[1]
+        if pad:
+            flat_SX = ops.concat((flat_SX, ops.zeros((self.slots_home, pad), flat_SX.dtype)), 1)
+        rows_XH = flat_SX.reshape(self.slots_home * r, self.hidden_size).astype(dtype)
+        valid_WS = spare_WS >= 0
+        # copies_WW[s, w]: spare slots of device w whose source is s
+        from_WWS = ((source_WS.expand_dims(0) == self.arange_W.reshape(world, 1, 1))
+                    & valid_WS.expand_dims(0))
+        copies_WW = from_WWS.astype(ms.int32).sum(axis=2)
+        mine_WS = from_WWS[self.rank]
+        order_WS = ops.cumsum(mine_WS.astype(ms.int32), 1) - 1     # my copies to w, in order
+        start_W = self.block_start_W + tokens_WW[self.rank]
+        pos_WS = start_W.reshape(-1, 1) + order_WS * r
+        pos_WS = ops.select(mine_WS, pos_WS, ops.fill(ms.int32, pos_WS.shape, m))
+        slot_WS = ops.gather(home_slot_WE[self.rank], ops.maximum(spare_WS, 0).reshape(-1), 0)
+        src_WS = t + ops.maximum(slot_WS.reshape(world, spare), 0) * r
+        pos_VR = pos_WS.reshape(-1, 1) + self.arange_R.reshape(1, -1)
+        pos_VR = ops.select(mine_WS.reshape(-1, 1).broadcast_to(pos_VR.shape), pos_VR,
+                            ops.fill(ms.int32, pos_VR.shape, m))
+        src_VR = src_WS.reshape(-1, 1) + self.arange_R.reshape(1, -1)
+        return rows_XH, pos_VR, src_VR, copies_WW
+
+    def _copy_receives(self, recv_JH, spare_WS, source_WS, tokens_WW):
+        """[S_s, X] the parameters of this device's spare slots, read from the dispatch's
+        receive layout [J, H] (zeros for an empty slot): slot j's copy comes from rank
+        source_WS[me, j], after that rank's token rows and its earlier copies to me."""
+        r, spare = self.copy_rows, self.spare
+        source_S = source_WS[self.rank]
+        valid_S = spare_WS[self.rank] >= 0
+        src_S = ops.maximum(source_S, 0)
+        same_SS = (source_S.reshape(-1, 1) == source_S.reshape(1, -1)).astype(ms.int32)
+        order_S = (same_SS * self.lower_SS).sum(axis=1)           # earlier slots, same source
+        start_S = (ops.gather(self.recv_start_W, src_S, 0)
+                   + ops.gather(tokens_WW[:, self.rank], src_S, 0) + order_S * r)
+        row_SR = start_S.reshape(-1, 1) + self.arange_R.reshape(1, -1)
+        row_SR = ops.select(valid_S.reshape(-1, 1).broadcast_to(row_SR.shape), row_SR,
+                            ops.fill(ms.int32, row_SR.shape, self.recv_total))
+        recv_pad = ops.concat((recv_JH, ops.zeros((1, recv_JH.shape[1]), recv_JH.dtype)), 0)
+        rows = ops.gather(recv_pad, row_SR.reshape(-1), 0).reshape(spare, -1)
+        return rows[:, :self.copy_numel].astype(self.w1.dtype)
+
+    def _slot_weights(self, home, spare_SX):
+        """(w1, b1, w2, b2) of the L local slots: the home slots' (tied replicas), then the
+        spare slots' copies received this step (zeros without copies)."""
         if self.spare == 0:
-            return weights
-        flat_SX = ops.concat(tuple(w.reshape(self.slots_home, -1) for w in weights), 1)
-        if self.copy_exchange is None:          # one device: no copy is ever made
-            spare_SX = ops.zeros((self.spare, flat_SX.shape[1]), flat_SX.dtype)
-        else:
-            # rows this rank sends: the home weights of every copy it is the source of
-            expert_V = spare_WS.reshape(-1)
-            slot_V = ops.gather(home_slot_WE[self.rank], ops.maximum(expert_V, 0), 0)
-            mine_V = (source_WS.reshape(-1) == self.rank) & (expert_V >= 0)
-            send_VX = (ops.gather(flat_SX, ops.maximum(slot_V, 0), 0)
-                       * mine_V.astype(flat_SX.dtype).reshape(-1, 1))
-            recv_VX = self.copy_exchange(send_VX)                 # block src: src's rows
-            spare_SX = recv_VX.reshape(self.world, self.spare, -1).sum(axis=0)
+            return home
+        if spare_SX is None:                    # one device: no copy is ever made
+            spare_SX = ops.zeros((self.spare, self.copy_numel), self.w1.dtype)
         parts = ops.split(spare_SX, self.sizes, axis=1)
         return tuple(ops.concat((w, p.reshape((self.spare,) + shape)), 0)
-                     for w, p, shape in zip(weights, parts, self.shapes))
+                     for w, p, shape in zip(home, parts, self.shapes))

@@ -37,7 +37,18 @@ import numpy as np
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import source_rows, split_tokens
 
-__all__ = ["exchange_rows", "slot_rows_by_device"]
+__all__ = ["exchange_rows", "slot_rows_by_device", "copy_rows"]
+
+
+def copy_rows(hidden: int, ffn_hidden: int) -> int:
+    """Rows of ``hidden`` values one expert copy takes in the balanced layer's dispatch: its
+    X = 2 H F + F + H parameters (w1, b1, w2, b2), zero-padded to whole rows; the layer
+    (:class:`~ms_efficient.moe.balanced_ep.BalancedExpertParallelMoE`) sends a copy as these
+    rows and the simulator (:mod:`~ms_efficient.efficientmoe.balanced_cost`) charges them."""
+    if hidden < 1 or ffn_hidden < 1:
+        raise ValueError(f"'hidden' and 'ffn_hidden' must be positive, but got {hidden} and "
+                         f"{ffn_hidden}.")
+    return -(-(2 * hidden * ffn_hidden + ffn_hidden + hidden) // hidden)
 
 
 def exchange_rows(plan: ExpertPlan, num_experts: int, rank_device: Sequence[int],

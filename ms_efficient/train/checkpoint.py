@@ -66,7 +66,7 @@ LOCK_NAME = "run.lock"
 # What a run writes into its folder (clear_run removes these and nothing else), and the
 # routing traces a resume at another world size keeps (trace_world{W}_step{S}.npz, ...).
 RUN_FILES = ("ckpt", "state.json", "metrics.jsonl", "trace.npz", "config.yaml", "report.md",
-             "loss.png", "expert_load.png")
+             "loss.png", "expert_load.png", "device_load.png", "summary")
 KEPT_TRACE = re.compile(r"trace_(world|ranks)\d+_step\d+\.npz")
 
 _HELD: Dict[str, "RunLock"] = {}       # realpath of a lock file -> this process's lock

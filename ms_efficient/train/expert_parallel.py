@@ -313,17 +313,20 @@ class ExpertParallelTrainer:
         return out
 
     def _balance_row(self) -> List[Dict]:
-        """Per MoE layer, the fast level's figures of the last step: copies made, their weight
-        bytes (float32 here), the fixed buffers, rows dropped."""
+        """Per MoE layer, the fast level's figures of the last step: copies made, the bytes
+        the dispatch sent (all ranks, float32 here) and the copies' part of them, the fixed
+        buffers, rows dropped."""
         if not self.balanced:
             return []
         rows = []
         for j, layer in enumerate(self.layers):
             stats = layer.balance_stats.asnumpy().astype(int)
-            expert_bytes = 4 * sum(int(np.prod(p.shape[1:]))
-                                   for p in (layer.w1, layer.b1, layer.w2, layer.b2))
+            # read from the step's count operand of the dispatch (float32 rows of H), not
+            # derived from the number of copies
+            dispatch, copies = layer.exchange_bytes(4)
             rows.append({"layer": j, "copies": int(stats[0]),
-                         "weight_bytes": int(stats[0]) * expert_bytes,
+                         "weight_bytes": int(copies.sum()),
+                         "dispatch_bytes": int(dispatch.sum()),
                          "buffer_rows": layer.buffer_W.tolist(), "dropped": int(stats[1])})
         return rows
 

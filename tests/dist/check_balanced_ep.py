@@ -4,7 +4,8 @@
 On 2 ranks it runs in the session's job of the 2-worker checks (tests/dist/run_checks.py); on
 4 alone, launched on every rank as ``python check_balanced_ep.py OUT_DIR`` (results in
 OUT_DIR/check_balanced_ep). Rank r feeds rows r*B:(r+1)*B of a global batch. It writes
-``rank<r>.npz`` in its folder: the outputs, the fast level's stats and the gradients of
+``rank<r>.npz`` in its folder: the outputs, the fast level's stats, every step's routing
+counts and exchange count operands (``exchange_rows``), and the gradients of
 sum(y * dy) (x, router, home slot weights) of the first of TRAIN_STEPS Adam steps (router
 gradient summed over ranks, as data parallelism does), and the home slots' weights after them.
 The test computes the one-process reference with MoEFeedForward on the whole batch. Inputs and
@@ -104,9 +105,9 @@ def run(out_dir, rank, world):
     x, dy = (Tensor(a[rows]) for a in global_batch(world))
     (_, y, counts, dropped), (dx, grads) = step(x, dy)
     out = {"y": y, "counts": counts, "dropped": dropped, "stats": layer.balance_stats,
-           "dx": dx}
+           "dx": dx, "exchange_0": layer.exchange_rows}
     out.update({f"grad_{n}": g for n, g in zip(PARAM_NAMES, grads)})
-    out = {k: v.asnumpy() for k, v in out.items()}
+    out = {k: v.asnumpy().copy() for k, v in out.items()}  # a Parameter's array is a view
     out["fast_level"] = np.array(layer.fast.impl)
     buffer_shape = [layer.num_rows]
     layer.set_plan(home_plan(home_after(world), E), step.optimizer)
@@ -116,8 +117,10 @@ def run(out_dir, rank, world):
     out["home_after"] = layer.home_table.asnumpy()
     for i in range(1, TRAIN_STEPS):
         xs, dys = global_batch(world, i)
-        step(Tensor(xs[rows]), Tensor(dys[rows]))
-        out[f"stats_{i}"] = layer.balance_stats.asnumpy()
+        (_, _, counts_i, _), _ = step(Tensor(xs[rows]), Tensor(dys[rows]))
+        out[f"stats_{i}"] = layer.balance_stats.asnumpy().copy()
+        out[f"counts_{i}"] = counts_i.asnumpy()
+        out[f"exchange_{i}"] = layer.exchange_rows.asnumpy().copy()
         buffer_shape.append(layer.num_rows)
     out.update({f"trained_{n}": p.asnumpy() for n, p in zip(PARAM_NAMES, params)})
     out["buffer_rows"] = np.array(buffer_shape)
