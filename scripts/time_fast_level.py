@@ -7,7 +7,8 @@ The layout is the slow level's own (``efficientmoe.layout.plan_layout`` on the t
 home table, spare slots, buffers and copy costs a run would compile. Layer 0 of the next
 ``--steps`` rows then goes through the ``host`` twin (the numpy ``balance_step`` itself, what
 the host op runs), the ``aot`` twin (``kernels/cpu/fast_level.cc`` compiled, called as a
-one-op GRAPH-mode Cell: its time includes that call's launch) and the ``ops`` twin
+one-op GRAPH-mode Cell: its time includes that call's launch; and inside one graph, the
+per-call time of 9 chained calls less one call, over 8) and the ``ops`` twin
 (``FastLevelOps`` compiled in GRAPH mode, what Ascend would compile). Without ``--trace`` the Zipf 1.45 16-rank trace of ``bench moe``
 (``moe.trace.skewed_trace``). It checks that every twin gives the same tables and prints a
 table of milliseconds per layer-step (compile time apart); ``--json`` writes the rows.
@@ -82,6 +83,30 @@ def kernel_call(spare: int, dpn, buffers, cost):
     return call
 
 
+CHAIN = 9     # chained fast-level calls in one graph (the in-graph per-call time)
+
+
+def _chained(kernel, depth: int):
+    """A GRAPH-mode Cell calling ``kernel`` ``depth`` times in one graph, each call's counts
+    depending on the previous call's stats (so they run one after another); returns the
+    last stats."""
+    from mindspore import nn
+
+    class Chain(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.kernel = kernel
+
+        def construct(self, counts, home):
+            stats = None
+            for _ in range(depth):
+                stats = self.kernel(counts, home)[5]
+                counts = counts + stats[0] * 0
+            return stats
+
+    return Chain()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", default="")
@@ -134,6 +159,17 @@ def main(argv=None):
             raise SystemExit(f"{name}: the twins' tables differ; this is a bug.")
         copies += int(want[5][0])
         dropped += int(want[5][1])
+    chained = {depth: _chained(kernel, depth) for depth in (1, CHAIN)}
+    in_graph_s = 0.0
+    for step in counts:
+        c, h = Tensor(step.astype(np.int32)), Tensor(home.astype(np.int32))
+        times = {}
+        for depth, cell in chained.items():
+            cell(c, h).asnumpy()                         # compiled once per depth
+            start = time.perf_counter()
+            cell(c, h).asnumpy()
+            times[depth] = time.perf_counter() - start
+        in_graph_s += max(0.0, times[CHAIN] - times[1]) / (CHAIN - 1)
     n = len(counts)
     replicated = int((np.bincount(home[home >= 0], minlength=experts) > 1).sum())
     shared = {"evidence": "measured", "workload": name, "steps": n, "spare_slots": spare,
@@ -143,6 +179,8 @@ def main(argv=None):
             for method, seconds in (("host (numpy, pyfunc)", host_s),
                                     ("aot (one-op Cell, launch included)", aot_s),
                                     ("aot kernel (direct call)", kernel_s),
+                                    (f"aot in a graph (per call: {CHAIN} chained calls "
+                                     f"less 1, / {CHAIN - 1})", in_graph_s),
                                     ("ops (MindSpore-ops twin)", ops_s))]
     print("Measured (MindSpore GRAPH_MODE on this CPU), every twin gave the same tables:")
     print(markdown_table(rows, ["workload", "method", "ms_per_layer_step", "replicated_experts",

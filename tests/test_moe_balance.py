@@ -311,9 +311,13 @@ def test_eplb_rows_keep_eplbs_placement_and_ours_refines_it():
     assert layout_config_for("efficientmoe", 1, 8).refine
     trace = skewed_trace(steps=8, layers=2)
     model = CostModel(NODE_2x8, 256, 1024)
-    eplb = plan_layout(trace.counts, model, LayoutConfig(redundant=1, refine=False))
+    # EPLB's own global policy (no expert groups): replicas packed onto the 16 devices
+    # directly, not node-first as ours, and not refined
+    eplb = plan_layout(trace.counts, model, layout_config_for("eplb-alltoallv", 1, 8))
     load = trace.counts[-8:].sum(axis=2).mean(axis=0)
-    assert np.array_equal(eplb.home_LWS, place_home(load, 16, 1, 8))
+    assert np.array_equal(eplb.home_LWS, place_home(load, 16, 1, None))
+    assert not layout_config_for("eplb-alltoallv", 1, 8).node_first
+    assert layout_config_for("efficientmoe", 1, 8).node_first
 
 
 def test_migration_moves_only_the_home_slots_that_change():

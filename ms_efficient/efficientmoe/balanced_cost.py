@@ -149,4 +149,4 @@ def balanced_cost(balance: Balance, model: CostModel, sync_L: np.ndarray,
                         exchange_L=exchange_L, a2a_L=a2a, compute_L=compute, sync_L=sync,
                         weight_bytes_L=balance.copies_LWW.sum(axis=(1, 2))
                         * float(model.copy_bytes), fast_L=fast_L,
-                        copies_L=a2a - tokens_only)
+                        copies_L=np.maximum(a2a - tokens_only, 0.0))

@@ -81,10 +81,13 @@ DYNAMIC_DISPATCH = ("counts", "alltoallv")
 # takes per layer-step inside a compiled graph: the compiled C++ kernel
 # (kernels/cpu/fast_level.cc, ``moe.fast_level: aot``) as a one-op MindSpore GRAPH-mode Cell,
 # launch included, on layer 0 of the real 16-rank x 32-expert trace, measured on the shared
-# 2-core CPU machine (scripts/time_fast_level.py: 0.75 ms alone; the kernel itself 0.07-0.14
-# ms, the rest is the op's launch). The only measured figure: on Ascend the fast level runs as
-# the MindSpore-ops twin or the same algorithm on the AI CPU, not measured here; the default
-# of every preset, overridden by ``bench moe --fast-level-ms``.
+# 2-core CPU machine (scripts/time_fast_level.py: 0.75 ms as a one-op graph; the kernel
+# itself 0.08-0.14 ms; 0.12 ms per call when 9 calls are chained in one graph). The one-op
+# graph's figure is charged: it holds the op's launch, and it is the largest measured figure
+# of the kernel. On Ascend the layer compiles the MindSpore-ops twin (12.8 ms per call on
+# this CPU, its data-dependent loops; not measured on Ascend), so a 910B row's fast level may
+# cost more than charged; the default of every preset, overridden by
+# ``bench moe --fast-level-ms``.
 FAST_LEVEL_S = 0.75e-3
 
 

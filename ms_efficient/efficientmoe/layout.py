@@ -80,6 +80,9 @@ class LayoutConfig:
     forecast_home: False places experts uniformly (no forecast: MoonEP's home layout).
     refine: swap home slots after EPLB's packing (step 2, :func:`refine_home`); False keeps
         EPLB's placement as published.
+    node_first: pack replicas onto nodes, then onto each node's devices (ours); False packs
+        them onto the devices directly, EPLB's global policy for routing without expert
+        groups (replicate the heaviest load per replica, then balanced packing onto devices).
     """
 
     slots: int = 1
@@ -88,6 +91,7 @@ class LayoutConfig:
     redundant: Optional[int] = None
     forecast_home: bool = True
     refine: bool = True
+    node_first: bool = True
 
     def __post_init__(self) -> None:
         if self.slots < 0 or self.window < 1 or not self.margin >= 0:
@@ -444,7 +448,8 @@ def _placed(load_LE: np.ndarray, recent_TLRE: np.ndarray, redundant: int,
             max_cross: Optional[int] = None) -> np.ndarray:
     """Step 2: EPLB's placement of the forecast (replicas of at most ``max_cross`` experts
     per layer), refined on the recent rows when ``config.refine``."""
-    home = place_home(load_LE, recent_TLRE.shape[2], redundant, devices_per_node, max_cross)
+    home = place_home(load_LE, recent_TLRE.shape[2], redundant,
+                      devices_per_node if config.node_first else None, max_cross)
     if config.refine:
         home = refine_home(home, recent_TLRE.sum(axis=2), devices_per_node)
     return home

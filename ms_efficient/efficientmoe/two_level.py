@@ -67,9 +67,9 @@ def layout_config_for(method: str, extra_slots: int, window: int) -> LayoutConfi
         return LayoutConfig(slots=extra_slots, window=window)
     if method == "moonep":
         return LayoutConfig(slots=extra_slots, window=window, forecast_home=False)
-    if method in _EPLB_SCHEDULE:         # EPLB's own placement, not refined
+    if method in _EPLB_SCHEDULE:         # EPLB's own placement: its global policy, not refined
         return LayoutConfig(slots=extra_slots, window=window, redundant=extra_slots,
-                            refine=False)
+                            refine=False, node_first=False)
     raise ValueError(f"two-level method must be one of {list(TWO_LEVEL_METHODS)}, but got "
                      f"{method!r}.")
 

@@ -521,6 +521,9 @@ class ExpertParallelTrainer:
         if self.replanner is not None and self.counts:
             self.replanner.load_state({}, np.array(self.counts))
         self._restore_history()
+        if "pending_replan" in run.state:     # it was made (the saved layout has it): logged
+            self.metrics.append(dict(run.state["pending_replan"], recompiled=None,
+                                     resized_to=self.world))
         logger.info("rank %d: resumed %s at step %d, saved by %d ranks, on %d ranks", self.rank,
                     self.out_dir, self.step, run.world, self.world)
 
