@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import math
 import os
 import sys
 from typing import List, Optional
@@ -56,7 +57,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.resume and args.overwrite:
         raise ValueError("give either --resume DIR (continue the run) or --overwrite "
                          "(replace it), not both.")
-    overrides = {}
+    overrides, transient = {}, {}
     if args.efficientmoe is not None:
         overrides["efficientmoe.enabled"] = args.efficientmoe == "on"
     workers = args.workers
@@ -70,18 +71,43 @@ def _cmd_train(args: argparse.Namespace) -> int:
             # EfficientMoE to plan
             logger.info("resuming the %d-rank run %s in one process (grouped experts, "
                         "efficientmoe off)", saved, args.resume)
-            overrides["efficientmoe.enabled"] = False
+            transient["efficientmoe.enabled"] = False     # not recorded in config.yaml
         workers = saved if workers is None else workers
+        # --steps is the total the run trains to (train.steps), on one process and on
+        # --workers alike; a total already reached would train nothing: refuse it before any
+        # work or file (a resume without --steps of a finished run says so and writes nothing)
+        from ms_efficient.train import checkpoint as run_ckpt
+        from ms_efficient.train.ep_launch import load_run_config
+
+        if os.path.isfile(run_ckpt.state_path(args.resume)):
+            total = args.steps or load_run_config(args.resume).train.steps
+            reached = int(run_ckpt.read_state(args.resume)["step"])
+            if total <= reached:
+                from ms_efficient.train.logical_state import read_run
+
+                reached = read_run(args.resume).step   # the step the resume would load
+            if total <= reached and args.steps is not None:
+                raise ValueError(
+                    f"--steps {args.steps} is the total step count the run trains to, not "
+                    f"steps to add, but '{args.resume}' has already reached step {reached}: "
+                    f"nothing would be trained. Pass --steps N with N > {reached} (--steps "
+                    f"{reached + args.steps} trains {args.steps} more).")
+            if total <= reached:
+                raise ValueError(
+                    f"nothing to train: '{args.resume}' has already reached step {reached}, "
+                    f"its train.steps ({total}); nothing was written. To train further pass "
+                    f"--steps N with N > {reached}, the total to train to.")
     if (workers or 1) > 1:
         return _train_expert_parallel(args, workers)
     result = train(args.config, out_dir=args.out, steps=args.steps, resume=args.resume,
-                   overrides=overrides, overwrite=args.overwrite)
+                   overrides=overrides, overwrite=args.overwrite, transient=transient)
     drop = result.first_val_loss - result.final_val_loss
     print(f"run folder: {result.out_dir}")
     print(f"validation loss: {result.first_val_loss:.4f} -> {result.final_val_loss:.4f} "
           f"nats/byte ({drop:+.4f} fallen) after {result.steps} steps")
-    print(f"measured step time {result.step_time_s * 1e3:.1f} ms "
-          f"({result.tokens_per_s:.0f} tokens/s, MindSpore GRAPH_MODE on CPU)")
+    if math.isfinite(result.step_time_s):      # NaN when this process trained no step
+        print(f"measured step time {result.step_time_s * 1e3:.1f} ms "
+              f"({result.tokens_per_s:.0f} tokens/s, MindSpore GRAPH_MODE on CPU)")
     print(f"report: {os.path.join(result.out_dir, 'report.md')}")
     return 0
 
@@ -221,17 +247,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train the reference GPT-MoE model on text (GRAPH_MODE)")
     p.add_argument("config", nargs="?", help="YAML config, e.g. configs/gpt_moe_tiny.yaml")
-    p.add_argument("--steps", type=_positive_int, help="override train.steps")
+    p.add_argument("--steps", type=_positive_int, metavar="N",
+                   help="the total step count the run trains to (overrides train.steps), "
+                        "counted from step 0, not steps to add: on --resume of a run at "
+                        "step 300, --steps 350 trains 50 more; N <= the step reached is "
+                        "refused (exit 2). Default: the config's train.steps (on --resume, "
+                        "the run's config.yaml's). The same for --workers runs")
     p.add_argument("--out", help="run folder (default: train.out_dir of the config)")
-    p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint")
+    p.add_argument("--resume", metavar="DIR",
+                   help="continue the run in DIR from its newest verified checkpoint up to "
+                        "--steps N in total (a run that already reached its train.steps, "
+                        "without --steps: nothing to train, nothing written, exit 2)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run already in the output folder (without it, a "
                         "non-empty folder is refused)")
     p.add_argument("--efficientmoe", choices=("on", "off"),
                    help="override efficientmoe.enabled: online per-expert capacities")
-    p.add_argument("--workers", type=_positive_int,
-                   help="expert-parallel ranks started with msrun on this machine (>= 2); "
-                        "default one process, or the world size of a resumed run")
+    p.add_argument("--workers", type=_positive_int, metavar="W",
+                   help="expert-parallel ranks started with msrun on this machine (>= 2; "
+                        "on --resume of an expert-parallel run, 1 continues it in one "
+                        "process); default one process, or the world size of a resumed run")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("graph", help="extract or read an OpGraph and print its summary")

@@ -322,6 +322,10 @@ def test_resumed_at_another_size_follows_the_run_continued_at_two(resized_runs, 
         assert all(max(p["slot_device"]) == 3 for p in state["plans"])
     else:
         assert "plans" not in state and "sha256" in state      # a one-process run now
+    # the run's own settings survive the resize: one process ran with EfficientMoE off (it
+    # has nothing to place there), but config.yaml keeps the run's value for later resumes
+    saved = yaml.safe_load((runs[workers_n] / "config.yaml").read_text())
+    assert saved["efficientmoe"]["enabled"] is True
 
 
 @pytest.mark.slow

@@ -142,7 +142,11 @@ def test_train_into_an_older_run_refuses_then_overwrite_keeps_only_this_run(tmp_
     assert state["step"] == 6 and os.path.isfile(out / state["checkpoint"])
     with open(out / "metrics.jsonl") as fh:
         assert max(json.loads(line)["step"] for line in fh) == 6          # old metrics gone
-    assert main(["train", "--resume", str(out)]) == 0                     # resumable
+    # finished: a resume with nothing to train says so (exit 2, nothing written); resumable
+    assert main(["train", "--resume", str(out)]) == 2
+    assert "nothing to train" in capsys.readouterr().err
+    assert main(["train", "--resume", str(out), "--steps", "7"]) == 0
+    assert _state(str(out))["step"] == 7
 
 
 def test_resume_falls_back_from_a_corrupt_or_truncated_checkpoint(tmp_path, trained, caplog):

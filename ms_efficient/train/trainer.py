@@ -72,8 +72,9 @@ class Trainer:
     refused)."""
 
     def __init__(self, cfg: RunConfig, out_dir: str, resume: bool = False,
-                 overwrite: bool = False):
+                 overwrite: bool = False, saved_cfg: Optional[RunConfig] = None):
         self.cfg = cfg
+        self.saved_cfg = saved_cfg or cfg        # what config.yaml records (train())
         self.out_dir = out_dir
         self.resume = resume
         self.overwrite = overwrite
@@ -346,7 +347,7 @@ class Trainer:
     def _run(self) -> TrainResult:
         tr, mc = self.cfg.train, self.cfg.model
         total = tr.steps
-        save_config(self.cfg, os.path.join(self.out_dir, "config.yaml"))
+        save_config(self.saved_cfg, os.path.join(self.out_dir, "config.yaml"))
         if self.step == 0:
             self._maybe_replan()          # plans from efficientmoe.history before compiling
         if not any(m["kind"] == "val" and m["step"] == 0 for m in self.metrics):
@@ -427,9 +428,17 @@ def _fmt_eta(seconds: float) -> str:
 
 def train(config_path: str, out_dir: Optional[str] = None, steps: Optional[int] = None,
           resume: Optional[str] = None, overrides: Optional[Dict] = None,
-          overwrite: bool = False) -> TrainResult:
+          overwrite: bool = False, transient: Optional[Dict] = None) -> TrainResult:
     """Train from a config file (or resume the run folder ``resume``) and write the report.
 
+    transient: dotted config keys set for this process only, not recorded in the run's
+    config.yaml (``train --resume DIR --workers 1`` of an expert-parallel run turns
+    ``efficientmoe.enabled`` off here, and the run keeps its own value for a later resume
+    on several workers).
+
+    steps: the total step count the run trains to (``train.steps``), on ``resume`` too:
+    not steps to add; a total the resumed run has already reached is refused (ValueError),
+    before anything is written.
     overrides: dotted config keys to set, e.g. ``{"efficientmoe.enabled": True}``.
     overwrite: replace an earlier run in the output folder (else a non-empty one is refused).
     The folder is locked and checked before the model is built.
@@ -447,18 +456,35 @@ def train(config_path: str, out_dir: Optional[str] = None, steps: Optional[int] 
         overrides["train.steps"] = steps
     if resume:
         config_path = os.path.join(resume, "config.yaml")
-        cfg = load_run_config(resume, overrides)
+        cfg = load_run_config(resume, {**overrides, **(transient or {})})
+        saved_cfg = load_run_config(resume, overrides) if transient else None
         out = resume
+        if os.path.isfile(run_ckpt.state_path(resume)):
+            # steps is the total to train to; one already reached would train nothing
+            reached = int(run_ckpt.read_state(resume)["step"])
+            if cfg.train.steps <= reached:
+                from ms_efficient.train.logical_state import read_run
+
+                reached = read_run(resume).step      # the step the resume would load
+            if cfg.train.steps <= reached:
+                given = (f"--steps {steps} is the total step count the run trains to, not "
+                         f"steps to add, but" if steps is not None else
+                         f"its train.steps is {cfg.train.steps}, and")
+                raise ValueError(f"--resume: {given} '{resume}' has already reached step "
+                                 f"{reached}: nothing would be trained. Pass --steps N with "
+                                 f"N > {reached}, the total to train to.")
     else:
         if out_dir:
             overrides["train.out_dir"] = out_dir
-        cfg = load_config(config_path, overrides)
+        cfg = load_config(config_path, {**overrides, **(transient or {})})
+        saved_cfg = load_config(config_path, overrides) if transient else None
         out = cfg.train.out_dir
     check_fits_machine(cfg, config_path)
     backend.set_runtime_conf(cfg.context.device_target)
     if not resume and not overwrite:
         run_ckpt.check_fresh(out)             # refuse before any work (checked again locked)
     with run_ckpt.acquire_lock(out):
-        result = Trainer(cfg, out, resume=bool(resume), overwrite=overwrite).run()
+        result = Trainer(cfg, out, resume=bool(resume), overwrite=overwrite,
+                         saved_cfg=saved_cfg).run()
         write_report(out)
     return result
