@@ -79,7 +79,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from ms_efficient.train import checkpoint as run_ckpt
         from ms_efficient.train.ep_launch import load_run_config
 
-        if os.path.isfile(run_ckpt.state_path(args.resume)):
+        if (os.path.isfile(run_ckpt.state_path(args.resume))
+                and os.path.isfile(os.path.join(args.resume, "config.yaml"))):
             total = args.steps or load_run_config(args.resume).train.steps
             reached = int(run_ckpt.read_state(args.resume)["step"])
             if total <= reached:
