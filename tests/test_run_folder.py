@@ -232,3 +232,27 @@ def test_a_kill_during_a_checkpoint_write_resumes_exactly_and_leaves_no_temporar
         want = [r for r in map(json.loads, fh) if r["kind"] == "val"]
     assert [r["step"] for r in got] == [0, 3, 6]
     assert got[-1]["val_loss"] == pytest.approx(want[-1]["val_loss"], abs=2e-3)
+
+
+def test_per_rank_resume_names_the_steps_lost_only_when_some_are(tmp_path, caplog):
+    """A bad newest checkpoint on one rank: the warning names it and the steps lost; a bad
+    older one only: the newest step loads and no step is said lost."""
+    run = str(tmp_path)
+    for rank in (0, 1):
+        for step in (2, 4):
+            record = ck.save_checkpoint(run, step, lambda p: open(p, "wb").write(b"x" * 64),
+                                        rank=rank)
+            ck.commit_state(run, record, rank=rank)
+    (tmp_path / "ckpt" / "rank_1" / "step_000002.ckpt").write_bytes(b"y" * 64)
+    with caplog.at_level("WARNING"):
+        assert ck.newest_common_step(run, [0, 1])[1]["step"] == 4
+    assert "older checkpoints cannot be trusted" in caplog.text and "lost" not in caplog.text
+    caplog.clear()
+    (tmp_path / "ckpt" / "rank_0" / "step_000004.ckpt").write_bytes(b"z" * 64)
+    with pytest.raises(ValueError, match="no step of .* has a verified checkpoint on every"):
+        ck.newest_common_step(run, [0, 1])
+    (tmp_path / "ckpt" / "rank_1" / "step_000002.ckpt").write_bytes(b"x" * 64)   # repaired
+    with caplog.at_level("WARNING"):
+        assert ck.newest_common_step(run, [0, 1])[0]["step"] == 2
+    assert ("step_000004.ckpt (step 4, rank 0) does not match its recorded SHA-256"
+            in caplog.text and "steps 3-4 are lost" in caplog.text)

@@ -3,8 +3,10 @@
 Shapes (names carry their dimensions): T local tokens, H hidden, F expert FFN width, E logical
 experts, K top-k, A = K*T assignments, W ranks (one device each), S_h home slots and S_s spare
 slots per device (L = S_h + S_s local slots), B_w the fixed receive buffer of device w, P_w =
-min(A, B_w) the most rows one rank can send device w, M = sum_w P_w (this rank's send layout),
-I = sum_src P_me (its receive layout), X the parameters of one expert.
+min(A, B_w) the most token rows one rank can send device w, X the parameters of one expert,
+R = ceil(X / H) the rows one copy takes, M = sum_w (P_w + R S_s) (this rank's send layout;
+without copies, W = 1 or S_s = 0: sum_w P_w), J = sum_src (P_me + R S_s) (the dispatch's
+receive layout), I = sum_src P_me (its token rows).
 
 The layout's shapes (home slots, spare slots, buffers; :mod:`ms_efficient.efficientmoe.layout`)
 are fixed when the Cell is built. The home table is a non-trainable Parameter (data, read by
@@ -23,12 +25,15 @@ charges), and the compiled graph runs on unchanged. Per step, on this rank's tok
          -> send row of every assignment: rank r's tokens of e, in arrival order, fill
             devices in order, sent_WEW[r, e, w] each; within a (r -> w) block rows are
             expert-major; past the sum: dropped
-         -> send buffer [M, H] -> count-driven AlltoAllV (``CountedAllToAllV``: per-pair
-            counts vary, every block within its bound P_w) -> [I, H]
-         -> compacted into the fixed buffer [B_me, H], grouped by local slot
-         -> spare slots' weights: each copy's source rank sends its home expert's weights
-            (an AlltoAll of [W, S_s, X]); backward sends the copies' gradients back and adds
-            them to the home expert's (the AlltoAll's adjoint)
+         -> send buffer [M, H]: block w holds this rank's token rows for device w, then
+            the parameters of every copy this rank is the source of for w (R =
+            ``copy_rows(H, F)`` rows of H each, X values zero-padded), only the copies made
+            this step -> one count-driven AlltoAllV (``CountedAllToAllV``: per-pair counts
+            tokens + R x copies, every block within its bound P_w + R S_s) -> [J, H]
+         -> the token rows [I, H] compacted into the fixed buffer [B_me, H], grouped by
+            local slot; the copies' rows into the spare slots' weights [S_s, X]; backward,
+            the exchange's adjoint returns the copies' gradients to their sources, which add
+            them to the home expert's
          -> grouped FFNs over the buffer (group sizes are data) -> back to [I, H]
          -> AlltoAllV back -> every assignment reads its row, weighted; sum over K -> y_TH
 

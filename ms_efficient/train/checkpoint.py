@@ -355,8 +355,11 @@ def newest_common_step(run_dir: str, ranks: Iterable[int],
     step = max(common)
     newest = max(max(g) if g else step for g in good.values())
     newest = max([newest] + [int(s) for s in allowed or ()])
-    if bad or newest > step:
+    if newest > step:
         logger.warning("resuming from step %d, the newest with a verified checkpoint on every "
                        "rank%s: steps %d-%d are lost and will be trained again", step,
                        f" ({'; '.join(bad)})" if bad else "", step + 1, newest)
+    elif bad:
+        logger.warning("resuming from step %d; older checkpoints cannot be trusted: %s", step,
+                       "; ".join(bad))
     return {rank: g[step] for rank, g in good.items()}
