@@ -71,13 +71,19 @@ def test_pruning_keeps_the_highest_steps_of_this_run_by_number_not_name(tmp_path
     assert state["step"] == 1_000_000 and foreign.read_bytes() == b"older run"
 
 
-def test_per_rank_checkpoints_resume_from_the_newest_step_good_on_every_rank(tmp_path):
+def _two_ranks_at_steps_2_and_4(tmp_path) -> str:
+    """A 2-rank run folder whose ranks each saved and recorded steps 2 and 4 (64 bytes each)."""
     run = str(tmp_path)
     for rank in (0, 1):
         for step in (2, 4):
             record = ck.save_checkpoint(run, step, lambda p: open(p, "wb").write(b"x" * 64),
                                         rank=rank)
             ck.commit_state(run, record, rank=rank)
+    return run
+
+
+def test_per_rank_checkpoints_resume_from_the_newest_step_good_on_every_rank(tmp_path):
+    run = _two_ranks_at_steps_2_and_4(tmp_path)
     assert os.path.isfile(tmp_path / "ckpt" / "rank_1" / "step_000004.ckpt")
     assert {r: rec["step"] for r, rec in ck.newest_common_step(run, [0, 1]).items()} == \
         {0: 4, 1: 4}
@@ -237,12 +243,7 @@ def test_a_kill_during_a_checkpoint_write_resumes_exactly_and_leaves_no_temporar
 def test_per_rank_resume_names_the_steps_lost_only_when_some_are(tmp_path, caplog):
     """A bad newest checkpoint on one rank: the warning names it and the steps lost; a bad
     older one only: the newest step loads and no step is said lost."""
-    run = str(tmp_path)
-    for rank in (0, 1):
-        for step in (2, 4):
-            record = ck.save_checkpoint(run, step, lambda p: open(p, "wb").write(b"x" * 64),
-                                        rank=rank)
-            ck.commit_state(run, record, rank=rank)
+    run = _two_ranks_at_steps_2_and_4(tmp_path)
     (tmp_path / "ckpt" / "rank_1" / "step_000002.ckpt").write_bytes(b"y" * 64)
     with caplog.at_level("WARNING"):
         assert ck.newest_common_step(run, [0, 1])[1]["step"] == 4

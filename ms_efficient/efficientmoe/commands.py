@@ -160,8 +160,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "or every block padded to the largest (equal-split AlltoAll)")
     parser.add_argument("--fast-level-ms", type=float, default=None, metavar="MS",
                         help="charge the two-level methods' fast level this many ms per MoE "
-                             "layer-step (default: the compiled kernel's in-graph time "
-                             "measured on CPU, cost.FAST_LEVEL_S = 0.75 ms; "
+                             "layer-step (default cost.FAST_LEVEL_S = 0.75 ms, above the "
+                             "compiled kernel's 0.12-0.18 ms per call inside a graph on CPU; "
                              "scripts/time_fast_level.py measures the twins here)")
     parser.add_argument("--methods", nargs="+", metavar="M",
                         help="simulated methods to replay (default: "

@@ -78,15 +78,15 @@ DYNAMIC_EXCHANGE_S = 363e-6
 # the dispatch modes whose All-to-All sizes are data (a dynamic shape), charged the above
 DYNAMIC_DISPATCH = ("counts", "alltoallv")
 # Seconds the balanced layer's fast level (the per-step tables from the all-gathered counts)
-# takes per layer-step inside a compiled graph: the compiled C++ kernel
-# (kernels/cpu/fast_level.cc, ``moe.fast_level: aot``) as a one-op MindSpore GRAPH-mode Cell,
-# launch included, on layer 0 of the real 16-rank x 32-expert trace, measured on the shared
-# 2-core CPU machine (scripts/time_fast_level.py: 0.75 ms as a one-op graph; the kernel
-# itself 0.08-0.14 ms; 0.12 ms per call when 9 calls are chained in one graph). The one-op
-# graph's figure is charged: it holds the op's launch, and it is the largest measured figure
-# of the kernel. On Ascend the layer compiles the MindSpore-ops twin (12.8 ms per call on
-# this CPU, its data-dependent loops; not measured on Ascend), so a 910B row's fast level may
-# cost more than charged; the default of every preset, overridden by
+# is charged per layer-step. What scripts/time_fast_level.py measures (layer 0 of the real
+# 16-rank x 32-expert trace, the shared 2-core CPU machine) for the compiled C++ kernel
+# (kernels/cpu/fast_level.cc, ``moe.fast_level: aot``): 0.08-0.14 ms called directly,
+# 0.12-0.18 ms per call inside one GRAPH-mode graph (9 chained calls less one, / 8: what
+# the layer pays in its train step), 1.1-1.8 ms as a one-op graph of its own (a whole
+# graph's launch). 0.75 ms (an earlier session's one-op figure) is charged: several times
+# the in-graph cost. On Ascend the layer compiles the MindSpore-ops twin (13-21 ms per call
+# on this CPU, its data-dependent loops; not measured on Ascend), so a 910B row's fast level
+# may cost more than charged; the default of every preset, overridden by
 # ``bench moe --fast-level-ms``.
 FAST_LEVEL_S = 0.75e-3
 
