@@ -339,6 +339,50 @@ def test_the_layout_is_deterministic_and_its_buffers_cover_the_mean():
     assert set(itertools.chain.from_iterable(a.home_LWS[0].tolist())) >= set(range(32))
 
 
+# ---------------------------------------------------------------- MoonEP's rule (baseline)
+def test_moonep_pours_the_surplus_into_the_under_full_rank_hand_case():
+    """2 ranks, homes {0, 1} and {2, 3}, loads [6, 2, 1, 3]: rank 0 has 8 rows for a target
+    of 6. Its 2 surplus rows come off its largest piece (expert 0) and go to rank 1, which
+    does not hold expert 0: one copy, 0 -> 1. Every rank computes exactly 6; nothing drops."""
+    from ms_efficient.efficientmoe.moonep import moonep_balance
+
+    counts = np.array([[[3, 1, 0, 2], [3, 1, 1, 1]]])
+    bal = moonep_balance(counts, np.array([[[0, 1], [2, 3]]]))
+    assert bal.rows_LEW[0].tolist() == [[4, 2], [2, 0], [0, 1], [0, 3]]
+    assert bal.copies_LWW[0].tolist() == [[0, 1], [0, 0]]
+    assert bal.copied_LE.tolist() == [[1, 0, 0, 0]] and bal.source_LEW[0, 0].tolist() == [-1, 0]
+    assert bal.load_LW.tolist() == [[6, 6]] and bal.dropped_L.tolist() == [0]
+    assert bal.sent_LRW.sum(axis=1).tolist() == bal.load_LW.tolist()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_moonep_gives_every_rank_exactly_its_share_on_random_skewed_counts(seed):
+    """MoonEP's promise: every rank receives exactly S x K rows whatever the skew; every row
+    is computed where its expert is held (home or copy, each copy from a home holder), and
+    the copies number at most the surplus pieces + W - 1 (one split per deficit)."""
+    from ms_efficient.efficientmoe.layout import uniform_home
+    from ms_efficient.efficientmoe.moonep import moonep_balance
+
+    rng = np.random.default_rng(seed)
+    layers, ranks, experts, tokens = 3, 8, 16, 256
+    p = rng.dirichlet(np.full(experts, 0.3), size=(layers, ranks))
+    counts = np.stack([[rng.multinomial(tokens, p[l, r]) for r in range(ranks)]
+                       for l in range(layers)])
+    home = uniform_home(layers, experts, ranks)
+    bal = moonep_balance(counts, home)
+    assert (bal.load_LW == tokens).all() and not bal.dropped_L.any()
+    np.testing.assert_array_equal(bal.rows_LEW.sum(axis=2), counts.sum(axis=1))
+    assert not (bal.rows_LEW > 0)[~bal.holder_LEW].any()
+    held = holders_of(home, experts)
+    copy = bal.holder_LEW & ~held
+    assert (bal.copied_LE == copy.sum(axis=2)).all()
+    layer, expert, device = np.nonzero(copy)
+    assert held[layer, expert, bal.source_LEW[layer, expert, device]].all()
+    surplus_pieces = (held & (bal.rows_LEW < counts.sum(axis=1)[..., None] * held)).sum()
+    assert bal.copies_L.sum() <= surplus_pieces + layers * (ranks - 1)
+    np.testing.assert_array_equal(bal.sent_LRW.sum(axis=2), counts.sum(axis=2))
+
+
 # ---------------------------------------------------------------- replay of the two levels
 def test_steady_load_two_level_replay_is_exact_hand_computed():
     """Every rank sends 128 of its 512 x 2 assignments to every expert: nothing to balance,

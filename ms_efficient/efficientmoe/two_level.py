@@ -13,11 +13,12 @@ Methods (each given the same slots per device: ceil(E / W) + ``ReplayConfig.extr
                         for the whole trace. What ``train --workers`` with dispatch
                         "balanced" runs today (its layer has no home re-placement yet), so
                         the gap to ``efficientmoe`` is what those re-plans are worth.
-    moonep              MoonEP-style (Moonshot's Megatron expert parallelism, 2026): no
-                        forecast; uniform home placement, every extra slot a spare slot,
-                        copies chosen each step from the exact counts so every device
-                        receives about the same rows into a fixed buffer (the same buffer
-                        rule as ours). Never re-planned.
+    moonep              MoonEP as its README describes it (:mod:`~ms_efficient.efficientmoe.
+                        moonep`): uniform static homes, no forecast; every step every rank
+                        receives exactly its share (S x K rows) into a buffer of that size,
+                        the surplus of over-full ranks poured into under-full ones as
+                        copies planned from the step's counts (as many as that takes:
+                        ``max_copies_per_device``). Never re-placed.
     ablation-eplb-split EPLB's placement (every extra slot a redundant home replica, the
                         same forecast as ours) re-balanced on EPLB's own schedule (every
                         check interval, whatever the gain, migration charged) with our
@@ -42,6 +43,7 @@ from ms_efficient.efficientmoe.balanced_cost import (balanced_cost, copy_cost_ro
                                                      home_sync_time_L)
 from ms_efficient.efficientmoe.cost import CostModel
 from ms_efficient.efficientmoe.layout import LayoutConfig, decide_home, plan_layout
+from ms_efficient.efficientmoe.moonep import moonep_balance
 from ms_efficient.moe.balance import balance_step
 
 __all__ = ["TWO_LEVEL_METHODS", "TERMS", "layout_config_for", "replay_two_level",
@@ -86,6 +88,7 @@ def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_ro
     copy_cost = copy_cost_rows_WW(model, layout.num_devices)
     sync = home_sync_time_L(layout.home_LWS, trace.num_experts, model, layout.sync_rows)
     step_times, a2a_times, imbalance, copies, weights = [], [], [], [], []
+    most_copies = 0                                 # copies one device held in one step
     terms = {name: 0.0 for name in TERMS}
     computed = kept = dropped = 0
     replans, overhead = 0, 0.0
@@ -98,10 +101,13 @@ def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_ro
                 layout, replans = decision.candidate, replans + 1
                 overhead += decision.cost_s
                 sync = home_sync_time_L(layout.home_LWS, trace.num_experts, model, layout.sync_rows)
-        bal = balance_step(counts[t], layout.home_LWS,
-                           np.zeros_like(layout.spare_W) if unbounded else layout.spare_W,
-                           None if unbounded else layout.buffer_LW, copy_cost,
-                           even_split=unbounded, devices_per_node=dpn)
+        if method == "moonep":
+            bal = moonep_balance(counts[t], layout.home_LWS, dpn)
+        else:
+            bal = balance_step(counts[t], layout.home_LWS,
+                               np.zeros_like(layout.spare_W) if unbounded else layout.spare_W,
+                               None if unbounded else layout.buffer_LW, copy_cost,
+                               even_split=unbounded, devices_per_node=dpn)
         # every two-level row's layer dispatches with the count-driven exchange (AlltoAllVC
         # on Ascend): each of its passes pays the dynamic-shape overhead, ours included
         cost = balanced_cost(bal, model, sync, dynamic=True, fast_level=not unbounded)
@@ -113,6 +119,7 @@ def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_ro
         load = bal.load_LW
         imbalance.extend(load.max(axis=1) / np.maximum(load.mean(axis=1), 1e-12))
         copies.append(int(bal.copies_L.sum()))
+        most_copies = max(most_copies, int(bal.copies_LWW.sum(axis=1).max(initial=0)))
         weights.append(float(cost.weight_bytes_L.sum()))
         computed += int(model.cluster.tiled_rows(bal.rows_LEW).sum())
         kept += int(bal.rows_LEW.sum())
@@ -132,8 +139,11 @@ def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_ro
                "copies_per_step": float(np.mean(copies)),
                "weight_bytes_per_step": float(np.mean(weights)),
                "redundant_home_slots": int(layout.redundant),
-               "spare_slots": int(layout.spare_W.max()),
-               "buffer_over_mean": float(1.0 + layout.slack_L.mean()),
+               "spare_slots": (most_copies if method == "moonep"
+                               else int(layout.spare_W.max())),
+               "max_copies_per_device": most_copies,
+               "buffer_over_mean": (1.0 if method == "moonep"
+                                    else float(1.0 + layout.slack_L.mean())),
                "recompiles": 0})
 
 
