@@ -254,3 +254,15 @@ def tiny_config_dict(data_path: str, out_dir: str) -> dict:
                   "log_every": 2, "eval_every": 3, "eval_batches": 2, "save_every": 3,
                   "out_dir": out_dir},
     }
+
+
+@pytest.fixture(scope="module")
+def graph_mode():
+    """MindSpore's GRAPH_MODE on CPU for a module's tests, the previous mode restored after
+    (for modules that also hold numpy-only tests, which should not import MindSpore)."""
+    import mindspore as ms
+
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    yield
+    ms.set_context(mode=mode)

@@ -16,12 +16,35 @@ from mindspore import Parameter, nn, ops
 from ms_efficient.moe.activations import make_gelu
 from ms_efficient.moe.dropin import MoEMLP
 from ms_efficient.moe.layer import ROUTING_COUNTS
+from ms_efficient.moe.routing import RouterConfig
 
 __all__ = ["BlockSpec", "ParameterRouter", "block_spec", "moe_blocks", "find_moe_blocks",
            "with_gating", "TOP_K_ATTRIBUTES", "RENORMALIZE_ATTRIBUTES"]
 
 TOP_K_ATTRIBUTES = ("top_k", "num_experts_per_tok", "topk", "k")
 RENORMALIZE_ATTRIBUTES = ("norm_topk_prob", "renormalize")
+# a gated expert's three Dense, by the names public MoE code gives them (Mixtral / MindFormers:
+# w1 gate, w3 up, w2 down; DeepSeek / Qwen-MoE: gate_proj, up_proj, down_proj)
+GATE_NAMES, UP_NAMES = ("w1", "gate_proj"), ("w3", "up_proj")
+# shared experts beside the routed ones (DeepSeek: shared_experts; Qwen-MoE: shared_expert,
+# scaled by sigmoid(shared_expert_gate(x)))
+SHARED_NAMES, SHARED_GATE_NAMES = ("shared_experts", "shared_expert"), ("shared_expert_gate",)
+# the routing attributes of DeepSeek-V2/V3-style gates (on the gate Cell or the block)
+BIAS_NAMES = ("e_score_correction_bias", "expert_bias")
+
+
+class GatedShared(nn.Cell):
+    """A user's shared expert scaled per token by sigmoid(gate(x)) (Qwen-MoE): both Cells are
+    the user's own, so their Parameters and names stay."""
+
+    def __init__(self, expert: nn.Cell, gate: nn.Cell):
+        super().__init__(auto_prefix=False)
+        self.expert = expert
+        self.gate = gate
+        self.sigmoid = nn.Sigmoid()
+
+    def construct(self, x):
+        return self.sigmoid(self.gate(x)) * self.expert(x)
 
 
 class ParameterRouter(nn.Cell):
@@ -51,6 +74,12 @@ class BlockSpec:
     top_k: Optional[int]
     renormalize: Tuple[bool, ...]
     activations: Tuple[nn.Cell, ...]
+    expert_kind: str = "mlp"     # "glu": gated experts, ``weights``' w1/b1 their gate
+    up: Optional[tuple] = None   # (w3, b3): a gated expert's up projection, when apart
+    shared: Optional[nn.Cell] = None           # the user's shared expert(s), added
+    gate_cell: Optional[nn.Cell] = None        # a gate Cell holding the router's weight
+    expert_bias: Optional[Parameter] = None    # its auxiliary-loss-free balancing bias
+    router_config: Optional[RouterConfig] = None
 
 
 def _direct_params(cell: nn.Cell) -> Dict[str, Parameter]:
@@ -80,6 +109,15 @@ def _router(path: str, cell: nn.Cell, params: Dict[str, Parameter], e: Optional[
         if p.ndim == 2 and ("router" in name.lower() or "gate" in name.lower()) \
                 and (e is None or p.shape[0] == e) and (h is None or p.shape[1] == h):
             found.append((ParameterRouter(p), name, p.shape[0], p.shape[1]))
+    for name, child in cell.name_cells().items():       # a gate Cell (DeepSeek's MoEGate)
+        if isinstance(child, nn.Dense) or not ("router" in name.lower()
+                                               or name.lower() == "gate"):
+            continue
+        weights = [p for p in _direct_params(child).values() if p.ndim == 2
+                   and (e is None or p.shape[0] == e) and (h is None or p.shape[1] == h)]
+        if len(weights) == 1:
+            found.append((ParameterRouter(weights[0]), name, weights[0].shape[0],
+                          weights[0].shape[1]))
     if len(found) != 1:
         want = f"[{e if e else 'E'}, {h if h else 'H'}]"
         raise ValueError(f"adopt_moe: MoE block {path!r} ({type(cell).__name__}) needs one "
@@ -112,7 +150,10 @@ def _looks_like_moe(cell: nn.Cell) -> bool:
         return False
     e = len(found[1])
     return any(hasattr(cell, a) for a in TOP_K_ATTRIBUTES) or any(
-        isinstance(c, nn.Dense) and c.out_channels == e for c in cell.name_cells().values())
+        (isinstance(c, nn.Dense) and c.out_channels == e)
+        or (n.lower() in ("gate", "router")
+            and any(p.ndim == 2 and p.shape[0] == e for p in _direct_params(c).values()))
+        for n, c in cell.name_cells().items())
 
 
 def _stacked_spec(path: str, cell: nn.Cell) -> BlockSpec:
@@ -145,45 +186,115 @@ def _stacked_spec(path: str, cell: nn.Cell) -> BlockSpec:
                  None, (), tuple(_activation_cells(cell)))
 
 
+def _gated_roles(path: str, names: List[str], dense: List[nn.Dense]):
+    """(gate, up, down) of a gated expert's three Dense: down is F -> H, the gate and up
+    H -> F told apart by name (``GATE_NAMES`` / ``UP_NAMES``), else in registration order."""
+    down = [i for i, d in enumerate(dense) if d.in_channels != dense[0].in_channels
+            or d.out_channels == dense[0].in_channels and d.in_channels != d.out_channels]
+    if len(down) != 1:
+        raise ValueError(f"adopt_moe: gated expert {path} needs two nn.Dense H -> F (gate, up) "
+                         f"and one F -> H (down); found "
+                         f"{[(d.in_channels, d.out_channels) for d in dense]}.")
+    rest = [i for i in range(3) if i != down[0]]
+    short = [n.split(".")[-1] for n in names]
+    gate = next((i for i in rest if short[i] in GATE_NAMES), None)
+    up = next((i for i in rest if short[i] in UP_NAMES), None)
+    if gate is None or up is None or gate == up:
+        gate, up = rest
+    return dense[gate], dense[up], dense[down[0]]
+
+
 def _list_spec(path: str, cell: nn.Cell) -> BlockSpec:
     list_name, experts = _expert_list(cell)
     e = len(experts)
-    pairs, acts = [], []
+    roles, acts = [], []
     for i, expert in enumerate(experts):
-        dense = [c for _, c in expert.cells_and_names() if isinstance(c, nn.Dense)]
+        named = [(n, c) for n, c in expert.cells_and_names() if isinstance(c, nn.Dense)]
+        dense = [c for _, c in named]
         dense_params = {id(p) for d in dense for p in d.get_parameters()}
         extra = [p.name for p in expert.get_parameters() if id(p) not in dense_params]
-        ok = len(dense) == 2 and not extra and dense[0].out_channels == dense[1].in_channels \
-            and dense[0].in_channels == dense[1].out_channels \
-            and dense[0].has_bias == dense[1].has_bias and not dense[1].activation_flag
+        if len(dense) == 3 and not extra:
+            gate, up, down = _gated_roles(f"{path}.{list_name}.{i}", [n for n, _ in named],
+                                          dense)
+            ok = (gate.in_channels == up.in_channels == down.out_channels
+                  and gate.out_channels == up.out_channels == down.in_channels
+                  and gate.has_bias == up.has_bias == down.has_bias
+                  and not (up.activation_flag or down.activation_flag))
+            role = (gate, up, down)
+        else:
+            ok = len(dense) == 2 and not extra \
+                and dense[0].out_channels == dense[1].in_channels \
+                and dense[0].in_channels == dense[1].out_channels \
+                and dense[0].has_bias == dense[1].has_bias and not dense[1].activation_flag
+            role = (dense[0], None, dense[-1]) if dense else ()
         if not ok:
-            raise ValueError(f"adopt_moe: expert {path}.{list_name}.{i} needs exactly two "
-                             f"nn.Dense, H -> F then F -> H (biases on both or neither, no "
-                             f"activation on the second) and no other Parameters; found "
+            raise ValueError(f"adopt_moe: expert {path}.{list_name}.{i} needs two nn.Dense, "
+                             f"H -> F then F -> H, or three for a gated expert (gate and up "
+                             f"H -> F, down F -> H), biases on all or none, no activation on "
+                             f"the up or down projection, and no other Parameters; found "
                              f"{[(d.in_channels, d.out_channels) for d in dense]}"
                              f"{' and ' + str(extra) if extra else ''}.")
-        pairs.append(dense)
+        roles.append(role)
         if i == 0:
-            acts = ([dense[0].activation] if dense[0].activation_flag else []) + \
+            acts = ([role[0].activation] if role[0].activation_flag else []) + \
                 _activation_cells(expert)
-    h, f = pairs[0][0].in_channels, pairs[0][0].out_channels
-    if any((d[0].in_channels, d[0].out_channels, d[0].has_bias) != (h, f, pairs[0][0].has_bias)
-           for d in pairs):
-        raise ValueError(f"adopt_moe: the experts of {path!r} differ in shape or bias; every "
-                         f"expert must be Dense {h} -> {f} -> {h} alike.")
+    gated = roles[0][1] is not None
+    first = roles[0][0]
+    h, f = first.in_channels, first.out_channels
+    if any(len(r) != 3 or (r[1] is not None) != gated
+           or (r[0].in_channels, r[0].out_channels, r[0].has_bias) != (h, f, first.has_bias)
+           for r in roles):
+        raise ValueError(f"adopt_moe: the experts of {path!r} differ in kind, shape or bias; "
+                         f"every expert must be Dense {h} -> {f} -> {h} alike"
+                         f"{' (gated)' if gated else ''}.")
     router, router_name, _, _ = _router(path, cell, _direct_params(cell), e, h)
     extra = {n: tuple(p.shape) for n, p in _direct_params(cell).items() if n != router_name}
     if extra:
         raise ValueError(f"adopt_moe: MoE block {path!r}: Parameters {extra} are not part of "
                          f"the contract (a router, and experts in {list_name!r}).")
-    _check_children(path, cell, (router_name, list_name))
-    bias = bool(pairs[0][0].has_bias)
-    weights = (tuple(d[0].weight for d in pairs),
-               tuple(d[0].bias for d in pairs) if bias else None,
-               tuple(d[1].weight for d in pairs),
-               tuple(d[1].bias for d in pairs) if bias else None)
+    shared = _shared(path, cell)
+    _check_children(path, cell, (router_name, list_name) + SHARED_NAMES + SHARED_GATE_NAMES)
+    bias = bool(first.has_bias)
+    weights = (tuple(r[0].weight for r in roles),
+               tuple(r[0].bias for r in roles) if bias else None,
+               tuple(r[2].weight for r in roles),
+               tuple(r[2].bias for r in roles) if bias else None)
+    up = ((tuple(r[1].weight for r in roles), tuple(r[1].bias for r in roles) if bias else None)
+          if gated else None)
+    gate_cell = cell.name_cells().get(router_name)
+    gate_cell = gate_cell if gate_cell is not None and not isinstance(gate_cell, nn.Dense) \
+        else None
     return BlockSpec(path, cell, e, h, f, router, weights, bias, "list", None, (),
-                 tuple(acts) + tuple(_activation_cells(cell)))
+                     tuple(acts) + tuple(_activation_cells(cell)),
+                     expert_kind="glu" if gated else "mlp", up=up, shared=shared,
+                     gate_cell=gate_cell, expert_bias=_expert_bias(gate_cell, cell, e))
+
+
+def _shared(path: str, cell: nn.Cell) -> Optional[nn.Cell]:
+    """The block's shared expert Cell (``SHARED_NAMES``), scaled by its sigmoid gate
+    (``SHARED_GATE_NAMES``, Dense H -> 1) when it has one; None without one."""
+    children = cell.name_cells()
+    expert = next((children[n] for n in SHARED_NAMES if n in children), None)
+    gate = next((children[n] for n in SHARED_GATE_NAMES if n in children), None)
+    if gate is not None and (expert is None or not isinstance(gate, nn.Dense)
+                             or gate.out_channels != 1):
+        raise ValueError(f"adopt_moe: MoE block {path!r}: a shared expert gate must be an "
+                         f"nn.Dense H -> 1 beside a shared expert named one of "
+                         f"{list(SHARED_NAMES)}.")
+    if expert is None:
+        return None
+    return GatedShared(expert, gate) if gate is not None else expert
+
+
+def _expert_bias(gate_cell: Optional[nn.Cell], cell: nn.Cell, e: int) -> Optional[Parameter]:
+    """A DeepSeek-V3 gate's non-trainable selection bias [E] (``BIAS_NAMES``), or None."""
+    for owner in (gate_cell, cell):
+        if owner is None:
+            continue
+        for name, p in _direct_params(owner).items():
+            if name in BIAS_NAMES and tuple(p.shape) == (e,):
+                return p
+    return None
 
 
 def _check_children(path: str, cell: nn.Cell, allowed: Tuple[str, ...]) -> None:
@@ -194,16 +305,47 @@ def _check_children(path: str, cell: nn.Cell, allowed: Tuple[str, ...]) -> None:
                          f"which the package's layer cannot hold.")
 
 
+def _attribute(spec: BlockSpec, names, kind):
+    """The first attribute among ``names`` of type ``kind`` on the block, then on its gate
+    Cell; None when neither has one."""
+    for owner in (spec.cell, spec.gate_cell):
+        for name in names:
+            value = getattr(owner, name, None) if owner is not None else None
+            if isinstance(value, kind) and not (kind is not bool and isinstance(value, bool)):
+                return value
+    return None
+
+
+def _router_config(spec: BlockSpec, bias_update_speed: float) -> Optional[RouterConfig]:
+    """The RouterConfig of a DeepSeek-style gate, from its attributes (``scoring_func``,
+    ``n_group``, ``topk_group``, ``topk_method``, ``routed_scaling_factor``) and its bias;
+    None for a plain softmax router (renormalisation is probed)."""
+    score = _attribute(spec, ("scoring_func", "score_func"), str) or "softmax"
+    groups = _attribute(spec, ("n_group", "num_groups"), int) or 1
+    kept = _attribute(spec, ("topk_group", "topk_groups"), int) or groups
+    factor = _attribute(spec, ("routed_scaling_factor", "scaling_factor"), (int, float)) or 1.0
+    method = _attribute(spec, ("topk_method",), str) or ""
+    if score == "softmax" and groups == 1 and float(factor) == 1.0 and spec.expert_bias is None:
+        return None
+    try:
+        return RouterConfig(score=score, scaling_factor=float(factor), num_groups=groups,
+                            topk_groups=kept,
+                            group_score="max" if method == "group_limited_greedy" else "top2-sum",
+                            bias_update_speed=(bias_update_speed if spec.expert_bias is not None
+                                               else 0.0))
+    except ValueError as err:
+        raise ValueError(f"adopt_moe: the router of MoE block {spec.path!r}: {err}") from None
+
+
 def with_gating(spec: BlockSpec, top_k: Optional[int], renormalize: Optional[bool],
-                activation: Optional[nn.Cell]) -> BlockSpec:
+                activation: Optional[nn.Cell], bias_update_speed: float = 1e-3) -> BlockSpec:
     """``spec`` with its top-k (``top_k`` or the block's attribute), the renormalisation
     choices to probe (``renormalize``, the block's attribute, else both) and the activation
     candidates (``activation``, else the block's own activation Cells, then tanh GELU, erf
     GELU, ReLU, SiLU)."""
     cell, path = spec.cell, spec.path
     if top_k is None:
-        top_k = next((getattr(cell, a) for a in TOP_K_ATTRIBUTES
-                      if isinstance(getattr(cell, a, None), int)), None)
+        top_k = _attribute(spec, TOP_K_ATTRIBUTES, int)
     if top_k is None:
         raise ValueError(f"adopt_moe: MoE block {path!r} has no int attribute among "
                          f"{list(TOP_K_ATTRIBUTES)}; pass adopt_moe(..., top_k=K).")
@@ -211,12 +353,17 @@ def with_gating(spec: BlockSpec, top_k: Optional[int], renormalize: Optional[boo
         raise ValueError(f"adopt_moe: 'top_k' of {path!r} must be in [1, "
                          f"{spec.num_experts}], but got {top_k}.")
     if renormalize is None:
-        renormalize = next((getattr(cell, a) for a in RENORMALIZE_ATTRIBUTES
-                            if isinstance(getattr(cell, a, None), bool)), None)
+        renormalize = _attribute(spec, RENORMALIZE_ATTRIBUTES, bool)
     renorm = (True, False) if renormalize is None else (bool(renormalize),)
-    acts = (activation,) if activation is not None else spec.activations + (
-        make_gelu(), nn.GELU(approximate=False), nn.ReLU(), nn.SiLU())
-    return dataclasses.replace(spec, top_k=int(top_k), renormalize=renorm, activations=acts)
+    defaults = (nn.SiLU(), make_gelu(), nn.GELU(approximate=False), nn.ReLU()) \
+        if spec.expert_kind == "glu" else (make_gelu(), nn.GELU(approximate=False), nn.ReLU(),
+                                           nn.SiLU())
+    acts = (activation,) if activation is not None else spec.activations + defaults
+    config = _router_config(spec, bias_update_speed)
+    if config is not None:
+        config.check(spec.num_experts, int(top_k))
+    return dataclasses.replace(spec, top_k=int(top_k), renormalize=renorm, activations=acts,
+                               router_config=config)
 
 
 def _package_layer(cell: nn.Cell) -> bool:

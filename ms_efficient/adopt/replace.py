@@ -8,11 +8,23 @@ The recognised block (any Cell of the network, under any attribute names):
 
 - **router**: a direct ``nn.Dense`` child H -> E (bias allowed), or a direct Parameter
   [E, H] whose attribute name contains "router" or "gate" (logits = x @ w^T);
+- **router** of DeepSeek-V2/V3 style: a direct child Cell named ``gate`` / ``router`` holding
+  one Parameter [E, H] (logits = x @ w^T), with its routing attributes on it or on the block
+  (``scoring_func`` "softmax" / "sigmoid", ``n_group``, ``topk_group``, ``topk_method``
+  "group_limited_greedy" for V2's group max, ``routed_scaling_factor``, ``norm_topk_prob``)
+  and an optional ``e_score_correction_bias`` [E] (selection only; kept and updated by the
+  adopted layer, ``bias_update_speed``);
 - **experts**, either stacked: two direct Parameters w1 [E, H, F] and w2 [E, F, H] (w1 is
   the one whose second dimension is H; registration order if H == F) with optional biases
   b1 [E, F] or [E, 1, F] and b2 [E, H] or [E, 1, H] (both or none), or a list: a direct
   ``nn.CellList`` / ``nn.SequentialCell`` child of E experts, each holding exactly two
-  ``nn.Dense``, H -> F then F -> H (biases on both or neither, the same for every expert);
+  ``nn.Dense``, H -> F then F -> H, or three for gated experts (Mixtral / MindFormers
+  w1 gate, w3 up, w2 down; DeepSeek / Qwen gate_proj, up_proj, down_proj; other names in
+  registration order: gate, up, down) computing down(act(gate x) * up x), biases on all or
+  none, the same for every expert;
+- **shared expert** (optional): a direct child ``shared_experts`` / ``shared_expert``
+  (any Cell [.., H] -> [.., H], used as it is), scaled by sigmoid(``shared_expert_gate``(x))
+  when the block has that Dense H -> 1 (Qwen-MoE), added to the routed output;
 - **top_k**: an int attribute ``top_k``, ``num_experts_per_tok``, ``topk`` or ``k`` (or
   ``adopt_moe(top_k=...)``);
 - **gating**: softmax over the E router logits, then the top k, the k gate weights either
@@ -23,7 +35,8 @@ The recognised block (any Cell of the network, under any attribute names):
   expert (e.g. ``nn.GELU``, a Dense's own ``activation``), ``adopt_moe(activation=...)``,
   else detected among tanh GELU, erf GELU, ReLU and SiLU;
 - **output**: ``construct(x [B, S, H]) -> y [B, S, H]`` with y = sum over the k chosen experts
-  of gate * expert(x): no residual, shared expert, noise or capacity inside the block.
+  of gate * expert(x) (plus the shared expert): no residual, noise or capacity inside the
+  block.
 
 Every replacement is checked before anything is changed: the block and the candidate layer
 (dropless) run on the same probe input [2, 8, H] in PYNATIVE mode (the context mode is
@@ -68,14 +81,22 @@ class AdoptedBlock:
     has_bias: bool
     capacity: int                # slots per expert (0 for dispatch "grouped")
     probe_error: float           # max |y_layer - y_block| / max |y_block| on the probe
+    expert_kind: str = "mlp"     # "glu": gated experts
+    shared: bool = False         # a shared expert is added
+    router: str = "softmax"      # "softmax", or the RouterConfig of a DeepSeek-style gate
 
 
 def _layer(spec: BlockSpec, capacity: int, activation: nn.Cell, renormalize: bool,
            trace_ranks: int = 1, dispatch: str = "static") -> MoEFeedForward:
+    config = (None if spec.router_config is None
+              else dataclasses.replace(spec.router_config, renormalize=renormalize))
     return MoEFeedForward(spec.hidden, spec.ffn, spec.num_experts, spec.top_k, capacity,
                           trace_ranks, dispatch=dispatch, activation=activation,
                           renormalize=renormalize, has_bias=spec.has_bias, router=spec.router,
-                          weights=spec.weights)
+                          weights=spec.weights, expert_kind=spec.expert_kind,
+                          up_weights=spec.up, shared=spec.shared, router_config=config,
+                          expert_bias=spec.expert_bias if config is not None
+                          and config.uses_bias else None)
 
 
 def _probe(spec: BlockSpec) -> Tuple[nn.Cell, bool, float]:
@@ -132,7 +153,8 @@ def adopt_hint(network: nn.Cell) -> str:
 def adopt_moe(network: nn.Cell, tokens: int, capacity_factor: float = 0.0,
               top_k: Optional[int] = None, renormalize: Optional[bool] = None,
               activation: Optional[nn.Cell] = None, aux_loss_coef: float = 0.0,
-              trace_ranks: int = 1, dispatch: str = "static"
+              trace_ranks: int = 1, dispatch: str = "static",
+              bias_update_speed: float = 1e-3
               ) -> Tuple[nn.Cell, Dict[str, AdoptedBlock]]:
     """Replace every MoE block of ``network`` (the contract: module doc) by the package's
     layer, in place; returns ``(network, {path: AdoptedBlock})``.
@@ -147,6 +169,9 @@ def adopt_moe(network: nn.Cell, tokens: int, capacity_factor: float = 0.0,
             :class:`~ms_efficient.moe.dropin.MoEMLP`); 0 keeps the original's gradients.
         trace_ranks: R trace groups of the layers' routing counts (must divide T).
         dispatch: "static" (plannable capacities) or "grouped" (padding-free, dropless).
+        bias_update_speed: gamma of the auxiliary-loss-free balancing of a gate that holds an
+            ``e_score_correction_bias`` (DeepSeek-V3's 0.001): the adopted layer selects with
+            the user's bias and updates it after each training forward.
 
     Parameter names: the block's own Parameters keep theirs (the same objects: an optimizer
     built before adoption still updates them); the new buffers, not trainable, are named by
@@ -184,7 +209,7 @@ def adopt_moe(network: nn.Cell, tokens: int, capacity_factor: float = 0.0,
         chosen = []
         for path, cell in blocks:
             spec = block_spec(path, cell)
-            spec = with_gating(spec, top_k, renormalize, activation)
+            spec = with_gating(spec, top_k, renormalize, activation, bias_update_speed)
             chosen.append((spec,) + _probe(spec))
         # Step 2: replace
         for spec, act, renorm, err in chosen:
@@ -194,7 +219,9 @@ def adopt_moe(network: nn.Cell, tokens: int, capacity_factor: float = 0.0,
                          names)
             report[spec.path] = AdoptedBlock(
                 spec.num_experts, spec.top_k, spec.hidden, spec.ffn, spec.layout, renorm,
-                type(act).__name__, spec.has_bias, cap if dispatch == "static" else 0, err)
+                type(act).__name__, spec.has_bias, cap if dispatch == "static" else 0, err,
+                spec.expert_kind, spec.shared is not None,
+                "softmax" if spec.router_config is None else str(spec.router_config))
     finally:
         for p in params:               # building candidates renamed the reused Parameters
             p.name = names[id(p)]

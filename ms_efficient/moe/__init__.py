@@ -11,7 +11,10 @@ matmul whose group sizes are data: aot over OpenBLAS on CPU, ``GroupedMatmul`` o
 dispatch rule that splits a rank's tokens over an expert's replicas) and ``trace`` (the
 routing-trace ``.npz`` format). ``dropin`` (``MoEMLP``: the layer as a drop-in MLP returning
 y only, and ``replace_cell``: put a Cell into a built network with full-path parameter
-names), ``activations`` (the experts' activations). A user's own MoE blocks are replaced by
+names), ``activations`` (the experts' activations, and the gated unit of SwiGLU / GeGLU
+experts), ``routing`` (the routers users run: softmax or sigmoid scores, group-limited top-k,
+the routed scaling factor, the auxiliary-loss-free expert bias, the balance losses, each with
+its numpy reference) and ``shared`` (shared experts). A user's own MoE blocks are replaced by
 the layer with ``ms_efficient.adopt_moe`` (the ``ms_efficient.adopt`` package).
 
 ``MoEMLP``, ``replace_cell`` and ``MoEFeedForward`` are importable from here; they load

@@ -1,5 +1,6 @@
-"""The tanh GELU of the package's MoE experts, and the choice between it and MindSpore's
-kernel by device (re-exported by :mod:`ms_efficient.moe.layer`)."""
+"""The experts' activations: the tanh GELU of the package's MoE experts and the choice between
+it and MindSpore's kernel by device (re-exported by :mod:`ms_efficient.moe.layer`), and the
+gated linear unit of gated experts (:class:`GatedActivation`: SwiGLU, GeGLU)."""
 from __future__ import annotations
 
 import math
@@ -7,7 +8,11 @@ import math
 import mindspore as ms
 from mindspore import nn, ops
 
-__all__ = ["TanhGELU", "make_gelu"]
+__all__ = ["TanhGELU", "make_gelu", "GatedActivation", "EXPERT_KINDS"]
+
+# the experts' FFN: "mlp" w2(act(x w1)), "glu" w2(act(x w_gate) * (x w_up)) (Shazeer 2020,
+# "GLU Variants Improve Transformer": SwiGLU with SiLU, GeGLU with GELU)
+EXPERT_KINDS = ("mlp", "glu")
 
 
 class TanhGELU(nn.Cell):
@@ -50,3 +55,23 @@ def make_gelu() -> nn.Cell:
     if ms.get_context("device_target") == "CPU":
         return TanhGELU()
     return nn.GELU(approximate=True)
+
+
+class GatedActivation(nn.Cell):
+    """The gated linear unit of a gated expert on its fused first projection:
+    ``construct(h_N2F) -> act(h[:, :F]) * h[:, F:]``, h_N2F = x @ [w_gate | w_up] ([N, 2F]:
+    the gate projection's F columns, then the up projection's), out [N, F].
+
+    ``act`` is the gate's activation: ``nn.SiLU()`` gives SwiGLU (Mixtral, DeepSeek, Qwen-MoE,
+    LLaMA), a GELU GeGLU (Shazeer 2020, eq. 6). Written as a split and two elementwise ops on
+    every target; Ascend's fused ``ops.swiglu`` computes the same function for SiLU in one
+    kernel and would be the drop-in there (not wired: no Ascend hardware here to check it
+    against this form)."""
+
+    def __init__(self, act: nn.Cell):
+        super().__init__()
+        self.act = act
+
+    def construct(self, h):
+        gate, up = ops.split(h, h.shape[-1] // 2, -1)
+        return self.act(gate) * up

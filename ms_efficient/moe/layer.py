@@ -22,6 +22,15 @@ shapes, so every shape is static; on CPU a C++ kernel over OpenBLAS, on Ascend A
 hardware), each row's biases are gathered by its expert, and the rows are combined back by
 the kernels. Nothing is dropped.
 
+Experts are two-matrix FFNs w2(act(x w1)) (``expert_kind="mlp"``) or gated ones,
+w2(act(x w_gate) * (x w_up)) (``"glu"``: SwiGLU with SiLU, GeGLU with GELU; Shazeer 2020). A
+gated expert's first matmul is one product against the fused [H, 2F] table [w_gate | w_up]
+(stored fused, or as two tables or per-expert Dense weights concatenated on every forward, so
+the gradients reach the user's own Parameters), then :class:`GatedActivation` halves it: every
+dispatch path runs both kinds with the same two (grouped) matmuls. A ``shared`` Cell (shared
+experts: dense FFNs every token passes through, e.g. DeepSeek's, optionally scaled by a
+sigmoid gate as in Qwen-MoE) adds its output to the routed one.
+
 Capacities may differ per expert (``capacity`` given as a sequence of E ints): the slots of all
 experts then form one buffer of sum(C_e) rows, expert e owning rows [off_e, off_e + C_e), and
 each expert's FFN runs on its own rows only, so no compute is spent on padding beyond what
@@ -36,9 +45,10 @@ import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
-from ms_efficient.moe.activations import TanhGELU, make_gelu
+from ms_efficient.moe.activations import EXPERT_KINDS, GatedActivation, TanhGELU, make_gelu
 from ms_efficient.moe.grouped_matmul import GroupedMatmul, row_groups
 from ms_efficient.moe.kernels import MoeTokenPermute, MoeTokenUnpermute
+from ms_efficient.moe.routing import Router, RouterConfig, expert_bias_parameter, updated_bias
 
 __all__ = ["MoEFeedForward", "LAYER_DISPATCH", "TopKArrival", "TanhGELU", "routing_statistics", "sum_choices",
            "ROUTING_COUNTS", "routing_counts_buffer", "make_gelu",
@@ -150,6 +160,25 @@ class MoEFeedForward(nn.Cell):
             Mixtral's softmax over the top-k logits) or keep them (False, Switch / GShard
             top-1 and HF Qwen-MoE ``norm_topk_prob=False``).
         has_bias: whether the experts' two matmuls add biases.
+        expert_kind: "mlp" (w2(act(x w1))) or "glu" (gated: w2(act(x w_gate) * (x w_up)),
+            ``activation`` the gate's, default SiLU: SwiGLU). A gated layer's w1 is the fused
+            [E, H, 2F] table [w_gate | w_up] (b1 [E, 1, 2F]) unless ``up_weights`` is given.
+        up_weights: a gated layer's up projection kept apart from its gate (``weights``' w1
+            and b1 are then the gate's, [E, H, F]): ``(w3, b3)`` in the layout of w1 and b1
+            (stacked, or E per-expert Dense-layout Parameters); concatenated with the gate's
+            on every forward.
+        shared: a Cell ``x_TH -> y_TH`` (shared experts) added to the routed output, or None.
+        router_config: a :class:`~ms_efficient.moe.routing.RouterConfig` (sigmoid scores,
+            top-k then softmax, a routed scaling factor, group-limited top-k, the
+            auxiliary-loss-free expert bias); None: softmax then top-k with ``renormalize``
+            (:class:`TopKArrival`). With the bias on (``bias_update_speed`` > 0) the layer
+            holds it as ``expert_bias`` (float32 [E], not trainable, checkpointed), selects
+            with it and, in training, assigns the sign-rule update from the forward's counts
+            after routing (the next forward uses it). The config's own losses are
+            :meth:`Router.aux_losses`; the layer's ``aux_loss`` output stays the Switch
+            statistic below.
+        expert_bias: an existing bias Parameter [E] to use as ``expert_bias`` (an adopted
+            DeepSeek-V3 gate's ``e_score_correction_bias``).
         router: a Cell mapping [T, H] to logits [T, E] (default: a bias-free Dense); an
             adopted layer keeps the user's router here.
         weights: the experts' weights to use instead of new ones (an adopted layer's):
@@ -173,8 +202,19 @@ class MoEFeedForward(nn.Cell):
                  init_std: float = 0.02, dispatch: str = "static",
                  activation: Optional[nn.Cell] = None, renormalize: bool = True,
                  has_bias: bool = True, router: Optional[nn.Cell] = None,
-                 weights: Optional[tuple] = None):
+                 weights: Optional[tuple] = None, expert_kind: str = "mlp",
+                 up_weights: Optional[tuple] = None, shared: Optional[nn.Cell] = None,
+                 router_config: Optional[RouterConfig] = None,
+                 expert_bias: Optional[Parameter] = None):
         super().__init__()
+        if expert_kind not in EXPERT_KINDS:
+            raise ValueError(f"'expert_kind' must be one of {list(EXPERT_KINDS)}, but got "
+                             f"{expert_kind!r}.")
+        if up_weights is not None and expert_kind != "glu":
+            raise ValueError("'up_weights' (a separate up projection) needs expert_kind="
+                             "'glu'.")
+        self.expert_kind = expert_kind
+        self.gated = expert_kind == "glu"
         if dispatch not in LAYER_DISPATCH:
             raise ValueError(f"'dispatch' must be one of {list(LAYER_DISPATCH)}, but got "
                              f"{dispatch!r}.")
@@ -200,18 +240,41 @@ class MoEFeedForward(nn.Cell):
         self.per_expert = weights is not None and isinstance(weights[0], (tuple, list))
         if weights is None:
             normal, zeros = Normal(init_std), "zeros"
+            f1 = 2 * f if self.gated else f                    # fused [w_gate | w_up]
             weights = tuple(Parameter(initializer(init, shape, ms.float32), name=name)
-                            for init, shape, name in ((normal, (e, h, f), "w1"),
-                                                      (zeros, (e, 1, f), "b1"),
+                            for init, shape, name in ((normal, (e, h, f1), "w1"),
+                                                      (zeros, (e, 1, f1), "b1"),
                                                       (normal, (e, f, h), "w2"),
                                                       (zeros, (e, 1, h), "b2")))
         wrap = ParameterTuple if self.per_expert else (lambda p: p)
         for name, value in zip(("w1", "b1", "w2", "b2"), weights):   # checkpoint order
             if self.has_bias or name[0] == "w":
                 setattr(self, name, wrap(value))
+        self.separate_up = up_weights is not None
+        if self.separate_up:
+            for name, value in zip(("w3", "b3"), up_weights):
+                if self.has_bias or name[0] == "w":
+                    setattr(self, name, wrap(value))
         self.bmm = ops.BatchMatMul()
-        self.activation = activation if activation is not None else make_gelu()
-        self.arrival = TopKArrival(num_experts, top_k, renormalize)
+        if activation is None:
+            activation = nn.SiLU() if self.gated else make_gelu()
+        self.activation = GatedActivation(activation) if self.gated else activation
+        self.shared = shared
+        self.router_config = router_config
+        self.uses_bias = router_config is not None and router_config.uses_bias
+        if router_config is None:
+            self.arrival = TopKArrival(num_experts, top_k, renormalize)
+        else:
+            self.arrival = Router(num_experts, top_k, router_config)
+        if self.uses_bias:
+            self.bias_speed = float(router_config.bias_update_speed)
+            self.expert_bias = (expert_bias if expert_bias is not None
+                                else expert_bias_parameter(num_experts))
+            if tuple(self.expert_bias.shape) != (num_experts,):
+                raise ValueError(f"'expert_bias' must be [{num_experts}], but got "
+                                 f"{tuple(self.expert_bias.shape)}.")
+        elif expert_bias is not None:
+            raise ValueError("'expert_bias' needs a router_config with bias_update_speed > 0.")
         self.routing_counts = routing_counts_buffer(trace_ranks, num_experts)
 
     def expert_tables(self):
@@ -220,19 +283,26 @@ class MoEFeedForward(nn.Cell):
         they are (biases of shape [E, F] / [E, H] reshaped); per-expert weights (Dense layout:
         w1_e [F, H], b1_e [F], w2_e [H, F], b2_e [H], see ``weights``) are stacked and
         transposed on every forward, so their gradients reach each expert's Parameters."""
-        e, h, f = self.num_experts, self.hidden_size, self.ffn_hidden_size
+        e, h = self.num_experts, self.hidden_size
+        f1 = 2 * self.ffn_hidden_size if self.gated else self.ffn_hidden_size
         if self.per_expert:
             w1 = ops.stack(self.w1).transpose(0, 2, 1)
             w2 = ops.stack(self.w2).transpose(0, 2, 1)
         else:
             w1, w2 = self.w1, self.w2
+        if self.separate_up:                 # [gate | up]: the fused table of a gated expert
+            w3 = ops.stack(self.w3).transpose(0, 2, 1) if self.per_expert else self.w3
+            w1 = ops.concat((w1, w3), 2)
         if not self.has_bias:
             return w1, w2
         if self.per_expert:
             b1, b2 = ops.stack(self.b1), ops.stack(self.b2)
         else:
             b1, b2 = self.b1, self.b2
-        return w1, b1.reshape(e, 1, f), w2, b2.reshape(e, 1, h)
+        if self.separate_up:
+            b3 = ops.stack(self.b3) if self.per_expert else self.b3
+            b1 = ops.concat((b1.reshape(e, 1, -1), b3.reshape(e, 1, -1)), 2)
+        return w1, b1.reshape(e, 1, f1), w2, b2.reshape(e, 1, h)
 
     def construct(self, x):
         if self.dispatch == "grouped":
@@ -244,8 +314,7 @@ class MoEFeedForward(nn.Cell):
 
         # Steps 1-2: route top-k, then the slot of every assignment (A = K*T, k-major):
         # its expert's offset plus its arrival position, if that is within the capacity.
-        probs_TE, weights_TK, expert_ids_A, onehot_AE, position_A = self.arrival(
-            self.router(x_TH))
+        probs_TE, weights_TK, expert_ids_A, onehot_AE, position_A = self._route(x_TH)
         keep_A = position_A < ops.gather(self.cap_E, expert_ids_A, 0)
         dummy = n                                                          # the zero row
         slot_A = ops.select(keep_A, ops.gather(self.off_E, expert_ids_A, 0) + position_A,
@@ -265,12 +334,27 @@ class MoEFeedForward(nn.Cell):
         gate_A = weights_TK.transpose(1, 0).reshape(-1) * keep_A.astype(ms.float32)
         y_AH = ops.gather(out_pad, slot_A, 0) * gate_A.reshape(-1, 1).astype(x.dtype)
         y_TH = sum_choices(y_AH, k, t)
+        if self.shared is not None:
+            y_TH = y_TH + self.shared(x_TH)
 
         # Step 6: statistics: load-balancing loss, per-group counts, drops.
         aux_loss, counts_RE = routing_statistics(probs_TE, onehot_AE, k, self.trace_ranks)
         ops.assign(self.routing_counts, counts_RE)
         dropped = (k * t - keep_A.astype(ms.int32).sum()).astype(ms.int32)
         return y_TH.reshape(b, s, h), aux_loss, counts_RE, dropped
+
+    def _route(self, x_TH):
+        """The router's logits through the top-k rule; with the expert bias, select with it,
+        then (training only) assign its update from this forward's counts."""
+        logits_TE = self.router(x_TH)
+        if not self.uses_bias:
+            return self.arrival(logits_TE)
+        routed = self.arrival(logits_TE, self.expert_bias)
+        if self.training:
+            counts_E = routed[3].sum(axis=0)
+            ops.assign(self.expert_bias, updated_bias(self.expert_bias, counts_E,
+                                                      self.bias_speed))
+        return routed
 
     def _grouped(self, x):
         """The padding-free path: permute by expert, the expert FFNs as two grouped matmuls
@@ -281,7 +365,7 @@ class MoEFeedForward(nn.Cell):
         t = b * s
         k, e = self.top_k, self.num_experts
         x_TH = x.reshape(t, h)
-        probs_TE, weights_TK, expert_ids_A, onehot_AE, _ = self.arrival(self.router(x_TH))
+        probs_TE, weights_TK, expert_ids_A, onehot_AE, _ = self._route(x_TH)
         # Step 1: rows sorted by expert (t-major assignments a = t*K + k, stable)
         expert_ids_TK = expert_ids_A.reshape(k, t).transpose(1, 0)
         x_NH, rows_N = self.permute(x_TH, expert_ids_TK)
@@ -297,6 +381,8 @@ class MoEFeedForward(nn.Cell):
             y_NH = y_NH + ops.gather(tables[3].reshape(e, h), expert_N, 0)
         # Step 3: combine: out[t] = sum_k weights_TK[t, k] * y_NH[row of (t, k)]
         y_TH = self.unpermute(y_NH, rows_N, weights_TK.astype(y_NH.dtype))
+        if self.shared is not None:
+            y_TH = y_TH + self.shared(x_TH)
         aux_loss, counts_RE = routing_statistics(probs_TE, onehot_AE, k, self.trace_ranks)
         ops.assign(self.routing_counts, counts_RE)
         return y_TH.reshape(b, s, h), aux_loss, counts_RE, ops.zeros((), ms.int32)

@@ -1,0 +1,238 @@
+"""``adopt_moe`` on MoE blocks written the way public Mixtral, Qwen2-MoE and DeepSeek-V3 model
+code writes them (here in MindSpore, from the models' published descriptions): gated experts
+as lists of Dense, shared experts (plain and sigmoid-gated), a softmax router with and
+without renormalising, and DeepSeek-V3's sigmoid, group-limited, bias-selected, scaled
+router. The adopted network computes the original's loss and gradients (1e-4)."""
+import numpy as np
+import pytest
+
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import Normal, initializer
+
+from ms_efficient.adopt import adopt_moe
+from ms_efficient.moe import MoEMLP
+
+pytestmark = pytest.mark.mindspore
+
+H, F, E, K, VOCAB = 16, 12, 8, 2, 32
+
+
+@pytest.fixture(autouse=True)
+def _pynative():
+    """The numbers, not the compiler, are under test (one test below compiles a step)."""
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+    yield
+    ms.set_context(mode=mode)
+
+
+class GatedMLP(nn.Cell):
+    """down(silu(gate x) * up x); ``names``: the three Dense' attribute names."""
+
+    def __init__(self, hidden, ffn, names=("gate_proj", "up_proj", "down_proj")):
+        super().__init__()
+        self.names = names
+        for name, (i, o) in zip(names, ((hidden, ffn), (hidden, ffn), (ffn, hidden))):
+            setattr(self, name, nn.Dense(i, o, has_bias=False, weight_init=Normal(0.3)))
+        self.act_fn = nn.SiLU()
+
+    def construct(self, x):
+        gate, up, down = (getattr(self, n) for n in self.names)
+        return down(self.act_fn(gate(x)) * up(x))
+
+
+def _combine(x_TH, experts, ids_TK, weights_TK):
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x_t), every expert on every token, masked."""
+    out = ops.zeros_like(x_TH)
+    for e, expert in enumerate(experts):
+        w_T = (weights_TK * (ids_TK == e).astype(weights_TK.dtype)).sum(axis=1, keepdims=True)
+        out = out + w_T * expert(x_TH)
+    return out
+
+
+class MixtralSparseMoeBlock(nn.Cell):
+    """Mixtral: gate Dense H -> E without bias; experts w1 (gate), w3 (up), w2 (down) with
+    SiLU; top-2 of the softmax, renormalised."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_experts_per_tok = K
+        self.gate = nn.Dense(H, E, has_bias=False, weight_init=Normal(0.5))
+        self.experts = nn.CellList([GatedMLP(H, F, ("w1", "w3", "w2")) for _ in range(E)])
+
+    def construct(self, x):
+        b, s, h = x.shape
+        x_TH = x.reshape(b * s, h)
+        probs = ops.softmax(self.gate(x_TH), -1)
+        weights, ids = ops.topk(probs, K)
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+        return _combine(x_TH, self.experts, ids, weights).reshape(b, s, h)
+
+
+class Qwen2MoeSparseMoeBlock(nn.Cell):
+    """Qwen2-MoE: softmax top-2 without renormalising, plus a shared expert scaled by
+    sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self):
+        super().__init__()
+        self.top_k = K
+        self.norm_topk_prob = False
+        self.gate = nn.Dense(H, E, has_bias=False, weight_init=Normal(0.5))
+        self.experts = nn.CellList([GatedMLP(H, F) for _ in range(E)])
+        self.shared_expert = GatedMLP(H, 2 * F)
+        self.shared_expert_gate = nn.Dense(H, 1, has_bias=False, weight_init=Normal(0.5))
+
+    def construct(self, x):
+        b, s, h = x.shape
+        x_TH = x.reshape(b * s, h)
+        weights, ids = ops.topk(ops.softmax(self.gate(x_TH), -1), K)
+        shared = ops.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)
+        return (_combine(x_TH, self.experts, ids, weights) + shared).reshape(b, s, h)
+
+
+class MoEGate(nn.Cell):
+    """DeepSeek-V3's gate: sigmoid scores; selection on scores + e_score_correction_bias,
+    limited to the best ``topk_group`` of ``n_group`` groups (a group scored by the sum of
+    its two best); weights = the chosen raw scores, renormalised, times the routed scaling
+    factor."""
+
+    def __init__(self):
+        super().__init__()
+        self.top_k, self.n_group, self.topk_group = K, 4, 2
+        self.routed_scaling_factor = 2.5
+        self.scoring_func, self.topk_method, self.norm_topk_prob = "sigmoid", "noaux_tc", True
+        self.weight = Parameter(initializer(Normal(0.5), (E, H), ms.float32), name="weight")
+        bias = np.array([0.3, -0.2, 0.0, 0.1, -0.3, 0.2, 0.05, -0.1], np.float32)
+        self.e_score_correction_bias = Parameter(Tensor(bias), name="e_score_correction_bias",
+                                                 requires_grad=False)
+
+    def construct(self, x_TH):
+        scores = ops.sigmoid(ops.matmul(x_TH, self.weight.T))
+        select = scores + self.e_score_correction_bias.reshape(1, -1)
+        t = select.shape[0]
+        grouped = select.reshape(t, self.n_group, E // self.n_group)
+        group_scores = ops.topk(grouped, 2)[0].sum(axis=-1)
+        _, kept = ops.topk(group_scores, self.topk_group)
+        mask = ops.zeros((t, self.n_group), ms.float32)
+        mask = ops.tensor_scatter_elements(mask, kept, ops.ones_like(kept, dtype=ms.float32), 1)
+        mask = ops.broadcast_to(mask.reshape(t, self.n_group, 1),
+                                (t, self.n_group, E // self.n_group)).reshape(t, E)
+        _, ids = ops.topk(ops.select(mask > 0, select, ops.full_like(select, -1e9)), self.top_k)
+        weights = ops.gather_elements(scores, 1, ids)
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+        return ids, weights * self.routed_scaling_factor
+
+
+class DeepseekV3MoE(nn.Cell):
+    """DeepSeek-V3: the gate above, gated routed experts, and a shared expert added."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = MoEGate()
+        self.experts = nn.CellList([GatedMLP(H, F) for _ in range(E)])
+        self.shared_experts = GatedMLP(H, F)
+
+    def construct(self, x):
+        b, s, h = x.shape
+        x_TH = x.reshape(b * s, h)
+        ids, weights = self.gate(x_TH)
+        y = _combine(x_TH, self.experts, ids, weights) + self.shared_experts(x_TH)
+        return y.reshape(b, s, h)
+
+
+class TinyLM(nn.Cell):
+    """Embedding -> x + block(norm(x)) -> logits: a user network around one MoE block."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, H, embedding_table=Normal(1.0))
+        self.norm = nn.LayerNorm((H,))
+        self.mlp = block
+        self.head = nn.Dense(H, VOCAB, has_bias=False, weight_init=Normal(0.3))
+
+    def construct(self, ids):
+        x = self.embed(ids)
+        x = x + self.mlp(self.norm(x))
+        return self.head(x).reshape(-1, VOCAB)
+
+
+def _net(block, seed=0):
+    ms.set_seed(seed)
+    net = nn.WithLossCell(TinyLM(block()), nn.CrossEntropyLoss())
+    rng = np.random.default_rng(seed)
+    ids = Tensor(rng.integers(0, VOCAB, (2, 8)).astype(np.int32))
+    labels = Tensor(rng.integers(0, VOCAB, (16,)).astype(np.int32))
+    return net, (ids, labels)
+
+
+def _loss_and_grads(net, inputs, params):
+    loss, grads = ms.value_and_grad(net, None, params)(*inputs)
+    return float(loss.asnumpy()), [g.asnumpy() for g in grads]
+
+
+@pytest.mark.parametrize("block, kind, shared, router, renormalize, dispatch", [
+    (MixtralSparseMoeBlock, "glu", False, "softmax", True, "static"),
+    (Qwen2MoeSparseMoeBlock, "glu", True, "softmax", False, "grouped"),
+    (DeepseekV3MoE, "glu", True, "sigmoid", True, "grouped"),
+])
+def test_modern_blocks_are_adopted_with_the_originals_loss_gradients_and_names(
+        block, kind, shared, router, renormalize, dispatch):
+    net, inputs = _net(block)
+    params = net.trainable_params()
+    names = {id(p): p.name for p in net.get_parameters()}
+    loss0, grads0 = _loss_and_grads(net, inputs, params)
+
+    adopted, report = adopt_moe(net, tokens=16, dispatch=dispatch)
+    (path, info), = report.items()
+    assert path == "_backbone.mlp" and isinstance(dict(net.cells_and_names())[path], MoEMLP)
+    assert (info.num_experts, info.top_k, info.hidden_size, info.ffn_hidden_size) == (E, K, H, F)
+    assert (info.expert_kind, info.shared, info.renormalize) == (kind, shared, renormalize)
+    assert info.router.startswith("softmax" if router == "softmax" else "RouterConfig(score='sigmoid'")
+    assert info.activation == "SiLU" and info.probe_error <= 1e-4
+    # the user's Parameters (the gate's bias too) are reused under their own names
+    assert {id(p) for p in net.trainable_params()} == {id(p) for p in params}
+    assert all(p.name == names[id(p)] for p in net.get_parameters() if id(p) in names)
+
+    loss1, grads1 = _loss_and_grads(net, inputs, params)
+    assert loss1 == pytest.approx(loss0, rel=1e-4)
+    for p, g0, g1 in zip(params, grads0, grads1):
+        scale = max(float(np.abs(g0).max()), 1e-6)
+        np.testing.assert_allclose(g1, g0, rtol=0, atol=1e-4 * scale, err_msg=p.name)
+    assert any(np.abs(g).max() > 1e-3 for p, g in zip(params, grads0) if ".experts." in p.name)
+
+
+def test_an_adopted_deepseek_gate_keeps_and_updates_its_bias_in_a_compiled_training_step():
+    """The gate's e_score_correction_bias is the adopted layer's expert_bias (same Parameter,
+    same name, in the checkpointed parameters); one compiled training step moves it by
+    gamma * sign(mean load - load) per expert; the loss falls over a few steps."""
+    net, (ids, labels) = _net(DeepseekV3MoE)
+    bias = net._backbone.mlp.gate.e_score_correction_bias
+    before, name = bias.asnumpy().copy(), bias.name
+    adopt_moe(net, tokens=16, dispatch="grouped", bias_update_speed=0.01)
+    layer = dict(net.cells_and_names())["_backbone.mlp"].moe
+    assert layer.expert_bias is bias and bias.name == name == "mlp.gate.e_score_correction_bias"
+    assert bias.name in {p.name for p in net.get_parameters()}
+    ms.set_context(mode=ms.GRAPH_MODE)
+    step = nn.TrainOneStepCell(net, nn.Adam(net.trainable_params(), learning_rate=1e-2))
+    step.set_train(True)
+    losses = [float(step(ids, labels).asnumpy())]
+    load = layer.routing_counts.asnumpy().sum(axis=0)          # the step's assignments
+    expected = before + np.float32(0.01) * np.sign(load.mean() - load).astype(np.float32)
+    np.testing.assert_array_equal(bias.asnumpy(), expected)
+    assert (bias.asnumpy() != before).any()
+    for _ in range(3):
+        losses.append(float(step(ids, labels).asnumpy()))
+    assert losses[-1] < losses[0]
+
+
+def test_gated_experts_of_another_shape_are_refused_naming_the_expert():
+    class Broken(MixtralSparseMoeBlock):
+        def __init__(self):
+            super().__init__()
+            self.experts[3].w3 = nn.Dense(H, F + 1, has_bias=False)
+
+    net, _ = _net(Broken)
+    with pytest.raises(ValueError, match=r"expert _backbone\.mlp\.experts\.3 needs two "
+                                         r"nn\.Dense.*or three for a gated expert"):
+        adopt_moe(net, tokens=16)
