@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
+import workers
 from conftest import tiny_config_dict
 from ms_efficient.cli import main
 from ms_efficient.moe.plan import ExpertPlan
@@ -350,3 +351,102 @@ def test_exported_checkpoint_gives_the_runs_validation_loss(resized_runs):
           f"{vals[base_step]:.5f} (rounded to 5 decimals) at step {base_step}")
     assert val == pytest.approx(vals[base_step], abs=2e-5)
     assert vals[base_step] < vals[0] - 1e-3               # the trained state, not the initial
+
+
+# --- msrun: a run with dropout resumed 2 -> 4 -> 1 -> 2 -> 1 -----------------------------------
+# Dropout masks are a function of (seed, step, block, site, GLOBAL sample, position, channel)
+# with no random state (ms_efficient/models/dropout.py), so a run with dropout resumed at any
+# size draws the masks of the run continued at 2 workers. Every step is in the learning-rate
+# warm-up (warmup_steps = DROPOUT_STEPS), whose rate does not depend on train.steps, so legs
+# stopped by --steps train on the reference's schedule. The "1" legs: the expert-parallel
+# worker alone (W = 1, no msrun; its run stays expert-parallel, so the next leg can grow it to
+# 2 again: a one-process run cannot be resumed on --workers), and last the one-process
+# trainer (`train --resume --workers 1`), whose rows are the whole global batch.
+
+DROPOUT_STEPS = 10
+DROPOUT_LEGS = (("msrun", 2, 2), ("msrun", 4, 4), ("ep_worker", 1, 6), ("msrun", 2, 8),
+                ("one_process", 1, 10))         # (how, workers, the step the leg trains to)
+
+
+@workers.in_background("dropout_chain")
+def _dropout_chain_runs():
+    """The reference (2 workers, DROPOUT_STEPS steps, dropout 0.1) and one run resumed leg by
+    leg per DROPOUT_LEGS, in child processes in the background (tests/workers.py). Returns
+    (reference folder, chain folder, [per leg: {"how", "workers", "step", "world_size",
+    "plans", "seconds"} read from state.json after it])."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import write_corpus
+    from test_ep_train import _cli_env
+
+    if workers.MSRUN is None:
+        return None
+    tmp = workers.temporary_dir("dropout_chain_")
+    cfg = tiny_config_dict(write_corpus(tmp / "corpus"), str(tmp / "unused"))
+    cfg["model"]["dropout"] = 0.1
+    cfg["moe"].update(trace_ranks=1, dispatch="grouped")
+    cfg["train"].update(steps=DROPOUT_STEPS, warmup_steps=DROPOUT_STEPS, log_every=1,
+                        eval_every=DROPOUT_STEPS, save_every=2)
+    config = tmp / "dropout.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    env = _cli_env()
+
+    def check(done):
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    reference, chain = tmp / "two", tmp / "chain"
+    check(workers.run_cli(["train", config, "--workers", 2, "--out", reference], env=env))
+    legs = []
+    for i, (how, n, steps) in enumerate(DROPOUT_LEGS):
+        start = time.perf_counter()
+        if how == "ep_worker":
+            check(subprocess.run([sys.executable, "-m", "ms_efficient.train.ep_worker",
+                                  "--resume", str(chain), "--steps", str(steps)], env=env,
+                                 capture_output=True, text=True))
+        else:
+            where = ["train", config, "--out", chain] if i == 0 else ["train", "--resume",
+                                                                      chain]
+            check(workers.run_cli(where + ["--workers", n, "--steps", steps], env=env))
+        state = json.loads((chain / "state.json").read_text())
+        legs.append({"how": how, "workers": n, "step": state["step"],
+                     "world_size": state.get("world_size", 1), "plans": "plans" in state,
+                     "seconds": round(time.perf_counter() - start, 1)})
+    return reference, chain, legs
+
+
+@pytest.fixture(scope="module")
+def dropout_chain():
+    if workers.MSRUN is None:
+        pytest.skip("msrun is not on PATH")
+    return workers.background_result("dropout_chain")
+
+
+@pytest.mark.slow
+@needs_msrun
+def test_a_run_with_dropout_resumed_at_every_size_follows_the_run_continued_at_two(
+        dropout_chain):
+    """Dropout 0.1, resumed 2 -> 4 -> 1 (the expert-parallel worker alone) -> 2 -> 1 (one
+    process): every leg's losses per step within 1e-3 relative of the uninterrupted
+    2-worker run, and the same validation loss at the end."""
+    reference, chain, legs = dropout_chain
+    assert [(leg["step"], leg["world_size"], leg["plans"]) for leg in legs] == [
+        (2, 2, True), (4, 4, True), (6, 1, True), (8, 2, True), (10, 1, False)]
+    two = {r["step"]: r["loss"] for r in _rows(reference, "train")}
+    got = {r["step"]: r["loss"] for r in _rows(chain, "train")}
+    assert sorted(got) == sorted(two) == list(range(1, DROPOUT_STEPS + 1))
+    first = 1
+    report = []
+    for leg in legs:
+        steps = range(first, leg["step"] + 1)
+        gap = max(abs(got[s] - two[s]) / two[s] for s in steps)
+        report.append(f"{leg['how']} x{leg['workers']} steps {first}-{leg['step']}: "
+                      f"{gap:.1e} ({leg['seconds']} s)")
+        assert gap <= 1e-3, report
+        first = leg["step"] + 1
+    print("\ndropout chain, worst relative loss gap per leg vs 2 workers: " + "; ".join(report))
+    val = {r["step"]: r["val_loss"] for r in _rows(chain, "val")}
+    val2 = {r["step"]: r["val_loss"] for r in _rows(reference, "val")}
+    assert val[DROPOUT_STEPS] == pytest.approx(val2[DROPOUT_STEPS], rel=1e-3)
+    assert val2[DROPOUT_STEPS] < val2[0]

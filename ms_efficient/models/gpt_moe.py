@@ -18,10 +18,12 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from ms_efficient.core.config import ModelConfig, MoEConfig
+from ms_efficient.models.dropout import StepDropout
 from ms_efficient.moe.balance import BalancedSpec
 from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE
 from ms_efficient.moe.ep_layer import ExpertParallelMoE
 from ms_efficient.moe.layer import MoEFeedForward, TopKArrival, make_gelu
+from ms_efficient.moe.shared import SharedExpert
 from ms_efficient.moe.split import switch_capacity
 
 __all__ = ["GPTMoE", "CausalSelfAttention", "DenseFeedForward", "Block", "GlobalRouterAux",
@@ -103,17 +105,29 @@ class GlobalRouterAux(nn.Cell):
 
 class Block(nn.Cell):
     """Pre-LN transformer block: ``construct(x) -> (x, aux_loss, counts_RE, dropped)``;
-    ``aux`` (a :class:`GlobalRouterAux`) replaces the FFN's load-balancing loss."""
+    ``aux`` (a :class:`GlobalRouterAux`) replaces the FFN's load-balancing loss.
+
+    With ``dropout`` > 0 the attention and FFN outputs go through a
+    :class:`~ms_efficient.models.dropout.StepDropout` each (sites 0 and 1 of block ``index``),
+    whose masks are a function of (``dropout_seed``, the step the trainer writes, block, site,
+    global sample = ``sample_offset`` + row, position, channel): no random state, so a resumed
+    or resized run and the one-process run draw the same masks. ``dropout`` 0: identities."""
 
     def __init__(self, hidden_size: int, num_heads: int, seq_length: int, ffn: nn.Cell,
-                 init_std: float, dropout: float, aux=None):
+                 init_std: float, dropout: float, aux=None, index: int = 0,
+                 dropout_seed: int = 0, sample_offset: int = 0):
         super().__init__()
         self.ln1 = nn.LayerNorm((hidden_size,))
         self.attn = CausalSelfAttention(hidden_size, num_heads, seq_length, init_std)
         self.ln2 = nn.LayerNorm((hidden_size,))
         self.ffn = ffn
         self.aux = aux
-        self.dropout = nn.Dropout(p=dropout) if dropout > 0 else nn.Identity()
+        if dropout > 0:
+            self.dropout = StepDropout(dropout, dropout_seed, index, 0, sample_offset)
+            self.ffn_dropout = StepDropout(dropout, dropout_seed, index, 1, sample_offset)
+        else:
+            self.dropout = nn.Identity()
+            self.ffn_dropout = nn.Identity()
 
     def construct(self, x):
         x = x + self.dropout(self.attn(self.ln1(x)))
@@ -121,7 +135,7 @@ class Block(nn.Cell):
         y, aux, counts, dropped = self.ffn(h)
         if self.aux is not None:
             aux = self.aux(h, self.ffn.router.weight)
-        return x + self.dropout(y), aux, counts, dropped
+        return x + self.ffn_dropout(y), aux, counts, dropped
 
 
 class GPTMoE(nn.Cell):
@@ -131,10 +145,13 @@ class GPTMoE(nn.Cell):
     counts: int32 [L, R, E], assignments per block, trace group and expert (zero rows for
         dense blocks; ``moe_index`` lists the MoE blocks).
     dropped: int32 [L], assignments dropped per block.
+    dropout_seed, sample_offset: of the blocks' dropout (``model.dropout`` > 0; see
+        :class:`Block`): the run's seed and the global index of this process's first row.
     """
 
     def __init__(self, model: ModelConfig, moe: MoEConfig, batch_size: int,
-                 trace_ranks: int = 1, plans=None, slots_per_device=None):
+                 trace_ranks: int = 1, plans=None, slots_per_device=None,
+                 dropout_seed: int = 0, sample_offset: int = 0):
         super().__init__()
         if batch_size % trace_ranks:
             raise ValueError(f"'train.batch_size' ({batch_size}) must be a multiple of "
@@ -169,9 +186,13 @@ class GPTMoE(nn.Cell):
                                         slots_per_device=slots_per_device)
                 moe_layers.append(i)
             elif (i + 1) % moe.moe_every == 0:
+                shared = (SharedExpert(h, moe.shared_experts * model.ffn_hidden_size,
+                                       kind=moe.expert_kind, init_std=std)
+                          if moe.shared_experts else None)
                 ffn = MoEFeedForward(h, model.ffn_hidden_size, moe.num_experts, moe.top_k,
                                      capacity, trace_ranks, std,
-                                     dispatch=moe.layer_dispatch)
+                                     dispatch=moe.layer_dispatch,
+                                     expert_kind=moe.expert_kind, shared=shared)
                 moe_layers.append(i)
             else:
                 ffn = DenseFeedForward(h, model.ffn_hidden_size, moe.num_experts, trace_ranks,
@@ -180,7 +201,7 @@ class GPTMoE(nn.Cell):
                    if isinstance(ffn, (ExpertParallelMoE, BalancedExpertParallelMoE))
                    and ffn.world > 1 else None)
             blocks.append(Block(h, model.num_heads, model.seq_length, ffn, std, model.dropout,
-                                aux))
+                                aux, i, dropout_seed, sample_offset))
         self.blocks = nn.CellList(blocks)
         self.moe_index = tuple(moe_layers)
         self.num_moe = max(1, len(moe_layers))
@@ -212,7 +233,7 @@ class GPTMoE(nn.Cell):
 
 
 def build_model(model: ModelConfig, moe: MoEConfig, batch_size: int, plans=None,
-                slots_per_device=None) -> GPTMoE:
+                slots_per_device=None, dropout_seed: int = 0, sample_offset: int = 0) -> GPTMoE:
     """The reference network for a config (float32 master weights).
 
     plans: None for the one-process network (``MoEFeedForward``, ``moe.trace_ranks`` trace
@@ -221,7 +242,12 @@ def build_model(model: ModelConfig, moe: MoEConfig, batch_size: int, plans=None,
     the initialised world group (``batch_size`` is then this rank's batch, one trace group
     per rank) with ``slots_per_device`` weight slots each. Their initial weights come from
     ``init_expert_weights``; load the one-process network's with ``set_weights`` to start
-    from the same point (``ms_efficient.train.expert_parallel`` does)."""
+    from the same point (``ms_efficient.train.expert_parallel`` does).
+    dropout_seed (``context.seed``) and sample_offset (rank x ``batch_size``; 0 in one
+    process) fix the dropout masks (``model.dropout`` > 0): the trainers pass them, and write
+    the step before each train step (:func:`~ms_efficient.models.dropout.set_dropout_step`)."""
     if plans is None:
-        return GPTMoE(model, moe, batch_size, moe.trace_ranks)
-    return GPTMoE(model, moe, batch_size, 1, plans, slots_per_device)
+        return GPTMoE(model, moe, batch_size, moe.trace_ranks, dropout_seed=dropout_seed,
+                      sample_offset=sample_offset)
+    return GPTMoE(model, moe, batch_size, 1, plans, slots_per_device, dropout_seed,
+                  sample_offset)

@@ -59,6 +59,7 @@ from ms_efficient.core import backend
 from ms_efficient.core.config import RunConfig, check_dispatch, save_config
 from ms_efficient.core.fileio import atomic_write_text, atomic_write_with
 from ms_efficient.core.params import write_parameter
+from ms_efficient.models.dropout import dropout_cells, set_dropout_step
 from ms_efficient.models.gpt_moe import build_model
 from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE
 from ms_efficient.moe.ep_layer import ExpertParallelMoE
@@ -216,7 +217,12 @@ class ExpertParallelTrainer:
         else:
             plans = dropless_plans(num_moe, moe.num_experts, self.world, moe.top_k,
                                    self.tokens_per_step, moe.dispatch)
-        self.net = build_model(mc, moe, self.local_batch, plans, budget)
+        # model.dropout > 0: masks of the GLOBAL row (this rank's first is rank x local
+        # batch), so every world size draws the one-process masks (models/dropout.py)
+        self.net = build_model(mc, moe, self.local_batch, plans, budget,
+                               dropout_seed=cfg.context.seed,
+                               sample_offset=self.rank * self.local_batch)
+        self.dropouts = dropout_cells(self.net)
         self.layers = [c for _, c in self.net.cells_and_names()
                        if isinstance(c, (ExpertParallelMoE, BalancedExpertParallelMoE))]
         _load_initial(self.net, self.layers, initial)
@@ -531,6 +537,7 @@ class ExpertParallelTrainer:
     def evaluate(self) -> float:
         """Mean validation cross-entropy (nats per byte) over the fixed global batches."""
         tr, mc = self.cfg.train, self.cfg.model
+        set_dropout_step(self.dropouts, None)            # no dropout in eval
         return float(np.mean([float(self.eval_step(self._rows(x), self._rows(y)).asnumpy())
                               for x, y in self.corpus.val_batches(
                                   tr.eval_batches, tr.batch_size, mc.seq_length)]))
@@ -588,6 +595,7 @@ class ExpertParallelTrainer:
         while self.step < tr.steps:
             x, y = self.corpus.train_batch(self.step, tr.batch_size, mc.seq_length,
                                            self.cfg.context.seed)
+            set_dropout_step(self.dropouts, self.step)
             before = compiled_graphs()
             stats, counts, dropped = self.train_step(self._rows(x), self._rows(y))
             loss, ce = (float(v) for v in stats.asnumpy())

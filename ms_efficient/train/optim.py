@@ -40,5 +40,6 @@ def make_optimizer(net: nn.Cell, tr) -> nn.AdamWeightDecay:
 
 
 def is_scratch(name: str) -> bool:
-    """Parameters that are per-step buffers, not state: the MoE layers' last routing counts."""
-    return name.rsplit(".", 1)[-1] == ROUTING_COUNTS
+    """Parameters that are per-step buffers, not state: the MoE layers' last routing counts,
+    and the step a dropout site draws its mask for (the trainers set it before every step)."""
+    return name.rsplit(".", 1)[-1] in (ROUTING_COUNTS, "dropout_step")

@@ -39,6 +39,7 @@ from ms_efficient.efficientmoe.planner import (capacities_LE, one_device_counts,
                                                one_device_planner, single_device_plans)
 from ms_efficient.efficientmoe.planner import ReplanLoop
 from ms_efficient.efficientmoe.sampler import RoutingSampler
+from ms_efficient.models.dropout import dropout_cells, set_dropout_step
 from ms_efficient.models.gpt_moe import build_model
 from ms_efficient.moe.layer import MoEFeedForward
 from ms_efficient.train.optim import is_scratch as _is_scratch, lr_schedule, make_optimizer
@@ -89,7 +90,10 @@ class Trainer:
         ms.set_seed(cfg.context.seed)
         self.corpus: Corpus = load_corpus(cfg.data, cfg.model.seq_length)
         tr = cfg.train
-        self.net = build_model(cfg.model, cfg.moe, tr.batch_size)
+        self.net = build_model(cfg.model, cfg.moe, tr.batch_size, dropout_seed=cfg.context.seed)
+        # model.dropout > 0: masks of (seed, step, block, global row, ...); the step is set
+        # before every train step, eval mode before every evaluation (models/dropout.py)
+        self.dropouts = dropout_cells(self.net)
         self.optimizer = make_optimizer(self.net, tr)
         self.moe_layers = [c for _, c in self.net.cells_and_names()
                            if isinstance(c, MoEFeedForward)]
@@ -323,6 +327,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean validation cross-entropy (nats per byte) over the fixed validation batches."""
         tr, mc = self.cfg.train, self.cfg.model
+        set_dropout_step(self.dropouts, None)            # no dropout in eval
         losses = [float(self.eval_step(Tensor(x), Tensor(y)).asnumpy())
                   for x, y in self.corpus.val_batches(tr.eval_batches, tr.batch_size,
                                                       mc.seq_length)]
@@ -361,6 +366,7 @@ class Trainer:
         while self.step < total:
             x, y = self.corpus.train_batch(self.step, tr.batch_size, mc.seq_length,
                                            self.cfg.context.seed)
+            set_dropout_step(self.dropouts, self.step)
             t0 = time.perf_counter()
             loss, ce, counts, dropped = self.train_step(Tensor(x), Tensor(y))
             loss = float(loss.asnumpy())
