@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import yaml
 
@@ -99,3 +101,11 @@ def test_a_run_folder_saved_with_the_older_dispatch_key_loads_as_the_run_it_was(
     with pytest.raises(ValueError, match=r"'efficientmoe.dispatch' \('counts'\) is now "
                                          r"'moe.dispatch'"):
         load_config(str(tmp_path / "config.yaml"))
+
+
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"))
+    if n.startswith("gpt_moe")))                    # the training configs (shard_*: `shard`)
+def test_every_shipped_training_config_loads_and_validates(name):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    load_config(os.path.join(root, "configs", name))

@@ -216,3 +216,47 @@ def test_deepseek_v3_router_in_the_layer_and_its_bias_update(pynative):
     layer.set_train(False)                         # evaluation leaves the bias alone
     layer(Tensor(x))
     np.testing.assert_array_equal(layer.expert_bias.asnumpy(), expected)
+
+
+def test_the_reference_model_trains_with_gated_and_shared_experts(tmp_path, text_dir):
+    """moe.expert_kind 'glu' and moe.shared_experts 1 (the config keys): the checkpoint holds
+    the fused [E, H, 2F] expert tables and the shared expert's projections, and the
+    validation loss falls; an expert-parallel run of it is refused naming the key."""
+    import json
+    import os
+
+    import yaml
+
+    from conftest import tiny_config_dict
+    from ms_efficient.cli import main
+    from ms_efficient.core.config import check_dispatch, config_from_dict
+
+    cfg = tiny_config_dict(text_dir, str(tmp_path / "run"))
+    cfg["moe"].update(expert_kind="glu", shared_experts=1, dispatch="grouped")
+    cfg["train"].update(steps=12, eval_every=6, save_every=12)
+    path = tmp_path / "glu.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = str(tmp_path / "run")
+    assert main(["train", str(path), "--out", out]) == 0
+    ckpt_dir = os.path.join(out, "ckpt")
+    params = ms.load_checkpoint(os.path.join(ckpt_dir, sorted(os.listdir(ckpt_dir))[-1]))
+    assert tuple(params["blocks.0.ffn.w1"].shape) == (4, 32, 128)          # E, H, 2F
+    assert tuple(params["blocks.0.ffn.shared.gate_proj.weight"].shape) == (64, 32)
+    with open(os.path.join(out, "metrics.jsonl")) as fh:
+        vals = [r["val_loss"] for r in map(json.loads, fh) if r["kind"] == "val"]
+    assert vals[-1] < vals[0] - 0.5
+    with pytest.raises(ValueError, match="'moe.expert_kind' must be 'mlp' for an "
+                                         "expert-parallel run"):
+        check_dispatch(config_from_dict(cfg), expert_parallel=True)
+
+
+def test_the_config_names_the_expert_kinds_the_layer_builds():
+    import dataclasses
+
+    from ms_efficient.core.config import MoEConfig
+    from ms_efficient.moe.activations import EXPERT_KINDS
+
+    for kind in EXPERT_KINDS:
+        dataclasses.replace(MoEConfig(), expert_kind=kind).validate("moe")
+    with pytest.raises(ValueError, match=r"'moe.expert_kind' must be one of \['mlp', 'glu'\]"):
+        dataclasses.replace(MoEConfig(), expert_kind="swiglu").validate("moe")

@@ -77,18 +77,24 @@ def test_a_model_too_big_for_the_machine_is_refused_before_any_allocation(tmp_pa
     assert "GiB of memory" in line
 
 
-def test_the_footprint_estimate_counts_the_models_parameters_exactly(tmp_path, text_dir):
+@pytest.mark.parametrize("experts", [{}, {"expert_kind": "glu", "shared_experts": 2},
+                                     {"shared_experts": 1}])
+def test_the_footprint_estimate_counts_the_models_parameters_exactly(tmp_path, text_dir,
+                                                                     experts):
     from ms_efficient.core.config import config_from_dict
     from ms_efficient.models.gpt_moe import build_model
     from ms_efficient.train.footprint import check_fits_machine, estimate_footprint
 
     data = tiny_config_dict(text_dir, str(tmp_path / "run"))
     data["moe"]["moe_every"] = 2                         # one MoE block, one dense block
+    data["moe"].update(experts)                          # gated and shared experts
     cfg = config_from_dict(data)
     net = build_model(cfg.model, cfg.moe, cfg.train.batch_size)
     counted = sum(int(np.prod(p.shape)) for p in net.trainable_params())
     fp = estimate_footprint(cfg)
     assert fp.params == counted
+    if experts:
+        return
     assert fp.state_bytes == 16 * counted
     assert check_fits_machine(cfg, memory_bytes=1 << 30).total_bytes == fp.total_bytes
     # the field named is the one whose default (4 layers here) would shrink the run most

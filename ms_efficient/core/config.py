@@ -74,6 +74,14 @@ def check_dispatch(cfg: "RunConfig", expert_parallel: bool) -> None:
     (its EfficientMoE plans per-expert capacities, which the other dispatches do not have, and
     one device has no placement to change)."""
     dispatch = cfg.moe.dispatch
+    if expert_parallel and cfg.moe.expert_kind != "mlp":
+        _fail("moe.expert_kind", cfg.moe.expert_kind,
+              "'mlp' for an expert-parallel run (train --workers W): gated experts run in "
+              "one-process layers so far")
+    if expert_parallel and cfg.moe.shared_experts:
+        _fail("moe.shared_experts", cfg.moe.shared_experts,
+              "0 for an expert-parallel run (train --workers W): shared experts run in "
+              "one-process layers so far")
     if expert_parallel and dispatch not in EXPERT_PARALLEL_DISPATCH:
         _fail("moe.dispatch", dispatch,
               f"one of {list(EXPERT_PARALLEL_DISPATCH)} for an expert-parallel run (train "
@@ -181,8 +189,18 @@ class MoEConfig:
     # compiled in C++ (CPU only), "ops" its MindSpore-ops twin (any target); all give equal
     # tables. "auto": aot on CPU (host when g++ cannot build it), ops elsewhere.
     fast_level: str = "auto"
+    # The experts' FFN: "mlp" w2(gelu(x w1)), or "glu" gated w2(silu(x w_gate) * (x w_up))
+    # (SwiGLU, as Mixtral, Qwen-MoE and DeepSeek; moe.activations.EXPERT_KINDS).
+    expert_kind: str = "mlp"
+    # Shared experts every token passes through (DeepSeekMoE), each of the routed experts'
+    # width, as one dense FFN of expert_kind added to the routed output; 0 = none.
+    shared_experts: int = 0
 
     def validate(self, path: str) -> None:
+        if self.expert_kind not in ("mlp", "glu"):
+            _fail(f"{path}.expert_kind", self.expert_kind, "one of ['mlp', 'glu']")
+        if self.shared_experts < 0:
+            _fail(f"{path}.shared_experts", self.shared_experts, ">= 0 (0 = none)")
         if self.slots_per_device < 0:
             _fail(f"{path}.slots_per_device", self.slots_per_device, ">= 0 (0 = automatic)")
         if self.fast_level not in FAST_LEVEL_IMPLS:

@@ -54,16 +54,23 @@ def estimate_footprint(cfg) -> Footprint:
     t = tr.batch_size * m.seq_length
     embed = m.vocab_size * h + m.seq_length * h
     attn = L * (4 * h * h + 4 * h + 4 * h)                      # qkv, proj, two LayerNorms
-    experts = moe_layers * (e * (2 * h * f + f + h) + h * e)
+    gated = moe.expert_kind == "glu"                  # w_gate | w_up [H, 2F] and w2 [F, H]
+    f1 = 2 * f if gated else f
+    experts = moe_layers * (e * (h * f1 + f1 + f * h + h) + h * e)
+    fs = moe.shared_experts * f                       # shared experts: one FFN of width fs
+    shared = moe_layers * ((3 if gated else 2) * h * fs)
     dense = dense_layers * (2 * h * f + f + h)
-    params = embed + attn + experts + dense + 2 * h
+    params = embed + attn + experts + shared + dense + 2 * h
     cap = switch_capacity(t, e, k, moe.capacity_factor, moe.capacity_multiple)
     act_attn = L * (3 * tr.batch_size * m.num_heads * m.seq_length ** 2 + 16 * t * h)
     act_route = moe_layers * 3 * t * k * e
-    act_rows = moe_layers * 3 * e * cap * (h + f)
+    rows = t * k if moe.layer_dispatch == "grouped" else e * cap   # dropless: every row
+    act_rows = moe_layers * 3 * rows * (h + f1 + (f if gated else 0))
+    act_shared = moe_layers * 3 * t * ((2 if gated else 1) * fs)
     act_dense = dense_layers * 3 * t * f
     return Footprint(params=params, state_bytes=_F32 * _ADAM_COPIES * params,
-                     activation_bytes=_F32 * (act_attn + act_route + act_rows + act_dense))
+                     activation_bytes=_F32 * (act_attn + act_route + act_rows + act_shared
+                                              + act_dense))
 
 
 def machine_memory_bytes() -> int:
