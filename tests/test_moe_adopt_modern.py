@@ -28,13 +28,17 @@ def _pynative():
 
 
 class GatedMLP(nn.Cell):
-    """down(silu(gate x) * up x); ``names``: the three Dense' attribute names."""
+    """down(silu(gate x) * up x); ``names``: the (gate, up, down) Dense' attribute names,
+    registered in ``order`` (Mixtral registers w1, w2, w3: gate, down, up)."""
 
-    def __init__(self, hidden, ffn, names=("gate_proj", "up_proj", "down_proj")):
+    def __init__(self, hidden, ffn, names=("gate_proj", "up_proj", "down_proj"),
+                 order=(0, 1, 2)):
         super().__init__()
         self.names = names
-        for name, (i, o) in zip(names, ((hidden, ffn), (hidden, ffn), (ffn, hidden))):
-            setattr(self, name, nn.Dense(i, o, has_bias=False, weight_init=Normal(0.3)))
+        shapes = ((hidden, ffn), (hidden, ffn), (ffn, hidden))
+        for i in order:
+            setattr(self, names[i], nn.Dense(*shapes[i], has_bias=False,
+                                             weight_init=Normal(0.3)))
         self.act_fn = nn.SiLU()
 
     def construct(self, x):
@@ -59,7 +63,8 @@ class MixtralSparseMoeBlock(nn.Cell):
         super().__init__()
         self.num_experts_per_tok = K
         self.gate = nn.Dense(H, E, has_bias=False, weight_init=Normal(0.5))
-        self.experts = nn.CellList([GatedMLP(H, F, ("w1", "w3", "w2")) for _ in range(E)])
+        self.experts = nn.CellList([GatedMLP(H, F, ("w1", "w3", "w2"), order=(0, 2, 1))
+                                    for _ in range(E)])
 
     def construct(self, x):
         b, s, h = x.shape
@@ -236,3 +241,19 @@ def test_gated_experts_of_another_shape_are_refused_naming_the_expert():
     with pytest.raises(ValueError, match=r"expert _backbone\.mlp\.experts\.3 needs two "
                                          r"nn\.Dense.*or three for a gated expert"):
         adopt_moe(net, tokens=16)
+
+
+def test_gated_experts_with_other_names_are_told_apart_by_shape():
+    """Names outside the known ones: down is the Dense whose input is F (the other two share
+    H), gate and up in registration order; the probe confirms the choice."""
+    class Block(MixtralSparseMoeBlock):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.CellList([GatedMLP(H, F, ("a", "b", "c"), order=(2, 0, 1))
+                                        for _ in range(E)])
+
+    net, inputs = _net(Block)
+    loss0 = float(net(*inputs).asnumpy())
+    _, report = adopt_moe(net, tokens=16)
+    assert report["_backbone.mlp"].expert_kind == "glu"
+    assert float(net(*inputs).asnumpy()) == pytest.approx(loss0, rel=1e-5)

@@ -186,22 +186,28 @@ def _stacked_spec(path: str, cell: nn.Cell) -> BlockSpec:
                  None, (), tuple(_activation_cells(cell)))
 
 
+DOWN_NAMES = ("w2", "down_proj")
+
+
 def _gated_roles(path: str, names: List[str], dense: List[nn.Dense]):
-    """(gate, up, down) of a gated expert's three Dense: down is F -> H, the gate and up
-    H -> F told apart by name (``GATE_NAMES`` / ``UP_NAMES``), else in registration order."""
-    down = [i for i, d in enumerate(dense) if d.in_channels != dense[0].in_channels
-            or d.out_channels == dense[0].in_channels and d.in_channels != d.out_channels]
-    if len(down) != 1:
-        raise ValueError(f"adopt_moe: gated expert {path} needs two nn.Dense H -> F (gate, up) "
-                         f"and one F -> H (down); found "
-                         f"{[(d.in_channels, d.out_channels) for d in dense]}.")
-    rest = [i for i in range(3) if i != down[0]]
+    """(gate, up, down) of a gated expert's three Dense. By name first (``GATE_NAMES``,
+    ``UP_NAMES``, ``DOWN_NAMES``); else by shape: H is the input width two of them share and
+    down the third (F -> H), the gate and up in registration order."""
     short = [n.split(".")[-1] for n in names]
-    gate = next((i for i in rest if short[i] in GATE_NAMES), None)
-    up = next((i for i in rest if short[i] in UP_NAMES), None)
-    if gate is None or up is None or gate == up:
-        gate, up = rest
-    return dense[gate], dense[up], dense[down[0]]
+    by_name = [next((i for i in range(3) if short[i] in group), None)
+               for group in (GATE_NAMES, UP_NAMES, DOWN_NAMES)]
+    if None not in by_name and len(set(by_name)) == 3:
+        return tuple(dense[i] for i in by_name)
+    ins = [d.in_channels for d in dense]
+    hidden = [h for h in set(ins) if ins.count(h) == 2]
+    if len(hidden) != 1:
+        raise ValueError(f"adopt_moe: gated expert {path} needs two nn.Dense H -> F (gate, up) "
+                         f"and one F -> H (down), named {list(GATE_NAMES)}, {list(UP_NAMES)} "
+                         f"and {list(DOWN_NAMES)} when H == F; found "
+                         f"{[(n, d.in_channels, d.out_channels) for n, d in zip(short, dense)]}.")
+    gate, up = (i for i in range(3) if ins[i] == hidden[0])
+    down = next(i for i in range(3) if ins[i] != hidden[0])
+    return dense[gate], dense[up], dense[down]
 
 
 def _list_spec(path: str, cell: nn.Cell) -> BlockSpec:
