@@ -344,7 +344,7 @@ def test_moonep_pours_the_surplus_into_the_under_full_rank_hand_case():
     """2 ranks, homes {0, 1} and {2, 3}, loads [6, 2, 1, 3]: rank 0 has 8 rows for a target
     of 6. Its 2 surplus rows come off its largest piece (expert 0) and go to rank 1, which
     does not hold expert 0: one copy, 0 -> 1. Every rank computes exactly 6; nothing drops."""
-    from ms_efficient.efficientmoe.moonep import moonep_balance
+    from ms_efficient.efficientmoe.baselines import moonep_balance
 
     counts = np.array([[[3, 1, 0, 2], [3, 1, 1, 1]]])
     bal = moonep_balance(counts, np.array([[[0, 1], [2, 3]]]))
@@ -361,7 +361,7 @@ def test_moonep_gives_every_rank_exactly_its_share_on_random_skewed_counts(seed)
     is computed where its expert is held (home or copy, each copy from a home holder), and
     the copies number at most the surplus pieces + W - 1 (one split per deficit)."""
     from ms_efficient.efficientmoe.layout import uniform_home
-    from ms_efficient.efficientmoe.moonep import moonep_balance
+    from ms_efficient.efficientmoe.baselines import moonep_balance
 
     rng = np.random.default_rng(seed)
     layers, ranks, experts, tokens = 3, 8, 16, 256

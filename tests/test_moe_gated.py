@@ -9,7 +9,7 @@ import mindspore as ms
 from mindspore import Tensor, nn
 
 from ms_efficient.moe.layer import MoEFeedForward
-from ms_efficient.moe.shared import SharedExpert
+from ms_efficient.moe.experts import SharedExpert
 
 ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
 
@@ -254,7 +254,7 @@ def test_the_config_names_the_expert_kinds_the_layer_builds():
     import dataclasses
 
     from ms_efficient.core.config import MoEConfig
-    from ms_efficient.moe.activations import EXPERT_KINDS
+    from ms_efficient.moe.experts import EXPERT_KINDS
 
     for kind in EXPERT_KINDS:
         dataclasses.replace(MoEConfig(), expert_kind=kind).validate("moe")

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Tuple
 
 from mindspore import Parameter, nn, ops
 
-from ms_efficient.moe.activations import make_gelu
+from ms_efficient.moe.experts import make_gelu
 from ms_efficient.moe.dropin import MoEMLP
 from ms_efficient.moe.layer import ROUTING_COUNTS
 from ms_efficient.moe.routing import RouterConfig

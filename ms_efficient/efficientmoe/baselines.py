@@ -60,6 +60,24 @@ oracle_plan      our scheduler (:func:`placement.plan_layer`) given the true
                  load of the step, capacities fitted exactly, re-planned every step at no
                  charge: a bound for any forecast-driven planner with the same dispatch and
                  slots (the "oracle" row: static dispatch; "oracle-grouped": grouped).
+moonep_balance   MoonEP (MoonshotAI/MoonEP README, 2026; no code read), the ``moonep`` row of
+                 ``bench moe``, a fast level for the two-level replay. The description fixes:
+                 perfect balance (every rank receives exactly S x K rows, S tokens per rank,
+                 K top-k, into a fixed buffer of S x K rows); a few redundant experts planned
+                 online from the step's router outputs and prefetched before the expert
+                 compute, their gradients reduced to the home ranks in backward; static homes
+                 (the uniform table of :func:`~ms_efficient.efficientmoe.layout.uniform_home`,
+                 no forecast). Its planning kernel ("near-optimal") is not described; this one
+                 takes each rank's target (the step's assignments / W, the remainder one row
+                 each to the lower ranks), keeps every rank's home rows up to it, cuts each
+                 over-full rank's surplus from its largest home pieces and pours the pieces,
+                 largest first, into the under-full ranks (a rank that already holds the
+                 expert first, else the largest deficit). A piece poured into a rank that does
+                 not hold its expert is a copy (weights from the surplus rank, a home holder).
+                 Nothing drops; copies number at most the pieces plus W - 1 per layer and are
+                 not capped per rank (``max_copies_per_device`` of the replay reports the
+                 spare slots that took). Costed like every two-level row
+                 (:mod:`~ms_efficient.efficientmoe.balanced_cost`).
 """
 from __future__ import annotations
 
@@ -73,12 +91,13 @@ from ms_efficient.efficientmoe.capacity import round_up, uniform_capacity
 from ms_efficient.efficientmoe.cost import CostModel, check_rank_device, layer_cost
 from ms_efficient.efficientmoe.placement import (PlacementConfig, grouped_plan, plan_layer,
                                                  replica_counts_greedy, uniform_placement)
+from ms_efficient.moe.balance import Balance, holders_of, home_split, pair_rows
 from ms_efficient.moe.plan import GROUPED_DISPATCH, ExpertPlan
 from ms_efficient.moe.split import largest_remainder, split_tokens, switch_capacity
 
 __all__ = ["uniform_placement", "switch_plan", "dropless_static_plan", "dropless_grouped_plan",
            "fastermoe_plan",
-           "balanced_packing", "eplb_plan", "greedy_plan", "oracle_plan"]
+           "balanced_packing", "eplb_plan", "greedy_plan", "oracle_plan", "moonep_balance"]
 
 logger = logging.getLogger(__name__)
 
@@ -304,3 +323,69 @@ def oracle_plan(counts_RE: np.ndarray, model: CostModel, config: PlacementConfig
     (``config.dispatch`` "grouped": blocks of exactly the step's rows, no padding, no drop)."""
     return plan_layer(counts_RE, model, config, rank_device, rel_err_KRE=None, method="oracle",
                       top_k=top_k, tokens_per_step=tokens_per_step)
+
+
+def _moonep_targets(total: int, num_devices: int) -> np.ndarray:
+    """Rows each device receives: total / W, the remainder one row each to the lower ones."""
+    base, rest = divmod(int(total), num_devices)
+    return base + (np.arange(num_devices) < rest).astype(np.int64)
+
+
+def moonep_balance(counts_LRE: np.ndarray, home_LWS: np.ndarray,
+                   devices_per_node: Optional[int] = None) -> Balance:
+    """One step of MoonEP's rule (the module docstring's ``moonep_balance``), every layer.
+
+    counts_LRE: int [L, R, E] rows each source rank routes to each expert (R = W).
+    home_LWS: int [L, W, S_h] logical expert of every home slot (-1: empty).
+    Returns a :class:`~ms_efficient.moe.balance.Balance`: ``rows_LEW.sum(1)`` is every
+    device's target exactly, ``dropped_L`` zeros.
+    """
+    counts = np.asarray(counts_LRE, dtype=np.int64)
+    num_layers, num_ranks, num_experts = counts.shape
+    held = holders_of(np.asarray(home_LWS, dtype=np.int64), num_experts)
+    if not held.any(axis=2).all():
+        layer, expert = np.argwhere(~held.any(axis=2))[0]
+        raise ValueError(f"expert {expert} of layer {layer} has no home slot; every expert "
+                         f"needs one.")
+    counts_E = counts.sum(axis=1)
+    rows = home_split(counts_E, held)
+    num_devices = num_ranks
+    holder = held.copy()
+    copies = np.zeros((num_layers, num_devices, num_devices), dtype=np.int64)
+    copied = np.zeros((num_layers, num_experts), dtype=np.int64)
+    source_of = np.full((num_layers, num_experts, num_devices), -1, dtype=np.int64)
+    for layer in range(num_layers):
+        r = rows[layer]                                              # [E, W], a view
+        target = _moonep_targets(counts_E[layer].sum(), num_devices)
+        gap = r.sum(axis=0) - target                                 # > 0 surplus, < 0 deficit
+        pieces = []                                                  # (expert, from, rows)
+        for w in np.nonzero(gap > 0)[0]:
+            need = int(gap[w])
+            for e in np.argsort(-r[:, w], kind="stable"):
+                take = int(min(need, r[e, w]))
+                if take <= 0:
+                    break
+                pieces.append((int(e), int(w), take))
+                r[e, w] -= take
+                need -= take
+        pieces.sort(key=lambda p: -p[2])                             # largest pieces first
+        deficit = {int(w): int(-gap[w]) for w in np.nonzero(gap < 0)[0]}
+        for e, src, amount in pieces:
+            while amount > 0:
+                # a deficit device that already holds e takes it without a copy
+                takers = [w for w in deficit if deficit[w] > 0]
+                have = [w for w in takers if holder[layer, e, w]]
+                w = (have or sorted(takers, key=lambda d: (-deficit[d], d)))[0]
+                moved = min(amount, deficit[w])
+                if not holder[layer, e, w]:
+                    holder[layer, e, w] = True
+                    copies[layer, src, w] += 1
+                    copied[layer, e] += 1
+                    source_of[layer, e, w] = src
+                r[e, w] += moved
+                deficit[w] -= moved
+                amount -= moved
+    sent = pair_rows(counts, rows, devices_per_node)
+    return Balance(rows_LEW=rows, holder_LEW=holder, copies_LWW=copies, copied_LE=copied,
+                   source_LEW=source_of, sent_LRW=sent,
+                   dropped_L=np.zeros(num_layers, dtype=np.int64))

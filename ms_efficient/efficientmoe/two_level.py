@@ -43,7 +43,7 @@ from ms_efficient.efficientmoe.balanced_cost import (balanced_cost, copy_cost_ro
                                                      home_sync_time_L)
 from ms_efficient.efficientmoe.cost import CostModel
 from ms_efficient.efficientmoe.layout import LayoutConfig, decide_home, plan_layout
-from ms_efficient.efficientmoe.moonep import moonep_balance
+from ms_efficient.efficientmoe.baselines import moonep_balance
 from ms_efficient.moe.balance import balance_step
 
 __all__ = ["TWO_LEVEL_METHODS", "TERMS", "layout_config_for", "replay_two_level",

@@ -23,7 +23,7 @@ from ms_efficient.moe.balance import BalancedSpec
 from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE
 from ms_efficient.moe.ep_layer import ExpertParallelMoE
 from ms_efficient.moe.layer import MoEFeedForward, TopKArrival, make_gelu
-from ms_efficient.moe.shared import SharedExpert
+from ms_efficient.moe.experts import SharedExpert
 from ms_efficient.moe.split import switch_capacity
 
 __all__ = ["GPTMoE", "CausalSelfAttention", "DenseFeedForward", "Block", "GlobalRouterAux",

@@ -45,7 +45,7 @@ import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
-from ms_efficient.moe.activations import EXPERT_KINDS, GatedActivation, TanhGELU, make_gelu
+from ms_efficient.moe.experts import EXPERT_KINDS, GatedActivation, TanhGELU, make_gelu
 from ms_efficient.moe.grouped_matmul import GroupedMatmul, row_groups
 from ms_efficient.moe.kernels import MoeTokenPermute, MoeTokenUnpermute
 from ms_efficient.moe.routing import Router, RouterConfig, expert_bias_parameter, updated_bias
