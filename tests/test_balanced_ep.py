@@ -219,6 +219,74 @@ def test_the_bytes_each_rank_sends_are_what_the_simulator_charges_for_those_coun
                 int(got["stats" if step == 0 else f"stats_{step}"][0]) * model.copy_bytes
 
 
+@pytest.mark.slow
+@workers.needs_msrun
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_compiled_train_step_holds_only_the_exchanges_the_simulator_charges(
+        balanced_layer_runs, world):
+    """The traffic audit read from MindSpore's compiled graph: every rank's train step of the
+    2- and 4-worker runs, recorded by the verification pass at its compile (every primitive
+    with its operands' inferred shapes and types), holds exactly these collectives, in graph
+    order, all on the world group: the AllGather of the E int32 routing counts, the four
+    count-driven row exchanges (dispatch, combine, then in backward the combine's adjoint and
+    the dispatch's), and the test's own data-parallel AllReduce of the router gradient; no
+    exchange of spare slots' weights or anything else. On CPU each row exchange is emulated
+    by an AllGather of its static block layout (W x the largest block; asserted); on Ascend
+    it is an AlltoAllVC whose per-pair rows are the step's count operand. So: the gathered
+    counts are the bytes the simulator charges for the count exchange, a row is H values of
+    the graph's element type, equal to the simulator's ``bytes_per_token``, as many row
+    exchanges as its ``a2a_passes``, and every step's count operands times the row bytes
+    read from the graph are its charge per (rank, device) pair, exactly: the dispatch and
+    the dispatch's adjoint carry the copies (``dispatch_bytes_LWW`` and its transpose), the
+    combine and its adjoint the tokens alone."""
+    from ms_efficient.core.cluster import get_cluster
+    from ms_efficient.efficientmoe.balanced_cost import dispatch_bytes_LWW
+    from ms_efficient.efficientmoe.cost import COUNT_BYTES, CostModel
+    from ms_efficient.verify.record import CompiledRecord, tensor_itemsize, tensor_shape
+
+    folder = balanced_layer_runs[world]
+    if not (folder / "record0.json").is_file():
+        pytest.skip("the verification pass could not be built here (it needs g++ and "
+                    "MindSpore's headers), so no compiled graph was recorded")
+    wk = workers.load_script("check_balanced_ep")
+    model = CostModel(get_cluster("ascend910b-1x8"), wk.H, wk.F, "fp32")
+    homes = [wk.home_table(world)] + [wk.home_after(world)] * (wk.TRAIN_STEPS - 1)
+    for rank in range(world):
+        got = np.load(folder / f"rank{rank}.npz")
+        found = CompiledRecord.from_file(str(folder / f"record{rank}.json")).collectives()
+        assert [n.op for n in found] == ["AllGather"] * 5 + ["AllReduce"], \
+            [(n.op, n.inputs) for n in found]
+        groups = {n.prim_attrs.get("group") for n in found}
+        assert len(groups) == 1 and "world_group" in groups.pop()
+        count, rows, router = found[0], found[1:5], found[5]
+        assert tensor_shape(count.inputs[0][0]) == (1, wk.E)
+        assert tensor_shape(count.output[0]) == (world, wk.E)
+        assert count.operand_bytes() == wk.E * COUNT_BYTES      # W x this: the charge
+        assert tensor_shape(router.inputs[0][0]) == (wk.E, wk.H)
+        assert len(rows) == model.a2a_passes
+        row_bytes = set()
+        for node, padded in zip(rows, got["gather_rows"]):
+            shape, size = tensor_shape(node.inputs[0][0]), tensor_itemsize(node.inputs[0][1])
+            assert shape == (int(padded), wk.H), (node.inputs, padded)
+            row_bytes.add(shape[1] * size)
+        assert row_bytes == {model.bytes_per_token}
+        row_bytes = row_bytes.pop()
+        for step in range(wk.TRAIN_STEPS):
+            counts = np.concatenate([np.load(folder / f"rank{r}.npz")[
+                "counts" if step == 0 else f"counts_{step}"] for r in range(world)])
+            bal = balance_step(counts[None], homes[step][None], np.full(world, wk.SPARE),
+                               wk.buffers(world)[None], by_expert=True)
+            dispatch = dispatch_bytes_LWW(bal, model)[0]
+            tokens = bal.sent_LRW[0] * model.bytes_per_token
+            sent, token_rows = got[f"exchange_{step}"].astype(np.int64)
+            operands = (sent, token_rows.T, token_rows, sent.T)
+            charged = (dispatch, tokens.T, tokens, dispatch.T)
+            for operand, charge, padded in zip(operands, charged, got["gather_rows"]):
+                assert np.array_equal(operand * row_bytes, charge), (world, step, rank)
+                assert operand.max() <= padded // world       # fits the compiled blocks
+            assert bal.copies_L[0] > 0
+
+
 def test_the_layer_builds_the_replica_table_the_simulator_charges(monkeypatch):
     """A balanced layer of 2 ranks (the group faked: nothing is sent while it is built)
     all-reduces a table of ReplicaGradSum.num_cross expert rows each step; the simulator

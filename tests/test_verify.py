@@ -378,3 +378,26 @@ def test_a_strategy_without_one_factor_per_input_dimension_is_an_error_naming_it
                                          r"input, but its inputs \[\(128, 64\), \(256,\)\] "
                                          r"have ranks \[2, 1\]"):
         check_strategy_ranks(graph, bad, {"emb.gather": "Default/emb-Embedding/Gather-op0"})
+
+
+def test_a_record_gives_the_collectives_with_their_operand_bytes():
+    """Shapes and types as MindSpore prints them (what the traffic audit reads): a one-element
+    shape has no trailing comma, a parameter's type is a Ref; non-tensor operands give None."""
+    from ms_efficient.verify.record import CompiledRecord, tensor_itemsize, tensor_shape
+
+    assert tensor_shape("(262, 16)") == (262, 16) and tensor_shape("(32)") == (32,)
+    assert tensor_shape("()") == () and tensor_shape("NoShape") is None
+    assert tensor_itemsize("Ref[Tensor[Float16]]") == 2 and tensor_itemsize("UMonad") is None
+    doc = {"version": 1, "nodes": [
+        {"scope": "Default/MatMul-op0", "op": "MatMul",
+         "inputs": [["(8, 16)", "Tensor[Float32]"], ["(32, 16)", "Tensor[Float32]"]],
+         "output": ["(8, 32)", "Tensor[Float32]"]},
+        {"scope": "Default/AllGather-op1", "op": "AllGather",
+         "prim_attrs": {"group": "mccl_world_group"},
+         "inputs": [["(1, 4)", "Tensor[Int32]"]], "output": ["(2, 4)", "Tensor[Int32]"]},
+        {"scope": "Default/AllReduce-op0", "op": "AllReduce",
+         "inputs": [["NoShape", "UMonad"]]}]}
+    found = CompiledRecord.from_dict(doc).collectives()
+    assert [n.op for n in found] == ["AllGather", "AllReduce"]
+    assert found[0].operand_bytes() == 16 and found[0].prim_attrs["group"] == "mccl_world_group"
+    assert found[1].operand_bytes() is None and found[1].operand_bytes(3) is None

@@ -12,6 +12,7 @@ fixture, conftest moves the tests that use one to the end of the session and que
 functions once the selected tests are known, and ``background_result`` waits for a value (or
 re-raises its exception). The session fixture ``dist_checks`` is the checks' folder.
 """
+import functools
 import importlib.util
 import os
 import shutil
@@ -73,9 +74,26 @@ def start_checks() -> None:
     _job.proc = launch("run_checks", _job.run_dir, WORLD)
 
 
+@functools.lru_cache(maxsize=None)
+def _verify_pass_built() -> bool:
+    """Build the verification pass here (cached for every process) before the first job, so
+    that its ranks (check_balanced_ep records its compile) load it instead of all building it
+    at once; False where it cannot be built (the ranks then record nothing)."""
+    from ms_efficient.verify import plugin
+
+    if not plugin.verify_available():
+        return False
+    try:
+        plugin.build_plugin()
+    except plugin.VerifyUnavailable:
+        return False
+    return True
+
+
 def launch(name: str, run_dir: Path, world: int) -> subprocess.Popen:
     """Start ``python tests/dist/<name>.py RUN_DIR/out`` on ``world`` local msrun workers
     (logs in RUN_DIR/log, msrun's working dir RUN_DIR), without waiting."""
+    _verify_pass_built()
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([os.path.dirname(MSRUN), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)

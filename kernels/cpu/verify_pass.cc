@@ -23,7 +23,11 @@
 //                     the backward's inputs this way; without one MindSpore warned "Can not
 //                     find the nodes to depend" and the copy may run in the forward),
 //       "cnode_attrs": {name: value text} for the attributes in kCNodeAttrs,
-//       "prim_attrs": {name: value text} for the primitive attributes in kPrimAttrs}, ...]}
+//       "prim_attrs": {name: value text} for the primitive attributes in kPrimAttrs,
+//       "inputs": [[shape text, type text], ...] of the node's inputs as inferred
+//                 (e.g. ["(32, 16)", "Tensor[Float32]"]; "" where an input has none),
+//       "output": [shape text, type text]}, ...]}
+// (the shapes are what the traffic audit reads: the collectives' operands.)
 // The pass never changes the graph (Run returns false).
 #include <cstdio>
 #include <cstdlib>
@@ -34,6 +38,7 @@
 #include "mindspore/include/custom_pass_api.h"
 #include "mindspore/core/include/ir/func_graph.h"
 #include "mindspore/core/include/ir/graph_utils.h"
+#include "mindspore/core/include/abstract/abstract_value.h"
 #include "nlohmann/json.hpp"
 
 namespace {
@@ -48,7 +53,8 @@ const std::vector<std::string> kCNodeAttrs = {
 // Primitive attributes plans set: Primitive.shard (strategies, layouts), Cell.recompute,
 // Cell.offload (offload, backward_prefetch).
 const std::vector<std::string> kPrimAttrs = {"in_strategy", "out_strategy", "in_layout", "out_layout",
-                                             "recompute", "stage", "offload", "backward_prefetch"};
+                                             "recompute", "stage", "offload", "backward_prefetch",
+                                             "group"};
 
 bool IsWeight(const mindspore::AnfNodePtr &node) {
   auto param = node->cast<mindspore::ParameterPtr>();
@@ -99,6 +105,23 @@ nlohmann::json PickAttrs(const mindspore::HashMap<std::string, mindspore::ValueP
   return out;
 }
 
+// [shape text, type text] of a node's inferred abstract, ["", ""] when it has none.
+nlohmann::json ShapeAndType(const mindspore::AnfNodePtr &node) {
+  nlohmann::json out = nlohmann::json::array({"", ""});
+  if (node == nullptr) {
+    return out;
+  }
+  auto abs = node->abstract();
+  if (abs == nullptr) {
+    return out;
+  }
+  auto shape = abs->GetShape();
+  auto type = abs->GetType();
+  out[0] = shape == nullptr ? "" : shape->ToString();
+  out[1] = type == nullptr ? "" : type->ToString();
+  return out;
+}
+
 class VerifyRecordPass : public mindspore::opt::Pass {
  public:
   VerifyRecordPass() : Pass(kPassName) {}
@@ -129,6 +152,12 @@ class VerifyRecordPass : public mindspore::opt::Pass {
       row["ordered"] = HasDependInput(cnode);
       row["cnode_attrs"] = PickAttrs(cnode->attrs(), kCNodeAttrs);
       row["prim_attrs"] = PickAttrs(prim->attrs(), kPrimAttrs);
+      nlohmann::json inputs = nlohmann::json::array();
+      for (size_t i = 1; i < cnode->size(); ++i) {
+        inputs.push_back(ShapeAndType(cnode->input(i)));
+      }
+      row["inputs"] = inputs;
+      row["output"] = ShapeAndType(cnode);
       nodes.push_back(row);
     }
     nlohmann::json doc;

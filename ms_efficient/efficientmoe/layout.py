@@ -140,7 +140,9 @@ class Layout:
 def save_layout(path: str, layout: Layout, extra: Optional[Mapping] = None) -> None:
     """Write ``layout`` as YAML (atomically): ``{kind: efficientmoe-layout, ...}``."""
     body = {"kind": "efficientmoe-layout", **dict(extra or {}), **layout.to_dict()}
-    atomic_write_text(path, yaml.safe_dump(body, sort_keys=False, default_flow_style=None))
+    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)     # libyaml's, when built
+    atomic_write_text(path, yaml.dump(body, Dumper=dumper, sort_keys=False,
+                                      default_flow_style=None))
 
 
 def load_layout(path: str) -> Layout:

@@ -13,8 +13,8 @@ Methods (each given the same slots per device: ceil(E / W) + ``ReplayConfig.extr
                         for the whole trace. What ``train --workers`` with dispatch
                         "balanced" runs today (its layer has no home re-placement yet), so
                         the gap to ``efficientmoe`` is what those re-plans are worth.
-    moonep              MoonEP as its README describes it (:mod:`~ms_efficient.efficientmoe.
-                        moonep`): uniform static homes, no forecast; every step every rank
+    moonep              MoonEP as its README describes it (:func:`~ms_efficient.efficientmoe.
+                        baselines.moonep_balance`): uniform static homes, no forecast; every step every rank
                         receives exactly its share (S x K rows) into a buffer of that size,
                         the surplus of over-full ranks poured into under-full ones as
                         copies planned from the step's counts (as many as that takes:

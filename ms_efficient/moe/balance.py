@@ -167,12 +167,13 @@ def water_fill(load_LW: np.ndarray, mask_LW: np.ndarray, amount_L: np.ndarray) -
     share = np.where(mask, np.maximum(level[:, None] - load, 0.0), 0.0)
     whole = np.where(mask, np.floor(share), 0).astype(np.int64)
     left = amount - whole.sum(axis=1)
-    # hand out the remainder, one row each, largest fraction first
-    frac = np.where(mask, share - whole, -np.inf)
-    order = np.lexsort((np.broadcast_to(np.arange(num_devices), frac.shape), -frac), axis=1)
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(num_devices)[None, :].repeat(num_layers, 0), 1)
-    extra = (rank < left[:, None]) & mask
+    # hand out the remainder, one row each, largest fraction first (a stable sort: ties go
+    # to the lower device)
+    order = np.argsort(np.where(mask, whole - share, np.inf), axis=1, kind="stable")
+    extra = np.zeros_like(mask)
+    extra[np.arange(num_layers)[:, None], order] = \
+        np.arange(num_devices)[None, :] < left[:, None]
+    extra &= mask
     out = whole + extra
     assert (out.sum(axis=1) == amount).all() and (out >= 0).all(), "water_fill lost rows"
     return out
@@ -206,7 +207,10 @@ def _cut(counts_LRE: np.ndarray, rows_LEW: np.ndarray, by_expert: bool) -> np.nd
     offset = np.arange(groups, dtype=np.int64)[:, None] * span
     rank_points = (end_GR + offset).ravel()                  # sorted: groups are apart
     holder_points = (end_GH + offset).ravel()
-    points = np.unique(np.concatenate([rank_points, holder_points, offset.ravel()]))
+    # three sorted runs: a stable sort merges them in linear time, then repeats are dropped
+    merged = np.sort(np.concatenate([rank_points, holder_points, offset.ravel()]),
+                     kind="stable")
+    points = merged[np.concatenate(([True], merged[1:] != merged[:-1]))]
     start, length = points[:-1], np.diff(points)
     group = start // span
     rank = np.searchsorted(rank_points, start, side="right") - group * num_ranks
@@ -314,20 +318,30 @@ def home_split(counts_E: np.ndarray, held: np.ndarray, rounds: int = SPLIT_ROUND
                         -np.where(shared, counts_E, -1)), axis=1)
     layers = np.arange(num_layers)
     active = shared.any(axis=1)
+    # the k-th replicated expert of every layer and its holders in device order ([L, H], H the
+    # most holders of an expert; ``on`` marks real holders): the re-fills work on those
+    # columns only, which changes nothing (water_fill orders ties by device, and the order
+    # of the gathered columns is the devices')
+    width = int(held.sum(axis=2).max(initial=0))
+    picks = []
+    for k in range(int(shared.sum(axis=1).max(initial=0))):
+        e = order[:, k]
+        held_e = held[layers, e]                                            # [L, W]
+        device = np.argsort(~held_e, axis=1, kind="stable")[:, :width]     # [L, H]
+        on = np.take_along_axis(held_e, device, axis=1) & shared[layers, e][:, None]
+        picks.append((e, device, on))
     for _ in range(rounds):
         if not active.any():
             break
         changed = np.zeros(num_layers, dtype=bool)
-        for k in range(int(shared.sum(axis=1).max(initial=0))):
-            e = order[:, k]
-            live = shared[layers, e] & active
-            old = rows[layers, e]
-            base = load - np.where(live[:, None], old, 0)
-            add = water_fill(base, held[layers, e] & live[:, None],
-                             np.where(live, counts_E[layers, e], 0))
-            rows[layers, e] = np.where(live[:, None], add, old)
-            load = base + np.where(live[:, None], add, 0)
-            changed |= live & (add != old).any(axis=1)
+        for e, device, on in picks:
+            live = on & active[:, None]                                      # [L, H]
+            old = np.where(live, rows[layers[:, None], e[:, None], device], 0)
+            base = np.take_along_axis(load, device, axis=1) - old
+            add = water_fill(base, live, np.where(live.any(axis=1), counts_E[layers, e], 0))
+            rows[layers[:, None], e[:, None], device] += add - old       # off ``live``: 0
+            load[layers[:, None], device] += add - old                      # distinct columns
+            changed |= (add != old).any(axis=1)
         active &= changed
     return rows
 

@@ -81,11 +81,11 @@ def proportional_split(total, room: np.ndarray) -> np.ndarray:
     remainder = scaled - out * cap[:, None]
     left = total2 - out.sum(axis=1)
     width = room2.shape[1]
-    frac = np.where(out < room2, remainder, -1)              # bins with room, largest first
-    order = np.lexsort((np.broadcast_to(np.arange(width), frac.shape), -frac), axis=1)
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.broadcast_to(np.arange(width), order.shape), axis=1)
-    out = out + ((rank < left[:, None]) & (out < room2))
+    # bins with room, largest remainder first; a stable sort sends ties to the lower index
+    order = np.argsort(np.where(out < room2, -remainder, 1), axis=1, kind="stable")
+    extra = np.zeros(out.shape, dtype=bool)
+    extra[np.arange(out.shape[0])[:, None], order] = np.arange(width)[None, :] < left[:, None]
+    out = out + (extra & (out < room2))
     return out[0] if single else out
 
 

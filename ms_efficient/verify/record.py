@@ -2,9 +2,11 @@
 Cell. Pure Python (no MindSpore import).
 
 Record file (JSON, written by kernels/cpu/verify_pass.cc): ``{"version": 1, "graph": name,
-"nodes": [{"scope", "op", "graph_stage", "recomputed", "cnode_attrs", "prim_attrs"}, ...]}``,
-one node per primitive call of the compiled train-step graph, taken after autodiff and after
-MindSpore's recompute insertion.
+"nodes": [{"scope", "op", "graph_stage", "recomputed", "cnode_attrs", "prim_attrs", "inputs",
+"output"}, ...]}``, one node per primitive call of the compiled train-step graph, taken after
+autodiff and after MindSpore's recompute insertion; ``inputs`` and ``output`` are the inferred
+shapes and types as MindSpore prints them (``["(32, 16)", "Tensor[Float32]"]``), which
+:meth:`CompiledRecord.collectives` reads for the traffic audit.
 
 Scopes look like ``Default/network-WithLossCell/_backbone-Net/blocks-CellList/0-Block/
 fc1-Dense/MatMul-op0``: one ``<attribute>-<class>`` segment per Cell, then the op. Backward
@@ -27,9 +29,41 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["RecordedNode", "CompiledRecord", "parse_strategy", "cell_segments", "GROUP_ATTR"]
+import numpy as np
+
+__all__ = ["RecordedNode", "CompiledRecord", "parse_strategy", "cell_segments", "GROUP_ATTR",
+           "COLLECTIVE_OPS", "tensor_shape", "tensor_itemsize"]
 
 GROUP_ATTR = "recompute_sub_graph"
+
+# the communication primitives of MindSpore 2.10 a compiled step can hold
+COLLECTIVE_OPS = frozenset({"AllGather", "AllReduce", "AlltoAll", "AlltoAllV", "AlltoAllVC",
+                            "ReduceScatter", "Broadcast", "Send", "Receive", "NeighborExchange",
+                            "NeighborExchangeV2", "CollectiveScatter", "CollectiveGather",
+                            "Reduce", "BatchISendIRecv", "AllGatherV", "ReduceScatterV"})
+# bytes per element of the tensor types MindSpore prints (``Tensor[Float32]``)
+_ITEMSIZE = {"Float16": 2, "BFloat16": 2, "Float32": 4, "Float64": 8, "Int8": 1, "UInt8": 1,
+             "Int16": 2, "UInt16": 2, "Int32": 4, "UInt32": 4, "Int64": 8, "UInt64": 8,
+             "Bool": 1}
+_SHAPE = re.compile(r"^\(\s*(-?\d+(?:\s*,\s*-?\d+)*)?\s*,?\s*\)$")
+_TENSOR_TYPE = re.compile(r"^(?:Ref\[)?Tensor\[(\w+)\]\]?$")
+
+
+def tensor_shape(text: str) -> Optional[Tuple[int, ...]]:
+    """A shape as the record prints it (``"(32, 16)"``, ``"(32)"``, ``"()"``) -> a tuple of
+    ints; None for anything else (``"NoShape"``, tuples of shapes, ``""``)."""
+    m = _SHAPE.match(str(text).strip())
+    if m is None:
+        return None
+    return tuple(int(d) for d in m.group(1).split(",")) if m.group(1) else ()
+
+
+def tensor_itemsize(text: str) -> Optional[int]:
+    """Bytes per element of a tensor type as the record prints it (``"Tensor[Float32]"``,
+    ``"Ref[Tensor[Int32]]"``) -> 4; None for a non-tensor or an unknown element type."""
+    m = _TENSOR_TYPE.match(str(text).strip())
+    return None if m is None else _ITEMSIZE.get(m.group(1))
+
 
 BACKWARD_PREFIX = "Gradients/"
 RECOMPUTE_PREFIX = "recompute_"
@@ -44,7 +78,7 @@ class RecordedNode:
     (CNode attribute ``duplicated``); reads_parameter: a weight is an input (directly or
     through Load); ordered: a Depend node is an input (how MindSpore orders a recompute
     call's re-run after the backward's inputs); cnode_attrs / prim_attrs: selected
-    attributes as text.
+    attributes as text; inputs / output: (shape text, type text) as inferred.
     """
 
     scope: str
@@ -55,6 +89,18 @@ class RecordedNode:
     ordered: bool = False
     cnode_attrs: Dict[str, str] = field(default_factory=dict)
     prim_attrs: Dict[str, str] = field(default_factory=dict)
+    inputs: Tuple[Tuple[str, str], ...] = ()
+    output: Tuple[str, str] = ("", "")
+
+    def operand_bytes(self, index: int = 0) -> Optional[int]:
+        """Bytes of input ``index`` (its shape's elements x its element size); None when the
+        record has no tensor shape and type for it."""
+        if index >= len(self.inputs):
+            return None
+        shape, size = tensor_shape(self.inputs[index][0]), tensor_itemsize(self.inputs[index][1])
+        if shape is None or size is None or any(d < 0 for d in shape):
+            return None
+        return int(np.prod(shape, dtype=np.int64)) * size
 
     @property
     def backward(self) -> bool:
@@ -148,7 +194,9 @@ class CompiledRecord:
                               reads_parameter=bool(n.get("reads_parameter", False)),
                               ordered=bool(n.get("ordered", False)),
                               cnode_attrs=dict(n.get("cnode_attrs") or {}),
-                              prim_attrs=dict(n.get("prim_attrs") or {}))
+                              prim_attrs=dict(n.get("prim_attrs") or {}),
+                              inputs=tuple((str(a), str(b)) for a, b in n.get("inputs") or ()),
+                              output=tuple(str(v) for v in n.get("output") or ("", "")))
                  for n in doc["nodes"]]
         return cls(nodes=nodes, graph=str(doc.get("graph", "")))
 
@@ -156,6 +204,11 @@ class CompiledRecord:
     def from_file(cls, path: str) -> "CompiledRecord":
         with open(path, encoding="utf-8") as fh:
             return cls.from_dict(json.load(fh), source=path)
+
+    def collectives(self) -> List[RecordedNode]:
+        """The communication primitives of the compile (:data:`COLLECTIVE_OPS`), forward and
+        backward, in graph order, with their operands' shapes and their ``group``."""
+        return [n for n in self.nodes if n.op in COLLECTIVE_OPS]
 
     def nodes_of(self, path: str) -> List[RecordedNode]:
         """Nodes whose scope holds Cell ``path`` (see module docs), forward and backward."""

@@ -7,7 +7,9 @@ OUT_DIR/check_balanced_ep). Rank r feeds rows r*B:(r+1)*B of a global batch. It 
 ``rank<r>.npz`` in its folder: the outputs, the fast level's stats, every step's routing
 counts and exchange count operands (``exchange_rows``), and the gradients of
 sum(y * dy) (x, router, home slot weights) of the first of TRAIN_STEPS Adam steps (router
-gradient summed over ranks, as data parallelism does), and the home slots' weights after them.
+gradient summed over ranks, as data parallelism does), and the home slots' weights after them;
+and ``record<r>.json``, the verification pass's record of the train step's compile (every
+primitive with its operands' shapes: what the traffic audit reads) where the pass can be built.
 The test computes the one-process reference with MoEFeedForward on the whole batch. Inputs and
 weights come from seeded generators (numpy only at import), shared with the test.
 """
@@ -103,12 +105,26 @@ def run(out_dir, rank, world):
     step = TrainStep(layer, params)
     rows = slice(rank * B, (rank + 1) * B)
     x, dy = (Tensor(a[rows]) for a in global_batch(world))
-    (_, y, counts, dropped), (dx, grads) = step(x, dy)
+    # the compile of the train step, recorded by the verification pass (the collectives'
+    # operands, read by the traffic audit) where it can be built
+    from ms_efficient.verify import plugin
+    if plugin.verify_available():
+        plugin.ensure_registered()
+        with plugin.recording(os.path.join(out_dir, f"record{rank}.json")):
+            (_, y, counts, dropped), (dx, grads) = step(x, dy)
+    else:
+        (_, y, counts, dropped), (dx, grads) = step(x, dy)
     out = {"y": y, "counts": counts, "dropped": dropped, "stats": layer.balance_stats,
            "dx": dx, "exchange_0": layer.exchange_rows}
     out.update({f"grad_{n}": g for n, g in zip(PARAM_NAMES, grads)})
     out = {k: v.asnumpy().copy() for k, v in out.items()}  # a Parameter's array is a view
     out["fast_level"] = np.array(layer.fast.impl)
+    # rows of the AllGather each of the four row exchanges is emulated by on CPU (W x its
+    # largest block): dispatch, combine, the combine's adjoint, the dispatch's adjoint
+    out["gather_rows"] = np.array([layer.dispatch.forward.padded_rows,
+                                   layer.undispatch.forward.padded_rows,
+                                   layer.undispatch.adjoint.padded_rows,
+                                   layer.dispatch.adjoint.padded_rows])
     buffer_shape = [layer.num_rows]
     layer.set_plan(home_plan(home_after(world), E), step.optimizer)
     migration = layer.last_migration
