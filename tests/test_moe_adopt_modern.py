@@ -257,3 +257,68 @@ def test_gated_experts_with_other_names_are_told_apart_by_shape():
     _, report = adopt_moe(net, tokens=16)
     assert report["_backbone.mlp"].expert_kind == "glu"
     assert float(net(*inputs).asnumpy()) == pytest.approx(loss0, rel=1e-5)
+
+
+class StackedMixtralBlock(nn.Cell):
+    """Mixtral with its experts as three stacked weights (the layout of MindFormers' grouped
+    MLP and of ports that batch the experts): gate and up [E, H, F], down [E, F, H], no
+    biases; ``names`` (gate, up, down) registered in ``order``."""
+
+    def __init__(self, names=("w1", "w3", "w2"), order=(0, 2, 1)):
+        super().__init__()
+        self.names = names
+        self.num_experts_per_tok = K
+        self.gate = nn.Dense(H, E, has_bias=False, weight_init=Normal(0.5))
+        shapes = ((E, H, F), (E, H, F), (E, F, H))
+        for i in order:
+            setattr(self, names[i], Parameter(initializer(Normal(0.3), shapes[i], ms.float32),
+                                              name=names[i]))
+        self.act_fn = nn.SiLU()
+
+    def construct(self, x):
+        b, s, h = x.shape
+        x_TH = x.reshape(b * s, h)
+        probs = ops.softmax(self.gate(x_TH), -1)
+        weights, ids = ops.topk(probs, K)
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+        gate, up, down = (getattr(self, n) for n in self.names)
+        x_ETH = ops.broadcast_to(x_TH[None], (E, b * s, h))
+        y_ETH = ops.bmm(self.act_fn(ops.bmm(x_ETH, gate)) * ops.bmm(x_ETH, up), down)
+        out = ops.zeros_like(x_TH)
+        for e in range(E):
+            w_T = (weights * (ids == e).astype(weights.dtype)).sum(axis=1, keepdims=True)
+            out = out + w_T * y_ETH[e]
+        return out.reshape(b, s, h)
+
+
+@pytest.mark.parametrize("names, order", [(("w1", "w3", "w2"), (0, 2, 1)),
+                                          (("p", "q", "r"), (2, 0, 1))])
+def test_stacked_gated_experts_are_adopted_with_the_originals_loss_and_gradients(names, order):
+    """Three stacked weights: by name (w1 gate, w3 up, w2 down), or else by shape (down is
+    the [E, F, H] one; gate and up in registration order); the user's Parameters are reused
+    and loss and gradients equal the original's (1e-4)."""
+    net, inputs = _net(lambda: StackedMixtralBlock(names, order))
+    params = net.trainable_params()
+    loss0, grads0 = _loss_and_grads(net, inputs, params)
+    _, report = adopt_moe(net, tokens=16, dispatch="grouped")
+    info = report["_backbone.mlp"]
+    assert (info.expert_kind, info.num_experts, info.ffn_hidden_size) == ("glu", E, F)
+    assert {id(p) for p in net.trainable_params()} == {id(p) for p in params}
+    loss1, grads1 = _loss_and_grads(net, inputs, params)
+    assert loss1 == pytest.approx(loss0, rel=1e-4)
+    for p, g0, g1 in zip(params, grads0, grads1):
+        scale = max(float(np.abs(g0).max()), 1e-6)
+        np.testing.assert_allclose(g1, g0, rtol=0, atol=1e-4 * scale, err_msg=p.name)
+
+
+def test_stacked_gated_experts_whose_shapes_cannot_tell_down_apart_need_their_names():
+    """Three stacked weights of one shape (as with H == F): the shapes cannot tell down from
+    gate and up, so names outside the known ones are refused."""
+    class Square(StackedMixtralBlock):
+        def __init__(self):
+            super().__init__(("p", "q", "r"), (0, 1, 2))
+            self.r = Parameter(initializer(Normal(0.3), (E, H, F), ms.float32), name="r")
+
+    net, _ = _net(Square)
+    with pytest.raises(ValueError, match=r"three stacked expert weights are gated experts"):
+        adopt_moe(net, tokens=16)

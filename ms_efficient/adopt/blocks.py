@@ -26,6 +26,7 @@ RENORMALIZE_ATTRIBUTES = ("norm_topk_prob", "renormalize")
 # a gated expert's three Dense, by the names public MoE code gives them (Mixtral / MindFormers:
 # w1 gate, w3 up, w2 down; DeepSeek / Qwen-MoE: gate_proj, up_proj, down_proj)
 GATE_NAMES, UP_NAMES = ("w1", "gate_proj"), ("w3", "up_proj")
+DOWN_NAMES = ("w2", "down_proj")
 # shared experts beside the routed ones (DeepSeek: shared_experts; Qwen-MoE: shared_expert,
 # scaled by sigmoid(shared_expert_gate(x)))
 SHARED_NAMES, SHARED_GATE_NAMES = ("shared_experts", "shared_expert"), ("shared_expert_gate",)
@@ -160,11 +161,13 @@ def _stacked_spec(path: str, cell: nn.Cell) -> BlockSpec:
     params = _direct_params(cell)
     stacked = [(n, p) for n, p in params.items() if p.ndim == 3]
     shapes = {n: tuple(p.shape) for n, p in stacked}
+    if len(stacked) == 3:
+        return _stacked_gated_spec(path, cell, params, stacked)
     if len(stacked) != 2 or stacked[0][1].shape[0] != stacked[1][1].shape[0] \
             or tuple(stacked[0][1].shape[1:]) != tuple(stacked[1][1].shape[:0:-1]):
         raise ValueError(f"adopt_moe: MoE block {path!r} ({type(cell).__name__}) needs two "
-                         f"stacked expert weights [E, H, F] and [E, F, H]; found {shapes} "
-                         f"(gated experts with three weights are not recognised).")
+                         f"stacked expert weights [E, H, F] and [E, F, H], or three for gated "
+                         f"experts (gate and up [E, H, F], down [E, F, H]); found {shapes}.")
     e = int(stacked[0][1].shape[0])
     router, router_name, _, h = _router(path, cell, params, e, None)
     (n1, w1), (n2, w2) = stacked if stacked[0][1].shape[1] == h else stacked[::-1]
@@ -181,12 +184,56 @@ def _stacked_spec(path: str, cell: nn.Cell) -> BlockSpec:
         raise ValueError(f"adopt_moe: MoE block {path!r}: Parameters {unknown or shapes} are "
                          f"not part of the contract (biases b1 [E, F] or [E, 1, F] and b2 "
                          f"[E, H] or [E, 1, H], both or none, with E={e}, H={h}, F={f}).")
-    _check_children(path, cell, (router_name,))
-    return BlockSpec(path, cell, e, h, f, router, (w1, b1, w2, b2), b1 is not None, "stacked",
-                 None, (), tuple(_activation_cells(cell)))
+    return _stacked_block(path, cell, router, router_name, e, h, f, (w1, b1, w2, b2), None)
 
 
-DOWN_NAMES = ("w2", "down_proj")
+def _stacked_gated_spec(path: str, cell: nn.Cell, params: Dict[str, Parameter],
+                        stacked: List[Tuple[str, Parameter]]) -> BlockSpec:
+    """Gated experts as three stacked weights (MindFormers' and Mixtral ports' layout):
+    gate and up [E, H, F], down [E, F, H], without biases. Roles by name (``GATE_NAMES``,
+    ``UP_NAMES``, ``DOWN_NAMES``), else by shape: down is the one [E, F, H] when H != F,
+    gate and up the other two in registration order."""
+    names = [n for n, _ in stacked]
+    shapes = {n: tuple(p.shape) for n, p in stacked}
+    by_name = [next((i for i, n in enumerate(names) if n in group), None)
+               for group in (GATE_NAMES, UP_NAMES, DOWN_NAMES)]
+    if None in by_name or len(set(by_name)) != 3:
+        outer = [tuple(p.shape[1:]) for _, p in stacked]
+        pairs = [s for s in set(outer) if outer.count(s) == 2]
+        single = [i for i, s in enumerate(outer) if s not in pairs]
+        if len(pairs) != 1 or len(single) != 1 or pairs[0] != outer[single[0]][::-1]:
+            raise ValueError(f"adopt_moe: MoE block {path!r}: three stacked expert weights "
+                             f"are gated experts: gate and up [E, H, F] and down [E, F, H], "
+                             f"named {list(GATE_NAMES)}, {list(UP_NAMES)} and "
+                             f"{list(DOWN_NAMES)} when H == F; found {shapes}.")
+        gate, up = (i for i in range(3) if i != single[0])
+        by_name = [gate, up, single[0]]
+    (ng, wg), (nu, wu), (nd, wd) = (stacked[i] for i in by_name)
+    e, h, f = (int(d) for d in wg.shape)
+    if tuple(wu.shape) != (e, h, f) or tuple(wd.shape) != (e, f, h):
+        raise ValueError(f"adopt_moe: MoE block {path!r}: gated expert weights {shapes} need "
+                         f"gate {ng!r} and up {nu!r} [E, H, F] and down {nd!r} [E, F, H] "
+                         f"alike.")
+    router, router_name, _, _ = _router(path, cell, params, e, h)
+    rest = {n: tuple(p.shape) for n, p in params.items() if n not in (ng, nu, nd, router_name)}
+    if rest:
+        raise ValueError(f"adopt_moe: MoE block {path!r}: Parameters {rest} are not part of "
+                         f"the contract (stacked gated experts have no biases here).")
+    return _stacked_block(path, cell, router, router_name, e, h, f, (wg, None, wd, None),
+                          (wu, None))
+
+
+def _stacked_block(path, cell, router, router_name, e, h, f, weights, up) -> BlockSpec:
+    """The BlockSpec of a stacked-weights block, with its shared expert and gate Cell."""
+    shared = _shared(path, cell)
+    _check_children(path, cell, (router_name,) + SHARED_NAMES + SHARED_GATE_NAMES)
+    gate_cell = cell.name_cells().get(router_name)
+    gate_cell = gate_cell if gate_cell is not None and not isinstance(gate_cell, nn.Dense) \
+        else None
+    return BlockSpec(path, cell, e, h, f, router, weights, weights[1] is not None, "stacked",
+                     None, (), tuple(_activation_cells(cell)),
+                     expert_kind="mlp" if up is None else "glu", up=up, shared=shared,
+                     gate_cell=gate_cell, expert_bias=_expert_bias(gate_cell, cell, e))
 
 
 def _gated_roles(path: str, names: List[str], dense: List[nn.Dense]):
