@@ -55,6 +55,13 @@ def _combine(x_TH, experts, ids_TK, weights_TK):
     return out
 
 
+def _mixtral_route(gate, x):
+    """(x_TH, weights_TK, ids_TK): Mixtral's routing, top-K of the softmax, renormalised."""
+    x_TH = x.reshape(-1, x.shape[-1])
+    weights, ids = ops.topk(ops.softmax(gate(x_TH), -1), K)
+    return x_TH, weights / weights.sum(axis=-1, keepdims=True), ids
+
+
 class MixtralSparseMoeBlock(nn.Cell):
     """Mixtral: gate Dense H -> E without bias; experts w1 (gate), w3 (up), w2 (down) with
     SiLU; top-2 of the softmax, renormalised."""
@@ -67,12 +74,8 @@ class MixtralSparseMoeBlock(nn.Cell):
                                     for _ in range(E)])
 
     def construct(self, x):
-        b, s, h = x.shape
-        x_TH = x.reshape(b * s, h)
-        probs = ops.softmax(self.gate(x_TH), -1)
-        weights, ids = ops.topk(probs, K)
-        weights = weights / weights.sum(axis=-1, keepdims=True)
-        return _combine(x_TH, self.experts, ids, weights).reshape(b, s, h)
+        x_TH, weights, ids = _mixtral_route(self.gate, x)
+        return _combine(x_TH, self.experts, ids, weights).reshape(x.shape)
 
 
 class Qwen2MoeSparseMoeBlock(nn.Cell):
@@ -276,19 +279,15 @@ class StackedMixtralBlock(nn.Cell):
         self.act_fn = nn.SiLU()
 
     def construct(self, x):
-        b, s, h = x.shape
-        x_TH = x.reshape(b * s, h)
-        probs = ops.softmax(self.gate(x_TH), -1)
-        weights, ids = ops.topk(probs, K)
-        weights = weights / weights.sum(axis=-1, keepdims=True)
+        x_TH, weights, ids = _mixtral_route(self.gate, x)
         gate, up, down = (getattr(self, n) for n in self.names)
-        x_ETH = ops.broadcast_to(x_TH[None], (E, b * s, h))
+        x_ETH = ops.broadcast_to(x_TH[None], (E,) + x_TH.shape)
         y_ETH = ops.bmm(self.act_fn(ops.bmm(x_ETH, gate)) * ops.bmm(x_ETH, up), down)
         out = ops.zeros_like(x_TH)
         for e in range(E):
             w_T = (weights * (ids == e).astype(weights.dtype)).sum(axis=1, keepdims=True)
             out = out + w_T * y_ETH[e]
-        return out.reshape(b, s, h)
+        return out.reshape(x.shape)
 
 
 @pytest.mark.parametrize("names, order", [(("w1", "w3", "w2"), (0, 2, 1)),
