@@ -184,7 +184,8 @@ def _stacked_spec(path: str, cell: nn.Cell) -> BlockSpec:
         raise ValueError(f"adopt_moe: MoE block {path!r}: Parameters {unknown or shapes} are "
                          f"not part of the contract (biases b1 [E, F] or [E, 1, F] and b2 "
                          f"[E, H] or [E, 1, H], both or none, with E={e}, H={h}, F={f}).")
-    return _stacked_block(path, cell, router, router_name, e, h, f, (w1, b1, w2, b2), None)
+    return _block_spec(path, cell, router, router_name, (e, h, f), (w1, b1, w2, b2), None,
+                       "stacked")
 
 
 def _stacked_gated_spec(path: str, cell: nn.Cell, params: Dict[str, Parameter],
@@ -219,19 +220,25 @@ def _stacked_gated_spec(path: str, cell: nn.Cell, params: Dict[str, Parameter],
     if rest:
         raise ValueError(f"adopt_moe: MoE block {path!r}: Parameters {rest} are not part of "
                          f"the contract (stacked gated experts have no biases here).")
-    return _stacked_block(path, cell, router, router_name, e, h, f, (wg, None, wd, None),
-                          (wu, None))
+    return _block_spec(path, cell, router, router_name, (e, h, f), (wg, None, wd, None),
+                       (wu, None), "stacked")
 
 
-def _stacked_block(path, cell, router, router_name, e, h, f, weights, up) -> BlockSpec:
-    """The BlockSpec of a stacked-weights block, with its shared expert and gate Cell."""
+def _block_spec(path, cell, router, router_name, sizes, weights, up, layout,
+                experts_name=None, expert_acts=()) -> BlockSpec:
+    """The BlockSpec of a recognised block (``layout`` "stacked" or "list", the experts'
+    CellList ``experts_name``; ``sizes`` (E, H, F); ``up`` the gated experts' up projection,
+    None for two-matrix experts), with its shared expert, its gate Cell and that gate's
+    selection bias; any other sub-Cell with Parameters is refused."""
+    e, h, f = sizes
     shared = _shared(path, cell)
-    _check_children(path, cell, (router_name,) + SHARED_NAMES + SHARED_GATE_NAMES)
+    own = (router_name,) + ((experts_name,) if experts_name else ())
+    _check_children(path, cell, own + SHARED_NAMES + SHARED_GATE_NAMES)
     gate_cell = cell.name_cells().get(router_name)
     gate_cell = gate_cell if gate_cell is not None and not isinstance(gate_cell, nn.Dense) \
         else None
-    return BlockSpec(path, cell, e, h, f, router, weights, weights[1] is not None, "stacked",
-                     None, (), tuple(_activation_cells(cell)),
+    return BlockSpec(path, cell, e, h, f, router, weights, weights[1] is not None, layout,
+                     None, (), tuple(expert_acts) + tuple(_activation_cells(cell)),
                      expert_kind="mlp" if up is None else "glu", up=up, shared=shared,
                      gate_cell=gate_cell, expert_bias=_expert_bias(gate_cell, cell, e))
 
@@ -305,8 +312,6 @@ def _list_spec(path: str, cell: nn.Cell) -> BlockSpec:
     if extra:
         raise ValueError(f"adopt_moe: MoE block {path!r}: Parameters {extra} are not part of "
                          f"the contract (a router, and experts in {list_name!r}).")
-    shared = _shared(path, cell)
-    _check_children(path, cell, (router_name, list_name) + SHARED_NAMES + SHARED_GATE_NAMES)
     bias = bool(first.has_bias)
     weights = (tuple(r[0].weight for r in roles),
                tuple(r[0].bias for r in roles) if bias else None,
@@ -314,13 +319,8 @@ def _list_spec(path: str, cell: nn.Cell) -> BlockSpec:
                tuple(r[2].bias for r in roles) if bias else None)
     up = ((tuple(r[1].weight for r in roles), tuple(r[1].bias for r in roles) if bias else None)
           if gated else None)
-    gate_cell = cell.name_cells().get(router_name)
-    gate_cell = gate_cell if gate_cell is not None and not isinstance(gate_cell, nn.Dense) \
-        else None
-    return BlockSpec(path, cell, e, h, f, router, weights, bias, "list", None, (),
-                     tuple(acts) + tuple(_activation_cells(cell)),
-                     expert_kind="glu" if gated else "mlp", up=up, shared=shared,
-                     gate_cell=gate_cell, expert_bias=_expert_bias(gate_cell, cell, e))
+    return _block_spec(path, cell, router, router_name, (e, h, f), weights, up, "list",
+                       list_name, acts)
 
 
 def _shared(path: str, cell: nn.Cell) -> Optional[nn.Cell]:

@@ -52,7 +52,7 @@ from typing import Optional
 import numpy as np
 
 from ms_efficient.moe.plan import ExpertPlan
-from ms_efficient.moe.split import proportional_split
+from ms_efficient.moe.split import first_n, proportional_split
 
 SPLIT_ROUNDS = 16     # home_split's rounds at most (it stops when a round changes nothing)
 
@@ -167,14 +167,8 @@ def water_fill(load_LW: np.ndarray, mask_LW: np.ndarray, amount_L: np.ndarray) -
     share = np.where(mask, np.maximum(level[:, None] - load, 0.0), 0.0)
     whole = np.where(mask, np.floor(share), 0).astype(np.int64)
     left = amount - whole.sum(axis=1)
-    # hand out the remainder, one row each, largest fraction first (a stable sort: ties go
-    # to the lower device)
-    order = np.argsort(np.where(mask, whole - share, np.inf), axis=1, kind="stable")
-    extra = np.zeros_like(mask)
-    extra[np.arange(num_layers)[:, None], order] = \
-        np.arange(num_devices)[None, :] < left[:, None]
-    extra &= mask
-    out = whole + extra
+    # hand out the remainder, one row each, largest fraction first (ties: the lower device)
+    out = whole + (first_n(np.where(mask, whole - share, np.inf), left) & mask)
     assert (out.sum(axis=1) == amount).all() and (out >= 0).all(), "water_fill lost rows"
     return out
 

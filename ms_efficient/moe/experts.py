@@ -114,6 +114,7 @@ class SharedExpert(nn.Cell):
         self.kind = kind
         self.glu = kind == "glu"
         self.has_gate = bool(gated)
+
         def dense(n_in, n_out, bias):
             return nn.Dense(n_in, n_out, has_bias=bias, weight_init=Normal(init_std))
 

@@ -26,8 +26,8 @@ import numpy as np
 from ms_efficient.moe.plan import ExpertPlan
 
 __all__ = ["switch_capacity", "split_tokens", "source_rows", "static_assignments",
-           "largest_remainder", "proportional_split", "SPLIT_UNITS", "grouped_split_weights",
-           "grouped_split", "grouped_assignments"]
+           "largest_remainder", "proportional_split", "first_n", "SPLIT_UNITS",
+           "grouped_split_weights", "grouped_split", "grouped_assignments"]
 
 # ``"grouped"`` dispatch splits a rank's tokens of an expert over its replicas in integer
 # units of 1 / SPLIT_UNITS, so the layer (int32 arithmetic in the graph) and the planners
@@ -55,6 +55,18 @@ def switch_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: 
     cap = max(1, min(cap, tokens))
     return int(-(-cap // multiple) * multiple)
 
+def first_n(key_GN: np.ndarray, n_G: np.ndarray) -> np.ndarray:
+    """bool [G, N]: True at the ``n_G[g]`` entries of row g with the smallest keys, ties to the
+    lower index (a stable sort): how every largest-remainder rule here hands out its
+    leftover units, one each (keys: the negated remainders)."""
+    key = np.asarray(key_GN)
+    order = np.argsort(key, axis=1, kind="stable")
+    out = np.zeros(key.shape, dtype=bool)
+    out[np.arange(key.shape[0])[:, None], order] = \
+        np.arange(key.shape[1])[None, :] < np.asarray(n_G)[:, None]
+    return out
+
+
 def proportional_split(total, room: np.ndarray) -> np.ndarray:
     """Split ``total`` integer tokens over bins in proportion to ``room`` (int [n]), never
     exceeding a bin's room: floors first, then the leftover one by one to the largest
@@ -80,12 +92,8 @@ def proportional_split(total, room: np.ndarray) -> np.ndarray:
     out = scaled // np.maximum(cap, 1)[:, None]
     remainder = scaled - out * cap[:, None]
     left = total2 - out.sum(axis=1)
-    width = room2.shape[1]
-    # bins with room, largest remainder first; a stable sort sends ties to the lower index
-    order = np.argsort(np.where(out < room2, -remainder, 1), axis=1, kind="stable")
-    extra = np.zeros(out.shape, dtype=bool)
-    extra[np.arange(out.shape[0])[:, None], order] = np.arange(width)[None, :] < left[:, None]
-    out = out + (extra & (out < room2))
+    has_room = out < room2                                   # largest remainder first
+    out = out + (first_n(np.where(has_room, -remainder, 1), left) & has_room)
     return out[0] if single else out
 
 
@@ -114,9 +122,7 @@ def largest_remainder(total: int, weights: np.ndarray) -> np.ndarray:
     exact = total * w / w.sum()
     out = np.floor(exact).astype(np.int64)
     left = total - int(out.sum())
-    order = np.lexsort((np.arange(w.size), -(exact - out)))
-    out[order[:left]] += 1
-    return out
+    return out + first_n((out - exact)[None], np.array([left]))[0]
 
 
 def source_rows(plan: ExpertPlan, num_experts: int, rank_device: Union[int, Sequence[int]],
@@ -160,10 +166,7 @@ def source_rows(plan: ExpertPlan, num_experts: int, rank_device: Union[int, Sequ
     exact = total_E * w / w.sum(axis=0)
     share_RE = np.floor(exact).astype(np.int64)
     left = total_E - share_RE.sum(axis=0)
-    rank_of = np.lexsort((np.broadcast_to(np.arange(num_ranks)[:, None], w.shape),
-                          -(exact - share_RE)), axis=0)                  # per column
-    share_RE[rank_of, np.arange(num_experts)[None, :]] += (
-        np.arange(num_ranks)[:, None] < left[None, :])
+    share_RE += first_n((share_RE - exact).T, left).T                     # per column
     # Step 2: shares to replicas by the count-based rule
     rows_RS, dropped = _tiered_assignments(plan, share_RE, rank_device, devices_per_node)
     assert dropped == 0 and np.array_equal(rows_RS.sum(axis=0), plan.slot_capacity)
