@@ -53,5 +53,16 @@ def adopt_moe(network, tokens, **kwargs):
     return adopt(network, tokens, **kwargs)
 
 
-__all__ = ["optimize", "parallelize", "adopt_moe", "load_config", "config_from_dict", "register_pass",
-           "registered_passes", "PassRefused", "__version__"]
+def __getattr__(name):
+    """``ms_efficient.TrainOneStepCell`` (``ms_efficient.train.optim``), imported on first
+    use so that ``import ms_efficient`` stays free of MindSpore."""
+    if name == "TrainOneStepCell":
+        from ms_efficient.train.optim import TrainOneStepCell
+
+        return TrainOneStepCell
+    raise AttributeError(f"module 'ms_efficient' has no attribute {name!r}")
+
+
+__all__ = ["optimize", "parallelize", "adopt_moe", "TrainOneStepCell", "load_config",
+           "config_from_dict", "register_pass", "registered_passes", "PassRefused",
+           "__version__"]

@@ -8,8 +8,8 @@ from mindspore import Tensor
 
 import workers
 from conftest import assert_within_float32_bound
-from test_ep_layer import (E, F, H, K, T, batch, dense_layer, grads, moe_float32_bounds,
-                           reference, reference_bounds, weights)
+from test_ep_layer import (E, F, H, K, T, WeightedOutput, batch, dense_layer, grads,
+                           moe_float32_bounds, reference, reference_bounds, weights)
 from ms_efficient.efficientmoe.layout import migration_bytes_WW
 from ms_efficient.moe.balance import balance_step, home_plan
 from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE, fast_level_tables
@@ -370,3 +370,76 @@ def test_set_plan_refuses_a_table_that_drops_an_expert_or_overfills_a_device():
     with pytest.raises(ValueError, match="'budget'"):
         layer.set_plan(home_plan(np.array([[0, 1, 2, 3, 0]]), E))
     assert layer.home_table.asnumpy().tolist() == [[0, 1, 2, 3]]       # nothing half-done
+
+
+def _gated_pair(seed=3):
+    """The balanced layer (W = 1, one spare slot) and the one-process grouped layer, both
+    gated (SwiGLU) without biases, with a sigmoid-gated shared expert and DeepSeek-V3's router
+    (sigmoid scores, group-limited top-2, scaling 2.5, the auxiliary-loss-free bias), holding
+    the same weights."""
+    from ms_efficient.moe.experts import SharedExpert
+    from ms_efficient.moe.layer import MoEFeedForward
+    from ms_efficient.moe.routing import RouterConfig
+
+    config = RouterConfig(score="sigmoid", scaling_factor=2.5, num_groups=2, topk_groups=1,
+                          bias_update_speed=0.01)
+    rng = np.random.default_rng(seed)
+    layers = []
+    for _ in range(2):
+        ms.set_seed(seed)
+        shared = SharedExpert(H, F, kind="glu", gated=True, init_std=0.3)
+        layers.append(shared)
+    one = MoEFeedForward(H, F, E, K, T, dispatch="grouped", expert_kind="glu",
+                         has_bias=False, shared=layers[0], router_config=config)
+    bal = BalancedExpertParallelMoE(H, F, E, K, np.array([[0, 1, 2, 3]]), 1,
+                                    np.array([K * T]), expert_kind="glu", has_bias=False,
+                                    router_config=config, shared=layers[1])
+    router = rng.normal(0, 0.3, (E, H)).astype(np.float32)
+    w1 = rng.normal(0, 0.3, (E, H, 2 * F)).astype(np.float32)
+    w2 = rng.normal(0, 0.3, (E, F, H)).astype(np.float32)
+    bias = np.array([0.05, -0.05, 0.0, 0.02], np.float32)
+    one.router.weight.set_data(Tensor(router))
+    one.w1.set_data(Tensor(w1))
+    one.w2.set_data(Tensor(w2))
+    bal.set_weights(router, w1, w2)
+    for layer in (one, bal):
+        layer.expert_bias.set_data(Tensor(bias))
+    for a, b in zip(layers[0].get_parameters(), layers[1].get_parameters()):
+        b.set_data(Tensor(a.asnumpy()))
+    return one, bal
+
+
+def test_gated_experts_shared_expert_and_sigmoid_router_at_one_rank_equal_the_grouped_layer():
+    """Gated experts without biases, a gated shared expert and the bias-balanced sigmoid
+    router in the balanced layer (W = 1) compute the one-process grouped layer's output and
+    gradients, and take the same bias update. Both run the same grouped-matmul kernel but on
+    rows in other orders (slot-major vs token-major) and sum the K choices in other orders:
+    products of H, 2F or F terms and a K-term sum, within a few float32 ulps of each output's
+    scale (max |ref|: the terms here are O(1) and few, so 2 gamma_(2F + H) ~ 6e-6 relative)."""
+    one, bal = _gated_pair()
+    assert bal.expert_names == ("w1", "w2") and bal.copy_numel == H * 2 * F + F * H
+    x, dy = batch()
+    bias0 = bal.expert_bias.asnumpy().copy()
+    for layer in (one, bal):
+        layer.set_train(True)
+    y1, _, c1, d1 = one(x)
+    y2, _, c2, d2 = bal(x)
+    np.testing.assert_array_equal(c1.asnumpy(), c2.asnumpy())
+    assert int(d2.asnumpy()) == 0
+    ref = y1.asnumpy()
+    np.testing.assert_allclose(y2.asnumpy(), ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    # the bias moved by the sign rule on the same counts, on both
+    np.testing.assert_array_equal(one.expert_bias.asnumpy(), bal.expert_bias.asnumpy())
+    assert not np.array_equal(bal.expert_bias.asnumpy(), bias0)
+
+    def grads_of(layer):
+        params = [layer.router.weight, layer.w1, layer.w2] + list(
+            layer.shared.get_parameters())
+        fn = ms.grad(WeightedOutput(layer), grad_position=0, weights=params)
+        layer.set_train(False)                       # the bias stays put for the gradients
+        dx, g = fn(x, dy)
+        return [dx.asnumpy()] + [a.asnumpy() for a in g]
+
+    for name, a, b in zip(["dx", "router", "w1", "w2", "shared"] * 2, grads_of(bal),
+                          grads_of(one)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max(), err_msg=name)

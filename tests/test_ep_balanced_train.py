@@ -1,8 +1,9 @@
 """``train --workers W`` with ``moe.dispatch: balanced`` (BalancedExpertParallelMoE,
 the fast level every step): one rank in process against the one-process trainer, and (slow)
-2 and 4 msrun workers: loss per step equal to the one-process run with copies made and the
-home experts re-placed once (the slow level, forced at step 6), the fast level's figures on
-every log line, receive buffers that never change."""
+2 and 4 msrun workers with the experts of current MoE models (SwiGLU experts and a shared
+expert): loss per step equal to the one-process run with copies made and the home experts
+re-placed once (the slow level, forced at step 16), the fast level's figures on every log
+line, receive buffers that never change."""
 import json
 import shutil
 import subprocess
@@ -17,6 +18,9 @@ from test_ep_train import (MSRUN, _cli_env, _config, _losses, _rows, needs_msrun
                            one_process_run)
 
 STEPS = 20
+# bytes of one gated expert (float32): w1 [H, 2F] + b1 [2F] + w2 [F, H] + b2 [H], H 32, F 64;
+# a copy's rows of H hold exactly these (6304 = 197 x 32)
+EXPERT_BYTES = 4 * (32 * 2 * 64 + 2 * 64 + 64 * 32 + 32)
 REPLAN_STEP = 16          # the slow level re-places the home experts after this step
 RESUME_STEP = 15          # a copy of the 2-worker run resumes from its checkpoint of this step
                           # (its rank-1 checkpoint of step 20 garbled)
@@ -45,7 +49,10 @@ def _balanced_runs():
         return None
     tmp = workers.temporary_dir("ep_balanced_")
     config = _config(tmp, write_corpus(tmp / "corpus"), train={"steps": STEPS},
-                     moe={"dispatch": "balanced"},
+                     # SwiGLU experts (w1 the fused [gate | up], biases kept) and a
+                     # shared expert: what Mixtral / DeepSeek-style models train
+                     moe={"dispatch": "balanced", "expert_kind": "glu",
+                          "shared_experts": 1},
                      efficientmoe={"enabled": True, "force_replan_step": REPLAN_STEP},
                      # cpu-local grows to the job's ranks (4 workers: 4 devices)
                      cluster={"preset": "cpu-local"})
@@ -103,7 +110,7 @@ def test_balanced_workers_match_the_one_process_loss_with_copies(balanced_runs, 
         assert [b["buffer_rows"] for b in r["balance"]] == first       # fixed shapes
         for b in r["balance"]:
             assert len(b["rows_per_device"]) == world and b["dropped"] == 0
-            assert b["weight_bytes"] == b["copies"] * 4 * (2 * 32 * 64 + 64 + 32)
+            assert b["weight_bytes"] == b["copies"] * EXPERT_BYTES
             assert max(b["rows_per_device"]) <= b["buffer_rows"][0]
     state = json.loads((runs[world] / "state.json").read_text())
     assert state["world_size"] == world
@@ -114,11 +121,18 @@ def test_balanced_workers_match_the_one_process_loss_with_copies(balanced_runs, 
     (replan,) = _rows(runs[world], "replan")
     assert replan["step"] == REPLAN_STEP and replan["what"] == "home experts"
     assert replan["recompiled"] is False and replan["moved_slots"] > 0
-    expert_bytes = 4 * (2 * 32 * 64 + 64 + 32)
-    assert replan["moved_bytes"] % expert_bytes == 0 and replan["moved_bytes"] > 0
+    assert replan["moved_bytes"] % EXPERT_BYTES == 0 and replan["moved_bytes"] > 0
     assert replan["state_bytes"] == 2 * replan["moved_bytes"]
     homes = [np.array(p["slot_expert"]) for p in state["plans"]]
     assert all(sorted(set(h.tolist())) == list(range(4)) for h in homes)     # 4 experts
+    # the ranks trained gated experts (w1: gate | up, 2F wide) and a data-parallel shared
+    # expert, under the one-process model's names
+    import mindspore as ms
+
+    last = sorted((runs[world] / "ckpt" / "rank_0").glob("step_*.ckpt"))[-1]
+    params = ms.load_checkpoint(str(last))
+    assert tuple(params["blocks.0.ffn.w1"].shape[1:]) == (32, 2 * 64)
+    assert tuple(params["blocks.0.ffn.shared.gate_proj.weight"].shape) == (64, 32)
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from mindspore import Parameter, Tensor, nn
 
 from ms_efficient.core.params import write_parameter
 from ms_efficient.moe.ep_layer import ExpertParallelMoE
-from ms_efficient.train.expert_parallel import GradReducer
+from ms_efficient.train.optim import GradReducer
 from tests.test_ep_migration import E, F, H, K, PLAN_FROM, PLAN_TO, Loss, batch, state, weights
 
 ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")

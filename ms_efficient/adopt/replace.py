@@ -58,6 +58,7 @@ from mindspore import Tensor, nn
 
 from ms_efficient.adopt.blocks import (BlockSpec, block_spec, find_moe_blocks, moe_blocks,
                                      with_gating)
+from ms_efficient.adopt.parallel import expert_parallel_layer
 from ms_efficient.moe.dropin import MoEMLP, replace_cell
 from ms_efficient.moe.layer import LAYER_DISPATCH, MoEFeedForward
 from ms_efficient.moe.split import switch_capacity
@@ -154,7 +155,9 @@ def adopt_moe(network: nn.Cell, tokens: int, capacity_factor: float = 0.0,
               top_k: Optional[int] = None, renormalize: Optional[bool] = None,
               activation: Optional[nn.Cell] = None, aux_loss_coef: float = 0.0,
               trace_ranks: int = 1, dispatch: str = "static",
-              bias_update_speed: float = 1e-3
+              bias_update_speed: float = 1e-3, expert_parallel: bool = False,
+              spare_slots: int = 1, buffer_slack: float = 0.5, cluster=None,
+              fast_level: str = "auto"
               ) -> Tuple[nn.Cell, Dict[str, AdoptedBlock]]:
     """Replace every MoE block of ``network`` (the contract: module doc) by the package's
     layer, in place; returns ``(network, {path: AdoptedBlock})``.
@@ -172,6 +175,17 @@ def adopt_moe(network: nn.Cell, tokens: int, capacity_factor: float = 0.0,
         bias_update_speed: gamma of the auxiliary-loss-free balancing of a gate that holds an
             ``e_score_correction_bias`` (DeepSeek-V3's 0.001): the adopted layer selects with
             the user's bias and updates it after each training forward.
+        expert_parallel: in an msrun-launched process after ``mindspore.communication.
+            init()``: each block becomes EfficientMoE's balanced expert-parallel layer over
+            the world group (:mod:`ms_efficient.adopt.parallel`: each rank keeps its experts,
+            copies of hot experts every step); ``tokens`` is then this rank's T, and
+            ``capacity_factor``, ``dispatch`` do not apply. Train with
+            :class:`ms_efficient.TrainOneStepCell`; build the optimizer after adoption.
+        spare_slots, buffer_slack, cluster, fast_level: the expert-parallel layout: spare
+            slots per rank for the per-step copies, receive buffers of the mean share x
+            (1 + buffer_slack), the cluster the copies are priced on (a preset name or
+            ClusterSpec; default cpu-local grown to the job's ranks), the fast level's
+            implementation (:class:`~ms_efficient.moe.fast_level.FastLevel`).
 
     Parameter names: the block's own Parameters keep theirs (the same objects: an optimizer
     built before adoption still updates them); the new buffers, not trainable, are named by
@@ -193,6 +207,12 @@ def adopt_moe(network: nn.Cell, tokens: int, capacity_factor: float = 0.0,
     if dispatch not in LAYER_DISPATCH:
         raise ValueError(f"'dispatch' must be one of {list(LAYER_DISPATCH)}, but got "
                          f"{dispatch!r}.")
+    if expert_parallel and (isinstance(spare_slots, bool) or not isinstance(spare_slots, int)
+                            or spare_slots < 0):
+        raise ValueError(f"'spare_slots' must be an int >= 0, but got {spare_slots!r}.")
+    if expert_parallel and not 0 <= buffer_slack < float("inf"):
+        raise ValueError(f"'buffer_slack' must be a finite number >= 0, but got "
+                         f"{buffer_slack!r}.")
     blocks = moe_blocks(network)
     if not blocks:
         raise ValueError(f"adopt_moe: found no MoE block in {type(network).__name__}: looked "
@@ -213,13 +233,21 @@ def adopt_moe(network: nn.Cell, tokens: int, capacity_factor: float = 0.0,
             chosen.append((spec,) + _probe(spec))
         # Step 2: replace
         for spec, act, renorm, err in chosen:
-            cap = switch_capacity(tokens, spec.num_experts, spec.top_k, capacity_factor)
-            layer = _layer(spec, cap, act, renorm, trace_ranks, dispatch)
+            if expert_parallel:
+                cap = 0
+                config = (None if spec.router_config is None else
+                          dataclasses.replace(spec.router_config, renormalize=renorm))
+                layer = expert_parallel_layer(spec, tokens, act, renorm, config, spare_slots,
+                                              buffer_slack, cluster, trace_ranks, fast_level)
+            else:
+                cap = switch_capacity(tokens, spec.num_experts, spec.top_k, capacity_factor)
+                layer = _layer(spec, cap, act, renorm, trace_ranks, dispatch)
             replace_cell(network, spec.path, MoEMLP(layer=layer, aux_loss_coef=aux_loss_coef),
                          names)
             report[spec.path] = AdoptedBlock(
                 spec.num_experts, spec.top_k, spec.hidden, spec.ffn, spec.layout, renorm,
-                type(act).__name__, spec.has_bias, cap if dispatch == "static" else 0, err,
+                type(act).__name__, spec.has_bias,
+                cap if dispatch == "static" and not expert_parallel else 0, err,
                 spec.expert_kind, spec.shared is not None,
                 "softmax" if spec.router_config is None else str(spec.router_config))
     finally:

@@ -74,14 +74,15 @@ def check_dispatch(cfg: "RunConfig", expert_parallel: bool) -> None:
     (its EfficientMoE plans per-expert capacities, which the other dispatches do not have, and
     one device has no placement to change)."""
     dispatch = cfg.moe.dispatch
-    if expert_parallel and cfg.moe.expert_kind != "mlp":
+    balanced = dispatch == "balanced"
+    if expert_parallel and cfg.moe.expert_kind != "mlp" and not balanced:
         _fail("moe.expert_kind", cfg.moe.expert_kind,
-              "'mlp' for an expert-parallel run (train --workers W): gated experts run in "
-              "one-process layers so far")
-    if expert_parallel and cfg.moe.shared_experts:
+              f"'mlp' for an expert-parallel run with moe.dispatch {dispatch!r}: gated "
+              f"experts run expert-parallel with moe.dispatch 'balanced'")
+    if expert_parallel and cfg.moe.shared_experts and not balanced:
         _fail("moe.shared_experts", cfg.moe.shared_experts,
-              "0 for an expert-parallel run (train --workers W): shared experts run in "
-              "one-process layers so far")
+              f"0 for an expert-parallel run with moe.dispatch {dispatch!r}: shared experts "
+              f"run expert-parallel with moe.dispatch 'balanced'")
     if expert_parallel and dispatch not in EXPERT_PARALLEL_DISPATCH:
         _fail("moe.dispatch", dispatch,
               f"one of {list(EXPERT_PARALLEL_DISPATCH)} for an expert-parallel run (train "

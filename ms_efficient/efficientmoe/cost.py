@@ -108,6 +108,10 @@ class CostModel:
     fast_level_s: seconds the fast level's tables take per balanced layer-step (between the
         counts' AllGather and the dispatch; :mod:`balanced_cost`); ``FAST_LEVEL_S`` (measured
         on CPU, in a graph) unless given (``bench moe --fast-level-ms``).
+    expert_kind: "mlp" (two matrices, 4 H F FLOPs per row) or "glu" (gated: gate and up
+        projections and down, 6 H F); the balanced layer's ``expert_kind``.
+    expert_bias: whether the experts carry biases (what a copy sends:
+        :func:`~ms_efficient.moe.exchange.copy_rows`).
     """
 
     cluster: ClusterSpec
@@ -121,8 +125,13 @@ class CostModel:
     dynamic_exchange_s: float = DYNAMIC_EXCHANGE_S
     slot_budget: Optional[int] = None
     fast_level_s: float = FAST_LEVEL_S
+    expert_kind: str = "mlp"
+    expert_bias: bool = True
 
     def __post_init__(self) -> None:
+        if self.expert_kind not in ("mlp", "glu"):
+            raise ValueError(f"'expert_kind' must be one of ['mlp', 'glu'], but got "
+                             f"{self.expert_kind!r}.")
         if not 0.0 <= self.fast_level_s < float("inf"):
             raise ValueError(f"'fast_level_s' must be a finite number >= 0 seconds, but got "
                              f"{self.fast_level_s!r}.")
@@ -145,8 +154,9 @@ class CostModel:
 
     @property
     def flops_per_row(self) -> float:
-        """Forward FLOPs of one token through one expert: two H x F matmuls, 2 FLOP per MAC."""
-        return 4.0 * self.hidden * self.ffn_hidden
+        """Forward FLOPs of one token through one expert, 2 FLOP per MAC: its H x F1 and F x H
+        matmuls (4 H F for a two-matrix expert, 6 H F for a gated one)."""
+        return 2.0 * self.expert_params
 
     @property
     def row_time_s(self) -> float:
@@ -160,8 +170,8 @@ class CostModel:
 
     @property
     def expert_params(self) -> int:
-        """Parameters of one expert FFN (biases ignored): 2 H F."""
-        return 2 * self.hidden * self.ffn_hidden
+        """Parameters of one expert FFN (biases ignored): 2 H F, gated 3 H F."""
+        return (3 if self.expert_kind == "glu" else 2) * self.hidden * self.ffn_hidden
 
     @property
     def grad_bytes(self) -> int:
@@ -175,7 +185,8 @@ class CostModel:
         copy_rows`, what the layer sends)."""
         from ms_efficient.moe.exchange import copy_rows
 
-        return copy_rows(self.hidden, self.ffn_hidden) * self.bytes_per_token
+        return (copy_rows(self.hidden, self.ffn_hidden, self.expert_kind, self.expert_bias)
+                * self.bytes_per_token)
 
 
 @dataclass(frozen=True)

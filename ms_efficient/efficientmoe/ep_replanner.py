@@ -102,9 +102,9 @@ def experts_to_fetch(old: ExpertPlan, new: ExpertPlan, world: int) -> int:
 
 
 def expert_bytes(layer) -> int:
-    """Bytes of one expert's weights (w1, b1, w2, b2 rows; their dtype's item size)."""
-    return int(sum(np.prod(p.shape[1:]) * p.itemsize
-                   for p in (layer.w1, layer.b1, layer.w2, layer.b2)))
+    """Bytes of one expert's weights (its rows of the layer's ``expert_params()``: w1, b1,
+    w2, b2, or w1, w2 without biases; their dtype's item size)."""
+    return int(sum(np.prod(p.shape[1:]) * p.itemsize for p in layer.expert_params()))
 
 
 def apply_plan(layer, plan: ExpertPlan, optimizer=None) -> Dict[str, int]:

@@ -172,12 +172,16 @@ class GPTMoE(nn.Cell):
             raise ValueError(f"'plans' must give one expert plan per MoE block ({num_moe}), "
                              f"but got {len(plans)}.")
         for i in range(model.num_layers):
+            shared = (SharedExpert(h, moe.shared_experts * model.ffn_hidden_size,
+                                   kind=moe.expert_kind, init_std=std)
+                      if moe.shared_experts and (i + 1) % moe.moe_every == 0 else None)
             if (i + 1) % moe.moe_every == 0 and isinstance(plans, (list, tuple)) and \
                     isinstance(plans[len(moe_layers)], BalancedSpec):
                 ffn = BalancedExpertParallelMoE.from_spec(
                     h, model.ffn_hidden_size, moe.num_experts, moe.top_k,
                     plans[len(moe_layers)], trace_ranks=trace_ranks, init_std=std,
-                    seed=len(moe_layers), fast_level=moe.fast_level)
+                    seed=len(moe_layers), fast_level=moe.fast_level,
+                    expert_kind=moe.expert_kind, shared=shared)
                 moe_layers.append(i)
             elif (i + 1) % moe.moe_every == 0 and plans is not None:
                 ffn = ExpertParallelMoE(h, model.ffn_hidden_size, moe.num_experts, moe.top_k,
@@ -186,9 +190,6 @@ class GPTMoE(nn.Cell):
                                         slots_per_device=slots_per_device)
                 moe_layers.append(i)
             elif (i + 1) % moe.moe_every == 0:
-                shared = (SharedExpert(h, moe.shared_experts * model.ffn_hidden_size,
-                                       kind=moe.expert_kind, init_std=std)
-                          if moe.shared_experts else None)
                 ffn = MoEFeedForward(h, model.ffn_hidden_size, moe.num_experts, moe.top_k,
                                      capacity, trace_ranks, std,
                                      dispatch=moe.layer_dispatch,

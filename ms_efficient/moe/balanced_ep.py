@@ -61,10 +61,13 @@ from ms_efficient.moe.ep_migration import migrate_rows, row_layout
 from ms_efficient.moe.ep_replan import move_rows, record, weight_states
 from ms_efficient.moe.ep_routing import (init_expert_weights, pad_rows, replica_sync,
                                         sync_rows as table_rows)
-from ms_efficient.moe.exchange import copy_rows
+from ms_efficient.moe.exchange import copy_rows, expert_numel
+from ms_efficient.moe.experts import EXPERT_KINDS, GatedActivation
 from ms_efficient.moe.fast_level import FastLevel, fast_level_tables
 from ms_efficient.moe.grouped_matmul import GroupedMatmul, row_groups
-from ms_efficient.moe.layer import TopKArrival, make_gelu, routing_statistics, sum_choices
+from ms_efficient.moe.layer import (TopKArrival, make_gelu, routing_counts_buffer,
+                                    routing_statistics, sum_choices)
+from ms_efficient.moe.routing import Router, RouterConfig, expert_bias_parameter, updated_bias
 
 __all__ = ["BalancedExpertParallelMoE", "BalancedSpec", "FastLevel", "fast_level_tables",
            "home_plan"]
@@ -94,6 +97,27 @@ class BalancedExpertParallelMoE(nn.Cell):
         fast_level: "auto" (aot kernel on CPU, MindSpore-ops twin elsewhere), "host", "aot"
             or "ops"
             (:class:`~ms_efficient.moe.fast_level.FastLevel`).
+        expert_kind: "mlp" (w2(act(x w1))) or "glu" (gated: w2(act(x w_gate) * (x w_up)),
+            w1 the fused [w_gate | w_up] of width 2F, ``activation`` the gate's, default SiLU:
+            SwiGLU), as :class:`~ms_efficient.moe.layer.MoEFeedForward`.
+        has_bias: whether the experts add biases (b1, b2); without them the layer holds and
+            copies w1 and w2 only.
+        activation: the experts' activation Cell (default: tanh GELU for "mlp", SiLU for
+            "glu").
+        renormalize: as :class:`~ms_efficient.moe.layer.TopKArrival` (without a
+            ``router_config``).
+        router_config: a :class:`~ms_efficient.moe.routing.RouterConfig` (sigmoid scores,
+            group-limited top-k, scaling, the auxiliary-loss-free expert bias); None: softmax
+            then top-k. With the bias on, ``expert_bias`` (float32 [E], not trainable) selects
+            and, in training, takes the sign-rule update from the step's counts summed over
+            every rank (the all-gathered counts), so every rank holds the same bias and it
+            moves as the one-process layer's does on the global batch.
+        expert_bias: an existing bias Parameter [E] to use as ``expert_bias``.
+        router: the Cell mapping [T, H] to logits [T, E] (default: a bias-free Dense with the
+            weights of :func:`init_expert_weights`); data-parallel.
+        shared: a Cell ``x_TH -> y_TH`` (shared experts, data-parallel) added to the routed
+            output; it reads only this rank's tokens, so the graph may run it while the
+            dispatch is in flight (no order is imposed or claimed).
 
     Outputs: y_BSH; aux_loss (Switch loss of the local tokens); counts_RE int32 [R, E] of the
     local tokens; dropped int32 (local assignments no buffer held). ``balance_stats``
@@ -102,9 +126,10 @@ class BalancedExpertParallelMoE(nn.Cell):
     [2, W, W], written every step): the dispatch's per-pair row counts (tokens, then the
     copies' rows), and the token rows alone (:meth:`exchange_bytes`).
 
-    Parameters: ``router.weight`` [E, H] (data-parallel), ``w1`` [S_h, H, F], ``b1``
-    [S_h, 1, F], ``w2`` [S_h, F, H], ``b2`` [S_h, 1, H] (this rank's home slots; an empty
-    slot zeros), and the non-trainable ``home_table`` int32 [W, S_h].
+    Parameters: ``router.weight`` [E, H] (data-parallel), ``w1`` [S_h, H, F1], ``b1``
+    [S_h, 1, F1], ``w2`` [S_h, F, H], ``b2`` [S_h, 1, H] (this rank's home slots; an empty
+    slot zeros; F1 = F, or 2F for gated experts; no biases with ``has_bias=False``:
+    :attr:`expert_names`), and the non-trainable ``home_table`` int32 [W, S_h].
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
@@ -112,10 +137,17 @@ class BalancedExpertParallelMoE(nn.Cell):
                  group: Optional[str] = None, devices_per_node: Optional[int] = None,
                  copy_cost_WW: Optional[np.ndarray] = None, trace_ranks: int = 1,
                  init_std: float = 0.02, seed: int = 0, sync_rows: Optional[int] = None,
-                 fast_level: str = "auto"):
+                 fast_level: str = "auto", expert_kind: str = "mlp", has_bias: bool = True,
+                 activation: Optional[nn.Cell] = None, renormalize: bool = True,
+                 router_config: Optional[RouterConfig] = None,
+                 expert_bias: Optional[Parameter] = None, router: Optional[nn.Cell] = None,
+                 shared: Optional[nn.Cell] = None):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"'top_k' must be in [1, {num_experts}], but got {top_k}.")
+        if expert_kind not in EXPERT_KINDS:
+            raise ValueError(f"'expert_kind' must be one of {list(EXPERT_KINDS)}, but got "
+                             f"{expert_kind!r}.")
         self.world = backend.group_size(group or backend.world_group())
         self.rank = backend.group_rank(group or backend.world_group()) if self.world > 1 else 0
         home = np.asarray(home_WS, dtype=np.int64)
@@ -145,7 +177,8 @@ class BalancedExpertParallelMoE(nn.Cell):
         # the dispatch's blocks: rank s may send device w B_w token rows and, when copies can
         # happen, S_s expert copies of R rows of H each (copy_rows: an expert's X
         # parameters, zero-padded to whole rows), after its token rows
-        self.copy_rows = copy_rows(hidden_size, ffn_hidden_size)
+        self.expert_kind, self.has_bias = expert_kind, bool(has_bias)
+        self.copy_rows = copy_rows(hidden_size, ffn_hidden_size, expert_kind, self.has_bias)
         self.copies = self.world > 1 and self.spare > 0
         token_WW = np.broadcast_to(buffers[None, :], (self.world, self.world))
         block_WW = token_WW + (self.spare * self.copy_rows if self.copies else 0)
@@ -185,22 +218,39 @@ class BalancedExpertParallelMoE(nn.Cell):
                                  (("sync_first_L", sync.first_L),
                                   ("sync_cross_L", sync.cross_L),
                                   ("sync_pick_L", sync.pick_L)))
-        router, w1, b1, w2, b2 = init_expert_weights(num_experts, hidden_size, ffn_hidden_size,
-                                                     init_std, seed, local)
-        self.router = nn.Dense(hidden_size, num_experts, has_bias=False,
-                               weight_init=Tensor(router))
-        self.w1 = Parameter(Tensor(pad_rows(w1, self.slots_home)), name="w1")
-        self.b1 = Parameter(Tensor(pad_rows(b1, self.slots_home)), name="b1")
-        self.w2 = Parameter(Tensor(pad_rows(w2, self.slots_home)), name="w2")
-        self.b2 = Parameter(Tensor(pad_rows(b2, self.slots_home)), name="b2")
-        self.shapes = tuple(tuple(p.shape[1:]) for p in (self.w1, self.b1, self.w2, self.b2))
+        router_EH, *tables = init_expert_weights(num_experts, hidden_size, ffn_hidden_size,
+                                                 init_std, seed, local, expert_kind)
+        self.router = router if router is not None else nn.Dense(
+            hidden_size, num_experts, has_bias=False, weight_init=Tensor(router_EH))
+        # the experts' Parameters, in checkpoint order: w1 [S_h, H, F1], (b1), w2, (b2)
+        self.expert_names = ("w1", "b1", "w2", "b2") if self.has_bias else ("w1", "w2")
+        for name, table in zip(("w1", "b1", "w2", "b2"), tables):
+            if name in self.expert_names:
+                setattr(self, name, Parameter(Tensor(pad_rows(table, self.slots_home)),
+                                              name=name))
+        self.shapes = tuple(tuple(p.shape[1:]) for p in self.expert_params())
         self.sizes = tuple(int(np.prod(s)) for s in self.shapes)
         self.copy_numel = sum(self.sizes)                  # X: one expert's parameters
-        if self.copy_numel > self.copy_rows * hidden_size:
-            raise AssertionError("copy_rows does not hold an expert's parameters")
+        if self.copy_numel != expert_numel(hidden_size, ffn_hidden_size, expert_kind,
+                                           self.has_bias):
+            raise AssertionError("expert_numel does not count the layer's expert parameters")
         self.gmm = GroupedMatmul()
-        self.gelu = make_gelu()
-        self.arrival = TopKArrival(num_experts, top_k)
+        if activation is None:
+            activation = nn.SiLU() if expert_kind == "glu" else make_gelu()
+        self.act = GatedActivation(activation) if expert_kind == "glu" else activation
+        self.shared = shared
+        self.uses_bias = router_config is not None and router_config.uses_bias
+        self.arrival = (TopKArrival(num_experts, top_k, renormalize) if router_config is None
+                        else Router(num_experts, top_k, router_config))
+        if self.uses_bias:
+            self.bias_speed = float(router_config.bias_update_speed)
+            self.expert_bias = (expert_bias if expert_bias is not None
+                                else expert_bias_parameter(num_experts))
+            if tuple(self.expert_bias.shape) != (num_experts,):
+                raise ValueError(f"'expert_bias' must be [{num_experts}], but got "
+                                 f"{tuple(self.expert_bias.shape)}.")
+        elif expert_bias is not None:
+            raise ValueError("'expert_bias' needs a router_config with bias_update_speed > 0.")
         self.arange_L = Tensor(np.arange(self.slots_home + self.spare, dtype=np.int32))
         self.balance_stats = Parameter(Tensor(np.zeros(3 + self.world, np.int32)),
                                        name="balance_stats", requires_grad=False)
@@ -208,6 +258,8 @@ class BalancedExpertParallelMoE(nn.Cell):
         # (tokens and copies), [1] the tokens alone (the combine sends their transpose back)
         self.exchange_rows = Parameter(Tensor(np.zeros((2, self.world, self.world), np.int32)),
                                        name="exchange_rows", requires_grad=False)
+        # the last step's counts_RE, for training-loop callbacks (as MoEFeedForward's)
+        self.routing_counts = routing_counts_buffer(trace_ranks, num_experts)
 
     @classmethod
     def from_spec(cls, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
@@ -227,13 +279,23 @@ class BalancedExpertParallelMoE(nn.Cell):
         row_bytes = int(self.hidden_size) * int(dtype_bytes)
         return rows[0] * row_bytes, (rows[0] - rows[1]) * row_bytes
 
-    def set_weights(self, router_EH, w1_EHF, b1_E1F, w2_EFH, b2_E1H) -> None:
-        """Load logical weights (numpy, all E experts) into the router and this rank's home
-        slots (in place: a jitted step that already ran sees them)."""
-        write_parameter(self.router.weight, np.asarray(router_EH, np.float32))
+    def expert_params(self) -> tuple:
+        """The experts' Parameters in :attr:`expert_names` order (w1, b1, w2, b2; w1, w2
+        without biases)."""
+        return tuple(getattr(self, name) for name in self.expert_names)
+
+    def set_weights(self, router_EH, *tables_E) -> None:
+        """Load logical weights (numpy, all E experts) into the router (``router_EH`` [E, H];
+        None: leave it) and this rank's home slots: ``tables_E`` in :attr:`expert_names` order
+        (w1 [E, H, F1], b1 [E, 1, F1], w2 [E, F, H], b2 [E, 1, H]; in place: a jitted step
+        that already ran sees them)."""
+        if len(tables_E) != len(self.expert_names):
+            raise ValueError(f"set_weights needs the tables {list(self.expert_names)}, but got "
+                             f"{len(tables_E)} tables.")
+        if router_EH is not None:
+            write_parameter(self.router.weight, np.asarray(router_EH, np.float32))
         home = self.home_table.asnumpy()[self.rank]
-        for param, table in zip((self.w1, self.b1, self.w2, self.b2),
-                                (w1_EHF, b1_E1F, w2_EFH, b2_E1H)):
+        for param, table in zip(self.expert_params(), tables_E):
             rows = np.asarray(table, np.float32)[home[home >= 0]]
             write_parameter(param, pad_rows(rows, self.slots_home))
 
@@ -262,7 +324,7 @@ class BalancedExpertParallelMoE(nn.Cell):
             raise ValueError(f"the plan replicates experts, but this layer was built with "
                              f"{self.world} x {self.slots_home} home slots for "
                              f"{self.num_experts} experts (no room for a replica).")
-        weights = (self.w1, self.b1, self.w2, self.b2)
+        weights = self.expert_params()
         states = () if optimizer is None else weight_states(optimizer, weights)
         migration = migrate_rows(self.home_table.asnumpy(), new_WS, self.devices_per_node)
         move_rows(migration, self.rank, weights + sum(states, ()), self.group)
@@ -280,9 +342,16 @@ class BalancedExpertParallelMoE(nn.Cell):
         x_TH = x.reshape(t, h)
 
         # Step 1: route, count, all-gather the counts, run the fast level on them.
-        probs_TE, weights_TK, expert_ids_A, onehot_AE, position_A = self.arrival(
-            self.router(x_TH))
+        logits_TE = self.router(x_TH)
+        if self.uses_bias:
+            routed = self.arrival(logits_TE, self.expert_bias)
+        else:
+            routed = self.arrival(logits_TE)
+        probs_TE, weights_TK, expert_ids_A, onehot_AE, position_A = routed
         counts_WE = self.count_exchange(onehot_AE.sum(axis=0).astype(ms.int32))
+        if self.uses_bias and self.training:      # the global batch's counts, every rank
+            ops.assign(self.expert_bias, updated_bias(self.expert_bias,
+                                                      counts_WE.sum(axis=0), self.bias_speed))
         sent_WEW, slot_EW, spare_WS, source_WS, home_slot_WE, stats = self.fast(
             counts_WE, self.home_table)
 
@@ -323,6 +392,7 @@ class BalancedExpertParallelMoE(nn.Cell):
             row_src = ops.tensor_scatter_update(row_src, row_A.reshape(-1, 1), token_A)
             send_WW = tokens_WW
         send_MH = ops.gather(source_NH, row_src[:m], 0)
+        shared_TH = self.shared(x_TH) if self.shared is not None else None
         recv_JH = self.dispatch(send_MH, send_WW)
         recv_IH = ops.gather(recv_JH, self.recv_token_I, 0)
         spare_SX = (self._copy_receives(recv_JH, spare_WS, source_WS, tokens_WW)
@@ -336,16 +406,19 @@ class BalancedExpertParallelMoE(nn.Cell):
         gate_A = weights_TK.transpose(1, 0).reshape(-1) * keep_A.astype(ms.float32)
         y_AH = ops.gather(ret_pad, ret_A, 0) * gate_A.reshape(-1, 1).astype(x.dtype)
         y_TH = sum_choices(y_AH, k, t)
+        if self.shared is not None:
+            y_TH = y_TH + shared_TH
         aux_loss, counts_RE = routing_statistics(probs_TE, onehot_AE, k, self.trace_ranks)
         dropped = (k * t - keep_A.astype(ms.int32).sum()).astype(ms.int32)
         ops.assign(self.balance_stats, stats)
+        ops.assign(self.routing_counts, counts_RE)
         ops.assign(self.exchange_rows, ops.stack((send_WW, tokens_WW)).astype(ms.int32))
         return y_TH.reshape(b, s, h), aux_loss, counts_RE, dropped
 
     def _experts(self, recv_IH, sent_WEW, slot_EW, spare_WS, weights):
         """Received rows [I, H] -> the fixed buffer [B_me, H] grouped by local slot -> FFNs ->
         back to the received layout [I, H] (unfilled rows: zeros). weights: (w1, b1, w2, b2)
-        of the L local slots (:meth:`_slot_weights`)."""
+        of the L local slots (:meth:`_slot_weights`; w1, w2 without biases)."""
         n, num_e = self.num_rows, self.num_experts
         num_local = self.slots_home + self.spare
         to_me_WE = sent_WEW[:, :, self.rank]                      # rows each source sends me
@@ -376,19 +449,26 @@ class BalancedExpertParallelMoE(nn.Cell):
         index_N = ops.tensor_scatter_update(index_N, dest_I.reshape(-1, 1),
                                             ops.arange(self.recv_row_I.shape[0], dtype=ms.int32))
         recv_pad = ops.concat((recv_IH, ops.zeros((1, recv_IH.shape[1]), recv_IH.dtype)), 0)
-        w1, b1, w2, b2 = weights
         x_NH = ops.gather(recv_pad, index_N[:n], 0)
-        group_N = row_groups(size_L, n)
-        b1_pad = ops.concat((b1.reshape(num_local, -1), ops.zeros((1, b1.shape[2]), b1.dtype)))
-        b2_pad = ops.concat((b2.reshape(num_local, -1), ops.zeros((1, b2.shape[2]), b2.dtype)))
-        hid = self.gelu(self.gmm(x_NH, w1, size_L) + ops.gather(b1_pad, group_N, 0))
-        out_NH = self.gmm(hid, w2, size_L) + ops.gather(b2_pad, group_N, 0)
+        if self.has_bias:
+            w1, b1, w2, b2 = weights
+            group_N = row_groups(size_L, n)
+            b1_pad = ops.concat((b1.reshape(num_local, -1),
+                                 ops.zeros((1, b1.shape[2]), b1.dtype)))
+            b2_pad = ops.concat((b2.reshape(num_local, -1),
+                                 ops.zeros((1, b2.shape[2]), b2.dtype)))
+            hid = self.act(self.gmm(x_NH, w1, size_L) + ops.gather(b1_pad, group_N, 0))
+            out_NH = self.gmm(hid, w2, size_L) + ops.gather(b2_pad, group_N, 0)
+        else:
+            w1, w2 = weights
+            out_NH = self.gmm(self.act(self.gmm(x_NH, w1, size_L)), w2, size_L)
         out_pad = ops.concat((out_NH, ops.zeros((1, out_NH.shape[1]), out_NH.dtype)), 0)
         return ops.gather(out_pad, dest_I, 0)
 
     def _home_weights(self):
-        """(w1, b1, w2, b2) of the home slots, redundant replicas tied (ReplicaGradSum)."""
-        weights = (self.w1, self.b1, self.w2, self.b2)
+        """The home slots' expert Parameters (:meth:`expert_params`), redundant replicas tied
+        (ReplicaGradSum)."""
+        weights = self.expert_params()
         if self.sync is not None:
             weights = tuple(self.sync(w, *self.sync_tables) for w in weights)
         return weights
@@ -444,7 +524,7 @@ class BalancedExpertParallelMoE(nn.Cell):
         return rows[:, :self.copy_numel].astype(self.w1.dtype)
 
     def _slot_weights(self, home, spare_SX):
-        """(w1, b1, w2, b2) of the L local slots: the home slots' (tied replicas), then the
+        """The expert weights of the L local slots: the home slots' (tied replicas), then the
         spare slots' copies received this step (zeros without copies)."""
         if self.spare == 0:
             return home

@@ -306,6 +306,12 @@ class ExpertParallelMoE(nn.Cell):
         self.recv_row_I = Tensor((np.arange(source_I.size) - first_W[source_I]).astype(np.int32))
         self.recv_arange_I = Tensor(np.arange(source_I.size, dtype=np.int32))
 
+    expert_names = ("w1", "b1", "w2", "b2")
+
+    def expert_params(self) -> tuple:
+        """The experts' Parameters (w1, b1, w2, b2), as the balanced layer's method."""
+        return (self.w1, self.b1, self.w2, self.b2)
+
     def set_weights(self, router_EH, w1_EHF, b1_E1F, w2_EFH, b2_E1H) -> None:
         """Load logical weights (numpy, all E experts): the router, and for every local slot
         its expert's rows (empty slots: zeros). Every rank must load the same values to keep

@@ -589,9 +589,10 @@ def pad_rows(rows_X: np.ndarray, budget: int) -> np.ndarray:
 
 def init_expert_weights(num_experts: int, hidden_size: int, ffn_hidden_size: int,
                         init_std: float = 0.02, seed: int = 0,
-                        experts: Optional[Sequence[int]] = None):
-    """Initial weights, float32 numpy: (router_EH, w1_XHF, b1_X1F, w2_XFH, b2_X1H) for the
-    logical experts ``experts`` (X of them, in that order, repeats allowed; default all E).
+                        experts: Optional[Sequence[int]] = None, expert_kind: str = "mlp"):
+    """Initial weights, float32 numpy: (router_EH, w1_XHF1, b1_X1F1, w2_XFH, b2_X1H) for the
+    logical experts ``experts`` (X of them, in that order, repeats allowed; default all E);
+    F1 = F, or 2F for gated experts (``expert_kind="glu"``: the fused [w_gate | w_up]).
 
     Expert e's weights come from the generator seeded with (seed, 0, e), the router's from
     (seed, 1), so every rank builds the same values for the experts it holds, and replicas of
@@ -599,14 +600,15 @@ def init_expert_weights(num_experts: int, hidden_size: int, ffn_hidden_size: int
     only the experts it holds.
     """
     h, f = hidden_size, ffn_hidden_size
+    f1 = 2 * f if expert_kind == "glu" else f
     experts = list(range(num_experts)) if experts is None else [int(e) for e in experts]
-    w1 = np.empty((len(experts), h, f), np.float32)
+    w1 = np.empty((len(experts), h, f1), np.float32)
     w2 = np.empty((len(experts), f, h), np.float32)
     for i, e in enumerate(experts):
         rng = np.random.default_rng((seed, 0, e))
-        w1[i] = rng.normal(0.0, init_std, (h, f))
+        w1[i] = rng.normal(0.0, init_std, (h, f1))
         w2[i] = rng.normal(0.0, init_std, (f, h))
     router = np.random.default_rng((seed, 1)).normal(0.0, init_std, (num_experts, h))
     n = len(experts)
-    return (router.astype(np.float32), w1, np.zeros((n, 1, f), np.float32), w2,
+    return (router.astype(np.float32), w1, np.zeros((n, 1, f1), np.float32), w2,
             np.zeros((n, 1, h), np.float32))

@@ -37,18 +37,33 @@ import numpy as np
 from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import source_rows, split_tokens
 
-__all__ = ["exchange_rows", "slot_rows_by_device", "copy_rows"]
+__all__ = ["exchange_rows", "slot_rows_by_device", "copy_rows", "expert_numel"]
 
 
-def copy_rows(hidden: int, ffn_hidden: int) -> int:
-    """Rows of ``hidden`` values one expert copy takes in the balanced layer's dispatch: its
-    X = 2 H F + F + H parameters (w1, b1, w2, b2), zero-padded to whole rows; the layer
-    (:class:`~ms_efficient.moe.balanced_ep.BalancedExpertParallelMoE`) sends a copy as these
-    rows and the simulator (:mod:`~ms_efficient.efficientmoe.balanced_cost`) charges them."""
+def expert_numel(hidden: int, ffn_hidden: int, expert_kind: str = "mlp",
+                 has_bias: bool = True) -> int:
+    """X, the parameters of one expert: w1 [H, F1], w2 [F, H] and, with biases, b1 [F1] and
+    b2 [H], where F1 = F for a two-matrix ("mlp") expert and 2F for a gated ("glu") one (its
+    fused [w_gate | w_up]). The balanced layer holds exactly these
+    (:class:`~ms_efficient.moe.balanced_ep.BalancedExpertParallelMoE` asserts it)."""
     if hidden < 1 or ffn_hidden < 1:
         raise ValueError(f"'hidden' and 'ffn_hidden' must be positive, but got {hidden} and "
                          f"{ffn_hidden}.")
-    return -(-(2 * hidden * ffn_hidden + ffn_hidden + hidden) // hidden)
+    if expert_kind not in ("mlp", "glu"):
+        raise ValueError(f"'expert_kind' must be one of ['mlp', 'glu'], but got "
+                         f"{expert_kind!r}.")
+    f1 = 2 * ffn_hidden if expert_kind == "glu" else ffn_hidden
+    return hidden * f1 + ffn_hidden * hidden + ((f1 + hidden) if has_bias else 0)
+
+
+def copy_rows(hidden: int, ffn_hidden: int, expert_kind: str = "mlp",
+              has_bias: bool = True) -> int:
+    """Rows of ``hidden`` values one expert copy takes in the balanced layer's dispatch: its
+    X parameters (:func:`expert_numel`: 2 H F + F + H for the default two-matrix expert with
+    biases), zero-padded to whole rows; the layer
+    (:class:`~ms_efficient.moe.balanced_ep.BalancedExpertParallelMoE`) sends a copy as these
+    rows and the simulator (:mod:`~ms_efficient.efficientmoe.balanced_cost`) charges them."""
+    return -(-expert_numel(hidden, ffn_hidden, expert_kind, has_bias) // hidden)
 
 
 def exchange_rows(plan: ExpertPlan, num_experts: int, rank_device: Sequence[int],

@@ -52,8 +52,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 import mindspore as ms
-from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
-from mindspore.ops import composite as C, functional as F
+from mindspore import Tensor, ops
 
 from ms_efficient.core import backend
 from ms_efficient.core.config import RunConfig, check_dispatch, save_config
@@ -72,115 +71,14 @@ from ms_efficient.train.relayout import resumed_counts
 from ms_efficient.efficientmoe.ep_replanner import (ExpertParallelReplanner, HomeReplanner,
                                                     compiled_graphs, dropless_plans,
                                                     load_plans_state, slot_budget)
-from ms_efficient.train.optim import is_scratch as _is_scratch, make_optimizer
+from ms_efficient.train.optim import GradReducer, is_scratch as _is_scratch, make_optimizer
 from ms_efficient.train.trainer import _fmt_eta
 
-__all__ = ["ExpertParallelTrainer", "GradReducer", "KEEP_CHECKPOINTS"]
+__all__ = ["ExpertParallelTrainer", "KEEP_CHECKPOINTS"]
 
 logger = logging.getLogger(__name__)
 
 KEEP_CHECKPOINTS = 2     # checkpoints each rank keeps (the one-process trainer keeps as many)
-
-
-_unflatten = C.MultitypeFuncGraph("_unflatten")
-
-
-@_unflatten.register("Tensor", "Number", "Number", "Tuple", "Number", "Tensor")
-def _unflatten_one(flat, offset, size, shape, world, grad):
-    """One gradient of a W-rank step: a dense one (``size`` > 0) read back from ``flat``, the
-    AllReduce-summed dense gradients / W, at ``offset``; an expert one / W (the All-to-All's
-    backward summed it)."""
-    if size > 0:
-        return ops.reshape(ops.slice(flat, (offset,), (size,)), shape)
-    return grad / world
-
-
-_dense_square = C.MultitypeFuncGraph("_dense_square")
-
-
-@_dense_square.register("Number", "Tensor")
-def _dense_square_one(size, grad):
-    """Squared norm of a dense gradient (``size`` > 0), 0 for an expert one (``size`` 0:
-    weighted per slot apart)."""
-    if size > 0:
-        return (grad * grad).sum()
-    return ops.zeros((), ms.float32)
-
-
-_scale = C.MultitypeFuncGraph("_scale")
-
-
-@_scale.register("Tensor", "Tensor")
-def _scale_one(scale, grad):
-    return grad * scale
-
-
-class GradReducer(nn.Cell):
-    """``construct(grads) -> grads`` for ``params`` (the optimizer's order): dense gradients
-    averaged over the W ranks (one AllReduce of them flattened), expert gradients divided by W,
-    then all clipped by the global norm ``clip`` (0: no clipping) as
-    ``ops.clip_by_global_norm`` clips the one-process gradients. ``norm_weight_{j}`` float32
-    [S_b] of MoE layer j: 1 / replicas of the slot's expert, 0 for empty slots; data
-    (Parameters): call :meth:`set_plans` after every re-plan (the trainer does; in a
-    ``Model.train`` loop with ``EfficientMoECallback``, do it when its ``plans`` grows).
-    ``grads``: the tuple of gradients, one per parameter, each of its parameter's shape.
-
-    Built from ``HyperMap`` over the gradient tuple, not a Python loop, because every EP rank
-    compiles it: the loop (index the tuple, split the flat buffer, rebuild the tuple) took 3.6
-    of the 8.4 CPU-s of a W = 1 train-step compile (scripts/time_test_compiles.py at commit
-    a7f48c6). With one rank nothing is reduced."""
-
-    def __init__(self, params, layers: List[ExpertParallelMoE], world: int, clip: float):
-        super().__init__()
-        owner = {}
-        for j, layer in enumerate(layers):
-            for p in (layer.w1, layer.b1, layer.w2, layer.b2):
-                owner[id(p)] = j
-        kind = [owner.get(id(p), -1) for p in params]        # -1: dense
-        self.dense = tuple(i for i, k in enumerate(kind) if k < 0)
-        self.experts = tuple((i, k) for i, k in enumerate(kind) if k >= 0)
-        # dense gradient i at flat[offsets[i]:offsets[i] + sizes[i]] (size 0: an expert's)
-        self.sizes = tuple(int(np.prod(p.shape)) if k < 0 else 0 for p, k in zip(params, kind))
-        self.offsets = tuple(int(o) for o in np.cumsum((0,) + self.sizes)[:-1])
-        self.shapes = tuple(tuple(p.shape) for p in params)
-        self.world, self.clip = world, float(clip)
-        self.worlds = (world,) * len(params)                     # HyperMap's per-gradient W
-        self.weights = ParameterTuple([Parameter(Tensor(np.zeros(layer.budget, np.float32)),
-                                                 name=f"norm_weight_{j}", requires_grad=False)
-                                       for j, layer in enumerate(layers)])
-        self.set_plans(layers)
-        self.hyper_map = C.HyperMap()
-        if world > 1:
-            self.all_reduce = ops.AllReduce(op=ops.ReduceOp.SUM)
-
-    def set_plans(self, layers: List[ExpertParallelMoE]) -> None:
-        """Slot weights of the layers' current plans (call after every ``set_plan``)."""
-        for layer, weight in zip(layers, self.weights):
-            local = np.asarray(layer.local_experts)
-            replicas = layer.plan.replica_counts(layer.num_experts)
-            values = np.zeros(layer.budget, np.float32)
-            values[:local.size] = 1.0 / replicas[local]
-            write_parameter(weight, values)     # in place: the jit train step sees it
-
-    def construct(self, grads):
-        if self.world > 1:
-            flat = ops.concat([grads[i].reshape(-1) for i in self.dense])
-            flat = self.all_reduce(flat) / self.world
-            grads = self.hyper_map(F.partial(_unflatten, flat), self.offsets, self.sizes,
-                                   self.shapes, self.worlds, grads)
-        if self.clip <= 0:
-            return grads
-        sq = ops.addn(self.hyper_map(_dense_square, self.sizes, grads))
-        expert_sq = ops.zeros((), ms.float32)
-        for i, j in self.experts:
-            g = grads[i]
-            rows = (g * g).reshape(g.shape[0], -1).sum(axis=1)
-            expert_sq = expert_sq + (rows * self.weights[j]).sum()
-        if self.world > 1:
-            expert_sq = self.all_reduce(expert_sq)
-        norm = ops.sqrt(sq + expert_sq)
-        norm = ops.select(norm >= self.clip, norm, ops.fill(ms.float32, (), self.clip))
-        return self.hyper_map(F.partial(_scale, self.clip / norm), grads)
 
 
 class ExpertParallelTrainer:
@@ -289,7 +187,8 @@ class ExpertParallelTrainer:
         from ms_efficient.efficientmoe.cost import CostModel
 
         mc = self.cfg.model
-        return CostModel(self._cluster(), mc.hidden_size, mc.ffn_hidden_size, "fp32")
+        return CostModel(self._cluster(), mc.hidden_size, mc.ffn_hidden_size, "fp32",
+                         expert_kind=self.cfg.moe.expert_kind)
 
     def _cluster(self):
         """The run's cluster for this job's W ranks. ``cpu-local`` is this machine, one rank
@@ -657,8 +556,8 @@ def _load_initial(net, layers: List[ExpertParallelMoE], initial: Dict[str, np.nd
             prefixes[id(cell)] = name + "."
     for layer in layers:
         pre = prefixes[id(layer)]
-        layer.set_weights(*(initial[pre + n] for n in ("router.weight", "w1", "b1", "w2", "b2")))
-    expert_names = {prefixes[id(layer)] + n for layer in layers for n in ("w1", "b1", "w2", "b2")}
+        layer.set_weights(*(initial[pre + n] for n in ("router.weight",) + layer.expert_names))
+    expert_names = {prefixes[id(layer)] + n for layer in layers for n in layer.expert_names}
     for p in net.trainable_params():
         if p.name in expert_names or p.name.endswith("router.weight") and any(
                 p.name.startswith(v) for v in prefixes.values()):

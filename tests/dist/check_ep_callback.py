@@ -33,7 +33,7 @@ def check(out_dir, rank, world):
     from ms_efficient.moe.ep_layer import ExpertParallelMoE
     from ms_efficient.efficientmoe.ep_replanner import dropless_plans
     from ms_efficient.moe.ep_replan import weight_states
-    from ms_efficient.train.expert_parallel import GradReducer
+    from ms_efficient.train.optim import GradReducer
 
     import logging
 
