@@ -321,3 +321,63 @@ def test_stacked_gated_experts_whose_shapes_cannot_tell_down_apart_need_their_na
     net, _ = _net(Square)
     with pytest.raises(ValueError, match=r"three stacked expert weights are gated experts"):
         adopt_moe(net, tokens=16)
+
+
+@pytest.mark.parametrize("block", [MixtralSparseMoeBlock, DeepseekV3MoE])
+def test_expert_parallel_adoption_at_one_rank_keeps_the_originals_loss_and_gradients(block):
+    """``adopt_moe(..., expert_parallel=True)`` before ``init()`` (W = 1): the block becomes
+    the balanced expert-parallel layer holding the experts as slot tables (gate | up fused),
+    the router, shared expert and gate bias stay the user's Parameters under their names, and
+    the network computes the original's loss and gradients (1e-4): the dense ones directly,
+    every expert's gate / up / down from its rows of w1 and w2."""
+    from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE
+
+    net, inputs = _net(block)
+    params = net.trainable_params()
+    names = {id(p): p.name for p in net.get_parameters()}
+    experts = net._backbone.mlp.experts
+    gate_up_down = [tuple(getattr(ex, n).weight for n in ex.names) for ex in experts]
+    loss0, grads0 = _loss_and_grads(net, inputs, params)
+    g0 = dict(zip((p.name for p in params), grads0))
+
+    adopt_moe(net, tokens=16, expert_parallel=True)
+    layer = dict(net.cells_and_names())["_backbone.mlp"].moe
+    assert isinstance(layer, BalancedExpertParallelMoE) and layer.world == 1
+    assert layer.expert_names == ("w1", "w2") and tuple(layer.w1.shape) == (E, H, 2 * F)
+    kept = [p for p in net.trainable_params() if id(p) in names]
+    assert all(p.name == names[id(p)] for p in kept)
+    assert {p.name for p in kept} == {p.name for p in params if ".experts." not in p.name}
+    assert {p.name for p in net.trainable_params() if id(p) not in names} == {
+        "mlp.moe.w1", "mlp.moe.w2"}
+
+    new = net.trainable_params()
+    loss1, grads1 = _loss_and_grads(net, inputs, new)
+    assert loss1 == pytest.approx(loss0, rel=1e-4)
+    g1 = dict(zip((p.name for p in new), grads1))
+
+    def close(a, b, name):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * max(float(np.abs(b).max()), 1e-6),
+                                   err_msg=name)
+
+    for p in kept:
+        close(g1[p.name], g0[p.name], p.name)
+    home = layer.home_table.asnumpy()[0]                # slot s holds expert home[s]
+    for slot, e in enumerate(home):
+        gate, up, down = (g0[w.name] for w in gate_up_down[e])
+        close(g1["mlp.moe.w1"][slot], np.concatenate((gate.T, up.T), axis=1), f"w1 of {e}")
+        close(g1["mlp.moe.w2"][slot], down.T, f"w2 of {e}")
+
+
+def test_the_expert_parallel_train_step_needs_the_optimizer_built_after_adoption():
+    from ms_efficient import TrainOneStepCell
+
+    net, _ = _net(MixtralSparseMoeBlock)
+    early = nn.Adam(net.trainable_params(), learning_rate=1e-3)
+    adopt_moe(net, tokens=16, expert_parallel=True)
+    with pytest.raises(ValueError, match=r"the optimizer does not update the expert "
+                                         r"Parameters \['mlp.moe.w1', 'mlp.moe.w2'\]; build it "
+                                         r"after adopt_moe\(\.\.\., expert_parallel=True\)"):
+        TrainOneStepCell(net, early)
+    with pytest.raises(ValueError, match=r"'spare_slots' must be an int >= 0, but got -1"):
+        adopt_moe(_net(MixtralSparseMoeBlock)[0], tokens=16, expert_parallel=True,
+                  spare_slots=-1)

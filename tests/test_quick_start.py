@@ -16,9 +16,10 @@ there); ``a; b`` is two commands. Substitutions, the only ones made:
   resume that would train nothing is refused here as it is for a user.
 - ``kind|kind|...`` (``bench moe|mpipe|...``) is one command per kind; ``my_net.mindir`` (the
   user's exported graph) is written by the test (a small MLP, ``mindspore.export``).
-- the msrun line (``PATH=.venv/bin:$PATH msrun ... my_train.py``) runs the README's python
-  block that starts ``# my_train.py`` with this interpreter's folder first on PATH and a free
-  port for ``--master_port``.
+- the msrun line (``PATH=.venv/bin:$PATH msrun ... examples/moe_expert_parallel.py ...``)
+  runs the repository's example (copied into the folder) with this interpreter's folder first
+  on PATH, a free port for ``--master_port`` and ``--steps 2`` (its own option; 20 by
+  default).
 
 ``train --workers W`` (W >= 2) commands, the commands reading their run folders and the msrun
 line start msrun ranks: they run in the slow tests (``test_expert_parallel_commands_...``);
@@ -123,13 +124,11 @@ def test_the_quick_start_is_parsed_into_the_commands_it_shows():
     lines = [c["argv"][1:3] for c in commands if c["tool"] == "ms-efficient"]
     assert ["train", "--resume"] in lines and ["plan", "moe"] in lines
     msrun = [c for c in commands if c["tool"] == "msrun"]
-    assert len(msrun) == 1 and msrun[0]["argv"][-1] == "my_train.py"
+    assert len(msrun) == 1 and "examples/moe_expert_parallel.py" in msrun[0]["argv"]
     assert msrun[0]["env"]["PATH"] == ".venv/bin:$PATH"
-    # the script it launches is in the section, and the command names the README's options
-    assert any(b.startswith("# my_train.py") for lang, b in quick_start_blocks()
-               if lang == "python")
-    for option in ("--worker_num=2", "--local_worker_num=2", "--master_addr=127.0.0.1",
-                   "--join=True"):
+    # the script it launches is the repository's, and the command names the README's options
+    assert os.path.isfile(os.path.join(ROOT, "examples", "moe_expert_parallel.py"))
+    for option in ("--worker_num=2", "--local_worker_num=2", "--join=True"):
         assert option in msrun[0]["argv"], option
 
 
@@ -218,29 +217,31 @@ class QuickStart:
                 assert re.search(r"measured step time \d", captured.out), captured.out
 
     def run_msrun(self, cmd):
-        """The README's msrun line on its my_train.py (written from the README's block)."""
-        script = next(b for lang, b in quick_start_blocks()
-                      if lang == "python" and b.startswith("# my_train.py"))
-        (self.cwd / "my_train.py").write_text(script)
+        """The README's msrun line on the repository's example (copied here), 2 steps: each
+        rank trains and writes its losses, the ranks' fast-level figures agree."""
+        import json
+
+        shutil.copytree(os.path.join(ROOT, "examples"), self.cwd / "examples")
         argv = [workers.MSRUN] + [f"--master_port={workers.free_port()}"
                                   if a.startswith("--master_port=") else a
-                                  for a in cmd["argv"][1:]]
+                                  for a in cmd["argv"][1:]] + ["--steps", "2"]
         env = dict(os.environ)
         for name, value in cmd["env"].items():
             value = value.replace("$PATH", env.get("PATH", ""))
             env[name] = value.replace(".venv/bin", os.path.dirname(sys.executable))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [ROOT, env.get("PYTHONPATH", "")] if p)
         proc = subprocess.run(argv, cwd=self.cwd, env=env, capture_output=True, text=True,
                               timeout=300)
         log_dir = self.cwd / _msrun_option(argv, "--log_dir")
         logs = {n: (log_dir / n).read_text(errors="replace") for n in os.listdir(log_dir)}
         assert proc.returncode == 0, (proc.stdout[-2000:], {n: t[-2000:] for n, t in
                                                             logs.items()})
-        losses = [re.search(r"losses of all ranks: \[(.*?)\]", logs[f"worker_{r}.log"])
-                  for r in range(2)]
-        assert all(losses), logs
-        # AllGather: both ranks hold every rank's loss, the same values
-        assert losses[0].group(1) == losses[1].group(1)
-        assert len(losses[0].group(1).split()) == 2
+        assert re.search(r"step 2: loss \d", logs["worker_0.log"]), logs["worker_0.log"][-2000:]
+        out = self.cwd / argv[argv.index("--out") + 1]
+        ranks = [json.loads((out / f"losses_rank{r}.json").read_text()) for r in range(2)]
+        assert [r["world"] for r in ranks] == [2, 2]
+        assert [len(r["steps"]) for r in ranks] == [2, 2]
+        assert ranks[0]["steps"][1]["rows_per_device"] == ranks[1]["steps"][1]["rows_per_device"]
 
     @staticmethod
     def write_user_graph(path):
