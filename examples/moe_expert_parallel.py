@@ -19,7 +19,9 @@ Every rank trains on its rows of the same global batch; the mean of the ranks' l
 one-process loss of that batch, step for step. The router is started with one favoured
 expert (``--hot``), so EfficientMoE's fast level copies it into spare slots on other ranks
 every step; each rank writes ``losses_rank<r>.json`` (its loss, the copies made and the rows
-dropped per step) into ``--out``.
+dropped per step) into ``--out``, and ``model.ckpt`` there, the trained network in its own
+layout and names (``ms_efficient.save_moe_checkpoint``): ``--load`` it to continue on any
+number of ranks (the optimizer starts afresh).
 """
 import argparse
 import json
@@ -184,6 +186,10 @@ def train(args) -> None:
         raise SystemExit(f"--batch ({args.batch}) must be divisible by the {world} ranks.")
     local = args.batch // world
     net = build(args.model, args.hot)
+    if args.load:                        # the original network's checkpoint, any world size
+        missing, _ = ms.load_param_into_net(net, ms.load_checkpoint(args.load))
+        if missing:
+            raise SystemExit(f"--load {args.load}: no values for {missing}")
     if distributed:
         net, report = ms_efficient.adopt_moe(net, tokens=local * SEQ, expert_parallel=True,
                                              buffer_slack=args.buffer_slack)
@@ -211,6 +217,11 @@ def train(args) -> None:
             print(f"step {i + 1}: loss {loss:.5f} (rank 0) copies {stats[0]} "
                   f"dropped {stats[1]} rows per device {stats[3:]}", flush=True)
     os.makedirs(args.out, exist_ok=True)
+    checkpoint = os.path.join(args.out, "model.ckpt")
+    if distributed:
+        ms_efficient.save_moe_checkpoint(net, checkpoint)      # collective; rank 0 writes
+    else:
+        ms.save_checkpoint(net, checkpoint)
     path = os.path.join(args.out, f"losses_rank{rank}.json")
     with open(path + ".tmp", "w") as fh:
         json.dump({"world": world, "model": args.model, "steps": rows,
@@ -229,6 +240,7 @@ def main(argv=None) -> None:
     parser.add_argument("--buffer-slack", type=float, default=1.0,
                         help="receive buffers: the mean share x (1 + this)")
     parser.add_argument("--device-target", default="CPU")
+    parser.add_argument("--load", help="a model.ckpt of an earlier run to start from")
     parser.add_argument("--out", required=True)
     train(parser.parse_args(argv))
 

@@ -54,15 +54,20 @@ def adopt_moe(network, tokens, **kwargs):
 
 
 def __getattr__(name):
-    """``ms_efficient.TrainOneStepCell`` (``ms_efficient.train.optim``), imported on first
+    """``ms_efficient.TrainOneStepCell`` (``ms_efficient.train.optim``) and
+    ``ms_efficient.save_moe_checkpoint`` (``ms_efficient.adopt.parallel``), imported on first
     use so that ``import ms_efficient`` stays free of MindSpore."""
     if name == "TrainOneStepCell":
         from ms_efficient.train.optim import TrainOneStepCell
 
         return TrainOneStepCell
+    if name == "save_moe_checkpoint":
+        from ms_efficient.adopt.parallel import save_moe_checkpoint
+
+        return save_moe_checkpoint
     raise AttributeError(f"module 'ms_efficient' has no attribute {name!r}")
 
 
-__all__ = ["optimize", "parallelize", "adopt_moe", "TrainOneStepCell", "load_config",
-           "config_from_dict", "register_pass", "registered_passes", "PassRefused",
-           "__version__"]
+__all__ = ["optimize", "parallelize", "adopt_moe", "TrainOneStepCell", "save_moe_checkpoint",
+           "load_config", "config_from_dict", "register_pass", "registered_passes",
+           "PassRefused", "__version__"]

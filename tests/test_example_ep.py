@@ -92,3 +92,42 @@ def test_the_example_on_w_workers_equals_one_process_with_copies(example_ep_runs
             [(s["copies"], s["rows_per_device"]) for s in steps]
     assert sum(s["copies"] for s in steps) > 0
     assert all(s["dropped"] == 0 for s in steps)
+
+
+@pytest.mark.slow
+@workers.needs_msrun
+@pytest.mark.parametrize("model, world", RUNS)
+def test_the_w_worker_checkpoint_is_the_original_network_trained_as_in_one_process(
+        example_ep_runs, model, world):
+    """``model.ckpt`` of the W-rank run (``save_moe_checkpoint``: the experts gathered from
+    every rank, in the user's layout and names) loads into the example's original network,
+    as the one-process run's does, and both give the loss of the next batch within 1e-3 and
+    every Parameter within 1e-3 of its scale: the run continues from it at any size."""
+    import importlib.util
+
+    import mindspore as ms
+    from mindspore import Tensor
+
+    spec = importlib.util.spec_from_file_location("moe_expert_parallel", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    try:
+        losses, values = [], []
+        for folder in (example_ep_runs[model, 1], example_ep_runs[model, world]):
+            net = example.build(model, hot=0.0, seed=1)        # other initial values
+            missing, _ = ms.load_param_into_net(net, ms.load_checkpoint(
+                str(folder / "model.ckpt")))
+            assert not missing
+            ids, labels = example.global_batch(STEPS, 128)
+            losses.append(float(net(Tensor(ids), Tensor(labels)).asnumpy()))
+            values.append({p.name: p.asnumpy() for p in net.get_parameters()})
+    finally:
+        ms.set_context(mode=mode)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-3)
+    assert sorted(values[0]) == sorted(values[1])
+    for name, ref in values[0].items():
+        np.testing.assert_allclose(values[1][name], ref, rtol=0,
+                                   atol=1e-3 * max(float(np.abs(ref).max()), 1e-6),
+                                   err_msg=name)

@@ -381,3 +381,28 @@ def test_the_expert_parallel_train_step_needs_the_optimizer_built_after_adoption
     with pytest.raises(ValueError, match=r"'spare_slots' must be an int >= 0, but got -1"):
         adopt_moe(_net(MixtralSparseMoeBlock)[0], tokens=16, expert_parallel=True,
                   spare_slots=-1)
+
+
+@pytest.mark.parametrize("block", [MixtralSparseMoeBlock, DeepseekV3MoE, StackedMixtralBlock])
+def test_save_moe_checkpoint_writes_the_original_network_back_in_its_own_names(block,
+                                                                              tmp_path):
+    """Right after expert-parallel adoption (W = 1) nothing has trained, so the checkpoint
+    ``save_moe_checkpoint`` writes holds exactly the original network's Parameters: the same
+    names (no package buffer), the same values bit for bit (experts split from the fused
+    gate | up table, transposed back to Dense layout for lists); the original network loads it
+    and computes the same loss."""
+    from ms_efficient import save_moe_checkpoint
+
+    net, inputs = _net(block)
+    before = {p.name: p.asnumpy().copy() for p in net.get_parameters()}
+    loss0 = float(net(*inputs).asnumpy())
+    adopt_moe(net, tokens=16, expert_parallel=True)
+    path = str(tmp_path / "user.ckpt")
+    arrays = save_moe_checkpoint(net, path)
+    saved = {n: v.asnumpy() for n, v in ms.load_checkpoint(path).items()}
+    assert sorted(saved) == sorted(arrays) == sorted(before)
+    for name, value in before.items():
+        np.testing.assert_array_equal(saved[name], value, err_msg=name)
+    fresh, _ = _net(block, seed=1)                       # other initial values
+    assert not ms.load_param_into_net(fresh, ms.load_checkpoint(path))[0]   # nothing left out
+    assert float(fresh(*inputs).asnumpy()) == pytest.approx(loss0, rel=1e-6)

@@ -14,7 +14,9 @@ network; the recognised block (:mod:`ms_efficient.adopt.blocks`) becomes a
   rank) with ``spare_slots`` spare slots for the per-step copies; each rank keeps the rows of
   its home slots in new Parameters ``<block>.moe.w1``, ``b1``, ``w2``, ``b2`` (w1, w2 only
   without biases). The user's own expert Parameters leave the network: build the optimizer
-  after adoption. ``logical_expert_weights`` reads the experts back as the user's tables.
+  after adoption. :func:`save_moe_checkpoint` writes the network back in the user's own
+  layout and names (one checkpoint of the original network, whatever W), so a run resumes at
+  another size by loading it into the original network and adopting again.
 - **buffers**: every device's receive buffer is the mean share (T K rows of this rank's T
   tokens) x (1 + ``buffer_slack``), on the cluster's matmul tile; rows beyond a buffer drop
   (the layer's ``dropped`` output; the fast level balances into the buffers first).
@@ -24,19 +26,52 @@ the default is ``cpu-local`` grown to the W ranks of the job) and the expert siz
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import dataclasses
+from typing import Dict, Optional, Tuple
 
 import numpy as np
-from mindspore import Parameter, nn
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
 
 from ms_efficient.adopt.blocks import BlockSpec
 from ms_efficient.core import backend
 from ms_efficient.core.cluster import ClusterSpec, get_cluster
+from ms_efficient.core.fileio import atomic_write_with
 from ms_efficient.efficientmoe.cost import CostModel
 from ms_efficient.efficientmoe.layout import training_specs
 from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE
 
-__all__ = ["expert_parallel_layer", "logical_tables", "ep_cluster"]
+__all__ = ["expert_parallel_layer", "logical_tables", "ep_cluster", "UserExperts",
+           "save_moe_checkpoint"]
+
+
+@dataclasses.dataclass(frozen=True)
+class UserExperts:
+    """Where an adopted block's experts came from: ``layout`` "list" (E experts of Dense,
+    weights [out, in]) or "stacked" ([E, ...] Parameters); ``names[role]`` the user's
+    Parameter name(s) of each role ("w1" gate or first matrix, "w3" up, "w2" down, "b1",
+    "b3", "b2"; a tuple of E names for a list), ``shapes[role]`` their shapes; the network's
+    Parameter names before adoption (``network_names``)."""
+    layout: str
+    names: Dict[str, object]
+    shapes: Dict[str, tuple]
+    network_names: frozenset
+
+
+def user_experts(spec: BlockSpec, names: Dict[int, str]) -> UserExperts:
+    """The :class:`UserExperts` of a block, ``names`` the user's names by Parameter id."""
+    roles = dict(zip(("w1", "b1", "w2", "b2"), spec.weights))
+    if spec.up is not None:
+        roles.update(zip(("w3", "b3"), spec.up))
+    listed = spec.layout == "list"
+    out_names, shapes = {}, {}
+    for role, value in roles.items():
+        if value is None:
+            continue
+        params = tuple(value) if listed else (value,)
+        out_names[role] = tuple(names[id(p)] for p in params) if listed else names[id(value)]
+        shapes[role] = tuple(params[0].shape)
+    return UserExperts(spec.layout, out_names, shapes, frozenset(names.values()))
 
 
 def _stacked(value, dense_layout: bool) -> np.ndarray:
@@ -89,10 +124,12 @@ def ep_cluster(cluster, world: int) -> ClusterSpec:
 def expert_parallel_layer(spec: BlockSpec, tokens: int, activation: nn.Cell,
                           renormalize: bool, router_config, spare_slots: int,
                           buffer_slack: float, cluster, trace_ranks: int = 1,
-                          fast_level: str = "auto") -> BalancedExpertParallelMoE:
+                          fast_level: str = "auto",
+                          names: Optional[Dict[int, str]] = None) -> BalancedExpertParallelMoE:
     """The balanced expert-parallel layer of one recognised block over the world group
     (module doc), its home slots loaded with the block's experts. ``tokens``: T, this rank's
-    tokens per forward."""
+    tokens per forward; ``names``: the user's Parameter names by id (recorded for
+    :func:`save_moe_checkpoint`)."""
     world = backend.group_size()                  # 1 before init(): one process
     kind = spec.expert_kind
     model = CostModel(ep_cluster(cluster, world), spec.hidden, spec.ffn, "fp32",
@@ -107,4 +144,76 @@ def expert_parallel_layer(spec: BlockSpec, tokens: int, activation: nn.Cell,
         activation=activation, renormalize=renormalize, router_config=router_config,
         expert_bias=bias, router=spec.router, shared=spec.shared)
     layer.set_weights(None, *logical_tables(spec))
+    layer.user_experts = user_experts(spec, names if names is not None else
+                                      {id(p): p.name for p in spec.cell.get_parameters()})
     return layer
+
+
+def gathered_tables(layer: BalancedExpertParallelMoE) -> Tuple[np.ndarray, ...]:
+    """Every expert's weights from the ranks' home slots, float32 numpy [E, ...] per
+    :attr:`expert_names` (collective when W > 1: one AllGather per table; every rank gets
+    them)."""
+    home = layer.home_table.asnumpy()                      # [W, S_h]
+    tables = []
+    for param in layer.expert_params():
+        local = param.asnumpy()
+        if layer.world > 1:
+            rows = ops.AllGather()(Tensor(local)).asnumpy()
+        else:
+            rows = local
+        rows = rows.reshape(home.shape + local.shape[1:])
+        table = np.zeros((layer.num_experts,) + local.shape[1:], np.float32)
+        for w, s in zip(*np.nonzero(home >= 0)):
+            table[home[w, s]] = rows[w, s]
+        tables.append(table)
+    return tuple(tables)
+
+
+def user_arrays(layer: BalancedExpertParallelMoE) -> Dict[str, np.ndarray]:
+    """{the user's expert Parameter name: its value} of an adopted layer (collective)."""
+    info: UserExperts = layer.user_experts
+    tables = dict(zip(layer.expert_names, gathered_tables(layer)))
+    gated = layer.expert_kind == "glu"
+    ffn = tables["w2"].shape[1]
+    parts = {"w1": tables["w1"][:, :, :ffn] if gated else tables["w1"], "w2": tables["w2"]}
+    if gated:
+        parts["w3"] = tables["w1"][:, :, ffn:]
+    if layer.has_bias:
+        b1 = tables["b1"].reshape(layer.num_experts, -1)
+        parts["b1"] = b1[:, :ffn] if gated else b1
+        parts["b2"] = tables["b2"].reshape(layer.num_experts, -1)
+        if gated:
+            parts["b3"] = b1[:, ffn:]
+    out = {}
+    for role, name in info.names.items():
+        value = parts[role]
+        if info.layout == "list":            # Dense layout: weights [out, in], biases [out]
+            for e, each in enumerate(name):
+                out[each] = value[e].T.copy() if value.ndim == 3 else value[e].copy()
+        else:
+            out[name] = value.reshape(info.shapes[role])
+    return out
+
+
+def save_moe_checkpoint(network: nn.Cell, path: str) -> Dict[str, np.ndarray]:
+    """Write ``network`` (adopted with ``expert_parallel=True``) as ONE checkpoint of the
+    user's original network: its own Parameters under their names (the router, shared expert
+    and gate bias as trained; dense ones from this rank, the same on every rank) and every
+    expert in the user's layout and names, read from the ranks' home slots. Collective: every
+    rank calls it; rank 0 writes ``path`` (atomically), every rank returns the arrays. Load it
+    into the original network (``mindspore.load_checkpoint`` + ``load_param_into_net``)
+    before ``adopt_moe`` to continue at any number of ranks. The optimizer's state is not in
+    it."""
+    layers = [c for _, c in network.cells_and_names()
+              if isinstance(c, BalancedExpertParallelMoE) and hasattr(c, "user_experts")]
+    if not layers:
+        raise ValueError("save_moe_checkpoint: the network has no layer adopted with "
+                         "adopt_moe(..., expert_parallel=True).")
+    original = frozenset().union(*(layer.user_experts.network_names for layer in layers))
+    arrays = {p.name: p.asnumpy() for p in network.get_parameters() if p.name in original}
+    for layer in layers:
+        arrays.update(user_arrays(layer))
+    if backend.group_size() == 1 or backend.group_rank() == 0:
+        entries = [{"name": n, "data": Tensor(v)} for n, v in arrays.items()]
+        atomic_write_with(path, lambda tmp: ms.save_checkpoint(entries, tmp), suffix=".ckpt")
+    return arrays

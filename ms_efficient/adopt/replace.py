@@ -238,7 +238,8 @@ def adopt_moe(network: nn.Cell, tokens: int, capacity_factor: float = 0.0,
                 config = (None if spec.router_config is None else
                           dataclasses.replace(spec.router_config, renormalize=renorm))
                 layer = expert_parallel_layer(spec, tokens, act, renorm, config, spare_slots,
-                                              buffer_slack, cluster, trace_ranks, fast_level)
+                                              buffer_slack, cluster, trace_ranks, fast_level,
+                                              names)
             else:
                 cap = switch_capacity(tokens, spec.num_experts, spec.top_k, capacity_factor)
                 layer = _layer(spec, cap, act, renorm, trace_ranks, dispatch)
