@@ -133,6 +133,15 @@ def test_balanced_workers_match_the_one_process_loss_with_copies(balanced_runs, 
     params = ms.load_checkpoint(str(last))
     assert tuple(params["blocks.0.ffn.w1"].shape[1:]) == (32, 2 * 64)
     assert tuple(params["blocks.0.ffn.shared.gate_proj.weight"].shape) == (64, 32)
+    # the export (the one-process model's checkpoint) keeps the shared expert as trained
+    from ms_efficient.train.logical_state import export_checkpoint
+
+    out = str(runs[world] / "export.ckpt")
+    export_checkpoint(str(runs[world]), out)
+    exported = ms.load_checkpoint(out)
+    for name in ("blocks.0.ffn.shared.gate_proj.weight", "blocks.1.ffn.shared.down_proj.weight"):
+        np.testing.assert_array_equal(exported[name].asnumpy(), params[name].asnumpy())
+    assert tuple(exported["blocks.0.ffn.w1"].shape) == (4, 32, 2 * 64)          # E, H, 2F
 
 
 @pytest.mark.slow

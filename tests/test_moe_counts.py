@@ -169,6 +169,9 @@ class _PlanOnlyLayer:
         self.b2 = np.zeros((budget, 1, hidden))
         self.compiled = (plan.device_rows(world), plan.send_rows(world, world))
 
+    def expert_params(self):
+        return (self.w1, self.b1, self.w2, self.b2)
+
     def set_plan(self, plan, optimizer=None):
         from types import SimpleNamespace
 

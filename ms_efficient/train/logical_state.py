@@ -207,7 +207,10 @@ def logical_state(run: RunCheckpoints) -> Dict[str, np.ndarray]:
         prefix = f"blocks.{block}.ffn."
         plan = _layer_plan(run, j, prefix, ranks)
         keep = {prefix + "router.weight"} | {prefix + t for t in EXPERT_TABLES}
-        layout |= {n for n in ranks[0] if n.startswith(prefix) and n not in keep}
+        # the layer's own layout buffers (home and sync tables, per-step figures); its child
+        # Cells' Parameters (the router, a shared expert) are the model's
+        layout |= {n for n in ranks[0] if n.startswith(prefix) and n not in keep
+                   and "." not in n[len(prefix):]}
         for table in EXPERT_TABLES:
             for name in [prefix + table] + [m + prefix + table for m in MOMENTS]:
                 lacking = [run.paths[r] for r, params in enumerate(ranks) if name not in params]
