@@ -26,8 +26,11 @@ rows) and ``commands`` (its ``ms-efficient plan|bench`` sub-commands)):
     memopt/        dual-agent RL keep/recompute/swap planner and its MILP baselines
     shard/         minimal-redundancy sharding ILP and the Megatron / ZeRO baselines
     place/         TGA partitioning and placement and the Baechi / Hierarchical baselines
-    train/         trainer, corpus and run report of the reference model
+    train/         trainer, corpus and run report of the reference model; TrainOneStepCell
+                   for networks with expert-parallel MoE layers
     adopt/         adopt_moe(): a user's own MoE blocks replaced by the package's layer
+                   (expert-parallel too: adopt_moe(..., expert_parallel=True),
+                   save_moe_checkpoint)
     parallel/      parallelize(): the plans as MindSpore's AutoParallel; the launch bundle
     verify/        the compile-time check of the plans (optimize(..., verify=True))
     passes.py      optimize(): runs the configured passes on a network
