@@ -65,9 +65,9 @@ from ms_efficient.moe.exchange import copy_rows, expert_numel
 from ms_efficient.moe.experts import EXPERT_KINDS, GatedActivation
 from ms_efficient.moe.fast_level import FastLevel, fast_level_tables
 from ms_efficient.moe.grouped_matmul import GroupedMatmul, row_groups
-from ms_efficient.moe.layer import (TopKArrival, make_gelu, routing_counts_buffer,
-                                    routing_statistics, sum_choices)
-from ms_efficient.moe.routing import Router, RouterConfig, expert_bias_parameter, updated_bias
+from ms_efficient.moe.layer import (make_gelu, routing_counts_buffer, routing_statistics,
+                                    set_routing, sum_choices)
+from ms_efficient.moe.routing import RouterConfig, updated_bias
 
 __all__ = ["BalancedExpertParallelMoE", "BalancedSpec", "FastLevel", "fast_level_tables",
            "home_plan"]
@@ -239,18 +239,7 @@ class BalancedExpertParallelMoE(nn.Cell):
             activation = nn.SiLU() if expert_kind == "glu" else make_gelu()
         self.act = GatedActivation(activation) if expert_kind == "glu" else activation
         self.shared = shared
-        self.uses_bias = router_config is not None and router_config.uses_bias
-        self.arrival = (TopKArrival(num_experts, top_k, renormalize) if router_config is None
-                        else Router(num_experts, top_k, router_config))
-        if self.uses_bias:
-            self.bias_speed = float(router_config.bias_update_speed)
-            self.expert_bias = (expert_bias if expert_bias is not None
-                                else expert_bias_parameter(num_experts))
-            if tuple(self.expert_bias.shape) != (num_experts,):
-                raise ValueError(f"'expert_bias' must be [{num_experts}], but got "
-                                 f"{tuple(self.expert_bias.shape)}.")
-        elif expert_bias is not None:
-            raise ValueError("'expert_bias' needs a router_config with bias_update_speed > 0.")
+        set_routing(self, num_experts, top_k, renormalize, router_config, expert_bias)
         self.arange_L = Tensor(np.arange(self.slots_home + self.spare, dtype=np.int32))
         self.balance_stats = Parameter(Tensor(np.zeros(3 + self.world, np.int32)),
                                        name="balance_stats", requires_grad=False)

@@ -95,6 +95,28 @@ class TopKArrival(nn.Cell):
         return probs_TE, weights_TK, expert_ids_A, onehot_AE, position_A.astype(ms.int32)
 
 
+def set_routing(layer: nn.Cell, num_experts: int, top_k: int, renormalize: bool,
+                router_config: Optional[RouterConfig],
+                expert_bias: Optional[Parameter]) -> None:
+    """Give an MoE layer its top-k rule, shared by every layer of the package: ``arrival``
+    (:class:`TopKArrival` without a ``router_config``, else :class:`Router`), ``uses_bias``,
+    and with the auxiliary-loss-free bias ``bias_speed`` and ``expert_bias`` (float32 [E], the
+    given Parameter or a new one). ValueError for a bias of another shape, or one given without
+    a router_config that uses it."""
+    layer.uses_bias = router_config is not None and router_config.uses_bias
+    layer.arrival = (TopKArrival(num_experts, top_k, renormalize) if router_config is None
+                     else Router(num_experts, top_k, router_config))
+    if layer.uses_bias:
+        layer.bias_speed = float(router_config.bias_update_speed)
+        layer.expert_bias = (expert_bias if expert_bias is not None
+                             else expert_bias_parameter(num_experts))
+        if tuple(layer.expert_bias.shape) != (num_experts,):
+            raise ValueError(f"'expert_bias' must be [{num_experts}], but got "
+                             f"{tuple(layer.expert_bias.shape)}.")
+    elif expert_bias is not None:
+        raise ValueError("'expert_bias' needs a router_config with bias_update_speed > 0.")
+
+
 def sum_choices(y_AH, top_k: int, tokens: int):
     """Sum the K = ``top_k`` weighted expert outputs of every token: [K * T, H] k-major ->
     [T, H]. Split + AddN: the CPU backend's ReduceSum over the leading axis of [K, T, H] is
@@ -261,20 +283,7 @@ class MoEFeedForward(nn.Cell):
         self.activation = GatedActivation(activation) if self.gated else activation
         self.shared = shared
         self.router_config = router_config
-        self.uses_bias = router_config is not None and router_config.uses_bias
-        if router_config is None:
-            self.arrival = TopKArrival(num_experts, top_k, renormalize)
-        else:
-            self.arrival = Router(num_experts, top_k, router_config)
-        if self.uses_bias:
-            self.bias_speed = float(router_config.bias_update_speed)
-            self.expert_bias = (expert_bias if expert_bias is not None
-                                else expert_bias_parameter(num_experts))
-            if tuple(self.expert_bias.shape) != (num_experts,):
-                raise ValueError(f"'expert_bias' must be [{num_experts}], but got "
-                                 f"{tuple(self.expert_bias.shape)}.")
-        elif expert_bias is not None:
-            raise ValueError("'expert_bias' needs a router_config with bias_update_speed > 0.")
+        set_routing(self, num_experts, top_k, renormalize, router_config, expert_bias)
         self.routing_counts = routing_counts_buffer(trace_ranks, num_experts)
 
     def expert_tables(self):
