@@ -9,17 +9,22 @@ expert-parallel layer on W ranks:
 
     python examples/moe_expert_parallel.py --model mixtral --out runs/one   # one process
 
-The three lines that make it expert-parallel (see ``train``)::
+The three lines that make it expert-parallel (see ``train``), and the callback that re-places
+the home experts during ``Model.train`` (``--replan-every``)::
 
     init()                                                  # mindspore.communication
     net, report = ms_efficient.adopt_moe(net, tokens=T, expert_parallel=True)
     step = ms_efficient.TrainOneStepCell(net, optimizer)    # instead of nn.TrainOneStepCell
+    Model(step).train(1, dataset, callbacks=[ms_efficient.EfficientMoECallback(net, em)])
 
 Every rank trains on its rows of the same global batch; the mean of the ranks' losses is the
 one-process loss of that batch, step for step. The router is started with one favoured
 expert (``--hot``), so EfficientMoE's fast level copies it into spare slots on other ranks
-every step; each rank writes ``losses_rank<r>.json`` (its loss, the copies made and the rows
-dropped per step) into ``--out``, and ``model.ckpt`` there, the trained network in its own
+every step. With ``--replan-every N`` the slow level checks every N steps whether new home
+tables pay for moving the experts (``--force-replan-step S`` moves them at step S whatever
+the gain: the run goes on equal to one process). Each rank writes ``losses_rank<r>.json``
+(its loss, the copies made and the rows dropped per step, the home re-plans and every check's
+verdict) into ``--out``, and ``model.ckpt`` there, the trained network in its own
 layout and names (``ms_efficient.save_moe_checkpoint``): ``--load`` it to continue on any
 number of ranks (the optimizer starts afresh).
 """
@@ -29,10 +34,13 @@ import os
 
 import numpy as np
 import mindspore as ms
+import mindspore.dataset as ds
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
+from mindspore.train import Callback, Model
 
 import ms_efficient
+from ms_efficient.core.config import EfficientMoEConfig
 
 VOCAB, SEQ, H, F, E, K = 64, 16, 32, 32, 8, 2
 
@@ -199,23 +207,38 @@ def train(args) -> None:
                                    weight_decay=0.0)
     step = (ms_efficient.TrainOneStepCell(net, optimizer) if distributed
             else nn.TrainOneStepCell(net, optimizer))
-    step.set_train()
     layer = next(c for _, c in net.cells_and_names() if hasattr(c, "routing_counts"))
     rows = []
+
+    class StepLog(Callback):
+        """Each step's loss and the fast level's figures: copies, rows dropped, rows kept,
+        then the rows every device computed (the same on every rank)."""
+
+        def on_train_step_end(self, run_context):
+            loss = float(run_context.original_args().net_outputs.asnumpy())
+            stats = (layer.balance_stats.asnumpy().tolist()
+                     if hasattr(layer, "balance_stats") else [0, 0, 0])
+            rows.append({"step": len(rows) + 1, "loss": loss, "copies": int(stats[0]),
+                         "dropped": int(stats[1]), "rows_per_device": stats[3:]})
+            if rank == 0:
+                print(f"step {len(rows)}: loss {loss:.5f} (rank 0) copies {stats[0]} "
+                      f"dropped {stats[1]} rows per device {stats[3:]}", flush=True)
+
+    callbacks = [StepLog()]
+    efficient = None
+    if distributed and args.replan_every:
+        em = EfficientMoEConfig(enabled=True, warmup_steps=3, replan_every=args.replan_every,
+                                window=max(3, args.replan_every),
+                                force_replan_step=args.force_replan_step)
+        efficient = ms_efficient.EfficientMoECallback(net, em)
+        callbacks.insert(0, efficient)
+    batches = []                                            # this rank's rows of each batch
     for i in range(args.steps):
         ids, labels = global_batch(i, args.batch)
-        ids, labels = ids[rank * local:(rank + 1) * local], labels[rank * local * SEQ:
-                                                                   (rank + 1) * local * SEQ]
-        loss = float(step(Tensor(ids), Tensor(labels)).asnumpy())
-        # the fast level's figures of the step: copies, rows dropped, rows kept, then the
-        # rows every device computed (the same on every rank)
-        stats = (layer.balance_stats.asnumpy().tolist() if hasattr(layer, "balance_stats")
-                 else [0, 0, 0])
-        rows.append({"step": i + 1, "loss": loss, "copies": int(stats[0]),
-                     "dropped": int(stats[1]), "rows_per_device": stats[3:]})
-        if rank == 0:
-            print(f"step {i + 1}: loss {loss:.5f} (rank 0) copies {stats[0]} "
-                  f"dropped {stats[1]} rows per device {stats[3:]}", flush=True)
+        batches.append((ids[rank * local:(rank + 1) * local],
+                        labels[rank * local * SEQ:(rank + 1) * local * SEQ]))
+    dataset = ds.GeneratorDataset(batches, ["ids", "labels"], shuffle=False)
+    Model(step).train(1, dataset, callbacks=callbacks, dataset_sink_mode=False)
     os.makedirs(args.out, exist_ok=True)
     checkpoint = os.path.join(args.out, "model.ckpt")
     if distributed:
@@ -225,7 +248,9 @@ def train(args) -> None:
     path = os.path.join(args.out, f"losses_rank{rank}.json")
     with open(path + ".tmp", "w") as fh:
         json.dump({"world": world, "model": args.model, "steps": rows,
-                   "blocks": {p: str(b) for p, b in report.items()}}, fh)
+                   "blocks": {p: str(b) for p, b in report.items()},
+                   "replans": efficient.plans if efficient else [],
+                   "replan_checks": efficient.checks if efficient else []}, fh)
     os.replace(path + ".tmp", path)
 
 
@@ -240,6 +265,12 @@ def main(argv=None) -> None:
     parser.add_argument("--buffer-slack", type=float, default=1.0,
                         help="receive buffers: the mean share x (1 + this)")
     parser.add_argument("--device-target", default="CPU")
+    parser.add_argument("--replan-every", type=int, default=0, metavar="N",
+                        help="W > 1: EfficientMoECallback checks the home experts every N "
+                             "steps (0: no slow level)")
+    parser.add_argument("--force-replan-step", type=int, default=0, metavar="S",
+                        help="with --replan-every: move the home experts at step S whatever "
+                             "the gain")
     parser.add_argument("--load", help="a model.ckpt of an earlier run to start from")
     parser.add_argument("--out", required=True)
     train(parser.parse_args(argv))

@@ -57,9 +57,14 @@ def adopt_moe(network, tokens, **kwargs):
 
 
 def __getattr__(name):
-    """``ms_efficient.TrainOneStepCell`` (``ms_efficient.train.optim``) and
-    ``ms_efficient.save_moe_checkpoint`` (``ms_efficient.adopt.parallel``), imported on first
-    use so that ``import ms_efficient`` stays free of MindSpore."""
+    """``ms_efficient.TrainOneStepCell`` (``ms_efficient.train.optim``),
+    ``ms_efficient.save_moe_checkpoint`` (``ms_efficient.adopt.parallel``) and
+    ``ms_efficient.EfficientMoECallback`` (``ms_efficient.efficientmoe.apply``), imported on
+    first use so that ``import ms_efficient`` stays free of MindSpore."""
+    if name == "EfficientMoECallback":
+        from ms_efficient.efficientmoe.apply import EfficientMoECallback
+
+        return EfficientMoECallback
     if name == "TrainOneStepCell":
         from ms_efficient.train.optim import TrainOneStepCell
 
@@ -72,5 +77,6 @@ def __getattr__(name):
 
 
 __all__ = ["optimize", "parallelize", "adopt_moe", "TrainOneStepCell", "save_moe_checkpoint",
+           "EfficientMoECallback",
            "load_config", "config_from_dict", "register_pass", "registered_passes",
            "PassRefused", "__version__"]

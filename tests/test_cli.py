@@ -117,6 +117,15 @@ def test_bench_moe_rejects_a_skew_out_of_range_before_any_work(tmp_path, capsys)
     assert not out.exists()
 
 
+def test_bench_moe_rejects_more_deepseek_layers_than_the_model_has(tmp_path, capsys):
+    out = tmp_path / "moe.json"
+    assert main(["bench", "moe", "--no-measured", "--deepseek-layers", "59", "--json",
+                 str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'--deepseek-layers' must be in [0, 58]" in err[0]
+    assert "got 59" in err[0] and not out.exists()
+
+
 def test_bench_moe_rejects_an_unknown_method_before_any_work(tmp_path, capsys):
     out = tmp_path / "moe.json"
     assert main(["bench", "moe", "--no-measured", "--methods", "efficientmoe", "tutel",

@@ -1,7 +1,9 @@
 """examples/moe_expert_parallel.py run as its docstring says: a Mixtral-style network on 2 msrun
 workers and a DeepSeek-V3-style one on 4, each against the same script in one process on the
 global batch (the issue's bar: mean of the ranks' losses within 1e-3 of the one-process loss,
-20 steps, copies happening)."""
+20 steps, copies happening). The 4-worker run also re-places its home experts through
+``EfficientMoECallback`` in ``Model.train`` (a check every REPLAN_EVERY steps, one forced at
+FORCE_AT), so its equality holds across a home re-plan."""
 import json
 import os
 import subprocess
@@ -15,6 +17,7 @@ import workers
 EXAMPLE = workers.REPO / "examples" / "moe_expert_parallel.py"
 RUNS = (("mixtral", 2), ("deepseek", 4))
 STEPS = 20
+REPLAN_EVERY, FORCE_AT = 5, 10          # the 4-worker run's slow level (--replan-every ...)
 
 
 def _env():
@@ -51,8 +54,9 @@ def _example_ep_runs():
         job.mkdir()
         _run([workers.MSRUN, "--worker_num", str(world), "--local_worker_num", str(world),
               "--master_port", str(workers.free_port()), "--log_dir", str(job / "log"),
-              "--join", "True", str(EXAMPLE), "--model", model, "--out", str(job / "out")],
-             job)
+              "--join", "True", str(EXAMPLE), "--model", model, "--out", str(job / "out")]
+             + (["--replan-every", str(REPLAN_EVERY), "--force-replan-step", str(FORCE_AT)]
+                if world == 4 else []), job)
         runs[model, world] = job / "out"
     return runs
 
@@ -92,6 +96,34 @@ def test_the_example_on_w_workers_equals_one_process_with_copies(example_ep_runs
             [(s["copies"], s["rows_per_device"]) for s in steps]
     assert sum(s["copies"] for s in steps) > 0
     assert all(s["dropped"] == 0 for s in steps)
+
+
+@pytest.mark.slow
+@workers.needs_msrun
+def test_efficientmoe_callback_replaces_the_adopted_layers_home_experts_in_model_train(
+        example_ep_runs):
+    """The 4-rank DeepSeek-style run: EfficientMoECallback checked the home tables at every
+    REPLAN_EVERY-th step after the warm-up (each verdict with its modelled gain and
+    migration and the reason), moved them at FORCE_AT (slots and bytes moved, the optimizer's
+    two Adam moments with them, no recompilation), and every rank took the same decisions;
+    the equality test above holds the losses across that move."""
+    ranks = [_rows(example_ep_runs["deepseek", 4], r) for r in range(4)]
+    strip = lambda records: [{k: v for k, v in r.items() if k != "seconds"}  # noqa: E731
+                             for r in records]
+    for r in ranks[1:]:
+        assert strip(r["replans"]) == strip(ranks[0]["replans"])
+        assert r["replan_checks"] == ranks[0]["replan_checks"]
+    checks = ranks[0]["replan_checks"]
+    assert [c["step"] for c in checks] == [5, 10, 15]
+    assert all(c["reason"] for c in checks)
+    records = ranks[0]["replans"]
+    assert [r["step"] for r in records] == [c["step"] for c in checks if c["adopted"]]
+    (record,) = [r for r in records if r["step"] == FORCE_AT]
+    assert record["reason"].startswith("forced")
+    for record in records:
+        assert record["recompiled"] is False
+        assert record["moved_slots"] > 0 and record["moved_bytes"] > 0
+        assert record["state_bytes"] == 2 * record["moved_bytes"]
 
 
 @pytest.mark.slow

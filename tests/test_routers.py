@@ -658,3 +658,59 @@ def test_deepseek_shape_256_experts_8_groups(graph_mode, config):
     assert (np.sort(plain, 1) != np.sort(ids, 1)).any(axis=1).sum() >= t // 4
     # every token's experts lie in at most 4 of the 8 groups
     assert max(len({e_ // 32 for e_ in row}) for row in ids.tolist()) <= 4
+
+
+# --- the group-limited routing trace (moe.trace.group_limited_trace) --------------------------
+
+
+def test_group_limited_trace_of_equal_scores_routes_to_the_lowest_group_and_experts():
+    """All logits 0 (no skew, drift or kind spread): every score is sigmoid(0) = 0.5, the two
+    groups tie and the lower one is kept, its experts 0 and 1 tie and both are chosen: each
+    rank's 3 tokens give counts [3, 3, 0, 0], rows 10 training steps apart."""
+    from ms_efficient.moe.trace import group_limited_trace
+
+    trace = group_limited_trace(steps=2, layers=1, ranks=2, experts=4, top_k=2, num_groups=2,
+                                topk_groups=1, tokens_per_rank=3, hidden=8, skew=0.0,
+                                drift=0.0, token_types=1, type_spread=0.0,
+                                bias_update_speed=0.0, burn_in=0)
+    np.testing.assert_array_equal(trace.counts, np.tile([3, 3, 0, 0], (2, 1, 2, 1)))
+    assert trace.top_k == 2 and trace.tokens_per_rank == 3 and trace.hidden == 8
+    np.testing.assert_array_equal(trace.steps, [0, 10])
+
+
+def test_group_limited_trace_keeps_each_kind_in_its_groups_and_the_bias_spreads_the_load():
+    """One kind of token: without the balancing bias every row routes all tokens to the same
+    top-k experts, inside topk_groups groups; with it (V3's sign rule) the chosen experts
+    change over the rows and the busiest expert's share over the trace falls. Every rank's
+    row holds tokens_per_rank x top_k assignments."""
+    from ms_efficient.moe.trace import group_limited_trace
+
+    kwargs = dict(steps=30, layers=1, ranks=4, experts=16, top_k=2, num_groups=4,
+                  topk_groups=1, tokens_per_rank=50, token_types=1, drift=0.0, step_stride=1,
+                  burn_in=0, seed=3)
+    still = group_limited_trace(bias_update_speed=0.0, **kwargs).counts[:, 0]   # [T, R, E]
+    moving = group_limited_trace(bias_update_speed=0.05, **kwargs).counts[:, 0]
+    for counts in (still, moving):
+        assert (counts.sum(axis=2) == 100).all()
+        used = counts > 0                                    # [T, R, E]
+        assert (used.sum(axis=2) == 2).all()                  # one kind: two experts a row
+        groups = used.reshape(30, 4, 4, 4).any(axis=3).sum(axis=2)
+        assert (groups == 1).all()                            # ... in one group
+    assert len(np.unique(np.nonzero(still.sum(axis=1))[1])) == 2
+    assert len(np.unique(np.nonzero(moving.sum(axis=1))[1])) > 2
+    share = lambda c: c.sum(axis=(0, 1)).max() / c.sum()      # noqa: E731
+    assert share(moving) < share(still) == 0.5
+
+
+def test_group_limited_trace_is_deterministic_and_refuses_what_the_router_refuses():
+    from ms_efficient.moe.trace import group_limited_trace
+
+    small = dict(steps=3, layers=2, ranks=4, experts=16, top_k=4, num_groups=4, topk_groups=2,
+                 tokens_per_rank=32, token_types=8, burn_in=2)
+    a, b = group_limited_trace(seed=1, **small), group_limited_trace(seed=1, **small)
+    np.testing.assert_array_equal(a.counts, b.counts)
+    assert not np.array_equal(a.counts, group_limited_trace(seed=2, **small).counts)
+    with pytest.raises(ValueError, match="num_groups"):
+        group_limited_trace(**{**small, "num_groups": 3})
+    with pytest.raises(ValueError, match="positive integers"):
+        group_limited_trace(**{**small, "token_types": 0})

@@ -144,6 +144,7 @@ def expert_parallel_layer(spec: BlockSpec, tokens: int, activation: nn.Cell,
         activation=activation, renormalize=renormalize, router_config=router_config,
         expert_bias=bias, router=spec.router, shared=spec.shared)
     layer.set_weights(None, *logical_tables(spec))
+    layer.cost_model = model                 # what EfficientMoECallback's re-plans price with
     layer.user_experts = user_experts(spec, names if names is not None else
                                       {id(p): p.name for p in spec.cell.get_parameters()})
     return layer

@@ -33,7 +33,14 @@ step (``backend.recompile_on_next_call``). On a network of expert-parallel layer
 (``ExpertParallelMoE`` with grouped dispatch, every rank running the callback) it re-places
 the experts instead, through ``set_plan`` within the compiled row buffers: no recompilation
 (:class:`~ms_efficient.efficientmoe.ep_replanner.ExpertParallelReplanner`, the expert-parallel trainer's
-loop).
+loop). On balanced expert-parallel layers (``BalancedExpertParallelMoE``: what
+``train --workers`` builds with dispatch "balanced" and what ``adopt_moe(...,
+expert_parallel=True)`` puts in a user's network) it runs the slow level of the two levels:
+every ``replan_every`` steps :class:`~ms_efficient.efficientmoe.ep_replanner.HomeReplanner`
+decides from the all-gathered counts (each layer's ``world_counts``, the same on every rank)
+whether new home tables pay for their move, and applies them with ``set_plan`` (weights and
+optimizer moments move, no recompilation), then tells the package's ``TrainOneStepCell`` the
+new plans.
 """
 from __future__ import annotations
 
@@ -141,7 +148,9 @@ class EfficientMoECallback(RoutingTraceCallback):
     ``plans`` lists every adopted plan: ``{"step", "capacities" [layer][expert],
     "rows_before", "rows_after", "expected_drop_rate"}``; on a network of grouped
     ``ExpertParallelMoE`` layers (every rank runs the callback) the re-placements instead:
-    ``{"kind": "replan", "step", "moved_slots", "moved_bytes", "recompiled"}``. Raises
+    ``{"kind": "replan", "step", "moved_slots", "moved_bytes", "recompiled"}``; on balanced
+    layers the home re-placements (the same fields and the modelled gain and migration), and
+    ``checks`` every verdict of the slow level, adopted or not, with its reason. Raises
     ValueError when the network has no layer whose capacities or placement can be set.
     """
 
@@ -161,6 +170,22 @@ class EfficientMoECallback(RoutingTraceCallback):
         self.planner: Optional[EfficientMoEPlanner] = None
         self.loop: Optional[ReplanLoop] = None
         self.plans: List[dict] = []
+        self.checks: List[dict] = []
+        # balanced expert-parallel layers: home tables through set_plan (the slow level)
+        balanced = [c for c in self.layers if hasattr(c, "home_table")
+                    and hasattr(c, "world_counts")]
+        self.balanced = bool(balanced)
+        if balanced:
+            from ms_efficient.efficientmoe.ep_replanner import (HomeReplanner,
+                                                                 balanced_cost_model)
+
+            self.layers = balanced
+            self._pending = None
+            self.expert_parallel = False
+            self._replanner = HomeReplanner(
+                balanced, em, balanced_cost_model(
+                    balanced, cluster if isinstance(config, RunConfig) else None))
+            return
         # expert-parallel layers (grouped ExpertParallelMoE): placements through set_plan
         ep_layers = [c for c in self.layers if getattr(c, "grouped", False)
                      and hasattr(c, "set_plan")]
@@ -189,6 +214,9 @@ class EfficientMoECallback(RoutingTraceCallback):
 
     def on_train_step_end(self, run_context) -> None:
         super().on_train_step_end(run_context)
+        if self.balanced:
+            self._balanced_step(run_context)
+            return
         if self.expert_parallel:
             self._expert_parallel_step(run_context)
             return
@@ -237,11 +265,7 @@ class EfficientMoECallback(RoutingTraceCallback):
 
         args = run_context.original_args()
         network = getattr(args, "train_network", None)
-        if self._pending is not None:
-            record, before = self._pending
-            after = compiled_graphs(network)
-            record["recompiled"] = None if before is None else after != before
-            self._pending = None
+        self._settle_pending(network)
         counts_LWE = rank_counts(self.layers)
         if self._replanner is None:
             tokens = int(counts_LWE[0].sum()) // int(self.layers[0].top_k)
@@ -250,15 +274,75 @@ class EfficientMoECallback(RoutingTraceCallback):
         # the layers keep no drop counter for callbacks: the drop monitor sees none (a plan
         # built on the dropless buffers of efficientmoe.ep_replanner.dropless_plans drops nothing)
         self._replanner.observe(counts_LWE, np.zeros(len(self.layers)))
-        optimizer = getattr(args, "optimizer", None)
-        if optimizer is None and network is not None:     # Model(train_cell): find it there
-            optimizer = next((c for _, c in network.cells_and_names()
-                              if isinstance(c, nn.Optimizer)), None)
+        optimizer = _optimizer_of(args, network)
         record = self._replanner.maybe_replan(len(self.steps), optimizer)
         if record is not None:
             record["step"] = self.steps[-1]
             self.plans.append(record)
             self._pending = (record, compiled_graphs(network))
+
+    def _settle_pending(self, network) -> None:
+        """The last applied re-plan's ``recompiled``: whether the step after it compiled a
+        graph (the count of compiled graphs before the re-plan against now)."""
+        if self._pending is not None:
+            record, before = self._pending
+            after = compiled_graphs_of(network)
+            record["recompiled"] = None if before is None else after != before
+            self._pending = None
+
+    def _balanced_step(self, run_context) -> None:
+        """Balanced layers: the step's all-gathered counts to :class:`HomeReplanner`, which at
+        its checks re-places the home experts when the modelled gain over ``replan_every``
+        steps pays for the move (``set_plan`` on every layer, the optimizer's moments moved
+        with the weights); the package's ``TrainOneStepCell`` then learns the new plans. Every
+        rank runs it with the same counts, so every rank takes the same decision."""
+        args = run_context.original_args()
+        network = getattr(args, "train_network", None)
+        self._settle_pending(network)
+        counts_LWE = np.stack([layer.world_counts.asnumpy() for layer in self.layers])
+        self._replanner.observe(counts_LWE.astype(np.int64))
+        optimizer = _optimizer_of(args, network)
+        total = getattr(args, "epoch_num", 0) * getattr(args, "batch_num", 0)
+        if total and len(self.steps) >= total:        # the last step: no step left to gain
+            return
+        record = self._replanner.maybe_replan(len(self.steps), optimizer,
+                                              total - len(self.steps) if total else None)
+        check = self._replanner.last_check
+        if check is not None:
+            check["step"] = self.steps[-1]
+            self.checks.append(check)
+        if record is None:
+            return
+        record["step"] = self.steps[-1]
+        told = 0
+        for _, cell in (network.cells_and_names() if network is not None else ()):
+            if callable(getattr(cell, "set_plans", None)) and hasattr(cell, "reducer"):
+                cell.set_plans()
+                told += 1
+        if not told:
+            logger.warning("step %d: the home experts moved, but the train network has no "
+                           "ms_efficient.TrainOneStepCell to tell: a replicated expert's "
+                           "gradients are not summed over its replicas", self.steps[-1])
+        self.plans.append(record)
+        self._pending = (record, compiled_graphs_of(network))
+
+
+def compiled_graphs_of(network) -> Optional[int]:
+    """Graphs compiled so far (:func:`~ms_efficient.efficientmoe.ep_replanner.
+    compiled_graphs`)."""
+    from ms_efficient.efficientmoe.ep_replanner import compiled_graphs
+
+    return compiled_graphs(network)
+
+
+def _optimizer_of(args, network):
+    """The optimizer of ``Model.train``'s run (``args.optimizer``), else the first
+    ``nn.Optimizer`` inside the train network (``Model(train_cell)``), else None."""
+    optimizer = getattr(args, "optimizer", None)
+    if optimizer is None and network is not None:
+        optimizer = next((c for _, c in network.cells_and_names()
+                          if isinstance(c, nn.Optimizer)), None)
+    return optimizer
 
 
 @register_pass("efficientmoe")

@@ -167,10 +167,49 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="simulated methods to replay (default: "
                              "ms_efficient.efficientmoe.replay.DEFAULT_METHODS; any of "
                              "METHODS)")
+    parser.add_argument("--deepseek-layers", type=int, default=DEEPSEEK_LAYERS, metavar="L",
+                        help="layers of the DeepSeek-V3-shaped workload (64 ranks x 256 "
+                             "experts, top-8, group-limited routing: "
+                             "moe.trace.group_limited_trace; its full 58 layers take about "
+                             "7x as long); 0: skip it")
     parser.add_argument("--skew", nargs="*", type=float, default=[1.45], metavar="S",
                         help="Zipf exponents of the skewed 16-rank top-1 traces to replay "
                              "(moe.trace.skewed_trace; 1.45: max/mean load ~13, top-2 "
                              "experts ~56%% of a layer's tokens); none: skip them")
+
+
+# the DeepSeek-V3-shaped workload (moe.trace.group_limited_trace): its first 8 MoE layers by
+# default, rows 10 training steps apart, its experts' sizes (hidden 7168, expert FFN 2048,
+# gated, no biases; DeepSeek-V3 technical report sec. 4.2)
+DEEPSEEK_LAYERS = 8
+DEEPSEEK_WORKLOAD = "deepseek-v3-64r"
+# the rows replayed on it: the one-level rows (switch-*, dropless-*, eplb-ema-*, the
+# one-level oracles) plan per expert and per pair with loops that take tens of minutes at
+# 256 experts x 64 ranks, so they are left out there (and said so)
+DEEPSEEK_METHODS = ("efficientmoe", "efficientmoe-fixed-home", "moonep", "ablation-eplb-split",
+                    "eplb-alltoallv", "fastermoe", "oracle-bound")
+
+
+def _deepseek_rows(args: argparse.Namespace, methods) -> list:
+    """The simulated rows of the DeepSeek-V3-shaped workload (``--deepseek-layers`` layers,
+    40 rows; --quick: 2 layers, 24 rows), on the methods of ``methods`` it replays."""
+    from ms_efficient.efficientmoe.bench import run_simulated
+    from ms_efficient.efficientmoe.replay import ReplayConfig
+    from ms_efficient.moe.trace import group_limited_trace
+
+    chosen = [m for m in methods if m in DEEPSEEK_METHODS]
+    left = [m for m in methods if m not in DEEPSEEK_METHODS]
+    if left:
+        logger.warning("%s: not replayed (one-level rows, too slow at 256 experts x 64 ranks): "
+                       "%s", DEEPSEEK_WORKLOAD, ", ".join(left))
+    if not chosen:
+        return []
+    trace = group_limited_trace(steps=24 if args.quick else 40,
+                                layers=2 if args.quick else args.deepseek_layers)
+    config = ReplayConfig(static_blocks=args.static_blocks, fast_level_s=args.fast_level_ms / 1e3,
+                          ffn_hidden=2048, expert_kind="glu", expert_bias=False)
+    return run_simulated([(DEEPSEEK_WORKLOAD, trace)], args.cluster, False, methods=chosen,
+                         config=config)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -199,6 +238,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"'--methods' names unknown method {unknown[0]!r}; allowed: "
                          f"{list(METHODS)}.")
+    if not 0 <= args.deepseek_layers <= 58:
+        raise ValueError(f"'--deepseek-layers' must be in [0, 58] (DeepSeek-V3 has 58 MoE "
+                         f"layers), but got {args.deepseek_layers}.")
     bad_skew = [s for s in args.skew if not 0 <= s <= 4]
     if bad_skew:
         raise ValueError(f"'--skew' values must be in [0, 4], but got {bad_skew[0]}.")
@@ -234,6 +276,8 @@ def run_bench(args: argparse.Namespace) -> int:
         rows += run_simulated(traces, args.cluster, args.quick, methods=args.methods or DEFAULT_METHODS,
                               config=ReplayConfig(static_blocks=args.static_blocks,
                                                   fast_level_s=args.fast_level_ms / 1e3))
+        if args.deepseek_layers:
+            rows += _deepseek_rows(args, args.methods or DEFAULT_METHODS)
     if measured:
         print("Measured (MindSpore GRAPH_MODE on this CPU):")
         print(benchio.markdown_table(measured, MEASURED_COLUMNS))

@@ -53,7 +53,7 @@ from ms_efficient.moe.plan import GROUPED_DISPATCH, ExpertPlan
 
 __all__ = ["dropless_plans", "slot_budget", "experts_to_fetch", "expert_bytes", "apply_plan",
            "compiled_graphs", "rank_counts", "ExpertParallelReplanner", "load_plans_state",
-           "HomeReplanner", "layout_of"]
+           "HomeReplanner", "layout_of", "balanced_cost_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -359,6 +359,27 @@ def layout_of(layers: Sequence) -> Layout:
     return Layout(home_LWS=home, spare_W=np.full(first.world, first.spare, dtype=np.int64),
                   buffer_LW=buffers, slack_L=np.zeros(len(layers)), redundant=redundant,
                   sync_rows=int(first.num_cross))
+
+
+def balanced_cost_model(layers: Sequence, cluster=None) -> CostModel:
+    """The cost model the slow level prices balanced ``layers`` with: the one they were sized
+    with (``cost_model``, which ``adopt_moe(..., expert_parallel=True)`` keeps on each layer)
+    unless ``cluster`` is given; otherwise ``cluster`` (a ClusterSpec; None: ``cpu-local``,
+    this machine, grown to the layers' W devices on its node) with their expert sizes, kind
+    and biases, float32."""
+    first = layers[0]
+    kept = getattr(first, "cost_model", None)
+    if cluster is None and kept is not None:
+        return kept
+    world = int(first.world)
+    if cluster is None:
+        from ms_efficient.core.cluster import get_cluster
+
+        cluster = get_cluster("cpu-local")
+    if cluster.name == "cpu-local" and cluster.nodes == 1 and cluster.num_devices < world:
+        cluster = cluster.with_overrides(devices_per_node=world)
+    return CostModel(cluster, int(first.hidden_size), int(first.ffn_hidden_size), "fp32",
+                     expert_kind=first.expert_kind, expert_bias=bool(first.has_bias))
 
 
 def _ms(seconds: float) -> Optional[float]:

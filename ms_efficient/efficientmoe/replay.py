@@ -188,6 +188,8 @@ class ReplayConfig:
         by cost (PlannerConfig, placement.choose_blocks).
     fast_level_s: the two-level methods' fast-level time per layer-step (CostModel;
         default ``FAST_LEVEL_S``, measured).
+    expert_kind: "mlp" (two matrices) or "glu" (gated: Mixtral, DeepSeek); expert_bias:
+        whether the experts carry biases (CostModel: FLOPs per row, a copy's bytes).
     """
 
     slots_per_device: Optional[int] = None
@@ -208,6 +210,8 @@ class ReplayConfig:
     dispatch: str = "grouped"
     max_block_drop_rate: float = 0.001
     fast_level_s: float = FAST_LEVEL_S
+    expert_kind: str = "mlp"
+    expert_bias: bool = True
 
     def planner_config(self) -> PlannerConfig:
         """The settings of our planner (the same class the trainer builds from its config)."""
@@ -326,7 +330,8 @@ class _Context:
         self.model = CostModel(cluster, hidden, config.ffn_hidden or 4 * hidden, config.dtype,
                                sync_replica_grads=config.sync_replica_grads,
                                static_blocks=config.static_blocks,
-                               fast_level_s=config.fast_level_s)
+                               fast_level_s=config.fast_level_s,
+                               expert_kind=config.expert_kind, expert_bias=config.expert_bias)
         self.rank_device = np.arange(trace.num_ranks)
         self.stride = _stride(trace)
         self.check_rows = max(1, round(config.check_every_steps / self.stride))

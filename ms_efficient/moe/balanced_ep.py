@@ -164,6 +164,7 @@ class BalancedExpertParallelMoE(nn.Cell):
         self.plan = home_plan(home, num_experts)
         home = row_layout(self.plan, home.shape[1], self.world)     # empty slots last
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.ffn_hidden_size = ffn_hidden_size
         self.trace_ranks, self.group = trace_ranks, group
         self.devices_per_node = devices_per_node
         self.slots_home, self.spare = home.shape[1], int(spare_slots)
@@ -249,6 +250,10 @@ class BalancedExpertParallelMoE(nn.Cell):
                                        name="exchange_rows", requires_grad=False)
         # the last step's counts_RE, for training-loop callbacks (as MoEFeedForward's)
         self.routing_counts = routing_counts_buffer(trace_ranks, num_experts)
+        # the last step's all-gathered counts_WE, the same on every rank: what the slow level
+        # (EfficientMoECallback's home re-plans) reads without a collective of its own
+        self.world_counts = Parameter(Tensor(np.zeros((self.world, num_experts), np.int32)),
+                                      name="world_counts", requires_grad=False)
 
     @classmethod
     def from_spec(cls, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
@@ -341,6 +346,7 @@ class BalancedExpertParallelMoE(nn.Cell):
         if self.uses_bias and self.training:      # the global batch's counts, every rank
             ops.assign(self.expert_bias, updated_bias(self.expert_bias,
                                                       counts_WE.sum(axis=0), self.bias_speed))
+        ops.assign(self.world_counts, counts_WE)
         sent_WEW, slot_EW, spare_WS, source_WS, home_slot_WE, stats = self.fast(
             counts_WE, self.home_table)
 

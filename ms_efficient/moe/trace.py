@@ -8,8 +8,10 @@ File format (``.npz``, stable; any system can write one to replay it in the MoE 
     tokens_per_rank  int64 scalar, optional                  tokens each source rank routes per step
     steps            int64 [step], optional                  training step of each row
 
-This module has no MindSpore dependency. :func:`synthetic_trace` makes traces with drifting
-Zipf-like skew, so benchmarks and tests have inputs without a training run.
+This module has no MindSpore dependency at import. :func:`synthetic_trace` makes traces with
+drifting Zipf-like skew, so benchmarks and tests have inputs without a training run;
+:func:`group_limited_trace` routes token by token with DeepSeek-V3's sigmoid, group-limited
+router and its balancing bias (the router's numpy reference, imported when it is called).
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ import numpy as np
 
 from ms_efficient.core.fileio import atomic_write_with
 
-__all__ = ["layer_balance", "RoutingTrace", "load_trace", "save_trace", "synthetic_trace", "skewed_trace"]
+__all__ = ["layer_balance", "RoutingTrace", "load_trace", "save_trace", "synthetic_trace", "skewed_trace",
+           "group_limited_trace"]
 
 _META = ("top_k", "hidden", "tokens_per_rank")
 # Largest token count a trace may hold per step and layer (and the largest metadata value):
@@ -224,6 +227,86 @@ def skewed_trace(steps: int = 100, seed: int = 0, skew: float = 1.45, layers: in
     return synthetic_trace(steps=steps, layers=layers, ranks=16, experts=32, skew=skew,
                            seed=seed, tokens_per_rank=16384, top_k=1, hidden=hidden,
                            step_stride=5)
+
+
+def group_limited_trace(steps: int = 40, layers: int = 58, ranks: int = 64,
+                        experts: int = 256, top_k: int = 8, num_groups: int = 8,
+                        topk_groups: int = 4, tokens_per_rank: int = 4096, hidden: int = 7168,
+                        skew: float = 0.5, drift: float = 0.05, token_types: int = 512,
+                        type_spread: float = 1.0, rank_affinity: float = 1.0,
+                        bias_update_speed: float = 0.001, step_stride: int = 10,
+                        burn_in: int = 60, seed: int = 0) -> RoutingTrace:
+    """A routing trace of DeepSeek-V3's shape, routed token by token by its router.
+
+    Defaults: DeepSeek-V3's MoE layers (58 of its 61 layers, 256 routed experts, top-8, 8
+    groups of 32 of which a token may use 4, hidden 7168; DeepSeek-V3 technical report,
+    DeepSeek-AI 2024, sec. 2.1.2 and 4.2) on 64 expert-parallel ranks (its training used EP64,
+    sec. 3.1), 4,096 tokens per rank per step. With 64 ranks on nodes of 8 devices, a group's
+    32 experts are one node's (4 per device), so the group limit is V3's node limit.
+
+    Routing model (a modelling choice, not a recording): the tokens of a layer come in
+    ``token_types`` kinds; kind k has router logits x_k[e] = p_t[e] + type_spread * z_k[e]
+    (z fixed, N(0, 1)), where p_t[e] = -skew * log(1 + rank[e]) + u_t[e] is the experts'
+    popularity (rank: a random permutation; u: a mean-reverting random walk of step ``drift``,
+    as :func:`synthetic_trace`). Every kind is routed by
+    :func:`~ms_efficient.moe.routing.route_reference` with
+    ``RouterConfig(score="sigmoid", num_groups, topk_groups)`` on s = sigmoid(x) plus the
+    layer's balancing bias b: its groups scored by the sum of their two best, the best
+    ``topk_groups`` kept, the top-k of those chosen. Each source rank draws its tokens'
+    kinds from its own mix (softmax of ``rank_affinity`` * N(0, 1) over the kinds: data
+    locality), a multinomial of ``tokens_per_rank`` every row. After every row the bias moves
+    by V3's auxiliary-loss-free rule, b_e += gamma * sign(mean load - load_e), with gamma =
+    ``bias_update_speed`` x ``step_stride`` (the row stands for that many training steps;
+    :func:`~ms_efficient.moe.routing.bias_update_reference`). Rows are ``step_stride``
+    training steps apart. ``burn_in`` rows are routed (the bias and the walk move) but not
+    recorded: a trace from the middle of a run, its bias already near balance, rather than
+    from the first step, where every token picks the same few experts.
+
+    Returns a RoutingTrace with counts int64 [steps, layers, ranks, experts] (each rank's
+    row sums to tokens_per_rank x top_k; no token uses more than ``topk_groups`` groups).
+    Imports :mod:`ms_efficient.moe.routing` (and so MindSpore) when called.
+    """
+    from ms_efficient.moe.routing import (RouterConfig, bias_update_reference,
+                                          route_reference)
+
+    if min(steps, layers, ranks, experts, top_k, num_groups, topk_groups, tokens_per_rank,
+           token_types, step_stride) < 1 or burn_in < 0:
+        raise ValueError("group_limited_trace sizes must all be positive integers (burn_in "
+                         ">= 0).")
+    if skew < 0 or drift < 0 or type_spread < 0 or rank_affinity < 0 or bias_update_speed < 0:
+        raise ValueError(f"group_limited_trace needs skew, drift, type_spread, rank_affinity "
+                         f"and bias_update_speed >= 0, but got {skew}, {drift}, "
+                         f"{type_spread}, {rank_affinity} and {bias_update_speed}.")
+    config = RouterConfig(score="sigmoid", num_groups=num_groups, topk_groups=topk_groups,
+                          bias_update_speed=bias_update_speed)
+    config.check(experts, top_k)       # groups divide E, top-k fits the kept groups
+    rng = np.random.default_rng(seed)
+    base_LE = -skew * np.log1p(np.stack([rng.permutation(experts) for _ in range(layers)]))
+    kinds_LKE = type_spread * rng.standard_normal((layers, token_types, experts))
+    mix = rank_affinity * rng.standard_normal((layers, ranks, token_types))
+    mix_LRK = np.exp(mix - mix.max(axis=-1, keepdims=True))
+    mix_LRK /= mix_LRK.sum(axis=-1, keepdims=True)
+    u_LE = drift * rng.standard_normal((layers, experts))
+    bias_LE = np.zeros((layers, experts), dtype=np.float32)
+    gamma = bias_update_speed * step_stride
+    counts = np.zeros((burn_in + steps, layers, ranks, experts), dtype=np.int64)
+    for t in range(burn_in + steps):
+        if t:
+            u_LE = 0.95 * u_LE + drift * rng.standard_normal((layers, experts))
+        tokens_LRK = rng.multinomial(tokens_per_rank, mix_LRK).astype(np.float64)
+        for layer in range(layers):
+            logits = base_LE[layer] + u_LE[layer] + kinds_LKE[layer]
+            _, ids_KK = route_reference(logits, config, top_k, bias_E=bias_LE[layer])
+            chosen_KE = np.zeros((token_types, experts))
+            np.put_along_axis(chosen_KE, ids_KK, 1.0, axis=1)
+            # float64 BLAS: every sum is an integer far below 2**53, so exact
+            counts[t, layer] = np.rint(tokens_LRK[layer] @ chosen_KE).astype(np.int64)
+            if gamma:
+                bias_LE[layer] = bias_update_reference(bias_LE[layer],
+                                                       counts[t, layer].sum(axis=0), gamma)
+    return RoutingTrace(counts=counts[burn_in:], top_k=top_k, hidden=hidden,
+                        tokens_per_rank=tokens_per_rank,
+                        steps=(burn_in + np.arange(steps, dtype=np.int64)) * step_stride)
 
 
 def layer_balance(counts_LRE: np.ndarray, dropped_L: Optional[np.ndarray] = None,
