@@ -126,6 +126,15 @@ def test_bench_moe_rejects_more_deepseek_layers_than_the_model_has(tmp_path, cap
     assert "got 59" in err[0] and not out.exists()
 
 
+def test_bench_moe_refuses_a_cluster_too_small_for_the_deepseek_workload(tmp_path, capsys):
+    out = tmp_path / "moe.json"
+    assert main(["bench", "moe", "--no-measured", "--cluster", "ascend910b-4x8", "--json",
+                 str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has 32 devices" in err[0] and "64 ranks" in err[0]
+    assert "'--deepseek-layers 0'" in err[0] and not out.exists()
+
+
 def test_bench_moe_rejects_an_unknown_method_before_any_work(tmp_path, capsys):
     out = tmp_path / "moe.json"
     assert main(["bench", "moe", "--no-measured", "--methods", "efficientmoe", "tutel",

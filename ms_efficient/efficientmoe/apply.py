@@ -286,7 +286,7 @@ class EfficientMoECallback(RoutingTraceCallback):
         graph (the count of compiled graphs before the re-plan against now)."""
         if self._pending is not None:
             record, before = self._pending
-            after = compiled_graphs_of(network)
+            after = _compiled_graphs(network)
             record["recompiled"] = None if before is None else after != before
             self._pending = None
 
@@ -302,11 +302,14 @@ class EfficientMoECallback(RoutingTraceCallback):
         counts_LWE = np.stack([layer.world_counts.asnumpy() for layer in self.layers])
         self._replanner.observe(counts_LWE.astype(np.int64))
         optimizer = _optimizer_of(args, network)
+        # steps left in this Model.train call (its own count: a callback reused across calls
+        # keeps numbering its steps upwards)
         total = getattr(args, "epoch_num", 0) * getattr(args, "batch_num", 0)
-        if total and len(self.steps) >= total:        # the last step: no step left to gain
+        done = getattr(args, "cur_step_num", 0)
+        if total and done >= total:                   # the last step: no step left to gain
             return
         record = self._replanner.maybe_replan(len(self.steps), optimizer,
-                                              total - len(self.steps) if total else None)
+                                              total - done if total and done else None)
         check = self._replanner.last_check
         if check is not None:
             check["step"] = self.steps[-1]
@@ -324,10 +327,10 @@ class EfficientMoECallback(RoutingTraceCallback):
                            "ms_efficient.TrainOneStepCell to tell: a replicated expert's "
                            "gradients are not summed over its replicas", self.steps[-1])
         self.plans.append(record)
-        self._pending = (record, compiled_graphs_of(network))
+        self._pending = (record, _compiled_graphs(network))
 
 
-def compiled_graphs_of(network) -> Optional[int]:
+def _compiled_graphs(network) -> Optional[int]:
     """Graphs compiled so far (:func:`~ms_efficient.efficientmoe.ep_replanner.
     compiled_graphs`)."""
     from ms_efficient.efficientmoe.ep_replanner import compiled_graphs

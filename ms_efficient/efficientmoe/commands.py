@@ -182,6 +182,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 # default, rows 10 training steps apart, its experts' sizes (hidden 7168, expert FFN 2048,
 # gated, no biases; DeepSeek-V3 technical report sec. 4.2)
 DEEPSEEK_LAYERS = 8
+DEEPSEEK_RANKS = 64
 DEEPSEEK_WORKLOAD = "deepseek-v3-64r"
 # the rows replayed on it: the one-level rows (switch-*, dropless-*, eplb-ema-*, the
 # one-level oracles) plan per expert and per pair with loops that take tens of minutes at
@@ -205,7 +206,8 @@ def _deepseek_rows(args: argparse.Namespace, methods) -> list:
     if not chosen:
         return []
     trace = group_limited_trace(steps=24 if args.quick else 40,
-                                layers=2 if args.quick else args.deepseek_layers)
+                                layers=2 if args.quick else args.deepseek_layers,
+                                ranks=DEEPSEEK_RANKS)
     config = ReplayConfig(static_blocks=args.static_blocks, fast_level_s=args.fast_level_ms / 1e3,
                           ffn_hidden=2048, expert_kind="glu", expert_bias=False)
     return run_simulated([(DEEPSEEK_WORKLOAD, trace)], args.cluster, False, methods=chosen,
@@ -248,7 +250,12 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.cluster:
         from ms_efficient.core.cluster import get_cluster
 
-        get_cluster(args.cluster)
+        spec = get_cluster(args.cluster)
+        if args.deepseek_layers and not args.no_simulated and spec.num_devices < DEEPSEEK_RANKS:
+            raise ValueError(f"'--cluster' {spec.name} has {spec.num_devices} devices, but the "
+                             f"DeepSeek-V3-shaped workload runs {DEEPSEEK_RANKS} ranks; pass a "
+                             f"cluster with >= {DEEPSEEK_RANKS} devices, or '--deepseek-layers "
+                             f"0' to skip that workload.")
     start = time.perf_counter()
     rows = []
     if not args.no_measured:

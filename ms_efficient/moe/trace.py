@@ -240,8 +240,8 @@ def group_limited_trace(steps: int = 40, layers: int = 58, ranks: int = 64,
 
     Defaults: DeepSeek-V3's MoE layers (58 of its 61 layers, 256 routed experts, top-8, 8
     groups of 32 of which a token may use 4, hidden 7168; DeepSeek-V3 technical report,
-    DeepSeek-AI 2024, sec. 2.1.2 and 4.2) on 64 expert-parallel ranks (its training used EP64,
-    sec. 3.1), 4,096 tokens per rank per step. With 64 ranks on nodes of 8 devices, a group's
+    DeepSeek-AI 2024, sec. 2.1.2 and 4.2) on 64 expert-parallel ranks (its training used 64-way
+    expert parallelism over 8 nodes, sec. 3.2), 4,096 tokens per rank per step. With 64 ranks on nodes of 8 devices, a group's
     32 experts are one node's (4 per device), so the group limit is V3's node limit.
 
     Routing model (a modelling choice, not a recording): the tokens of a layer come in
