@@ -35,7 +35,7 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from ms_efficient.adopt.blocks import BlockSpec
 from ms_efficient.core import backend
-from ms_efficient.core.cluster import ClusterSpec, get_cluster
+from ms_efficient.core.cluster import ClusterSpec, for_ranks, get_cluster
 from ms_efficient.core.fileio import atomic_write_with
 from ms_efficient.efficientmoe.cost import CostModel
 from ms_efficient.efficientmoe.layout import training_specs
@@ -107,10 +107,7 @@ def ep_cluster(cluster, world: int) -> ClusterSpec:
     default ``cpu-local`` grown to ``world`` devices (this machine's ranks). One that cannot
     hold the W ranks is a ValueError naming what to change."""
     if cluster is None:
-        spec = get_cluster("cpu-local")
-        if spec.num_devices < world:
-            spec = spec.with_overrides(devices_per_node=world)
-        return spec
+        return for_ranks(get_cluster("cpu-local"), world)
     spec = get_cluster(cluster) if isinstance(cluster, str) else cluster
     if not isinstance(spec, ClusterSpec):
         raise ValueError(f"'cluster' must be a preset name or a ClusterSpec, but got "

@@ -39,6 +39,7 @@ __all__ = [
     "COLLECTIVE_KINDS",
     "PRESETS",
     "get_cluster",
+    "for_ranks",
     "cluster_names",
     "p2p_time_s",
     "allreduce_time_s",
@@ -406,6 +407,15 @@ PRESETS: Mapping[str, ClusterSpec] = MappingProxyType(
 def cluster_names() -> Tuple[str, ...]:
     """Names of the presets, in registration order."""
     return tuple(PRESETS)
+
+
+def for_ranks(spec: ClusterSpec, world: int) -> ClusterSpec:
+    """``spec`` for a job of ``world`` ranks, one per device: ``cpu-local`` (this machine, one
+    node) grows to ``world`` devices on its node; any other cluster is returned as it is (the
+    caller refuses one with fewer devices, naming its own fields)."""
+    if spec.name == "cpu-local" and spec.nodes == 1 and spec.num_devices < world:
+        return spec.with_overrides(devices_per_node=world)
+    return spec
 
 
 def get_cluster(name: str) -> ClusterSpec:

@@ -371,13 +371,9 @@ def balanced_cost_model(layers: Sequence, cluster=None) -> CostModel:
     kept = getattr(first, "cost_model", None)
     if cluster is None and kept is not None:
         return kept
-    world = int(first.world)
-    if cluster is None:
-        from ms_efficient.core.cluster import get_cluster
+    from ms_efficient.core.cluster import for_ranks, get_cluster
 
-        cluster = get_cluster("cpu-local")
-    if cluster.name == "cpu-local" and cluster.nodes == 1 and cluster.num_devices < world:
-        cluster = cluster.with_overrides(devices_per_node=world)
+    cluster = for_ranks(cluster or get_cluster("cpu-local"), int(first.world))
     return CostModel(cluster, int(first.hidden_size), int(first.ffn_hidden_size), "fp32",
                      expert_kind=first.expert_kind, expert_bias=bool(first.has_bias))
 

@@ -195,12 +195,14 @@ class ExpertParallelTrainer:
         per device, so it grows to W devices on its node (a run resumed at 4 ranks from a
         2-rank config); any other preset must hold W devices, or the re-planner refuses
         naming the fields to change."""
+        from ms_efficient.core.cluster import for_ranks
+
         spec = self.cfg.cluster_spec()
-        if spec.name == "cpu-local" and spec.nodes == 1 and spec.num_devices < self.world:
+        grown = for_ranks(spec, self.world)
+        if grown is not spec:
             logger.info("cluster cpu-local: %d devices for the %d ranks of this job",
                         self.world, self.world)
-            spec = spec.with_overrides(devices_per_node=self.world)
-        return spec
+        return grown
 
     def _device_rows(self, counts_LWE: np.ndarray) -> np.ndarray:
         """Rows every device computed in the last step, int64 [L, W]: the fast level's own
