@@ -411,7 +411,7 @@ def test_steady_load_two_level_replay_is_exact_hand_computed():
 
 def test_on_skewed_routing_the_two_levels_beat_the_dropless_and_eplb_rows():
     """The issue-16 skew profile (16 ranks, 32 experts, top-1, max/mean ~13), 2 layers:
-    efficientmoe is faster than dropless grouped, FasterMoE and EPLB on a dynamic-shape
+    efficientmoe is faster than dropless (MegaBlocks-style), FasterMoE and EPLB on a dynamic-shape
     exchange, not slower than MoonEP's copies alone, balances within 1.3x of the mean
     and drops at most 0.1%."""
     from ms_efficient.efficientmoe.replay import ReplayConfig, replay
@@ -420,7 +420,7 @@ def test_on_skewed_routing_the_two_levels_beat_the_dropless_and_eplb_rows():
     config = ReplayConfig(warmup=16)
     ours = replay(trace, "efficientmoe", None, config)
     assert ours.drop_rate <= 0.001 and ours.max_over_mean_load < 1.3
-    for other in ("dropless-grouped", "fastermoe", "eplb-alltoallv", "moonep"):
+    for other in ("dropless", "fastermoe", "eplb-alltoallv", "moonep"):
         theirs = replay(trace, other, None, config)
         assert ours.iteration_time_s <= theirs.iteration_time_s, other
 

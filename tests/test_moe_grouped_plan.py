@@ -1,6 +1,6 @@
 """EfficientMoE over padding-free grouped dispatch, planner side: the dispatch rule with one
 row buffer per device, its cost, the per-device buffers the planner sizes, re-plans that keep
-the compiled buffers, and the replay against the baselines. Values are hand-computed, exact
+the compiled buffers. Values are hand-computed, exact
 optima or bounds."""
 import dataclasses
 
@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 
 from ms_efficient.core.cluster import get_cluster
-from ms_efficient.efficientmoe import baselines
 from ms_efficient.efficientmoe.capacity import device_loads, pair_loads
-from ms_efficient.efficientmoe.cost import (DYNAMIC_EXCHANGE_S, CostModel, event_step_time_s,
+from ms_efficient.efficientmoe.cost import (CostModel, event_step_time_s,
                                             layer_cost)
 from ms_efficient.efficientmoe.placement import PlacementConfig, plan_layer
-from ms_efficient.efficientmoe.replay import (ReplayConfig, cluster_for_ranks, plan_trace, replay,
+from ms_efficient.efficientmoe.replay import (ReplayConfig, cluster_for_ranks, plan_trace,
                                               trace_dispatch_choice)
 from ms_efficient.efficientmoe.schedule import ReplanCosts, decide_replan, recompiles
 from ms_efficient.moe.plan import ExpertPlan, load_plans, save_plans
@@ -138,49 +137,22 @@ def test_a_replan_within_the_compiled_buffers_does_not_recompile():
 
 
 # ---------------------------------------------------------------- replay
-def test_steady_load_grouped_replay_is_exact_with_no_padding_or_drops():
+def test_steady_load_grouped_plan_is_exact_with_no_padding_or_drops():
     """Every rank sends 128 of its 512 x 2 assignments to every expert: the grouped plan
     computes 1024 rows on each of the 4 chips (8 groups of 128: whole tiles), exchanges the
     4 x 8 counts once, and sends 2 x 128 rows to each of 3 peers per All-to-All."""
     counts = np.full((24, 1, 4, 8), 128)
     trace = RoutingTrace(counts=counts, top_k=2, hidden=256, tokens_per_rank=512,
                          steps=np.arange(1, 25))
-    ours = replay(trace, "efficientmoe-grouped", NODE_1x8, ReplayConfig(warmup=8))
-    assert ours.padding_fraction == 0.0 and ours.drop_rate == 0.0 and ours.replans == 0
+    plan = plan_trace(trace, NODE_1x8, ReplayConfig(warmup=8))[0]
+    assert plan.dispatch == "grouped" and plan.device_rows(4).tolist() == [1024] * 4
+    cost = layer_cost(plan, counts[0, 0], CostModel(NODE_1x8, 256, 1024))
+    assert cost.dropped == 0 and cost.rows_D[:4].tolist() == [1024] * 4
     intra = NODE_1x8.intra_link
     exchange = NODE_1x8.collective_time_s("allgather", 4 * 8 * 4, [0, 1, 2, 3])
     step = (exchange + 4 * 3 * (intra.latency_s + 256 * 512 / intra.bandwidth_Bps)
             + 1024 * 3 * 4 * 256 * 1024 / (0.3 * 313e12))
-    assert ours.iteration_time_s == pytest.approx(step)
-    plan = plan_trace(trace, NODE_1x8, ReplayConfig(warmup=8))[0]
-    assert plan.dispatch == "grouped" and plan.device_rows(4).tolist() == [1024] * 4
-
-
-def test_on_skewed_top1_routing_ours_beats_every_dropless_alternative():
-    """The issue-16 skew profile (16 ranks, 32 experts, top-1, max/mean ~13), 2 layers:
-    grouped EfficientMoE must not be slower than dropless static, MegaBlocks-style dropless
-    grouped, or FasterMoE, and must drop almost nothing."""
-    trace = skewed_trace(steps=40, layers=2, seed=3)
-    config = ReplayConfig(warmup=16)
-    ours = replay(trace, "efficientmoe-grouped", None, config)
-    assert ours.drop_rate < 0.005 and ours.padding_fraction < 0.05
-    for other in ("dropless-static", "dropless-grouped", "fastermoe"):
-        assert ours.iteration_time_s < replay(trace, other, None, config).iteration_time_s, other
-    grouped = replay(trace, "dropless-grouped", None, config)
-    assert grouped.drop_rate == 0.0 and grouped.replans == 0
-    oracle = replay(trace, "oracle", None, config)
-    assert oracle.step_time_s.mean() <= ours.step_time_s.mean()
-
-
-def test_dropless_grouped_buffers_hold_everything_a_device_can_receive():
-    plan = baselines.dropless_grouped_plan(8, np.arange(4), tokens_per_step=100, top_k=2,
-                                           assignments_per_step=200)
-    # two experts per device: at most 2 x 100 tokens, and at most all 200 assignments
-    assert plan.device_rows().tolist() == [200] * 4
-    counts = np.zeros((4, 8), dtype=np.int64)
-    counts[:, 0] = 25                                # every rank's top-1 on expert 0
-    counts[:, 1] = 25
-    assert split_tokens(plan, counts, np.arange(4), 8)[1] == 0
+    assert cost.time_s == pytest.approx(step)
 
 
 def test_buffers_at_the_device_bound_are_never_expected_to_drop():
@@ -192,7 +164,11 @@ def test_buffers_at_the_device_bound_are_never_expected_to_drop():
     planner = EfficientMoEPlanner(PlannerConfig(dispatch="grouped"),
                                   CostModel(NODE_1x8, 256, 1024), 8, [0, 1, 2, 3], top_k=2,
                                   tokens_per_step=2048)
-    plan = baselines.dropless_grouped_plan(8, np.arange(4), 2048, 2, 4096)
+    # MegaBlocks-style dropless blocks: each rank may send each device all its 1024
+    # assignments (2 experts x 512 tokens), so a device's buffer holds all 4096
+    slot_expert, slot_device = np.arange(8), np.arange(8) // 2
+    plan = ExpertPlan(slot_expert, slot_device, np.full(8, 512), dispatch="grouped",
+                      device_buffer=np.full(4, 4096), send_block=np.full((4, 4), 1024))
     pred = np.full((1, 4, 8), 128.0)
     rel = np.random.default_rng(0).uniform(-1, 3, size=(8, 1, 4, 8))
     assert planner.expected_drop_rate([plan], pred, rel) == 0.0
@@ -201,81 +177,12 @@ def test_buffers_at_the_device_bound_are_never_expected_to_drop():
     assert planner.expected_drop_rate([half], pred, rel) > 0.0
 
 
-def test_on_volatile_early_training_routing_ours_falls_back_to_the_best_dropless_layout():
-    """Loads that swing several-fold from row to row (as in the first steps of training):
-    no forecast can be trusted, so ours must be no slower than the static dropless layouts
-    (MegaBlocks-style grouped compute over blocks at the pair bound, per-expert static
-    capacities) and drop nothing. FasterMoE's dynamic exchange sends only the routed rows, so
-    net of the dynamic-shape overhead every data-dependent exchange pays (4 per layer-step)
-    its All-to-All is faster here, the only part where it leads: a static graph must send
-    the bound."""
-    rng = np.random.default_rng(5)
-    share = rng.dirichlet(np.full(8, 0.3), size=(40, 2, 4))          # [t, layer, rank, E]
-    counts = np.stack([[[rng.multinomial(1024, p) for p in layer] for layer in row]
-                       for row in share])
-    trace = RoutingTrace(counts=counts, top_k=2, hidden=256, tokens_per_rank=512,
-                         steps=np.arange(1, 41))
-    config = ReplayConfig(warmup=16)
-    ours = replay(trace, "efficientmoe-grouped", NODE_1x8, config)
-    assert ours.drop_rate == 0.0
-    for other in ("dropless-grouped", "dropless-static"):
-        theirs = replay(trace, other, NODE_1x8, config).iteration_time_s
-        assert ours.iteration_time_s <= 1.001 * theirs, other
-    faster = replay(trace, "fastermoe", NODE_1x8, config)
-    overhead = 2 * 4 * DYNAMIC_EXCHANGE_S                       # 2 layers x 4 exchanges
-    assert faster.a2a_time_s - overhead < ours.a2a_time_s
-    assert (ours.iteration_time_s - ours.a2a_time_s
-            <= faster.iteration_time_s - faster.a2a_time_s + 1e-9)
-
-
-def test_eplb_counts_rows_use_eplbs_placement_with_the_count_driven_exchange():
-    """EPLB with counts dispatch: the placement of its grouped row, every block at least as
-    large (counts sends only the kept rows, so the cost-chosen per-pair target is the lowest,
-    and a lower target never shrinks a block), no more expected drops."""
-    trace = skewed_trace(steps=12, layers=1, seed=5)
-    load = trace.counts[-4:, 0].mean(axis=0).astype(np.float64)
-    rel = np.abs(trace.counts[-4:, 0] / np.maximum(load, 1) - 1)
-    cluster = cluster_for_ranks(trace.num_ranks)
-    model = CostModel(cluster, hidden=1024, ffn_hidden=4096)
-    config = PlacementConfig(slots_per_device=3)
-    args = (load, rel, model, config, np.arange(trace.num_ranks))
-    sizes = {"top_k": 1, "tokens_per_step": 16384 * 16}
-    grouped = baselines.eplb_plan(*args, dispatch="grouped", **sizes)
-    counts = baselines.eplb_plan(*args, dispatch="counts", **sizes)
-    assert counts.dispatch == "counts" and counts.method == "eplb-ema-counts"
-    assert grouped.method == "eplb-ema-grouped"
-    np.testing.assert_array_equal(counts.slot_expert, grouped.slot_expert)
-    np.testing.assert_array_equal(counts.slot_device, grouped.slot_device)
-    assert (counts.send_block >= grouped.send_block).all()
-    assert counts.drop_target == pytest.approx(0.1 * config.max_block_drop_rate)
-    assert counts.expected_drop_rate <= grouped.expected_drop_rate
-    with pytest.raises(ValueError, match="'dispatch' must be one of"):
-        baselines.eplb_plan(*args, dispatch="alltoall", **sizes)
-
-
-def test_grouped_oracle_bounds_the_forecast_driven_rows():
-    """oracle-grouped (our scheduler on each row's true counts, blocks of exactly the rows the
-    layer's integer split sends) drops nothing, pads at most the 1-row minimum block of each
-    of the 16 x 16 pairs and the compute tile's rounding (< 16 rows) of each of the 48 slots
-    (976 rows of the 262,144 assignments a layer-step), and is faster per step than ours and
-    EPLB's rows, which plan from forecasts."""
-    trace = skewed_trace(steps=30, layers=2, seed=3, skew=1.0)
-    config = ReplayConfig(warmup=16)
-    oracle = replay(trace, "oracle-grouped", None, config)
-    assert oracle.drop_rate == 0.0
-    assert 0.0 <= oracle.padding_fraction <= 976 / (16 * 16384 + 976)
-    assert oracle.replans == 0 and oracle.replan_overhead_s == 0.0
-    for other in ("efficientmoe-grouped", "eplb-ema-grouped", "eplb-ar-counts"):
-        assert oracle.step_time_s.mean() < replay(trace, other, None, config).step_time_s.mean()
-
-
 @pytest.mark.parametrize("hidden, expected", [(256, "grouped"), (4096, "counts")])
 def test_auto_dispatch_takes_counts_where_padding_outweighs_the_dynamic_shape_overhead(
         hidden, expected):
     """choose_dispatch: at H = 256 a layer-step is latency-bound and the count-driven exchange's
     4 x 363 us dynamic-shape overhead outweighs the block padding it saves; at H = 4096 the
-    padding's bytes outweigh it. The pick is the argmin of the two predictions, and the
-    auto row of the replay is then the chosen method's row exactly."""
+    padding's bytes outweigh it. The pick is the argmin of the two predictions."""
     trace = skewed_trace(steps=24, layers=1, seed=3, skew=1.0, hidden=hidden)
     config = ReplayConfig(warmup=16)
     choice = trace_dispatch_choice(trace, None, config)
@@ -284,11 +191,6 @@ def test_auto_dispatch_takes_counts_where_padding_outweighs_the_dynamic_shape_ov
     assert all(p.dispatch == expected for p in choice.proposal.plans)
     assert plan_trace(trace, None, dataclasses.replace(config, dispatch="auto"))[0] \
         .dispatch == expected
-    auto = replay(trace, "efficientmoe-auto", None, config)
-    same = replay(trace, "efficientmoe-grouped" if expected == "grouped"
-                  else "efficientmoe-counts", None, config)
-    assert auto.method == "efficientmoe-auto"
-    assert auto.iteration_time_s == same.iteration_time_s and auto.drop_rate == same.drop_rate
 
 
 def test_cli_plan_moe_auto_prints_the_choice_and_both_predictions(tmp_path, capsys):

@@ -7,19 +7,22 @@ import pytest
 
 from ms_efficient.core.cluster import get_cluster
 from ms_efficient.efficientmoe import baselines
+from ms_efficient.efficientmoe.balanced_cost import balanced_cost
 from ms_efficient.efficientmoe.bench import _truncate, markdown_table, run_simulated, speedups
 from ms_efficient.efficientmoe.capacity import (expected_drop_and_padding, load_samples, round_up,
-                                                slot_capacities, uniform_capacity)
+                                                slot_capacities)
 from ms_efficient.efficientmoe.cost import (DYNAMIC_EXCHANGE_S, CostModel, event_step_time_s, layer_cost,
                                             uneven_alltoall_time_s)
+from ms_efficient.efficientmoe.layout import uniform_home
 from ms_efficient.efficientmoe.placement import (PlacementConfig, levelled_shares, plan_layer,
-                                                 replica_counts_greedy)
+                                                 replica_counts_greedy, uniform_placement)
 from ms_efficient.efficientmoe.predictor import (EMA, EXTRAPOLATED_LEADS, EXTRAPOLATION_LIMIT,
                                                  ARRidge, LastValue, evaluate_predictors,
                                                  mape_percent, predict_counts, relative_residuals)
 from ms_efficient.efficientmoe.replay import ReplayConfig, cluster_for_ranks, plan_trace, replay
 from ms_efficient.efficientmoe.schedule import (ReplanCosts, choose_horizon, decide_replan,
                                                 migration_bytes_DD)
+from ms_efficient.moe.balance import balance_step
 from ms_efficient.moe.plan import ExpertPlan, load_plans, save_plans
 from ms_efficient.moe.split import largest_remainder, source_rows, split_tokens, switch_capacity
 from ms_efficient.moe.trace import RoutingTrace, synthetic_trace
@@ -279,14 +282,6 @@ def test_expected_drop_and_padding_by_hand():
     assert drop == pytest.approx(8 / 50) and pad == pytest.approx(6 / 48)
 
 
-def test_uniform_capacity_is_the_smallest_multiple_meeting_the_drop_target():
-    pred = np.array([100.0, 50.0])
-    no_error = np.zeros((2, 2))
-    assert uniform_capacity(pred, np.arange(2), no_error, 0.0).capacity_S.tolist() == [112, 112]
-    # drop(64) = 36/150 = 0.24 > 0.2, drop(80) = 20/150 = 0.133 <= 0.2
-    assert uniform_capacity(pred, np.arange(2), no_error, 0.2).capacity_S.tolist() == [80, 80]
-
-
 def test_closed_form_capacity_figures_equal_explicit_samples():
     rng = np.random.default_rng(3)
     pred, slot_expert = rng.uniform(0, 400, 12), rng.integers(0, 5, 12)
@@ -306,29 +301,39 @@ def test_uneven_alltoall_of_equal_messages_is_the_collective_formula():
     assert uneven_alltoall_time_s(equal, cluster) == pytest.approx(expected)
 
 
-def test_eplb_packing_reaches_the_known_optimum():
-    # 8 items, 2 packs of 4: total 36, optimum max load 18
-    packs = baselines.balanced_packing(np.array([8, 7, 6, 5, 4, 3, 2, 1]), 2, 4)
-    assert np.bincount(packs, weights=[8, 7, 6, 5, 4, 3, 2, 1]).max() == 18
-    assert np.bincount(packs).tolist() == [4, 4]
+def test_eplb_gives_redundant_slots_to_the_heaviest_load_per_replica():
     # one redundant slot goes to the hot expert; replicas 6, 6, 4, 4 -> optimum 10 per device
     replicas = replica_counts_greedy(np.array([12.0, 4.0, 4.0]), 4)
     assert replicas.tolist() == [2, 1, 1]
-    weights = np.array([6.0, 6.0, 4.0, 4.0])
-    assert np.bincount(baselines.balanced_packing(weights, 2, 2), weights=weights).max() == 10
+    # then to whichever has the heaviest load per replica: 12 / 2 = 6 > 5
+    assert replica_counts_greedy(np.array([12.0, 5.0, 4.0]), 5).tolist() == [3, 1, 1]
+
+
+def _plain_cost(model, no_sync=None):
+    """The dynamic-shape cost FasterMoE's shadowing weighs (no fast level, no sync)."""
+    return lambda bal: balanced_cost(bal, model, np.zeros(bal.rows_LEW.shape[0]),
+                                     dynamic=True, fast_level=False).time_L
 
 
 def test_fastermoe_shadows_a_very_hot_expert_when_weights_are_cheap():
+    """8 ranks x 8 experts, 100 rows each, expert 3 gets 20000 from every rank: with tiny
+    experts (H 64, F 256) shadowing expert 3 on every device beats sending 140000 rows to
+    one chip, and each device then computes its own 20000 rows of it locally."""
     cluster = get_cluster("ascend910b-1x8")
     model = CostModel(cluster, hidden=64, ffn_hidden=256)     # tiny experts: cheap broadcast
-    counts = np.full((8, 8), 100)
-    counts[:, 3] = 20000
-    plan, bcast_s = baselines.fastermoe_plan(counts, model, slots_per_device=2,
-                                             rank_device=np.arange(8))
-    assert sorted(plan.slot_device[plan.replicas_of(3)].tolist()) == list(range(8))
-    assert bcast_s > 0
-    assigned, dropped = split_tokens(plan, counts, np.arange(8), 8)
-    assert dropped == 0 and (assigned.sum(axis=0) == plan.slot_capacity).all()   # no padding
+    counts = np.full((1, 8, 8), 100)
+    counts[0, :, 3] = 20000
+    home = uniform_home(1, 8, 8)
+    bcast = cluster.collective_time_s("broadcast", model.copy_bytes, list(range(8)))
+    bal, shadows = baselines.fastermoe_balance(counts, home, _plain_cost(model), bcast, 8)
+    assert shadows.tolist() == [1] and bal.holder_LEW[0, 3].all()
+    assert bal.rows_LEW[0, 3].tolist() == [20000] * 8            # every rank's own rows
+    assert (bal.rows_LEW.sum(axis=(0, 2)) == counts.sum(axis=(0, 1))).all()   # no drop
+    assert bal.sent_LRW[0, np.arange(8), np.arange(8)].min() >= 20000
+    # with 100 rows of every expert everywhere, no shadow pays its broadcast
+    flat = np.full((1, 8, 8), 100)
+    assert baselines.fastermoe_balance(flat, home, _plain_cost(model), bcast, 8)[1].tolist() \
+        == [0]
 
 
 def test_event_simulator_schedule_equals_the_analytic_layer_cost():
@@ -343,33 +348,40 @@ def test_event_simulator_schedule_equals_the_analytic_layer_cost():
     assert event_step_time_s(plan, counts, model) == pytest.approx(analytic, rel=1e-9)
 
 
-def test_switch_pays_its_padded_buffers_and_ours_the_count_exchange_by_hand():
+def test_switch_pays_its_padded_buffers_and_dropless_the_count_exchange_by_hand():
     """4 ranks x 8 experts, every rank sends 128 tokens to every expert (H = 256, bf16)."""
     model = CostModel(NODE_1x8, hidden=256, ffn_hidden=1024)
-    counts = np.full((4, 8), 128)
+    counts = np.full((1, 4, 8), 128)
+    home = uniform_home(1, 8, 4)
     intra = NODE_1x8.intra_link
     row_s = 3 * 4 * 256 * 1024 / (0.3 * 313e12)                # fwd + bwd FLOPs of one row
+    assert model.row_time_s == pytest.approx(row_s)
     # Switch CF 1.25: C = ceil(1.25 * 1024 / 8) = 160 rows per rank per expert, 2 experts per
     # device -> 320 rows to each of 3 peers, 4 All-to-Alls; 4 x 160 = 640 rows per expert
-    switch = baselines.switch_plan(8, np.arange(4), 4, 1024, 1.25)
-    assert switch.slot_capacity.tolist() == [640] * 8 and switch.dispatch == "static"
+    capacity = switch_capacity(512, 8, 2, 1.25)
+    switch = baselines.switch_balance(counts, home, capacity)
+    assert capacity == 160 and switch.rows_LEW[0].max(axis=1).tolist() == [640] * 8
+    assert switch.sent_LRW[0].tolist() == [[320] * 4] * 4 and switch.dropped_L.tolist() == [0]
     a2a = 4 * 3 * (intra.latency_s + 320 * 512 / intra.bandwidth_Bps)
-    cost = layer_cost(switch, counts, model)
-    assert cost.exchange_time_s == 0.0 and cost.a2a_time_s == pytest.approx(a2a)
-    assert cost.time_s == pytest.approx(a2a + 1280 * row_s)
-    # ours, counts first: 256 routed rows to each peer, 512 rows per expert, plus the
+    cost = balanced_cost(switch, model, np.zeros(1), dynamic=False, fast_level=False,
+                         count_exchange=False)
+    assert cost.exchange_L[0] == 0.0 and cost.a2a_L[0] == pytest.approx(a2a)
+    assert cost.time_L[0] == pytest.approx(a2a + 1280 * row_s)
+    # a rank over C drops its overflow: 100 rows of expert 0 past 160
+    over = counts.copy()
+    over[0, 2, 0] = 260
+    assert baselines.switch_balance(over, home, capacity).dropped_L.tolist() == [100]
+    # dropless, counts first: 256 routed rows to each peer, 512 rows per expert, plus the
     # AllGather of the 4 x 8 int32 counts and the dynamic-shape overhead of its 4
     # data-dependent All-to-Alls
-    ours = ExpertPlan(switch.slot_expert, switch.slot_device, [512] * 8)
+    dropless = balance_step(counts, home, np.zeros(4, dtype=np.int64), None, even_split=True,
+                            devices_per_node=8)
     a2a = 4 * 3 * (intra.latency_s + 256 * 512 / intra.bandwidth_Bps)
     exchange = (NODE_1x8.collective_time_s("allgather", 4 * 8 * 4, [0, 1, 2, 3])
                 + 4 * DYNAMIC_EXCHANGE_S)
-    cost = layer_cost(ours, counts, model)
-    assert exchange > 0 and cost.exchange_time_s == pytest.approx(exchange)
-    assert cost.time_s == pytest.approx(exchange + a2a + 1024 * row_s)
-    for plan in (switch, ours):
-        assert event_step_time_s(plan, counts, model) == pytest.approx(
-            layer_cost(plan, counts, model).time_s, rel=1e-9)
+    cost = balanced_cost(dropless, model, np.zeros(1), dynamic=True, fast_level=False)
+    assert exchange > 0 and cost.exchange_L[0] == pytest.approx(exchange)
+    assert cost.time_L[0] == pytest.approx(exchange + a2a + 1024 * row_s)
 
 
 def test_an_equal_split_all_to_all_pads_every_block_to_the_largest_by_hand():
@@ -407,124 +419,54 @@ def test_scheduler_is_deterministic_and_beats_uniform_placement_on_skewed_load()
     second = plan_layer(counts, model, config, rel_err_KRE=None)
     assert first.to_dict() == second.to_dict()
     first.validate(16, 16)
-    slot_expert, slot_device = baselines.uniform_placement(16, np.arange(16))
+    slot_expert, slot_device = uniform_placement(16, np.arange(16))
     exact = ExpertPlan(slot_expert, slot_device, counts.sum(axis=0))
     assert layer_cost(first, counts, model).time_s < layer_cost(exact, counts, model).time_s
 
 
-def test_oracle_is_never_worse_than_our_plan_on_the_true_load(small_trace):
-    config = ReplayConfig(warmup=12)
-    cluster = CLUSTER_2x8
-    ours = replay(small_trace, "efficientmoe-static", cluster, config)
-    oracle = replay(small_trace, "oracle", cluster, config)
-    assert oracle.iteration_time_s <= ours.iteration_time_s
-    # also without our amortised re-plan cost, and while dropping nothing (ours drops a little)
-    assert oracle.step_time_s.mean() <= ours.step_time_s.mean()
-    assert oracle.drop_rate == 0.0 and oracle.padding_fraction < ours.padding_fraction
-
-
 def test_replay_is_deterministic_and_reports_bounded_metrics(small_trace):
     config = ReplayConfig(warmup=12)
-    a = replay(small_trace, "eplb-ema", CLUSTER_2x8, config)
-    b = replay(small_trace, "eplb-ema", CLUSTER_2x8, config)
-    assert a.metrics() == b.metrics()
-    assert 0 <= a.padding_fraction < 1 and 0 <= a.drop_rate < 1 and a.max_over_mean_load >= 1
+    for method in ("fastermoe", "eplb-alltoallv"):
+        a = replay(small_trace, method, CLUSTER_2x8, config)
+        b = replay(small_trace, method, CLUSTER_2x8, config)
+        assert a.metrics() == b.metrics(), method
+        assert 0 <= a.padding_fraction < 1 and a.drop_rate == 0.0 and a.max_over_mean_load >= 1
     switch = replay(small_trace, "switch-cf1.0", CLUSTER_2x8, config)
-    dropless = replay(small_trace, "dropless-static", CLUSTER_2x8, config)
+    dropless = replay(small_trace, "dropless", CLUSTER_2x8, config)
     assert dropless.drop_rate == 0.0 and switch.drop_rate > 0.0
+    assert switch.extra["dynamic_exchange_s"] == 0.0 and dropless.extra["dynamic_exchange_s"] > 0
 
 
 def test_a_steady_demo_shaped_load_is_planned_exactly_with_no_padding():
-    """Every rank sends 128 of its 512 x 2 assignments to every expert: the forecast is exact,
-    so EfficientMoE gives each of the 8 experts 512 rows (a multiple of 16), 128 owned by each
-    rank, on the 4 chips of the run; one step of the layer is 4 All-to-Alls of 2 x 128 rows
-    to each of 3 peers plus 1024 rows of compute per chip."""
+    """Every rank sends 128 of its 512 x 2 assignments to every expert: the one-level static
+    plan gives each of the 8 experts 512 rows (a multiple of 16), 128 owned by each rank, on
+    the 4 chips of the run. Replayed, dropless is 4 All-to-Alls of 2 x 128 rows to each of 3
+    peers plus 1024 rows of compute per chip, after the counts' AllGather and the
+    dynamic-shape overhead; Switch CF 1.25 sends and computes 160-row blocks, no counts."""
     trace = demo_shaped_trace(np.full((4, 8), 128))
-    ours = replay(trace, "efficientmoe-static", NODE_1x8, ReplayConfig(warmup=8))
-    assert ours.padding_fraction == 0.0 and ours.drop_rate == 0.0 and ours.replans == 0
     plan = plan_trace(trace, NODE_1x8, ReplayConfig(warmup=8, dispatch="static"))[0]
     assert plan.slot_capacity.tolist() == [512] * 8 and plan.dispatch == "static"
     assert sorted(plan.slot_device.tolist()) == [0, 0, 1, 1, 2, 2, 3, 3]   # not chips 4-7
     intra = NODE_1x8.intra_link
-    step = (4 * 3 * (intra.latency_s + 256 * 512 / intra.bandwidth_Bps)
-            + 1024 * 3 * 4 * 256 * 1024 / (0.3 * 313e12))
-    assert ours.iteration_time_s == pytest.approx(step)
+    row_s = 3 * 4 * 256 * 1024 / (0.3 * 313e12)
+    dropless = replay(trace, "dropless", NODE_1x8, ReplayConfig(warmup=8))
+    assert dropless.padding_fraction == 0.0 and dropless.drop_rate == 0.0
+    assert dropless.iteration_time_s == pytest.approx(
+        NODE_1x8.collective_time_s("allgather", 4 * 8 * 4, [0, 1, 2, 3])
+        + 4 * DYNAMIC_EXCHANGE_S
+        + 4 * 3 * (intra.latency_s + 256 * 512 / intra.bandwidth_Bps) + 1024 * row_s)
     switch = replay(trace, "switch-cf1.25", NODE_1x8, ReplayConfig(warmup=8))
     assert switch.padding_fraction == pytest.approx(1 - 512 / 640) and switch.drop_rate == 0.0
     assert switch.iteration_time_s == pytest.approx(
-        4 * 3 * (intra.latency_s + 320 * 512 / intra.bandwidth_Bps)
-        + 1280 * 3 * 4 * 256 * 1024 / (0.3 * 313e12))
+        4 * 3 * (intra.latency_s + 320 * 512 / intra.bandwidth_Bps) + 1280 * row_s)
 
 
-def test_a_noisy_steady_demo_shaped_load_pads_near_the_static_bound():
-    """Multinomial routing around a fixed popularity (512 x 2 assignments per rank). Static
-    dispatch sizes each rank's rows of each expert on their own: 100-200 tokens, one-step
-    noise 6-9 %; the best static rows for a 0.5 % drop rate, chosen in hindsight on the
-    very rows they serve, pad 10 % of the rows (computed below). Before the fixes this
-    trace got ~99 % padding."""
-    rng = np.random.default_rng(0)
-    popularity = np.array([0.2, 0.15, 0.15, 0.1, 0.1, 0.1, 0.1, 0.1])
-    trace = demo_shaped_trace(rng.multinomial(1024, popularity, size=(40, 4)), rows=40)
-    # recompiles nearly free: a tiny layer (0.13 ms a step) pays back a 1.2 s recompile
-    # only after ~10^4 steps, so at the default cost the planner keeps the dropless bound
-    # (asserted at the end); here the capacity model itself is under test
-    ours = replay(trace, "efficientmoe-static", NODE_1x8, ReplayConfig(warmup=16, recompile_s=1e-3))
-    # hindsight bound: one exceedance quantile q over the 24 rows of every (rank, expert)
-    x = trace.counts[16:, 0].reshape(24, 32)
-    for q in np.linspace(0.5, 1.0, 501):
-        rows = np.ceil(np.quantile(x, q, axis=0))
-        if np.maximum(0, x - rows).sum() <= 0.005 * x.sum():
-            break
-    bound = 1 - x.sum() / (24 * np.ceil(rows.reshape(4, 8).sum(axis=0) / 16).sum() * 16)
-    assert 0.08 < bound < 0.12
-    assert ours.drop_rate < 0.005 and ours.padding_fraction < bound + 0.08
-    # default recompile cost: tight capacities cannot pay for the re-plan their drops may
-    # force, so every expert keeps the dropless bound, 2048 rows (all tokens of a step):
-    # 4096 assignments in 8 x 2048 rows, 75 % padding
-    safe = replay(trace, "efficientmoe-static", NODE_1x8, ReplayConfig(warmup=16))
-    assert safe.drop_rate == 0.0 and safe.replans == 0
-    assert safe.padding_fraction == pytest.approx(0.75)
-    oracle = replay(trace, "oracle", NODE_1x8, ReplayConfig(warmup=16))
-    assert oracle.padding_fraction < 0.03 and oracle.drop_rate == 0.0
-    # perfect foresight in a static graph reaches the hindsight bound computed above, and
-    # sits between the free-re-planning oracle and our forecasts
-    static = replay(trace, "oracle-static", NODE_1x8, ReplayConfig(warmup=16, recompile_s=1e-3))
-    assert static.drop_rate < 0.005 and abs(static.padding_fraction - bound) < 0.02
-    assert oracle.iteration_time_s < static.iteration_time_s < ours.iteration_time_s
-
-
-def test_oracle_static_foresight_is_the_mean_and_deviation_of_the_coming_rows():
-    """1 layer, 1 rank, 2 experts, rows [10, 30], [20, 10], [30, 20]: seen from row 1 with a
-    2-row horizon, the forecast is the mean [25, 15] of rows 1-2 and the error samples are
-    (row - mean) / mean = [-0.2, -1/3] and [0.2, 1/3] (the floor, 1 token, does not bind)."""
-    from ms_efficient.efficientmoe.replay import _Context
-
-    counts = np.array([[10, 30], [20, 10], [30, 20]]).reshape(3, 1, 1, 2)
-    trace = RoutingTrace(counts=counts, top_k=1, hidden=64, tokens_per_rank=40)
-    ctx = _Context(trace, NODE_1x8, ReplayConfig(warmup=2))
-    mean, rel = ctx.predicted(1, "oracle-static", 2)
-    assert mean.reshape(-1).tolist() == [25.0, 15.0]
-    assert np.allclose(rel.reshape(2, 2), [[-0.2, -1 / 3], [0.2, 1 / 3]])
-    mean, rel = ctx.predicted(2, "oracle-static", 5)           # cut at the end of the trace
-    assert mean.reshape(-1).tolist() == [30.0, 20.0] and np.all(rel == 0)
-
-
-def test_every_planner_keeps_its_slots_on_the_chips_of_the_run():
+def test_the_one_level_plans_keep_their_slots_on_the_chips_of_the_run():
     trace = demo_shaped_trace(np.random.default_rng(2).multinomial(1024, [1 / 8] * 8, (20, 4)),
                               rows=20)
-    config = ReplayConfig(warmup=8)
-    ctx_rows = trace.counts[10, 0]
-    model = CostModel(NODE_1x8, 256, 1024)
-    pconfig = PlacementConfig(slots_per_device=3)
-    rel = np.zeros((4, 4, 8))                                   # [K, R, E]
-    plans = [plan_trace(trace, NODE_1x8, config)[0],
-             baselines.eplb_plan(ctx_rows, rel, model, pconfig, np.arange(4), 2),
-             baselines.greedy_plan(ctx_rows, rel, model, pconfig, np.arange(4), 2),
-             baselines.fastermoe_plan(ctx_rows, model, 3, np.arange(4))[0],
-             baselines.switch_plan(8, np.arange(4), 4, 1024, 1.0),
-             baselines.dropless_static_plan(trace.counts[:, 0], np.arange(4))]
-    for plan in plans:
-        assert set(plan.slot_device.tolist()) <= {0, 1, 2, 3}, plan.method
+    for dispatch in ("static", "grouped", "counts"):
+        plan = plan_trace(trace, NODE_1x8, ReplayConfig(warmup=8, dispatch=dispatch))[0]
+        assert set(plan.slot_device.tolist()) <= {0, 1, 2, 3}, dispatch
 
 
 def test_an_unpredictable_layer_gets_a_dropless_plan():

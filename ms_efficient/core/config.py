@@ -269,8 +269,7 @@ class EfficientMoEConfig:
     # first-step compile time (`compile_s`) to set it from.
     recompile_cost_s: Optional[float] = None
     # A layer whose recent one-step load forecasts erred by more than this (rms, relative) is
-    # planned dropless until its loads settle (chosen on held-out traces:
-    # scripts/tune_efficientmoe.py).
+    # planned dropless until its loads settle (chosen on held-out traces, docs/results.md).
     max_forecast_error: float = 0.75
     # A check also happens as soon as the current capacities dropped more than 1% of the
     # tokens over at least this many steps.

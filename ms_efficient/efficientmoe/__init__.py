@@ -6,18 +6,17 @@ placement from the forecast, spare slots, receive buffers priced from the trace;
 shapes, re-planned as data) -> ``balance`` (the fast level: every step and layer, water-fill
 each expert's tokens over its holders, copy hot experts into spare slots, fit the buffers,
 cut the per-pair rows) -> ``balanced_cost`` (what a balanced step costs) -> ``two_level``
-(the trace replayed under the two levels and their baselines: MoonEP, EPLB).
+(the trace replayed under the two levels and every baseline row, one vectorised path:
+MoonEP, EPLB, FasterMoE, Switch, dropless; ``baselines`` holds the baselines' per-step rules).
 
-The one-level design of earlier rounds (forecast-sized static blocks; ``efficientmoe-grouped``,
-``-counts``, ``-static`` rows; the trainer's online capacities): ``sampler`` (per-step routing
-counts) -> ``predictor`` (forecasts and their past errors, ``Forecaster``) -> ``capacity``
-(static rows per slot from a forecast) -> ``levels`` (few distinct capacities per device) ->
-``cost`` (one MoE layer's step time under a plan) -> ``placement`` (replicate and place
-experts) -> ``schedule`` (adopt a new plan only when it pays for migration and
-recompilation) -> ``planner`` (forecast, place, size, decide, and ``ReplanLoop``: when it is
-asked) -> ``apply`` (the sampler and the planner as MindSpore callbacks, and the pass).
-``baselines`` (Switch, dropless, FasterMoE, EPLB, MindSpeed, oracles) and ``replay`` (a trace
-replayed on a simulated cluster) feed ``bench``; ``commands`` holds ``plan moe`` /
-``bench moe``. Everything but ``apply`` and ``ep_replanner`` (and the measured rows of
-``bench``) is numpy.
+The one-level planner, still what the ``grouped``/``counts``/``static`` layers and the
+one-process trainer's online capacities run (forecast-sized static blocks): ``sampler``
+(per-step routing counts) -> ``predictor`` (forecasts and their past errors, ``Forecaster``)
+-> ``capacity`` (static rows per slot from a forecast) -> ``cost`` (one MoE layer's step time
+under a plan) -> ``placement`` (replicate and place experts) -> ``schedule`` (adopt a new plan
+only when it pays for migration and recompilation) -> ``planner`` (forecast, place, size,
+decide, and ``ReplanLoop``: when it is asked) -> ``apply`` (the sampler and the planners as
+MindSpore callbacks, and the pass). ``replay`` (a trace replayed on a simulated cluster)
+feeds ``bench``; ``commands`` holds ``plan moe`` / ``bench moe``. Everything but ``apply``
+and ``ep_replanner`` (and the measured rows of ``bench``) is numpy.
 """

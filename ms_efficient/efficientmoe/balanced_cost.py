@@ -113,14 +113,18 @@ def dispatch_bytes_LWW(balance: Balance, model: CostModel) -> np.ndarray:
 
 
 def balanced_cost(balance: Balance, model: CostModel, sync_L: np.ndarray,
-                  dynamic: bool = False, fast_level: bool = True) -> BalancedCost:
+                  dynamic: bool = False, fast_level: bool = True,
+                  count_exchange: bool = True) -> BalancedCost:
     """The cost of one balanced step (module docstring). sync_L: :func:`home_sync_time_L` of
     the layout; dynamic: charge the dynamic-shape overhead of count-driven exchanges;
-    fast_level: charge ``model.fast_level_s`` per layer for the fast level's tables."""
+    fast_level: charge ``model.fast_level_s`` per layer for the fast level's tables;
+    count_exchange: charge the counts' AllGather (False for a static-shape layer that sends
+    fixed blocks, e.g. GShard's, whose ``sent_LRW`` are then the padded rows)."""
     cluster = model.cluster
     num_layers, num_ranks, _ = balance.sent_LRW.shape
     num_experts = balance.rows_LEW.shape[1]
-    exchange = count_exchange_time_s(num_ranks, num_experts, model, list(range(num_ranks)))
+    exchange = (count_exchange_time_s(num_ranks, num_experts, model, list(range(num_ranks)))
+                if count_exchange else 0.0)
     if dynamic and num_ranks > 1:
         exchange += model.a2a_passes * model.dynamic_exchange_s
     fast_L = np.full(num_layers, model.fast_level_s if fast_level else 0.0)

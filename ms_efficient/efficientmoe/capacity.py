@@ -54,7 +54,7 @@ from ms_efficient.moe.exchange import slot_rows_by_device
 from ms_efficient.moe.split import SPLIT_UNITS, grouped_split, grouped_split_weights
 
 __all__ = ["CapacityResult", "round_up", "error_scales", "load_samples",
-           "expected_drop_and_padding", "slot_capacities", "uniform_capacity",
+           "expected_drop_and_padding", "slot_capacities",
            "expected_expert_drop_rate", "hindsight_capacities",
            "static_capacity_limit", "pair_loads", "device_loads", "send_blocks",
            "expected_pair_drop_rate", "quantize_levels"]
@@ -70,7 +70,7 @@ class CapacityResult:
     """capacity_S: int64 [S] tokens per slot; quantile: the fraction of pooled errors at or
     below the one chosen (nan for uniform/exact); expected_drop_rate,
     expected_padding_fraction: over the load samples, in [0, 1]; uniform: the one capacity C
-    of :func:`uniform_capacity` (None otherwise)."""
+    of a single-capacity sizing (None otherwise)."""
 
     capacity_S: np.ndarray
     quantile: float
@@ -268,43 +268,6 @@ def slot_capacities(pred_load_S: np.ndarray, slot_expert: np.ndarray, rel_err_KE
         else:
             lo = mid
     return at(hi)
-
-
-def uniform_capacity(pred_load_S: np.ndarray, slot_expert: np.ndarray, rel_err_KE: np.ndarray,
-                     drop_target: float = 0.005, multiple: int = 16,
-                     max_load: Optional[float] = None,
-                     per_unit_S: Optional[np.ndarray] = None) -> CapacityResult:
-    """One capacity C for every slot (as a graph with a single expert capacity has): the
-    smallest multiple of ``multiple`` whose expected drop rate over the load samples is
-    <= drop_target. Arguments as :func:`slot_capacities`; ``per_unit_S`` (float [S], default
-    1): the rows sample slot s gets per row of C, e.g. the share of a replicated expert's
-    capacity a source rank owns. Returns capacity_S = C * per_unit_S (rounded down, as the
-    rows a rank owns are whole)."""
-    _check(pred_load_S, slot_expert, drop_target)
-    pred = np.asarray(pred_load_S, dtype=np.float64)
-    unit = np.ones_like(pred) if per_unit_S is None else np.asarray(per_unit_S, np.float64)
-    if unit.shape != pred.shape or (unit <= 0).any():
-        raise ValueError(f"'per_unit_S' must be positive with shape {pred.shape}, but got "
-                         f"{unit.shape}.")
-    spread_S, z = _error_model(pred, slot_expert, rel_err_KE)
-    top = float(np.max((pred + spread_S * max(float(z[-1]), 0.0)) / unit))
-    if max_load is not None:
-        top = min(top, float(np.max(max_load / unit)))
-
-    suffix = _suffix(z)
-
-    def caps(k: int) -> np.ndarray:
-        return np.floor(k * multiple * unit + 1e-9)
-
-    lo, hi = 1, max(1, int(round_up(top, multiple)) // multiple)
-    while lo < hi:                                   # smallest k with drop(k * multiple) ok
-        mid = (lo + hi) // 2
-        if _expected(caps(mid), pred, spread_S, z, max_load, suffix)[0] <= drop_target:
-            hi = mid
-        else:
-            lo = mid + 1
-    drop, pad = _expected(caps(lo), pred, spread_S, z, max_load)
-    return CapacityResult(caps(lo).astype(np.int64), math.nan, drop, pad, lo * multiple)
 
 
 def expected_expert_drop_rate(capacity_E: np.ndarray, pred_load_E: np.ndarray,

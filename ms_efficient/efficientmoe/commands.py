@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 import tempfile
 import time
@@ -25,7 +24,6 @@ from ms_efficient.core.config import DISPATCH_NAMES
 
 __all__ = ["add_plan_arguments", "run_plan", "add_bench_arguments", "run_bench"]
 
-logger = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = "configs/gpt_moe_tiny.yaml"
 MEASURED_COLUMNS = ("workload", "method", "step_time_s", "step_time_vs_dropless",
@@ -154,10 +152,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="simulated rows only (no MindSpore training)")
     parser.add_argument("--no-simulated", action="store_true",
                         help="measured rows only (no trace replay)")
-    parser.add_argument("--static-blocks", choices=("exact", "equal"), default="exact",
-                        help="simulated All-to-All of static-graph methods: per-peer counts "
-                             "fixed at compile time (AlltoAllV, what ExpertParallelMoE sends), "
-                             "or every block padded to the largest (equal-split AlltoAll)")
     parser.add_argument("--fast-level-ms", type=float, default=None, metavar="MS",
                         help="charge the two-level methods' fast level this many ms per MoE "
                              "layer-step (default cost.FAST_LEVEL_S = 0.75 ms, above the "
@@ -184,33 +178,21 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 DEEPSEEK_LAYERS = 8
 DEEPSEEK_RANKS = 64
 DEEPSEEK_WORKLOAD = "deepseek-v3-64r"
-# the rows replayed on it: the one-level rows (switch-*, dropless-*, eplb-ema-*, the
-# one-level oracles) plan per expert and per pair with loops that take tens of minutes at
-# 256 experts x 64 ranks, so they are left out there (and said so)
-DEEPSEEK_METHODS = ("efficientmoe", "efficientmoe-fixed-home", "moonep", "ablation-eplb-split",
-                    "eplb-alltoallv", "fastermoe", "oracle-bound")
 
 
 def _deepseek_rows(args: argparse.Namespace, methods) -> list:
     """The simulated rows of the DeepSeek-V3-shaped workload (``--deepseek-layers`` layers,
-    40 rows; --quick: 2 layers, 24 rows), on the methods of ``methods`` it replays."""
+    40 rows; --quick: 2 layers, 24 rows) under ``methods``."""
     from ms_efficient.efficientmoe.bench import run_simulated
     from ms_efficient.efficientmoe.replay import ReplayConfig
     from ms_efficient.moe.trace import group_limited_trace
 
-    chosen = [m for m in methods if m in DEEPSEEK_METHODS]
-    left = [m for m in methods if m not in DEEPSEEK_METHODS]
-    if left:
-        logger.warning("%s: not replayed (one-level rows, too slow at 256 experts x 64 ranks): "
-                       "%s", DEEPSEEK_WORKLOAD, ", ".join(left))
-    if not chosen:
-        return []
     trace = group_limited_trace(steps=24 if args.quick else 40,
                                 layers=2 if args.quick else args.deepseek_layers,
                                 ranks=DEEPSEEK_RANKS)
-    config = ReplayConfig(static_blocks=args.static_blocks, fast_level_s=args.fast_level_ms / 1e3,
-                          ffn_hidden=2048, expert_kind="glu", expert_bias=False)
-    return run_simulated([(DEEPSEEK_WORKLOAD, trace)], args.cluster, False, methods=chosen,
+    config = ReplayConfig(fast_level_s=args.fast_level_ms / 1e3, ffn_hidden=2048,
+                          expert_kind="glu", expert_bias=False)
+    return run_simulated([(DEEPSEEK_WORKLOAD, trace)], args.cluster, False, methods=methods,
                          config=config)
 
 
@@ -281,8 +263,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if not args.no_simulated:
         rows += run_simulated(traces, args.cluster, args.quick, methods=args.methods or DEFAULT_METHODS,
-                              config=ReplayConfig(static_blocks=args.static_blocks,
-                                                  fast_level_s=args.fast_level_ms / 1e3))
+                              config=ReplayConfig(fast_level_s=args.fast_level_ms / 1e3))
         if args.deepseek_layers:
             rows += _deepseek_rows(args, args.methods or DEFAULT_METHODS)
     if measured:
@@ -302,7 +283,6 @@ def run_bench(args: argparse.Namespace) -> int:
     write_bench_json(args.json, "moe", rows,
                      meta={"quick": args.quick, "seconds": round(time.perf_counter() - start, 1),
                            "config": args.config, "init_from": args.init_from,
-                           "static_blocks": args.static_blocks,
                            "fast_level_ms": args.fast_level_ms})
     print(f"rows written to {args.json}")
     return 0

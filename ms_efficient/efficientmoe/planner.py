@@ -74,8 +74,8 @@ class PlannerConfig:
     predictor: load predictor name (see ``predictor.PREDICTOR_NAMES``).
     max_forecast_error: a layer whose recent one-step relative forecast errors (rms) exceed
         this is planned dropless. 0.75 was chosen on held-out synthetic traces the benchmark
-        does not report (steady, noisy, and a router settling at one-step MAPE ~50 %) by
-        ``scripts/tune_efficientmoe.py``, which prints the sweep it is chosen from: below 0.75
+        does not report (steady, noisy, and a router settling at one-step MAPE ~50 %) by a
+        sweep over the one-level replay (docs/results.md, "Tuned constants"): below 0.75
         the settling trace's fast phase goes dropless and costs 3.8-4.5x the windowed
         dropless baseline; 0.75, 1 and never tie (0.45x there, 0.74 % drops).
     horizon_multiples: plan lifetimes considered, in check intervals.

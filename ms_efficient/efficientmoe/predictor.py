@@ -318,9 +318,7 @@ def relative_residuals(load_TLE: np.ndarray, predictor: Predictor, window: int =
 
 
 class Forecaster:
-    """The forecast a plan is sized from: next-row per-rank counts and their relative errors.
-
-    Replaced by a foresight object in the replay's oracle-static method (same interface)."""
+    """The forecast a plan is sized from: next-row per-rank counts and their relative errors."""
 
     def __init__(self, predictor_name: str, residual_window: int):
         self.predictor = get_predictor(predictor_name)

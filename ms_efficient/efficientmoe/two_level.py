@@ -1,5 +1,6 @@
-"""Replay a routing trace under the two-level methods: a slow-level layout (:mod:`layout`)
-with the fast level (:mod:`balance`) every step, costed by :mod:`balanced_cost`.
+"""Replay a routing trace under the two-level methods (a slow-level layout, :mod:`layout`,
+with the fast level, :mod:`balance`, every step) and under the baseline rows: every row
+is a :class:`~ms_efficient.moe.balance.Balance` per step, costed by :mod:`balanced_cost`.
 
 Methods (each given the same slots per device: ceil(E / W) + ``ReplayConfig.extra_slots``):
     efficientmoe        ours: the forecast places the home experts and splits the extra
@@ -29,6 +30,16 @@ Methods (each given the same slots per device: ceil(E / W) + ``ReplayConfig.extr
                         (nothing drops), a count-driven exchange that pays the measured
                         dynamic-shape overhead per All-to-All (``CostModel.dynamic_exchange_s``).
 
+Baseline rows (:data:`BASELINE_ROWS`, :mod:`baselines`), on plain expert parallelism (the
+uniform home table, no spare slot, never re-placed):
+    fastermoe           shadows chosen every step (:func:`baselines.fastermoe_balance`), a
+                        broadcast of each shadow's weights and a reduce of its gradient
+                        (each charged as a broadcast over the ranks, in the ``copies`` term),
+                        count-driven exchange (the dynamic-shape overhead), no fast level.
+    dropless            every row computed at its expert's one device, count-driven exchange.
+    switch-cf<x>        fixed C rows per rank and expert sent and computed whole (padding),
+                        overflow dropped, no count exchange and no dynamic-shape overhead.
+
 Metrics as :class:`~ms_efficient.efficientmoe.replay.ReplayResult`, plus ``copies_per_step``
 (expert copies per training step, all layers) and ``weight_bytes_per_step`` (their bytes,
 forward; the same returns as gradients in backward). No MindSpore import here.
@@ -42,11 +53,12 @@ import numpy as np
 from ms_efficient.efficientmoe.balanced_cost import (balanced_cost, copy_cost_rows_WW,
                                                      home_sync_time_L)
 from ms_efficient.efficientmoe.cost import CostModel
-from ms_efficient.efficientmoe.layout import LayoutConfig, decide_home, plan_layout
-from ms_efficient.efficientmoe.baselines import moonep_balance
+from ms_efficient.efficientmoe.layout import LayoutConfig, decide_home, plan_layout, uniform_home
+from ms_efficient.efficientmoe.baselines import fastermoe_balance, moonep_balance, switch_balance
 from ms_efficient.moe.balance import balance_step
+from ms_efficient.moe.split import switch_capacity
 
-__all__ = ["TWO_LEVEL_METHODS", "TERMS", "layout_config_for", "replay_two_level",
+__all__ = ["TWO_LEVEL_METHODS", "BASELINE_ROWS", "TERMS", "layout_config_for", "replay_two_level",
            "lower_bound_step_s", "replay_lower_bound", "LOWER_BOUND"]
 
 # the parts of a two-level step's time (ms per iteration in a row's ``terms_ms``): the counts'
@@ -61,6 +73,9 @@ logger = logging.getLogger(__name__)
 TWO_LEVEL_METHODS = ("efficientmoe", "efficientmoe-fixed-home", "moonep", "ablation-eplb-split",
                      "eplb-alltoallv")
 _EPLB_SCHEDULE = {"ablation-eplb-split", "eplb-alltoallv"}     # re-balance whatever the gain
+# the baselines replayed here on plain expert parallelism (uniform homes, never re-placed),
+# each from its public description (:mod:`baselines`); "switch-cf<x>" takes any factor
+BASELINE_ROWS = ("fastermoe", "dropless", "switch-cf1.0", "switch-cf1.25", "switch-cf2.0")
 
 
 def layout_config_for(method: str, extra_slots: int, window: int) -> LayoutConfig:
@@ -76,75 +91,134 @@ def layout_config_for(method: str, extra_slots: int, window: int) -> LayoutConfi
                      f"{method!r}.")
 
 
+def _baseline_step(method: str, counts_LRE: np.ndarray, home_LWS: np.ndarray,
+                   model: CostModel, capacity: int):
+    """One step of a baseline row of :data:`BASELINE_ROWS` on plain expert parallelism
+    (``home_LWS`` uniform): (Balance, BalancedCost, the shadows' transfer seconds [L], the
+    copied weight bytes [L])."""
+    num_layers, num_ranks, _ = counts_LRE.shape
+    dpn = model.cluster.devices_per_node
+    no_sync = np.zeros(num_layers)
+    none_L = np.zeros(num_layers)
+    if method.startswith("switch-cf"):
+        bal = switch_balance(counts_LRE, home_LWS, capacity)
+        return bal, balanced_cost(bal, model, no_sync, dynamic=False, fast_level=False,
+                                  count_exchange=False), none_L, none_L
+    if method == "dropless":
+        bal = balance_step(counts_LRE, home_LWS, np.zeros(num_ranks, dtype=np.int64), None,
+                           even_split=True, devices_per_node=dpn)
+        return bal, balanced_cost(bal, model, no_sync, dynamic=True,
+                                  fast_level=False), none_L, none_L
+    # fastermoe: the broadcast of one shadow's weights over every rank
+    bcast = model.cluster.collective_time_s("broadcast", model.copy_bytes,
+                                            list(range(num_ranks)))
+    bal, shadows_L = fastermoe_balance(
+        counts_LRE, home_LWS,
+        lambda b: balanced_cost(b, model, no_sync, dynamic=True, fast_level=False).time_L,
+        bcast, dpn)
+    return (bal, balanced_cost(bal, model, no_sync, dynamic=True, fast_level=False),
+            2.0 * bcast * shadows_L,
+            shadows_L * (num_ranks - 1) * float(model.copy_bytes))
+
+
 def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_rows: int,
                      stride: int, extra_slots: int, window: int):
-    """Replay ``trace`` rows [warmup, T) under a two-level ``method``; returns the fields of
+    """Replay ``trace`` rows [warmup, T) under ``method``, a two-level method or a baseline
+    row of :data:`BASELINE_ROWS`; returns the fields of
     :class:`~ms_efficient.efficientmoe.replay.ReplayResult` as a dict (module docstring)."""
     counts = trace.counts
-    config = layout_config_for(method, extra_slots, window)
-    layout = plan_layout(counts[:warmup], model, config, method=method)   # first compile
-    unbounded = method == "eplb-alltoallv"
+    baseline = method in BASELINE_ROWS or method.startswith("switch-cf")
+    capacity = 0
+    if baseline:
+        layout = None
+        home = uniform_home(trace.num_layers, trace.num_experts, trace.num_ranks)
+        if method.startswith("switch-cf"):
+            cf = float(method[len("switch-cf"):])
+            tokens = trace.tokens_per_rank or int(round(
+                counts.sum(axis=3).mean() / (trace.top_k or 1)))
+            capacity = switch_capacity(tokens, trace.num_experts, trace.top_k or 1, cf)
+    else:
+        config = layout_config_for(method, extra_slots, window)
+        layout = plan_layout(counts[:warmup], model, config, method=method)   # first compile
+        unbounded = method == "eplb-alltoallv"
+        copy_cost = copy_cost_rows_WW(model, layout.num_devices)
+        sync = home_sync_time_L(layout.home_LWS, trace.num_experts, model, layout.sync_rows)
     dpn = model.cluster.devices_per_node
-    copy_cost = copy_cost_rows_WW(model, layout.num_devices)
-    sync = home_sync_time_L(layout.home_LWS, trace.num_experts, model, layout.sync_rows)
     step_times, a2a_times, imbalance, copies, weights = [], [], [], [], []
     most_copies = 0                                 # copies one device held in one step
     terms = {name: 0.0 for name in TERMS}
-    computed = kept = dropped = 0
+    computed = dropped = 0
     replans, overhead = 0, 0.0
     for t in range(warmup, trace.num_steps):
-        if (config.forecast_home and method != "efficientmoe-fixed-home" and t > warmup
-                and (t - warmup) % check_rows == 0):
+        if (not baseline and config.forecast_home and method != "efficientmoe-fixed-home"
+                and t > warmup and (t - warmup) % check_rows == 0):
             decision = decide_home(counts[:t], layout, config, model, check_rows * stride,
                                    always=method in _EPLB_SCHEDULE)
             if decision.adopt:
                 layout, replans = decision.candidate, replans + 1
                 overhead += decision.cost_s
                 sync = home_sync_time_L(layout.home_LWS, trace.num_experts, model, layout.sync_rows)
-        if method == "moonep":
-            bal = moonep_balance(counts[t], layout.home_LWS, dpn)
+        shadow_L = weight_L = 0.0
+        if baseline:
+            bal, cost, shadow_L, weight_L = _baseline_step(method, counts[t], home, model,
+                                                           capacity)
         else:
-            bal = balance_step(counts[t], layout.home_LWS,
-                               np.zeros_like(layout.spare_W) if unbounded else layout.spare_W,
-                               None if unbounded else layout.buffer_LW, copy_cost,
-                               even_split=unbounded, devices_per_node=dpn)
-        # every two-level row's layer dispatches with the count-driven exchange (AlltoAllVC
-        # on Ascend): each of its passes pays the dynamic-shape overhead, ours included
-        cost = balanced_cost(bal, model, sync, dynamic=True, fast_level=not unbounded)
-        step_times.append(float(cost.time_L.sum()))
+            if method == "moonep":
+                bal = moonep_balance(counts[t], layout.home_LWS, dpn)
+            else:
+                bal = balance_step(counts[t], layout.home_LWS,
+                                   np.zeros_like(layout.spare_W) if unbounded else layout.spare_W,
+                                   None if unbounded else layout.buffer_LW, copy_cost,
+                                   even_split=unbounded, devices_per_node=dpn)
+            # every two-level row's layer dispatches with the count-driven exchange (AlltoAllVC
+            # on Ascend): each of its passes pays the dynamic-shape overhead, ours included
+            cost = balanced_cost(bal, model, sync, dynamic=True, fast_level=not unbounded)
+            weight_L = cost.weight_bytes_L
+        step_times.append(float(cost.time_L.sum() + np.sum(shadow_L)))
         for name, part in zip(TERMS, (cost.exchange_L, cost.a2a_L - cost.copies_L,
-                                      cost.copies_L, cost.compute_L, cost.sync_L, cost.fast_L)):
-            terms[name] += float(part.sum())
+                                      cost.copies_L + shadow_L, cost.compute_L, cost.sync_L,
+                                      cost.fast_L)):
+            terms[name] += float(np.sum(part))
         a2a_times.append(float(cost.a2a_L.sum() + cost.exchange_L.sum()))
         load = bal.load_LW
         imbalance.extend(load.max(axis=1) / np.maximum(load.mean(axis=1), 1e-12))
-        copies.append(int(bal.copies_L.sum()))
+        copies.append(int(bal.copies_L.sum()) if not np.any(shadow_L)
+                      else int(np.sum(weight_L) / model.copy_bytes))
         most_copies = max(most_copies, int(bal.copies_LWW.sum(axis=1).max(initial=0)))
-        weights.append(float(cost.weight_bytes_L.sum()))
+        weights.append(float(np.sum(weight_L)))
         computed += int(model.cluster.tiled_rows(bal.rows_LEW).sum())
-        kept += int(bal.rows_LEW.sum())
         dropped += int(bal.dropped_L.sum())
     rows = trace.num_steps - warmup
     routed = int(counts[warmup:].sum())
+    kept = routed - dropped
+    charged = {"terms_ms": {n: 1e3 * v / len(step_times) for n, v in terms.items()},
+               "fast_level_s": (model.fast_level_s if not baseline and not unbounded
+                                else 0.0),
+               "dynamic_exchange_s": (0.0 if method.startswith("switch-cf")
+                                      else model.dynamic_exchange_s),
+               "copies_per_step": float(np.mean(copies)),
+               "weight_bytes_per_step": float(np.mean(weights)),
+               "recompiles": 0}
+    if baseline:
+        charged.update(redundant_home_slots=0, spare_slots=0,
+                       max_copies_per_device=(trace.num_experts if method == "fastermoe"
+                                              else 0))
+        if capacity:
+            charged["capacity_rows"] = int(capacity)
+    else:
+        charged.update(redundant_home_slots=int(layout.redundant),
+                       spare_slots=(most_copies if method == "moonep"
+                                    else int(layout.spare_W.max())),
+                       max_copies_per_device=most_copies,
+                       buffer_over_mean=(1.0 if method == "moonep"
+                                         else float(1.0 + layout.slack_L.mean())))
     return dict(
         method=method,
         iteration_time_s=float(np.mean(step_times)) + overhead / (rows * stride),
         a2a_time_s=float(np.mean(a2a_times)), max_over_mean_load=float(np.mean(imbalance)),
         padding_fraction=(computed - kept) / computed if computed else 0.0,
         drop_rate=dropped / routed if routed else 0.0, replans=replans,
-        replan_overhead_s=overhead, step_time_s=np.array(step_times),
-        extra={"terms_ms": {n: 1e3 * v / len(step_times) for n, v in terms.items()},
-               "fast_level_s": 0.0 if unbounded else model.fast_level_s,
-               "dynamic_exchange_s": model.dynamic_exchange_s,
-               "copies_per_step": float(np.mean(copies)),
-               "weight_bytes_per_step": float(np.mean(weights)),
-               "redundant_home_slots": int(layout.redundant),
-               "spare_slots": (most_copies if method == "moonep"
-                               else int(layout.spare_W.max())),
-               "max_copies_per_device": most_copies,
-               "buffer_over_mean": (1.0 if method == "moonep"
-                                    else float(1.0 + layout.slack_L.mean())),
-               "recompiles": 0})
+        replan_overhead_s=overhead, step_time_s=np.array(step_times), extra=charged)
 
 
 def lower_bound_step_s(counts_LRE: np.ndarray, model: CostModel) -> float:
