@@ -652,3 +652,26 @@ def test_no_method_beats_the_lower_bound_on_random_counts():
         got = replay(trace, method, CLUSTER_2x8, config)
         assert (got.step_time_s >= bound.step_time_s).all(), method
         assert got.iteration_time_s >= bound.iteration_time_s, method
+
+
+def test_fastermoe_without_a_shadow_is_the_dropless_row_and_a_shadow_moves_only_its_rows():
+    """Equivalences of the shared replay: on even routing no shadow pays its broadcast, so
+    FasterMoE's row is the dropless row exactly; on a hot expert, shadowing it leaves every
+    other expert's rows where dropless computes them."""
+    trace = demo_shaped_trace(np.full((4, 8), 128))
+    config = ReplayConfig(warmup=8)
+    faster = replay(trace, "fastermoe", NODE_1x8, config)
+    dropless = replay(trace, "dropless", NODE_1x8, config)
+    np.testing.assert_array_equal(faster.step_time_s, dropless.step_time_s)
+    assert faster.extra["copies_per_step"] == 0.0
+    model = CostModel(get_cluster("ascend910b-1x8"), hidden=64, ffn_hidden=256)
+    counts = np.full((1, 4, 8), 50)
+    counts[0, :, 5] = 5000
+    home = uniform_home(1, 8, 4)
+    bcast = model.cluster.collective_time_s("broadcast", model.copy_bytes, list(range(4)))
+    shadowed, k = baselines.fastermoe_balance(counts, home, _plain_cost(model), bcast, 8)
+    plain = balance_step(counts, home, np.zeros(4, dtype=np.int64), None, even_split=True,
+                         devices_per_node=8)
+    assert k.tolist() == [1] and shadowed.rows_LEW[0, 5].tolist() == [5000] * 4
+    others = np.arange(8) != 5
+    np.testing.assert_array_equal(shadowed.rows_LEW[0, others], plain.rows_LEW[0, others])

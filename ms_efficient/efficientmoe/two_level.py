@@ -184,7 +184,9 @@ def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_ro
         imbalance.extend(load.max(axis=1) / np.maximum(load.mean(axis=1), 1e-12))
         copies.append(int(bal.copies_L.sum()) if not np.any(shadow_L)
                       else int(np.sum(weight_L) / model.copy_bytes))
-        most_copies = max(most_copies, int(bal.copies_LWW.sum(axis=1).max(initial=0)))
+        most_copies = max(most_copies, int(bal.copies_LWW.sum(axis=1).max(initial=0)),
+                          int(np.max(weight_L) / ((trace.num_ranks - 1) * model.copy_bytes))
+                          if np.any(shadow_L) else 0)     # FasterMoE: its shadows per device
         weights.append(float(np.sum(weight_L)))
         computed += int(model.cluster.tiled_rows(bal.rows_LEW).sum())
         dropped += int(bal.dropped_L.sum())
@@ -201,8 +203,7 @@ def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_ro
                "recompiles": 0}
     if baseline:
         charged.update(redundant_home_slots=0, spare_slots=0,
-                       max_copies_per_device=(trace.num_experts if method == "fastermoe"
-                                              else 0))
+                       max_copies_per_device=most_copies)
         if capacity:
             charged["capacity_rows"] = int(capacity)
     else:
