@@ -191,7 +191,7 @@ def fastermoe_balance(counts_LRE: np.ndarray, home_LWS: np.ndarray, step_time_L,
         return bal, np.asarray(step_time_L(bal), dtype=np.float64) + 2.0 * broadcast_s * k_L
 
     k_L = np.zeros(num_layers, dtype=np.int64)
-    best, best_t = timed(k_L)
+    _, best_t = timed(k_L)
     active = np.ones(num_layers, dtype=bool)
     while active.any():
         trial = k_L + (active & (k_L < num_experts))

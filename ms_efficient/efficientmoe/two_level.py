@@ -94,8 +94,8 @@ def layout_config_for(method: str, extra_slots: int, window: int) -> LayoutConfi
 def _baseline_step(method: str, counts_LRE: np.ndarray, home_LWS: np.ndarray,
                    model: CostModel, capacity: int):
     """One step of a baseline row of :data:`BASELINE_ROWS` on plain expert parallelism
-    (``home_LWS`` uniform): (Balance, BalancedCost, the shadows' transfer seconds [L], the
-    copied weight bytes [L])."""
+    (``home_LWS`` uniform): (Balance, BalancedCost, the shadows' transfer seconds [L],
+    FasterMoE's shadows per layer [L]; zeros for the other rows)."""
     num_layers, num_ranks, _ = counts_LRE.shape
     dpn = model.cluster.devices_per_node
     no_sync = np.zeros(num_layers)
@@ -117,8 +117,7 @@ def _baseline_step(method: str, counts_LRE: np.ndarray, home_LWS: np.ndarray,
         lambda b: balanced_cost(b, model, no_sync, dynamic=True, fast_level=False).time_L,
         bcast, dpn)
     return (bal, balanced_cost(bal, model, no_sync, dynamic=True, fast_level=False),
-            2.0 * bcast * shadows_L,
-            shadows_L * (num_ranks - 1) * float(model.copy_bytes))
+            2.0 * bcast * shadows_L, shadows_L)
 
 
 def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_rows: int,
@@ -158,10 +157,12 @@ def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_ro
                 layout, replans = decision.candidate, replans + 1
                 overhead += decision.cost_s
                 sync = home_sync_time_L(layout.home_LWS, trace.num_experts, model, layout.sync_rows)
-        shadow_L = weight_L = 0.0
+        shadow_L = shadows_L = 0
         if baseline:
-            bal, cost, shadow_L, weight_L = _baseline_step(method, counts[t], home, model,
-                                                           capacity)
+            bal, cost, shadow_L, shadows_L = _baseline_step(method, counts[t], home, model,
+                                                            capacity)
+            # a shadow's weights reach every other rank (broadcast), not the exchange
+            weight_L = np.asarray(shadows_L) * (trace.num_ranks - 1) * float(model.copy_bytes)
         else:
             if method == "moonep":
                 bal = moonep_balance(counts[t], layout.home_LWS, dpn)
@@ -182,11 +183,9 @@ def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_ro
         a2a_times.append(float(cost.a2a_L.sum() + cost.exchange_L.sum()))
         load = bal.load_LW
         imbalance.extend(load.max(axis=1) / np.maximum(load.mean(axis=1), 1e-12))
-        copies.append(int(bal.copies_L.sum()) if not np.any(shadow_L)
-                      else int(np.sum(weight_L) / model.copy_bytes))
+        copies.append(int(bal.copies_L.sum() + np.sum(shadows_L) * (trace.num_ranks - 1)))
         most_copies = max(most_copies, int(bal.copies_LWW.sum(axis=1).max(initial=0)),
-                          int(np.max(weight_L) / ((trace.num_ranks - 1) * model.copy_bytes))
-                          if np.any(shadow_L) else 0)     # FasterMoE: its shadows per device
+                          int(np.max(shadows_L)))     # FasterMoE: its shadows on every device
         weights.append(float(np.sum(weight_L)))
         computed += int(model.cluster.tiled_rows(bal.rows_LEW).sum())
         dropped += int(bal.dropped_L.sum())
