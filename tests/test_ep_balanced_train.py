@@ -44,7 +44,8 @@ def test_one_rank_balanced_run_equals_the_one_process_trainer(one_rank_ep_runs):
 @workers.in_background("balanced_runs")
 def _balanced_runs():
     """The msrun runs of ``balanced_runs`` (child processes, from the session's start:
-    tests/workers.py): 2 and 4 workers, and the 2-worker run again; (config, {name: folder})."""
+    tests/workers.py): 2 and 4 workers, and the 2-worker run resumed from its step-15
+    checkpoint; (config, {name: folder})."""
     if MSRUN is None:
         return None
     tmp = workers.temporary_dir("ep_balanced_")
@@ -57,15 +58,15 @@ def _balanced_runs():
                      # cpu-local grows to the job's ranks (4 workers: 4 devices)
                      cluster={"preset": "cpu-local"})
     runs = {}
-    for name in (2, 4, "2-again"):          # the 2-worker run twice: reproducibility
+    for name in (2, 4):
         runs[name] = tmp / f"ep{name}"
         proc = subprocess.run([sys.executable, "-m", "ms_efficient.cli", "train", config,
-                               "--workers", str(name).split("-")[0], "--out",
+                               "--workers", str(name), "--out",
                                str(runs[name])], env=_cli_env(), capture_output=True,
                               text=True)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # the 2-worker run resumed from step 15, before the re-plan: its copy's rank-1
-    # checkpoint of step 20 is garbled (one byte flipped in the middle, the size kept), so the
+    # the 2-worker run resumed from step 15, before the re-plan (steps 16-20, the re-plan and
+    # its copies, made again: reproducibility): its copy's rank-1 checkpoint of step 20 is garbled (one byte flipped in the middle, the size kept), so the
     # newest step that verifies on both ranks is 15
     runs["2-resumed"] = tmp / "ep2-resumed"
     shutil.copytree(runs[2], runs["2-resumed"])
@@ -146,26 +147,25 @@ def test_balanced_workers_match_the_one_process_loss_with_copies(balanced_runs, 
 
 @pytest.mark.slow
 @needs_msrun
-@pytest.mark.parametrize("other", ["2-again", "2-resumed"])
-def test_two_identical_balanced_runs_are_bit_identical(balanced_runs, other):
-    """The same config twice on 2 workers, per-step copies and a home re-plan included, and
-    the run resumed from its step-15 checkpoint because rank 1's of step 20 is garbled (the
-    re-plan at step 16 made again): every logged loss and every rank's final checkpoint
-    (weights and Adam moments) are equal bit for bit, and the resumed run said which steps
-    it lost."""
+def test_a_balanced_run_resumed_before_its_replan_is_bit_identical(balanced_runs):
+    """The 2-worker run resumed from its step-15 checkpoint because rank 1's of step 20 is
+    garbled: steps 16-20 (per-step copies, the home re-plan at step 16) made again give every
+    logged loss and every rank's final checkpoint (weights and Adam moments) bit for bit,
+    and the resumed run said which steps it lost."""
     import mindspore as ms
 
     runs, _ = balanced_runs
-    a, b = runs[2], runs[other]
+    a, b = runs[2], runs["2-resumed"]
     assert _losses(a) == _losses(b) and len(_losses(b)) == STEPS
-    assert _rows(a, "replan")[0]["moved_slots"] == _rows(b, "replan")[0]["moved_slots"]
-    if other == "2-resumed":
-        for rank in range(2):
-            log = (b / "msrun_log" / f"worker_{rank}.log").read_text(errors="replace")
-            assert (f"rank_1/step_{STEPS:06d}.ckpt (step {STEPS}, rank 1) does not match its "
-                    f"recorded SHA-256 (corrupted)") in log
-            assert (f"resuming from step {RESUME_STEP}, the newest with a verified checkpoint"
-                    in log and f"steps {RESUME_STEP + 1}-{STEPS} are lost" in log)
+    remade = _rows(b, "replan")[-1]                # the re-plan the resumed run made again
+    assert remade["step"] == REPLAN_STEP
+    assert remade["moved_slots"] == _rows(a, "replan")[0]["moved_slots"]
+    for rank in range(2):
+        log = (b / "msrun_log" / f"worker_{rank}.log").read_text(errors="replace")
+        assert (f"rank_1/step_{STEPS:06d}.ckpt (step {STEPS}, rank 1) does not match its "
+                f"recorded SHA-256 (corrupted)") in log
+        assert (f"resuming from step {RESUME_STEP}, the newest with a verified checkpoint"
+                in log and f"steps {RESUME_STEP + 1}-{STEPS} are lost" in log)
     for rank in range(2):
         (ckpt_a,) = sorted((a / "ckpt" / f"rank_{rank}").glob("step_*.ckpt"))[-1:]
         ckpt_b = b / "ckpt" / f"rank_{rank}" / ckpt_a.name

@@ -2,8 +2,9 @@
 
 Fast: the pure re-layout (:mod:`ms_efficient.train.relayout`) on hand-sized tables, and the
 checks of a run folder (bad input: clear error, exit 2, nothing written). Slow (msrun): a
-2-worker run resumed at 1 and 4 workers follows the losses of continuing at 2, and its
-exported checkpoint gives the run's validation loss in the one-process reference model.
+2-worker run with dropout resumed 4 -> 1 -> 2 -> 1 (one process) follows the losses of
+continuing at 2, and its exported checkpoint gives the run's validation loss in the
+one-process reference model.
 """
 import json
 import os
@@ -12,7 +13,6 @@ import numpy as np
 import pytest
 import yaml
 
-import workers
 from conftest import tiny_config_dict
 from ms_efficient.cli import main
 from ms_efficient.moe.plan import ExpertPlan
@@ -270,22 +270,24 @@ def test_export_refuses_differing_replicas_and_a_home_table_that_contradicts_the
     assert not out.exists()
 
 
-# --- msrun: 2 workers resumed at 1, 2 and 4 ----------------------------------------------------
+# --- msrun: 2 workers resumed 2 -> 4 -> 1 -> 2 -> 1 ----------------------------------------------
 # The 2-worker base is test_ep_train's run killed at step KILL_AFTER (its re-plan forced at
-# step REPLAN_AT adds replicas); copies of it resume on 1 and 4 workers, the killed run itself
-# on 2 (the run continued at 2), each to STEPS: 10 more steps. One base for both modules saves
-# two msrun launches (tests/workers.py: the suite's time is mostly msrun start-ups).
+# step REPLAN_AT adds replicas; dropout 0.1, every step in the warm-up); the killed run itself
+# resumes on 2 (the run continued at 2), and a copy of it resumes leg by leg per RESIZE_LEGS:
+# 4 workers, the expert-parallel worker alone, 2 workers, then the one-process trainer. One
+# base for both modules, one chain for every size: the suite's time is mostly msrun
+# start-ups and compiles (docs/testing.md).
 
 
 @pytest.fixture(scope="module")
 def resized_runs(two_workers_killed):  # noqa: F811 (the fixture imported above)
-    """(the base's state.json, {workers: run folder}, model.ckpt, {workers: seconds of the
-    resume})."""
+    """(the base's state.json, the run continued at 2, the resized chain, its legs,
+    model.ckpt)."""
     killed = two_workers_killed
     assert killed["resumed"].returncode == 0, (killed["resumed"].stdout[-3000:]
                                                + killed["resumed"].stderr[-3000:])
-    return (killed["base_state"], {2: killed["part"], **killed["resized"]}, killed["export"],
-            killed["seconds"])
+    return (killed["base_state"], killed["part"], killed["chain"], killed["legs"],
+            killed["export"])
 
 
 def _rows(run_dir, kind):
@@ -295,38 +297,45 @@ def _rows(run_dir, kind):
 
 @pytest.mark.slow
 @needs_msrun
-@pytest.mark.parametrize("workers_n", [1, 4])
-def test_resumed_at_another_size_follows_the_run_continued_at_two(resized_runs, workers_n):
-    """The same loss per step (1e-3 relative) for the 10 steps after the resume, and the same
-    validation loss at the end; the step and the LR schedule continue (steps 11..20, once)."""
-    base, runs, _, seconds = resized_runs
+def test_a_run_with_dropout_resumed_at_every_size_follows_the_run_continued_at_two(
+        resized_runs):
+    """Dropout 0.1, killed at step 10 on 2 workers, resumed 4 -> 1 (the expert-parallel
+    worker alone) -> 2 -> 1 (one process): every leg's losses per step within 1e-3 relative
+    of the run continued at 2, the step and the LR schedule continuing (steps 11..20, once),
+    and the same validation loss at the end."""
+    base, two_dir, chain, legs, _ = resized_runs
     base_step = base["step"]
     assert base_step == KILL_AFTER and base["world_size"] == 2
-    assert _rows(runs[2], "replan")[0]["step"] == REPLAN_AT < base_step
+    assert _rows(two_dir, "replan")[0]["step"] == REPLAN_AT < base_step
     assert max(len(p["slot_expert"]) for p in base["plans"]) > 4  # replicated experts
-    two = {r["step"]: r["loss"] for r in _rows(runs[2], "train")}
-    other = {r["step"]: r["loss"] for r in _rows(runs[workers_n], "train")}
-    assert sorted(other) == sorted(two) == list(range(1, STEPS + 1))
-    steps = range(base_step + 1, STEPS + 1)
-    gaps = [abs(other[s] - two[s]) / two[s] for s in steps]
-    print(f"\n2 -> {workers_n} workers: worst relative loss gap {max(gaps):.2e} over "
-          f"{len(gaps)} steps vs continuing at 2 (runs took {seconds})")
-    assert max(gaps) <= 1e-3
-    assert other[base_step + 1] != other[base_step]         # it trained on
-    val = {r["step"]: r["val_loss"] for r in _rows(runs[workers_n], "val")}
-    val2 = {r["step"]: r["val_loss"] for r in _rows(runs[2], "val")}
+    assert [(leg["state"]["step"], leg["state"].get("world_size", 1), "plans" in leg["state"])
+            for leg in legs] == [(12, 4, True), (14, 1, True), (16, 2, True), (STEPS, 1, False)]
+    two = {r["step"]: r["loss"] for r in _rows(two_dir, "train")}
+    got = {r["step"]: r["loss"] for r in _rows(chain, "train")}
+    assert sorted(got) == sorted(two) == list(range(1, STEPS + 1))
+    first, report = base_step + 1, []
+    for leg in legs:
+        steps = range(first, leg["step"] + 1)
+        gap = max(abs(got[s] - two[s]) / two[s] for s in steps)
+        report.append(f"{leg['how']} x{leg['workers']} steps {first}-{leg['step']}: "
+                      f"{gap:.1e} ({leg['seconds']} s)")
+        assert gap <= 1e-3, report
+        assert got[first] != got[first - 1]                  # it trained on
+        first = leg["step"] + 1
+    print("\nresized chain, worst relative loss gap per leg vs continuing at 2: "
+          + "; ".join(report))
+    val = {r["step"]: r["val_loss"] for r in _rows(chain, "val")}
+    val2 = {r["step"]: r["val_loss"] for r in _rows(two_dir, "val")}
     assert val[STEPS] == pytest.approx(val2[STEPS], rel=1e-3)
-    state = json.loads((runs[workers_n] / "state.json").read_text())
+    four = legs[0]["state"]
+    assert len(four["plans"]) == 2 and all(max(p["slot_device"]) == 3 for p in four["plans"])
+    state = json.loads((chain / "state.json").read_text())
     assert state["step"] == STEPS
-    if workers_n == 4:
-        assert state["world_size"] == 4 and len(state["plans"]) == 2
-        assert all(max(p["slot_device"]) == 3 for p in state["plans"])
-    else:
-        assert "plans" not in state and "sha256" in state      # a one-process run now
-    # the run's own settings survive the resize: one process ran with EfficientMoE off (it
-    # has nothing to place there), but config.yaml keeps the run's value for later resumes
-    saved = yaml.safe_load((runs[workers_n] / "config.yaml").read_text())
-    assert saved["efficientmoe"]["enabled"] is True
+    assert "plans" not in state and "sha256" in state      # a one-process run now
+    # the run's own settings survive the resizes: one process ran with EfficientMoE off (it
+    # has nothing to place there), but config.yaml keeps the run's values for later resumes
+    saved = yaml.safe_load((chain / "config.yaml").read_text())
+    assert saved["efficientmoe"]["enabled"] is True and saved["model"]["dropout"] == 0.1
 
 
 @pytest.mark.slow
@@ -337,116 +346,17 @@ def test_exported_checkpoint_gives_the_runs_validation_loss(resized_runs):
     from ms_efficient.core.config import load_config
     from ms_efficient.train.trainer import Trainer
 
-    base, runs, model, _ = resized_runs
+    base, two_dir, _, _, model = resized_runs
     base_step = base["step"]
-    cfg = load_config(str(runs[2] / "config.yaml"), {"moe.dispatch": "grouped",
+    cfg = load_config(str(two_dir / "config.yaml"), {"moe.dispatch": "grouped",
                                                   "efficientmoe.enabled": False})
     trainer = Trainer(cfg, str(model.parent / "unused"))
     missing, unexpected = ms.load_param_into_net(trainer.net, ms.load_checkpoint(str(model)),
                                                  strict_load=True)
     assert missing == [] and unexpected == []
-    vals = {r["step"]: r["val_loss"] for r in _rows(runs[2], "val")}
+    vals = {r["step"]: r["val_loss"] for r in _rows(two_dir, "val")}
     val = trainer.evaluate()
     print(f"\nexported checkpoint: validation loss {val:.6f}, the run recorded "
           f"{vals[base_step]:.5f} (rounded to 5 decimals) at step {base_step}")
     assert val == pytest.approx(vals[base_step], abs=2e-5)
     assert vals[base_step] < vals[0] - 1e-3               # the trained state, not the initial
-
-
-# --- msrun: a run with dropout resumed 2 -> 4 -> 1 -> 2 -> 1 -----------------------------------
-# Dropout masks are a function of (seed, step, block, site, GLOBAL sample, position, channel)
-# with no random state (ms_efficient/models/dropout.py), so a run with dropout resumed at any
-# size draws the masks of the run continued at 2 workers. Every step is in the learning-rate
-# warm-up (warmup_steps = DROPOUT_STEPS), whose rate does not depend on train.steps, so legs
-# stopped by --steps train on the reference's schedule. The "1" legs: the expert-parallel
-# worker alone (W = 1, no msrun; its run stays expert-parallel, so the next leg can grow it to
-# 2 again: a one-process run cannot be resumed on --workers), and last the one-process
-# trainer (`train --resume --workers 1`), whose rows are the whole global batch.
-
-DROPOUT_STEPS = 10
-DROPOUT_LEGS = (("msrun", 2, 2), ("msrun", 4, 4), ("ep_worker", 1, 6), ("msrun", 2, 8),
-                ("one_process", 1, 10))         # (how, workers, the step the leg trains to)
-
-
-@workers.in_background("dropout_chain")
-def _dropout_chain_runs():
-    """The reference (2 workers, DROPOUT_STEPS steps, dropout 0.1) and one run resumed leg by
-    leg per DROPOUT_LEGS, in child processes in the background (tests/workers.py). Returns
-    (reference folder, chain folder, [per leg: {"how", "workers", "step", "world_size",
-    "plans", "seconds"} read from state.json after it])."""
-    import subprocess
-    import sys
-    import time
-
-    from conftest import write_corpus
-    from test_ep_train import _cli_env
-
-    if workers.MSRUN is None:
-        return None
-    tmp = workers.temporary_dir("dropout_chain_")
-    cfg = tiny_config_dict(write_corpus(tmp / "corpus"), str(tmp / "unused"))
-    cfg["model"]["dropout"] = 0.1
-    cfg["moe"].update(trace_ranks=1, dispatch="grouped")
-    cfg["train"].update(steps=DROPOUT_STEPS, warmup_steps=DROPOUT_STEPS, log_every=1,
-                        eval_every=DROPOUT_STEPS, save_every=2)
-    config = tmp / "dropout.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    env = _cli_env()
-
-    def check(done):
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-    reference, chain = tmp / "two", tmp / "chain"
-    check(workers.run_cli(["train", config, "--workers", 2, "--out", reference], env=env))
-    legs = []
-    for i, (how, n, steps) in enumerate(DROPOUT_LEGS):
-        start = time.perf_counter()
-        if how == "ep_worker":
-            check(subprocess.run([sys.executable, "-m", "ms_efficient.train.ep_worker",
-                                  "--resume", str(chain), "--steps", str(steps)], env=env,
-                                 capture_output=True, text=True))
-        else:
-            where = ["train", config, "--out", chain] if i == 0 else ["train", "--resume",
-                                                                      chain]
-            check(workers.run_cli(where + ["--workers", n, "--steps", steps], env=env))
-        state = json.loads((chain / "state.json").read_text())
-        legs.append({"how": how, "workers": n, "step": state["step"],
-                     "world_size": state.get("world_size", 1), "plans": "plans" in state,
-                     "seconds": round(time.perf_counter() - start, 1)})
-    return reference, chain, legs
-
-
-@pytest.fixture(scope="module")
-def dropout_chain():
-    if workers.MSRUN is None:
-        pytest.skip("msrun is not on PATH")
-    return workers.background_result("dropout_chain")
-
-
-@pytest.mark.slow
-@needs_msrun
-def test_a_run_with_dropout_resumed_at_every_size_follows_the_run_continued_at_two(
-        dropout_chain):
-    """Dropout 0.1, resumed 2 -> 4 -> 1 (the expert-parallel worker alone) -> 2 -> 1 (one
-    process): every leg's losses per step within 1e-3 relative of the uninterrupted
-    2-worker run, and the same validation loss at the end."""
-    reference, chain, legs = dropout_chain
-    assert [(leg["step"], leg["world_size"], leg["plans"]) for leg in legs] == [
-        (2, 2, True), (4, 4, True), (6, 1, True), (8, 2, True), (10, 1, False)]
-    two = {r["step"]: r["loss"] for r in _rows(reference, "train")}
-    got = {r["step"]: r["loss"] for r in _rows(chain, "train")}
-    assert sorted(got) == sorted(two) == list(range(1, DROPOUT_STEPS + 1))
-    first = 1
-    report = []
-    for leg in legs:
-        steps = range(first, leg["step"] + 1)
-        gap = max(abs(got[s] - two[s]) / two[s] for s in steps)
-        report.append(f"{leg['how']} x{leg['workers']} steps {first}-{leg['step']}: "
-                      f"{gap:.1e} ({leg['seconds']} s)")
-        assert gap <= 1e-3, report
-        first = leg["step"] + 1
-    print("\ndropout chain, worst relative loss gap per leg vs 2 workers: " + "; ".join(report))
-    val = {r["step"]: r["val_loss"] for r in _rows(chain, "val")}
-    val2 = {r["step"]: r["val_loss"] for r in _rows(reference, "val")}
-    assert val[DROPOUT_STEPS] == pytest.approx(val2[DROPOUT_STEPS], rel=1e-3)
-    assert val2[DROPOUT_STEPS] < val2[0]

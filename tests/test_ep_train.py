@@ -25,6 +25,11 @@ from workers import MSRUN, needs_msrun
 STEPS = 20          # steps compared with the one-process run
 REPLAN_AT = 6       # efficientmoe.force_replan_step
 KILL_AFTER = 10     # the interrupted run is killed once its state.json reaches this step
+# A copy of the killed run resumed leg by leg: (how, workers, the step the leg trains to).
+# "ep_worker" is the expert-parallel worker alone (W = 1, no msrun: the run stays
+# expert-parallel, so the next leg can grow it to 2 again); the last leg is the one-process
+# trainer (`train --resume --workers 1`), whose rows are the whole global batch.
+RESIZE_LEGS = (("msrun", 4, 12), ("ep_worker", 1, 14), ("msrun", 2, 16), ("one_process", 1, STEPS))
 FORCE_STEP = 4      # tests/dist/check_ep_callback.py's FORCE_AT
 
 
@@ -276,6 +281,12 @@ def _two_workers_config():
         tmp = workers.temporary_dir("ep_train_")
         _RUN.update(tmp=tmp, config=_config(
             tmp, write_corpus(tmp / "corpus"),
+            # dropout 0.1: its masks are a function of (seed, step, block, site, GLOBAL
+            # sample, position, channel) with no random state (ms_efficient/models/
+            # dropout.py), so every size, and one process, draws the masks of this run; every
+            # step in the learning-rate warm-up, whose rate does not depend on train.steps,
+            # so the resized legs stopped by --steps (test_ep_resize) train on this schedule
+            model={"dropout": 0.1}, train={"warmup_steps": STEPS},
             efficientmoe={"enabled": True, "warmup_steps": 4, "replan_every": 4, "window": 4,
                           "force_replan_step": REPLAN_AT},
             # the README's cluster (cpu-local, 2 devices): copies of the killed run resume on
@@ -303,14 +314,14 @@ def _two_workers_run():
 def _two_workers_killed_run():
     """The same config on 2 workers killed with SIGKILL (msrun, its scheduler and both
     ranks) while rank 1 writes the checkpoint after step KILL_AFTER's, then ``train
-    --resume`` of it, and
-    copies of the killed run resumed on 1 and 4 workers and exported
-    (tests/test_ep_resize.py: the killed run is their 2-worker base, and its resume the run
-    continued at 2); all in child processes, in the background (tests/workers.py).
+    --resume`` of it (the run continued at 2), a copy of the killed run exported, and a
+    copy resumed leg by leg per RESIZE_LEGS (tests/test_ep_resize.py: the killed run is
+    their 2-worker base); all in child processes, in the background (tests/workers.py).
     Returns {"part": the killed run resumed, "reached": the step state.json named when the
-    kill was sent, "half_written": the temporaries rank 1 left, "resumed": the resume's CompletedProcess, "resized": {workers: run
-    folder}, "base_state": the killed run's state.json, "export": model.ckpt of the killed
-    run, "seconds": {workers: resume time}}."""
+    kill was sent, "half_written": the temporaries rank 1 left, "resumed": the resume's
+    CompletedProcess, "base_state": the killed run's state.json, "export": model.ckpt of the
+    killed run, "chain": the resized copy, "legs": [per leg: {"how", "workers", "step",
+    "state": state.json after it, "seconds"}], "seconds": the resume at 2}."""
     if MSRUN is None:
         return None
     tmp, config = _two_workers_config()
@@ -330,24 +341,30 @@ def _two_workers_killed_run():
          "--out", part], part / "state.json", KILL_AFTER, poll_s=0.02, env=env, marker=marker)
     base_state = json.loads((part / "state.json").read_text())
     half_written = sorted(n for n in os.listdir(part / "ckpt" / "rank_1") if n.startswith(".tmp"))
-    resized = {n: tmp / f"resized_{n}" for n in (1, 4)}
-    for folder in resized.values():            # before the resume below changes the folder
-        shutil.copytree(part, folder, ignore=shutil.ignore_patterns("msrun_log"))
+    chain = tmp / "chain"                  # before the resume below changes the folder
+    shutil.copytree(part, chain, ignore=shutil.ignore_patterns("msrun_log"))
     export = tmp / "model.ckpt"
-    done = workers.run_cli(["checkpoint", "export", resized[1], "--out", export],
-                           env=_cli_env())
+    done = workers.run_cli(["checkpoint", "export", chain, "--out", export], env=_cli_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    seconds = {}
     start = time.perf_counter()
     resumed = workers.run_cli(["train", "--resume", part], env=_cli_env())
-    seconds[2] = time.perf_counter() - start
-    for n, folder in resized.items():
+    seconds = time.perf_counter() - start
+    legs = []
+    for how, n, steps in RESIZE_LEGS:
         start = time.perf_counter()
-        done = workers.run_cli(["train", "--resume", folder, "--workers", n], env=_cli_env())
+        if how == "ep_worker":
+            done = subprocess.run([sys.executable, "-m", "ms_efficient.train.ep_worker",
+                                   "--resume", str(chain), "--steps", str(steps)],
+                                  env=_cli_env(), capture_output=True, text=True)
+        else:
+            done = workers.run_cli(["train", "--resume", chain, "--workers", n, "--steps",
+                                    steps], env=_cli_env())
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        seconds[n] = time.perf_counter() - start
+        legs.append({"how": how, "workers": n, "step": steps,
+                     "state": json.loads((chain / "state.json").read_text()),
+                     "seconds": round(time.perf_counter() - start, 1)})
     return {"part": part, "reached": reached, "resumed": resumed, "base_state": base_state,
-            "resized": resized, "export": export, "seconds": seconds,
+            "chain": chain, "legs": legs, "export": export, "seconds": seconds,
             "half_written": half_written}
 
 
@@ -436,7 +453,7 @@ def two_workers(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_workers_killed():
-    """The killed 2-worker run, its resume and its resized copies
+    """The killed 2-worker run, its resume and its resized copy
     (``_two_workers_killed_run``)."""
     if MSRUN is None:
         pytest.skip("msrun is not on PATH")

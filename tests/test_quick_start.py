@@ -22,8 +22,8 @@ there); ``a; b`` is two commands. Substitutions, the only ones made:
   default).
 
 ``train --workers W`` (W >= 2) commands, the commands reading their run folders and the msrun
-line start msrun ranks: they run in the slow tests (``test_expert_parallel_commands_...``);
-``bench`` in a test of its own. The rest runs in
+line start msrun ranks: they run in tests/test_quick_start_ep.py, in child processes in the
+background (tests/workers.py); ``bench`` in a test of its own. The rest runs in
 ``test_one_process_commands_run_as_written`` (about 30 CPU-s on 2 cores).
 """
 import math
@@ -138,7 +138,10 @@ class QuickStart:
     """Runs the README's commands in ``cwd`` with the substitutions of the module docstring;
     ``runs``: run folder -> [README's step reached, the test run's step reached]."""
 
-    def __init__(self, cwd, capsys):
+    def __init__(self, cwd, capsys=None):
+        """capsys: pytest's, to run the commands through ``ms_efficient.cli.main`` in this
+        process (cwd the process's own); None: each in a child process in ``cwd`` (what a
+        background computation can do: tests/workers.py)."""
         self.cwd, self.capsys = cwd, capsys
         self.runs = {}
         self.corpus = write_corpus(cwd / "corpus")
@@ -203,18 +206,22 @@ class QuickStart:
         expanded = ([args[:alternatives[0]] + [kind] + args[alternatives[0] + 1:]
                      for kind in args[alternatives[0]].split("|")] if alternatives else [args])
         for argv in expanded:
-            self.capsys.readouterr()
-            code = main(argv)
-            captured = self.capsys.readouterr()
-            text = captured.out + captured.err
+            if self.capsys is None:
+                done = workers.run_cli(argv, cwd=self.cwd)
+                code, out, err = done.returncode, done.stdout, done.stderr
+            else:
+                self.capsys.readouterr()
+                code = main(argv)
+                out, err = self.capsys.readouterr()
+            text = out + err
             self.outputs.append((" ".join(argv), code, text))
             assert code == 0, f"README command failed: {cmd['line']}\n(ran: {argv})\n{text}"
-            assert not re.search(r"\bnan\b", captured.out, re.I), (argv, captured.out)
+            assert not re.search(r"\bnan\b", out, re.I), (argv, out)
             assert "nothing to train" not in text, (cmd["line"], text)
             one_process = _option(argv, "--workers") == "1" or (
                 "--workers" not in argv and "--resume" not in argv)
             if argv[0] == "train" and one_process:
-                assert re.search(r"measured step time \d", captured.out), captured.out
+                assert re.search(r"measured step time \d", out), out
 
     def run_msrun(self, cmd):
         """The README's msrun line on the repository's example (copied here), 2 steps: each
@@ -360,26 +367,3 @@ def test_bench_commands_run_as_written(quick_start):
     quick_start.write_configs(shell_commands())     # bench moe reads configs/gpt_moe_tiny.yaml
     for cmd in commands:
         quick_start.run(cmd)
-
-
-@pytest.mark.slow
-@workers.needs_msrun
-def test_expert_parallel_commands_and_msrun_run_as_written(quick_start):
-    """The quick-start commands that start msrun ranks (``train --workers 2``, the user's
-    script) and those reading their run folders, in the README's order; then a --workers
-    resume of the balanced run refuses a --steps it has reached before msrun starts."""
-    commands = shell_commands()
-    picked = [c for i, c in enumerate(commands) if i in _needs_msrun(commands)]
-    assert any(c["tool"] == "msrun" for c in picked)
-    assert any(_option(c["argv"], "--workers") == "2" for c in picked)
-    quick_start.write_configs(commands)
-    for cmd in picked:
-        quick_start.run(cmd)
-    # an expert-parallel run resumed on its 2 ranks (and in one process): refused alike
-    ep_runs = [f for f, _ in quick_start.runs.items()
-               if os.path.isfile(os.path.join(f, "ckpt", "rank_1", "state.json"))
-               and f not in {_option(c["argv"], "--resume") for c in picked}]
-    assert ep_runs, quick_start.runs
-    run = ep_runs[0]
-    _check_refusals(quick_start, run, quick_start.runs[run][1])
-    _check_refusals(quick_start, run, quick_start.runs[run][1], extra=("--workers", "2"))
