@@ -164,8 +164,9 @@ def _losses(run_dir, kind="train", key="loss"):
 def test_one_process_run_with_dropout_resumed_half_way_ends_where_the_unbroken_one_does(
         tmp_path, text_dir, monkeypatch):
     """Dropout 0.1, 6 steps: unbroken, and killed after step 3's checkpoint (an exception
-    out of ``save``) then resumed to 6: the same losses per step and the same final
-    parameters and Adam moments, bit for bit. The train step does apply dropout (its
+    out of ``save``) then resumed to 6: the same losses per step, routing trace, and final
+    parameters and Adam moments, bit for bit (the one-process resume test: a state restored
+    wrongly shows here). The train step does apply dropout (its
     cross-entropy at step 1 is not the eval step's on the same batch) and evaluation does not."""
     import mindspore as ms
     from mindspore import Tensor
@@ -211,6 +212,13 @@ def test_one_process_run_with_dropout_resumed_half_way_ends_where_the_unbroken_o
     assert sorted(a) == sorted(b) == list(range(1, 7))
     assert a == b, (a, b)
     assert _losses(full.out_dir, "val", "val_loss") == _losses(part_dir, "val", "val_loss")
+    assert sorted(_losses(part_dir, "val", "val_loss")) == [0, 3, 6]
+    # the routing trace continues where the checkpoint left it: every step's counts equal
+    from ms_efficient.moe.trace import load_trace
+
+    traces = [load_trace(os.path.join(d, "trace.npz")).counts for d in (full.out_dir, part_dir)]
+    assert traces[1].shape[0] == 6
+    np.testing.assert_array_equal(traces[0], traces[1])
     final = {p.name: p.asnumpy() for p in full.optimizer.get_parameters()}
     for p in resumed.optimizer.get_parameters():
         np.testing.assert_array_equal(p.asnumpy(), final[p.name], err_msg=p.name)
