@@ -144,6 +144,34 @@ def test_bench_moe_rejects_an_unknown_method_before_any_work(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.mindspore
+def test_measured_moe_rows_train_each_method_in_its_own_process(tmp_path, text_dir):
+    """``bench moe``'s measured rows (bench.run_measured), 3 steps of the tiny model: the
+    padding-free grouped layer and the static layer with a capacity of every token train the
+    same model with no token dropped, so the same validation loss (float32 sums in another
+    order: 1e-4 relative); the grouped layer computes no padded row, the static one pads.
+    Each trains in a child process (bench._run_one), which this process never compiles."""
+    from ms_efficient.core.config import load_config
+    from ms_efficient.efficientmoe import bench
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny_config_dict(text_dir, str(tmp_path / "unused"))))
+    cfg = load_config(str(path))
+    rows = bench.run_measured(cfg, methods=["dropless-static", "grouped-kernel-1proc"],
+                              steps=3, workload="tiny")
+    by = {r["method"]: r for r in rows}
+    assert set(by) == {"dropless-static", "grouped-kernel-1proc"}
+    for r in rows:
+        assert r["evidence"] == "measured" and r["steps"] == 3 and r["drop_rate"] == 0.0
+        assert r["step_time_s"] > 0 and r["total_wall_s"] >= r["step_time_s"]
+    assert by["grouped-kernel-1proc"]["padding_fraction"] == 0.0
+    # a capacity of every token: 4 experts x T rows computed for 2 x T assignments (top-2)
+    assert by["dropless-static"]["padding_fraction"] == pytest.approx(1 - 2 / 4)
+    assert by["grouped-kernel-1proc"]["final_val_loss"] == pytest.approx(
+        by["dropless-static"]["final_val_loss"], rel=1e-4)
+    assert by["dropless-static"]["step_time_vs_dropless"] == 1.0
+
+
 def test_plan_bundle_writes_into_a_folder_while_file_outputs_refuse_one(tmp_path):
     from ms_efficient.cli import _check_outputs, build_parser
 

@@ -5,8 +5,9 @@ method on a simulated cluster, :func:`markdown_table` renders them with speed-up
 Switch CF 1.25. No MindSpore import at module level.
 
 Measured (``evidence: "measured"``): :func:`run_measured` trains the reference model on this
-CPU under each capacity policy. Every method trains the same network from the same seed on
-the same batches for the same number of steps; only the expert capacities differ. Rows report
+CPU under each capacity policy, each method in a fresh child process (its graphs and memory
+pool end with it). Every method trains the same network from the same seed on the same
+batches for the same number of steps; only the expert capacities differ. Rows report
 the median step time (MindSpore GRAPH_MODE on CPU, excluding the compiling first step and
 any recompiling step) AND the total wall time of all steps with those compiles included
 (``total_wall_s``; ``compile_s`` = what the skipped steps took beyond the median), the
@@ -266,18 +267,56 @@ def quick_config(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def _run_one(cfg: RunConfig, out_dir: str, init_from: Optional[str]) -> Dict:
+def _run_one(cfg: RunConfig, out_dir: str, init_from: Optional[str],
+             timeout_s: float = 3600.0) -> Dict:
+    """Train ``cfg`` into ``out_dir`` in a fresh child process (``python -m
+    ms_efficient.efficientmoe.bench``, :func:`_child`): each method's graphs, buffers and
+    allocator pool live and die with its own process, so one method's memory neither
+    lingers into the next nor sets its step times (in one process the six methods of the
+    tiny config held 10.4 GB at the end, 10 steps each). MindSpore's graph pipeline is off in
+    the child, as the CLI's ``train`` runs (``core.backend.runtime_conf``). Returns the
+    child's {"result": TrainResult fields, "rows", "step_times", "replans", "totals"};
+    RuntimeError with its stderr tail if it fails."""
+    import subprocess
+    import sys
+
+    from ms_efficient.core import backend
+
+    spec = json.dumps({"config": cfg.to_dict(), "out_dir": out_dir, "init_from": init_from})
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    env[backend.RUNTIME_CONF_ENV] = backend.runtime_conf(
+        cfg.context.device_target, env.get(backend.RUNTIME_CONF_ENV, ""))
+    proc = subprocess.run([sys.executable, "-m", "ms_efficient.efficientmoe.bench", spec],
+                          capture_output=True, text=True, timeout=timeout_s, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"measured run of {out_dir} failed (rc={proc.returncode}): "
+                           f"{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def _child(spec: str) -> None:
+    """The child of :func:`_run_one`: train, then print one JSON line of what it measured."""
+    import dataclasses
+
+    from ms_efficient.core.config import config_from_dict
     from ms_efficient.train.trainer import Trainer
 
+    args = json.loads(spec)
+    cfg = config_from_dict(args["config"])
+    out_dir = args["out_dir"]
     trainer = Trainer(cfg, out_dir)
-    if init_from:
-        trainer.load_weights(init_from, keep_step=False)
+    if args["init_from"]:
+        trainer.load_weights(args["init_from"], keep_step=False)
     result = trainer.run()
     with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
-    return {"result": result, "rows": rows, "step_times": trainer.step_times,
-            "replans": [r["step"] for r in rows if r["kind"] == "plan"],
-            "totals": trainer.totals}
+    print(json.dumps({"result": dataclasses.asdict(result), "rows": rows,
+                      "step_times": [float(t) for t in trainer.step_times],
+                      "replans": [r["step"] for r in rows if r["kind"] == "plan"],
+                      "totals": {k: int(v) for k, v in trainer.totals.items()}}), flush=True)
 
 
 def run_measured(base: RunConfig, methods: Optional[List[str]] = None, steps: Optional[int] = None,
@@ -332,7 +371,7 @@ def run_measured(base: RunConfig, methods: Optional[List[str]] = None, steps: Op
                                    if i < len(times))),
             "padding_fraction": 1.0 - tot["kept"] / max(1, tot["rows"]),
             "drop_rate": 1.0 - tot["kept"] / max(1, tot["assigned"]),
-            "final_val_loss": run["result"].final_val_loss,
+            "final_val_loss": run["result"]["final_val_loss"],
             "steps": cfg.train.steps, "replans": len(run["replans"])})
     dropless = [r for r in rows if r["method"] == "dropless-static"]
     for r in rows:
@@ -340,3 +379,9 @@ def run_measured(base: RunConfig, methods: Optional[List[str]] = None, steps: Op
             r["step_time_vs_dropless"] = r["step_time_s"] / dropless[0]["step_time_s"]
             r["wall_vs_dropless"] = r["total_wall_s"] / dropless[0]["total_wall_s"]
     return rows
+
+
+if __name__ == "__main__":                     # the child of _run_one
+    import sys
+
+    _child(sys.argv[1])
