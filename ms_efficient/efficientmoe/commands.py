@@ -148,9 +148,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="model for the measured rows")
     parser.add_argument("--steps", type=int,
                         help=f"training steps per measured method (default {MEASURED_STEPS}; "
-                             f"--quick: 20). With the default, the six measured methods and "
-                             f"the simulated rows took 10 minutes on 2 cores (7 of them "
-                             f"training); the config's own train.steps (300 for the default "
+                             f"--quick: 20). With the default, the six measured methods "
+                             f"(each in its own process) and the simulated rows took 9.1 "
+                             f"minutes on 2 cores (7.4 of them training), 7.7 GB at most in "
+                             f"one process; the config's own train.steps (300 for the default "
                              f"config) would take about 17 minutes for the measured rows "
                              f"alone")
     parser.add_argument("--init-from", help="run folder whose checkpoint every measured "
