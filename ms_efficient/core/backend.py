@@ -82,6 +82,7 @@ __all__ = [
     "RUNTIME_CONF_ENV",
     "runtime_conf",
     "set_runtime_conf",
+    "run_json_child",
 ]
 
 ASCEND = "Ascend"
@@ -225,3 +226,29 @@ def recompile_on_next_call(cell) -> None:
     import time
 
     object.__setattr__(cell, "_create_time", time.time_ns())
+
+
+def run_json_child(module: str, arg: str, target: str, timeout_s: float, what: str,
+                   extra_env: Optional[dict] = None) -> dict:
+    """Run ``python -m module arg`` in a fresh process and return the JSON object of the last
+    line it prints that starts with "{" (the measurement children of ``bench moe`` and
+    memopt: each run's graphs, buffers and allocator pool end with its process). The child
+    gets this environment with the package's folder first on PYTHONPATH, ``extra_env``, and
+    MindSpore's graph pipeline as :func:`runtime_conf` sets it for ``target`` (off on CPU, as
+    ``train`` runs). RuntimeError naming ``what`` with the child's stderr tail if it exits
+    non-zero or prints no such line; subprocess.TimeoutExpired after ``timeout_s``."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p), **(extra_env or {}))
+    env[RUNTIME_CONF_ENV] = runtime_conf(target, env.get(RUNTIME_CONF_ENV, ""))
+    proc = subprocess.run([sys.executable, "-m", module, arg], capture_output=True, text=True,
+                          timeout=timeout_s, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{what} failed (rc={proc.returncode}): "
+                           f"{proc.stderr.strip()[-3000:]}")
+    return json.loads(lines[-1])

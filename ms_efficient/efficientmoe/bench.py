@@ -274,27 +274,15 @@ def _run_one(cfg: RunConfig, out_dir: str, init_from: Optional[str],
     allocator pool live and die with its own process, so one method's memory neither
     lingers into the next nor sets its step times (in one process the six methods of the
     tiny config held 10.4 GB at the end, 10 steps each). MindSpore's graph pipeline is off in
-    the child, as the CLI's ``train`` runs (``core.backend.runtime_conf``). Returns the
+    the child, as the CLI's ``train`` runs (``core.backend.run_json_child``). Returns the
     child's {"result": TrainResult fields, "rows", "step_times", "replans", "totals"};
     RuntimeError with its stderr tail if it fails."""
-    import subprocess
-    import sys
-
     from ms_efficient.core import backend
 
     spec = json.dumps({"config": cfg.to_dict(), "out_dir": out_dir, "init_from": init_from})
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    env[backend.RUNTIME_CONF_ENV] = backend.runtime_conf(
-        cfg.context.device_target, env.get(backend.RUNTIME_CONF_ENV, ""))
-    proc = subprocess.run([sys.executable, "-m", "ms_efficient.efficientmoe.bench", spec],
-                          capture_output=True, text=True, timeout=timeout_s, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"measured run of {out_dir} failed (rc={proc.returncode}): "
-                           f"{proc.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    return backend.run_json_child("ms_efficient.efficientmoe.bench", spec,
+                                  cfg.context.device_target, timeout_s,
+                                  f"measured run of {out_dir}")
 
 
 def _child(spec: str) -> None:

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -81,22 +80,12 @@ def measure_plan(model: Dict[str, Any], moe: Dict[str, Any], batch_size: int,
     spec = json.dumps({"model": model, "moe": moe, "batch_size": batch_size,
                        "recompute": list(recompute), "recompute_all": list(recompute_all),
                        "steps": steps})
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               GLOG_v="3")
     # MindSpore's graph pipeline off (core.backend.runtime_conf): with it the Python thread
     # spins while a step runs, and "step_cpu_s" counted the spinning (0.64 against 0.31 s
     # for the unoptimised reference model, the same allocator peak: docs/results.md; compare
     # with MS_DEV_RUNTIME_CONF=graph_pipeline:True, which this keeps)
-    env[backend.RUNTIME_CONF_ENV] = backend.runtime_conf(backend.CPU,
-                                                         env.get(backend.RUNTIME_CONF_ENV, ""))
-    proc = subprocess.run([sys.executable, "-m", "ms_efficient.memopt.measure", spec],
-                          capture_output=True, text=True, timeout=timeout_s, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"measurement process failed (rc={proc.returncode}): "
-                           f"{proc.stderr.strip()[-800:]}")
-    return json.loads(lines[-1])
+    return backend.run_json_child("ms_efficient.memopt.measure", spec, backend.CPU, timeout_s,
+                                  "measurement process", extra_env={"GLOG_v": "3"})
 
 
 def measured_check(rl, methods=MEASURED_METHODS, budget_fraction: float = 0.5,
