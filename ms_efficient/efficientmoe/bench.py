@@ -288,6 +288,7 @@ def _run_one(cfg: RunConfig, out_dir: str, init_from: Optional[str],
 def _child(spec: str) -> None:
     """The child of :func:`_run_one`: train, then print one JSON line of what it measured."""
     import dataclasses
+    import sys
 
     from ms_efficient.core.config import config_from_dict
     from ms_efficient.train.trainer import Trainer
@@ -301,10 +302,13 @@ def _child(spec: str) -> None:
     result = trainer.run()
     with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
-    print(json.dumps({"result": dataclasses.asdict(result), "rows": rows,
-                      "step_times": [float(t) for t in trainer.step_times],
-                      "replans": [r["step"] for r in rows if r["kind"] == "plan"],
-                      "totals": {k: int(v) for k, v in trainer.totals.items()}}), flush=True)
+    # the child's answer to run_json_child on its stdout (the protocol, not a log line)
+    sys.stdout.write(json.dumps({"result": dataclasses.asdict(result), "rows": rows,
+                                 "step_times": [float(t) for t in trainer.step_times],
+                                 "replans": [r["step"] for r in rows if r["kind"] == "plan"],
+                                 "totals": {k: int(v) for k, v in trainer.totals.items()}})
+                     + "\n")
+    sys.stdout.flush()
 
 
 def run_measured(base: RunConfig, methods: Optional[List[str]] = None, steps: Optional[int] = None,
