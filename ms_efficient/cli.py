@@ -66,9 +66,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         saved = saved_world_size(args.resume)
         if workers == 1 and is_expert_parallel_run(args.resume):
-            # the one-process trainer continues it: its moe.dispatch (grouped, counts or
-            # balanced) runs as dropless grouped experts there, which have no capacities for
-            # EfficientMoE to plan
+            # the one-process trainer continues it: its moe.dispatch (balanced) runs as
+            # dropless grouped experts there, which have no capacities for EfficientMoE to
+            # plan
             logger.info("resuming the %d-rank run %s in one process (grouped experts, "
                         "efficientmoe off)", saved, args.resume)
             transient["efficientmoe.enabled"] = False     # not recorded in config.yaml

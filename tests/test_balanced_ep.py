@@ -8,7 +8,7 @@ from mindspore import Tensor
 
 import workers
 from conftest import assert_within_float32_bound
-from test_ep_layer import (E, F, H, K, T, WeightedOutput, batch, dense_layer, grads,
+from moe_reference import (E, F, H, K, T, WeightedOutput, batch, dense_layer, grads,
                            moe_float32_bounds, reference, reference_bounds, weights)
 from ms_efficient.efficientmoe.layout import migration_bytes_WW
 from ms_efficient.moe.balance import balance_step, home_plan
@@ -32,7 +32,7 @@ def test_with_room_for_every_row_one_rank_equals_moe_feedforward():
     (y_ref, aux_ref, counts_ref, dropped_ref), (dx_ref, g_ref) = reference()   # dense_layer(w)
     # y: the balanced layer's cblas_sgemm grouped matmuls against the dense layer's
     # BatchMatMul: other kernels, other summation orders of x W1 (H terms) and h W2 (F
-    # terms), within their chained float32 bound (test_ep_layer.moe_float32_bounds);
+    # terms), within their chained float32 bound (moe_reference.moe_float32_bounds);
     # routing, aux loss, counts and drops are the same code: bit-exact
     bounds = reference_bounds()
     assert_within_float32_bound(y.asnumpy(), y_ref, bounds["y"], "balanced vs dense: y")
@@ -45,6 +45,35 @@ def test_with_room_for_every_row_one_rank_equals_moe_feedforward():
     for name in g:
         assert_within_float32_bound(g[name], g_ref[name], bounds[name],
                                     f"balanced vs dense: {name}")
+
+
+def test_replica_sync_reduces_only_experts_replicated_across_ranks():
+    """The tables of ReplicaGradSum for one rank's home slots (a home table as a plan)."""
+    from ms_efficient.moe.ep_routing import replica_sync
+    from ms_efficient.moe.plan import ExpertPlan
+
+    plan = ExpertPlan([0, 1, 0, 2, 3, 3], [0, 0, 1, 1, 1, 1], [4] * 6)
+    r1 = replica_sync(plan, 1)                                  # rows: experts 0, 2, 3, 3
+    assert r1.needed and r1.cross_experts.tolist() == [0] and r1.num_cross == 1
+    assert r1.first_L.tolist() == [0, 1, 2, 2]                  # expert 3 summed at row 2
+    assert r1.cross_L.tolist() == [0, 1, 1, 1]                  # only expert 0 is AllReduced
+    assert r1.pick_L.tolist() == [0, 2, 3, 3]                   # expert 0 from the AllReduce
+    assert not replica_sync(ExpertPlan([0, 1, 2, 3], [0, 0, 1, 1], [4] * 4), 0).needed
+    # a budget of 3 rows and a cross table of 2: the empty row keeps its own (zero) gradient
+    r0 = replica_sync(plan, 0, budget=3, num_cross=2)
+    assert r0.first_L.tolist() == [0, 1, 2] and r0.pick_L.tolist() == [0, 3, 4]
+
+
+def test_replicas_start_identical_from_the_logical_expert_seed():
+    """An expert's initial weights depend on its logical id and the seed only, so every home
+    slot of a replicated expert, on any rank, starts as the one-process expert."""
+    from ms_efficient.moe.ep_routing import init_expert_weights
+
+    _, w1_all, _, w2_all, _ = init_expert_weights(E, H, F, seed=9)
+    _, w1, _, w2, _ = init_expert_weights(E, H, F, seed=9, experts=[2, 0, 2])
+    np.testing.assert_array_equal(w1, w1_all[[2, 0, 2]])
+    np.testing.assert_array_equal(w2, w2_all[[2, 0, 2]])
+    assert np.abs(w1_all[0] - w1_all[1]).max() > 0
 
 
 def test_a_small_buffer_drops_what_the_numpy_fast_level_drops():
@@ -114,7 +143,7 @@ def test_w_workers_with_per_step_copies_equal_one_process(balanced_layer_runs, w
     change shape. The 2-worker run's fast level is the numpy function as a host op, the
     4-worker run's its MindSpore-ops twin."""
     wk = workers.load_script("check_balanced_ep")
-    assert (wk.E, wk.H, wk.F, wk.K) == (E, H, F, K)       # test_ep_layer's reference sizes
+    assert (wk.E, wk.H, wk.F, wk.K) == (E, H, F, K)       # moe_reference's sizes
     ref = dense_layer(wk.logical_weights(), capacity=world * wk.T_LOCAL, trace_ranks=world)
     params = [ref.router.weight, ref.w1, ref.b1, ref.w2, ref.b2]
 
@@ -144,7 +173,7 @@ def test_w_workers_with_per_step_copies_equal_one_process(balanced_layer_runs, w
     # each rank's grouped products on its own rows and copies, gradients summed over ranks
     # and sent back from the copies: other kernels and summation orders than the
     # one-process BatchMatMul reference, held to their chained float32 bound
-    # (test_ep_layer.moe_float32_bounds on the whole batch); counts and drops stay exact
+    # (moe_reference.moe_float32_bounds on the whole batch); counts and drops stay exact
     bounds = moe_float32_bounds(wk.logical_weights(), x_np, dy_np, top_k=wk.K,
                                 router_differs=True)
     home, after = wk.home_table(world), wk.home_after(world)

@@ -37,12 +37,12 @@ def test_shipped_config_loads():
     ({"optimize": {"passes": ["warp-drive"]}}, r"'optimize.passes\[0\]' must be one of"),
     ({"model": {"dropout": True}}, r"'model.dropout' must be a number"),
     ({"moe": {"dispatch": "alltoall"}},
-     r"'moe.dispatch' must be one of \['static', 'grouped', 'counts', 'balanced'\], but got "
+     r"'moe.dispatch' must be one of \['static', 'grouped', 'balanced'\], but got "
      r"'alltoall'"),
     # the key of older configs, merged into moe.dispatch: named with where it went
     ({"efficientmoe": {"dispatch": "counts"}},
      r"'efficientmoe.dispatch' \('counts'\) is now 'moe.dispatch', one of \['static', "
-     r"'grouped', 'counts', 'balanced'\]"),
+     r"'grouped', 'balanced'\]"),
     ({"moe": {"fast_level": "device"}},
      r"'moe.fast_level' must be one of \['auto', 'host', 'aot', 'ops'\], but got 'device'"),
     ({"efficientmoe": {"buffer_slack": -0.5}},
@@ -76,14 +76,15 @@ def test_section_must_be_a_mapping():
     assert isinstance(config_from_dict({"model": None}), RunConfig)
 
 
-@pytest.mark.parametrize("plans, dispatch", [(True, "counts"), (False, "static")],
+@pytest.mark.parametrize("plans, dispatch", [(True, "grouped"), (False, "static")],
                          ids=["expert-parallel", "one-process"])
 def test_a_run_folder_saved_with_the_older_dispatch_key_loads_as_the_run_it_was(
         tmp_path, plans, dispatch):
     """A run folder written before moe.dispatch named every run's dispatch holds both keys
     (its config.yaml is the whole resolved config): a ``train --workers`` run (state.json
-    records expert plans) ran efficientmoe.dispatch, a one-process run moe.dispatch. A
-    config a user writes with the older key is still refused."""
+    records expert plans) ran efficientmoe.dispatch, a one-process run moe.dispatch; the
+    retired one-level "counts" reads as the "grouped" rows it computed. A config a user
+    writes with the older key is still refused."""
     import json
 
     from ms_efficient.train.ep_launch import load_run_config

@@ -1,28 +1,21 @@
 """Re-plans move only what moved: the migration table (ep_migration), the schedule's charge
-built from it, and ExpertParallelMoE.set_plan moving weight rows with their Adam moments.
-
-Numpy tests first; then one process (W = 1, GRAPH_MODE): after set_plan(plan, optimizer) a
-training step equals the step of a fresh layer built with the new plan and given the same
-expert weights and moments; the slow test reads tests/dist/check_ep_migration.py's results on
-2 CPU workers (the session's one msrun job of the 2-worker checks, tests/workers.py) and
-compares with MoEFeedForward trained on the whole batch.
+built from it, and the optimizer state a layer's ``set_plan`` moves with the weights
+(``ep_replan.weight_states``). A balanced layer's ``set_plan`` training on exactly is in
+test_balanced_ep (one process) and test_ep_balanced_train (2 and 4 workers).
 """
 
 import numpy as np
 import pytest
 
 import mindspore as ms
-from mindspore import Tensor, nn
+from mindspore import nn
 
-from tests import workers
 from ms_efficient.efficientmoe.cost import CostModel
 from ms_efficient.efficientmoe.replay import cluster_for_ranks
 from ms_efficient.efficientmoe.schedule import (ReplanCosts, decide_replan, migration_bytes_DD,
                                                 migration_time_s)
-from ms_efficient.moe.ep_layer import ExpertParallelMoE, init_expert_weights
 from ms_efficient.moe.ep_migration import migration_bytes_WW, plan_migration, row_layout
 from ms_efficient.moe.ep_replan import weight_states
-from ms_efficient.moe.layer import MoEFeedForward
 from ms_efficient.moe.plan import ExpertPlan
 
 ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
@@ -143,16 +136,10 @@ def test_the_schedule_charges_the_rows_of_the_migration_table_times_row_bytes():
         ReplanCosts(optimizer_states=-1)
 
 
-# --- one process: set_plan moves weights and Adam moments -------------------------------------
+# --- the optimizer's state of the expert weights (what set_plan moves with them) ------------
 
 E, H, F, K = 4, 16, 32, 2
-B, S = 2, 8
-T = B * S
 LR = 1e-2
-EXPERT_PARAMS = ("w1", "b1", "w2", "b2")
-# both plans: one buffer of K*T rows (dropless); B permutes the slots and replicates expert 0
-PLAN_FROM = ExpertPlan([0, 1, 2, 3], [0] * 4, [8] * 4, dispatch="grouped")
-PLAN_TO = ExpertPlan([3, 0, 2, 1, 0], [0] * 5, [8, 6, 8, 8, 2], dispatch="grouped")
 
 
 class Loss(nn.Cell):
@@ -165,101 +152,17 @@ class Loss(nn.Cell):
         return (y * dy).sum() + 0.1 * aux
 
 
-def weights(seed=5):
-    router, w1, b1, w2, b2 = init_expert_weights(E, H, F, init_std=0.3, seed=seed)
-    rng = np.random.default_rng(seed)
-    return (router, w1, rng.normal(0, 0.1, b1.shape).astype(np.float32), w2,
-            rng.normal(0, 0.1, b2.shape).astype(np.float32))
+def balanced_layer():
+    """A balanced layer on one rank: the 4 experts at home, one spare slot."""
+    from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE
 
-
-def batch(step):
-    rng = np.random.default_rng(50 + step)
-    return tuple(Tensor(rng.standard_normal((B, S, H)).astype(np.float32)) for _ in range(2))
-
-
-def trained_layer(expert_plan, w):
-    """(layer, Adam, train step) of a grouped layer with 5 weight rows."""
-    layer = ExpertParallelMoE(H, F, E, K, expert_plan, slots_per_device=5)
-    layer.set_weights(*w)
-    adam = nn.Adam(layer.trainable_params(), learning_rate=LR)
-    return layer, adam, nn.TrainOneStepCell(Loss(layer), adam)
-
-
-def state(layer, adam):
-    """{name: array} of the layer's parameters and their Adam moments (rows as stored;
-    copies: asnumpy shares the parameter's memory, which later steps update in place)."""
-    out = {}
-    for i, p in enumerate(adam.parameters):
-        out[p.name] = p.asnumpy().copy()
-        out["m." + p.name] = adam.moment1[i].asnumpy().copy()
-        out["v." + p.name] = adam.moment2[i].asnumpy().copy()
-    return out
-
-
-def count_compiles(monkeypatch):
-    return workers.load_script("check_ep_moe").count_compiles(monkeypatch.setattr)
-
-
-def test_a_step_after_set_plan_with_adam_equals_the_step_of_a_layer_built_with_the_new_plan(
-        monkeypatch):
-    """One Adam step on PLAN_FROM, set_plan(PLAN_TO, adam) (every slot permuted, expert 0
-    replicated: local copies only), one more step: loss, outputs, weights and moments equal
-    a fresh PLAN_TO layer whose weights and moments were set to the same expert values.
-    Without the optimizer the moments stay behind and the step differs."""
-    w = weights()
-    layer, adam, step = trained_layer(PLAN_FROM, w)
-    step(*batch(0))
-    before = state(layer, adam)
-    scalars = {n: getattr(adam, n).asnumpy().copy()
-               for n in ("beta1_power", "beta2_power", "global_step")}
-    rows_before = {e: i for i, e in enumerate(PLAN_FROM.slot_expert.tolist())}
-    compiled = count_compiles(monkeypatch)
-    layer.set_plan(PLAN_TO, optimizer=adam)
-    assert layer.local_experts.tolist() == PLAN_TO.slot_expert.tolist()
-    record = layer.last_migration
-    assert (record.moved_slots, record.sent_rows, record.moved_bytes) == (4, 0, 0.0)
-    assert record.optimizer_states == 2 and record.row_bytes == 4 * (2 * H * F + F + H)
-    assert record.log_entry(7) == {"kind": "replan", "step": 7, "moved_slots": 4,
-                                   "moved_bytes": 0.0, "recompiled": False}
-    loss = step(*batch(1)).asnumpy()
-    assert compiled == []                               # the compiled step ran the new plan
-
-    fresh, fresh_adam, fresh_step = trained_layer(PLAN_TO, w)
-    rows = [rows_before[int(e)] for e in PLAN_TO.slot_expert]     # each new row's old row
-    for i, p in enumerate(fresh_adam.parameters):
-        name = p.name
-        for prefix, target in (("", p), ("m.", fresh_adam.moment1[i]),
-                               ("v.", fresh_adam.moment2[i])):
-            value = before[prefix + name]
-            expert = name.rsplit(".", 1)[-1] in EXPERT_PARAMS          # "layer.w1"
-            target.set_data(Tensor(value[rows] if expert else value))
-    for name, value in scalars.items():
-        getattr(fresh_adam, name).set_data(Tensor(value))
-    loss_ref = fresh_step(*batch(1)).asnumpy()
-
-    np.testing.assert_allclose(loss, loss_ref, rtol=1e-6)
-    for got, ref in zip(layer(batch(2)[0]), fresh(batch(2)[0])):
-        np.testing.assert_allclose(got.asnumpy(), ref.asnumpy(), rtol=1e-6, atol=1e-6)
-    after, after_ref = state(layer, adam), state(fresh, fresh_adam)
-    assert sorted(after) == sorted(after_ref)
-    for name in after:
-        np.testing.assert_allclose(after[name], after_ref[name], rtol=1e-6, atol=1e-6,
-                                   err_msg=name)
-    assert np.abs(after["m.layer.w1"]).max(axis=(1, 2)).min() > 0    # moments in every row
-
-    # the control: without the optimizer, slot i keeps the moments of its old expert
-    stale, stale_adam, stale_step = trained_layer(PLAN_FROM, w)
-    stale_step(*batch(0))
-    stale.set_plan(PLAN_TO)
-    assert stale.last_migration.optimizer_states == 0
-    stale_step(*batch(1))
-    moved = state(stale, stale_adam)
-    assert np.abs(moved["m.layer.w1"] - after_ref["m.layer.w1"]).max() > 1e-3
-    assert np.abs(moved["layer.w1"] - after_ref["layer.w1"]).max() > 1e-4
+    return BalancedExpertParallelMoE(H, F, E, K, np.array([[0, 1, 2, 3]]), 1, np.array([64]))
 
 
 def test_weight_states_finds_adam_and_momentum_state_and_refuses_foreign_optimizers():
-    layer = ExpertParallelMoE(H, F, E, K, PLAN_FROM, slots_per_device=5)
+    from ms_efficient.moe.balance import home_plan
+
+    layer = balanced_layer()
     net = Loss(layer)                       # names like "layer.w1"
     weights_ = (layer.w1, layer.b1, layer.w2, layer.b2)
     adam = nn.Adam(net.trainable_params(), learning_rate=LR)
@@ -272,7 +175,7 @@ def test_weight_states_finds_adam_and_momentum_state_and_refuses_foreign_optimiz
     sgd = weight_states(nn.SGD(net.trainable_params(), LR), weights_)     # its accum, stat
     assert [kind[0].name for kind in sgd] == ["accum.layer.w1", "stat.layer.w1"]
     # built before a wrapper renamed the weights ("w1" -> "layer.w1"): found by position
-    bare = ExpertParallelMoE(H, F, E, K, PLAN_FROM, slots_per_device=5)
+    bare = balanced_layer()
     early = nn.Adam(bare.trainable_params(), learning_rate=LR)
     Loss(bare)
     assert bare.w1.name == "layer.w1"
@@ -283,76 +186,5 @@ def test_weight_states_finds_adam_and_momentum_state_and_refuses_foreign_optimiz
         weight_states(nn.Adam([layer.router.weight], LR), weights_)
     with pytest.raises(ValueError, match=r"'optimizer' must be a mindspore.nn.Optimizer .* "
                                          r"but got dict"):
-        layer.set_plan(PLAN_TO, optimizer={})
-    assert layer.local_experts.tolist() == PLAN_FROM.slot_expert.tolist()   # unchanged
-
-
-# --- 2 workers (msrun) ------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-@workers.needs_msrun
-def test_two_workers_move_experts_and_adam_state_and_train_as_if_nothing_moved(dist_checks):
-    """A grouped layer on 2 ranks takes an Adam step, set_plan moves expert 2 from rank 0 to
-    rank 1, swaps experts 1 and 3 and replicates expert 0 on rank 1 (one AlltoAllV whose
-    counts are plan_migration's), and takes another step on the compiled graph: outputs,
-    weights and Adam moments of every slot equal MoEFeedForward trained on the whole batch."""
-    wk = workers.load_script("check_ep_migration")
-    out_dir = dist_checks / "check_ep_migration"
-
-    # the reference: the whole batch on one dense layer, never moved
-    w = wk.logical_weights()
-    ref = MoEFeedForward(wk.H, wk.F, wk.E, wk.K, capacity=wk.WORLD * wk.T_LOCAL)
-    params = [ref.router.weight, ref.w1, ref.b1, ref.w2, ref.b2]
-    for p, a in zip(params, w):
-        p.set_data(Tensor(a))
-
-    class RefLoss(nn.Cell):
-        def __init__(self, layer):
-            super().__init__()
-            self.layer = layer
-
-        def construct(self, x, dy):
-            return (self.layer(x)[0] * dy).sum()
-
-    adam = nn.Adam(params, learning_rate=wk.LR)
-    step = nn.TrainOneStepCell(RefLoss(ref), adam)
-    step(*(Tensor(a) for a in wk.global_batch(0)))
-    x1, dy1 = wk.global_batch(1)
-    y_ref = ref(Tensor(x1))[0].asnumpy()
-    step(Tensor(x1), Tensor(dy1))
-    trained = {n: p.asnumpy() for n, p in zip(wk.PARAM_NAMES, params)}
-    moments = {f"{kind}_{n}": m.asnumpy() for kind, tup in (("m", adam.moment1),
-                                                             ("v", adam.moment2))
-               for n, m in zip(wk.PARAM_NAMES, tup)}
-    migration = plan_migration(ExpertPlan(**wk.BEFORE), ExpertPlan(**wk.AFTER), wk.BUDGET,
-                               wk.WORLD)
-    assert migration.rows_WW.tolist() == wk.EXPECTED_ROWS_WW
-
-    slot_expert = np.asarray(wk.AFTER["slot_expert"])
-    for r in range(wk.WORLD):
-        got = np.load(out_dir / f"rank{r}.npz")
-        # what moved: the function's table, carried by one exchange
-        assert got["rows_WW"].tolist() == wk.EXPECTED_ROWS_WW
-        assert int(got["exchanges"]) == 1
-        assert got["exchange_send"].tolist() == migration.rows_WW[r].tolist()
-        assert got["exchange_recv"].tolist() == migration.rows_WW[:, r].tolist()
-        assert int(got["exchange_rows"]) == migration.rows_WW[:, r].sum()
-        assert int(got["moved_slots"]) == migration.moved_slots == 4
-        assert float(got["moved_bytes"]) == migration_bytes_WW(
-            migration.rows_WW, int(got["row_bytes"]), 2).sum() == 4 * int(got["row_bytes"]) * 3
-        assert int(got["compiled_after_replan"]) == 0 and int(got["dropped"]) == 0
-        # the step after the move is the step without it
-        np.testing.assert_allclose(got["y"], y_ref[r * wk.B:(r + 1) * wk.B], rtol=1e-5,
-                                   atol=1e-6)
-        experts = slot_expert[got["local_slots"]]
-        n = experts.size
-        np.testing.assert_allclose(got["trained_router"], trained["router"], rtol=1e-4,
-                                   atol=1e-5)
-        for name in wk.PARAM_NAMES[1:]:
-            for key, ref_values in ((f"trained_{name}", trained[name]),
-                                    (f"m_{name}", moments[f"m_{name}"]),
-                                    (f"v_{name}", moments[f"v_{name}"])):
-                np.testing.assert_allclose(got[key][:n], ref_values[experts], rtol=1e-4,
-                                           atol=1e-5, err_msg=f"rank {r} {key}")
-                assert not got[key][n:].any(), (r, key)          # empty rows: zeros
+        layer.set_plan(home_plan(np.array([[3, 0, 2, 1]]), E), optimizer={})
+    assert layer.home_table.asnumpy().tolist() == [[0, 1, 2, 3]]          # unchanged

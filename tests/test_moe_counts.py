@@ -7,7 +7,6 @@ exchange), and a one-process layer that builds and matches the grouped layer."""
 import numpy as np
 import pytest
 
-import mindspore as ms
 from mindspore import Tensor
 
 from ms_efficient.core import backend
@@ -15,7 +14,6 @@ from ms_efficient.core.cluster import get_cluster
 from ms_efficient.efficientmoe.cost import CostModel, layer_cost, uneven_alltoall_time_s
 from ms_efficient.moe.counted_alltoall import (CountedAllToAllV, block_layout, device_counts,
                                                pack_rows, unpack_rows)
-from ms_efficient.moe.ep_layer import ExpertParallelMoE
 from ms_efficient.moe.exchange import exchange_rows, slot_rows_by_device
 from ms_efficient.moe.plan import DISPATCH_MODES, ExpertPlan
 from ms_efficient.moe.split import grouped_assignments
@@ -137,78 +135,3 @@ def test_backend_picks_alltoallvc_on_ascend_and_the_block_emulation_elsewhere():
         CountedAllToAllV([[1]], 0, 4, impl="nccl")
     with pytest.raises(ValueError, match="block_WW"):
         CountedAllToAllV([[1, 2]], 0, 4)
-
-
-@pytest.mark.parametrize("mode", [ms.PYNATIVE_MODE, ms.GRAPH_MODE])
-def test_a_one_process_counts_layer_builds_and_equals_the_grouped_layer(mode):
-    ms.set_context(mode=mode)
-    e, h, f, k = 4, 8, 16, 2
-    kw = dict(slot_expert=[0, 1, 2, 3], slot_device=[0] * 4, slot_capacity=[4] * 4,
-              send_block=[[12]])
-    x = Tensor(np.random.default_rng(0).normal(size=(2, 4, h)).astype(np.float32))
-    outs = []
-    for dispatch in ("grouped", "counts"):
-        layer = ExpertParallelMoE(h, f, e, k, ExpertPlan(dispatch=dispatch, **kw), seed=4)
-        assert layer.counted == (dispatch == "counts")
-        y, _, counts, dropped = layer(x)
-        outs.append((y.asnumpy(), int(dropped.asnumpy())))
-    assert np.allclose(outs[0][0], outs[1][0], atol=1e-6) and outs[0][1] == outs[1][1]
-
-
-class _PlanOnlyLayer:
-    """What :class:`ExpertParallelReplanner` reads of a grouped ``ExpertParallelMoE`` (its
-    plan, budget and weight shapes), with the layer's own shape check in ``set_plan``
-    (``ep_routing.check_replan``, which refuses a plan of another dispatch) and no weights
-    to move: the re-planner at numpy level."""
-
-    def __init__(self, plan, num_experts, world, budget, hidden=8, ffn=16):
-        self.plan, self.world, self.budget = plan, world, budget
-        self.num_experts, self.top_k, self.hidden_size = num_experts, plan.top_k, hidden
-        self.w1, self.b1 = np.zeros((budget, hidden, ffn), np.float32), np.zeros((budget, 1, ffn))
-        self.w2 = np.zeros((budget, ffn, hidden), np.float32)
-        self.b2 = np.zeros((budget, 1, hidden))
-        self.compiled = (plan.device_rows(world), plan.send_rows(world, world))
-
-    def expert_params(self):
-        return (self.w1, self.b1, self.w2, self.b2)
-
-    def set_plan(self, plan, optimizer=None):
-        from types import SimpleNamespace
-
-        from ms_efficient.efficientmoe.ep_replanner import experts_to_fetch
-        from ms_efficient.moe.ep_routing import check_replan
-
-        check_replan(plan, self.num_experts, self.compiled[0], self.budget, self.compiled[1],
-                     self.plan.dispatch)
-        self.last_migration = SimpleNamespace(
-            moved_slots=experts_to_fetch(self.plan, plan, self.world), sent_rows=0,
-            row_bytes=0, optimizer_states=0)
-        self.plan = plan
-
-
-@pytest.mark.parametrize("dispatch", ["grouped", "counts"])
-def test_a_forced_re_plan_that_fills_spare_slots_keeps_the_runs_dispatch(dispatch):
-    """``efficientmoe.force_replan_step`` on a routing whose placement the planner keeps
-    (each rank's 64 assignments: its hot experts where they are), so the re-planner fills the
-    spare slots with replicas (``_spread``), planned for the layers' own dispatch; a "counts"
-    run's forced re-plan used to build a "grouped" plan, which the layer's set_plan refuses."""
-    from ms_efficient.core.config import EfficientMoEConfig
-    from ms_efficient.efficientmoe.ep_replanner import (ExpertParallelReplanner,
-                                                        dropless_plans, slot_budget)
-
-    world, experts, tokens = 2, 4, 64
-    (plan,) = dropless_plans(1, experts, world, top_k=2, tokens_per_step=tokens,
-                             dispatch=dispatch)
-    layer = _PlanOnlyLayer(plan, experts, world, slot_budget(experts, world))
-    em = EfficientMoEConfig(enabled=True, warmup_steps=3, replan_every=100, window=3,
-                            force_replan_step=4)
-    replanner = ExpertParallelReplanner([layer], em, get_cluster("cpu-local"), tokens)
-    counts_WE = np.array([[40, 20, 4, 0], [0, 4, 20, 40]])      # tokens x top-2 / W a rank
-    for step in range(1, 5):
-        replanner.observe(counts_WE[None], np.zeros(1))
-        record = replanner.maybe_replan(step)
-        assert (record is None) == (step < 4)
-    assert "spare slots filled with replicas" in record["reason"]
-    assert layer.plan.dispatch == dispatch and layer.plan.method == "efficientmoe-spread"
-    assert layer.plan.num_slots == world * slot_budget(experts, world)     # every slot used
-    assert np.array_equal(layer.plan.device_rows(world), layer.compiled[0])

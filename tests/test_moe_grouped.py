@@ -144,8 +144,9 @@ def test_a_grouped_model_trains_with_no_padding_and_no_drops(tmp_path, text_dir)
 
 def test_config_names_a_bad_dispatch_and_the_run_it_does_not_suit(tmp_path, text_dir):
     """One vocabulary for every run (config.DISPATCH_NAMES); check_dispatch says which of it
-    suits the run: grouped with EfficientMoE only expert-parallel, static only in one
-    process. The trainers and the launcher call it before building anything."""
+    suits the run: balanced only expert-parallel (grouped and static are one-process
+    dispatches), EfficientMoE in one process with static only. The trainers and the
+    launcher call it before building anything."""
     import yaml
     from conftest import tiny_config_dict
     from ms_efficient.core.config import check_dispatch, load_config
@@ -153,16 +154,18 @@ def test_config_names_a_bad_dispatch_and_the_run_it_does_not_suit(tmp_path, text
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(tiny_config_dict(text_dir, str(tmp_path / "run"))))
     with pytest.raises(ValueError, match=r"'moe.dispatch' must be one of \['static', "
-                                         r"'grouped', 'counts', 'balanced'\], but got 'padless'"):
+                                         r"'grouped', 'balanced'\], but got 'padless'"):
         load_config(str(path), {"moe.dispatch": "padless"})
     grouped_on = load_config(str(path), {"moe.dispatch": "grouped", "efficientmoe.enabled": True})
-    check_dispatch(grouped_on, expert_parallel=True)
     with pytest.raises(ValueError, match="'efficientmoe.enabled' must be false for a "
                                          "one-process run with moe.dispatch 'grouped'"):
         check_dispatch(grouped_on, expert_parallel=False)
     static = load_config(str(path))
     check_dispatch(static, expert_parallel=False)
-    with pytest.raises(ValueError, match=r"'moe.dispatch' must be one of \['grouped', 'counts', "
-                                         r"'balanced'\] for an expert-parallel run .*, but got "
-                                         r"'static'"):
-        check_dispatch(static, expert_parallel=True)
+    balanced = load_config(str(path), {"moe.dispatch": "balanced"})
+    check_dispatch(balanced, expert_parallel=True)
+    for cfg in (static, grouped_on):
+        with pytest.raises(ValueError, match=r"'moe.dispatch' must be 'balanced' for an "
+                                             r"expert-parallel run .*; 'static' and 'grouped' "
+                                             r"are one-process dispatches, but got "):
+            check_dispatch(cfg, expert_parallel=True)

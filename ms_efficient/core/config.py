@@ -60,33 +60,24 @@ def history_trace_path(path: str) -> str:
 
 
 # `moe.dispatch`: how tokens reach the experts (MoEConfig's comments). The expert-parallel
-# trainer runs the last three; the one-process trainer "static" and "grouped" ("counts" and
-# "balanced" run as "grouped" there: MoEConfig.layer_dispatch).
-DISPATCH_NAMES = ("static", "grouped", "counts", "balanced")
+# trainer runs "balanced"; the one-process trainer "static" and "grouped" ("balanced" runs as
+# "grouped" there: MoEConfig.layer_dispatch).
+DISPATCH_NAMES = ("static", "grouped", "balanced")
 FAST_LEVEL_IMPLS = ("auto", "host", "aot", "ops")   # ms_efficient.moe.fast_level's twins
-EXPERT_PARALLEL_DISPATCH = ("grouped", "counts", "balanced")
+EXPERT_PARALLEL_DISPATCH = ("balanced",)
 
 
 def check_dispatch(cfg: "RunConfig", expert_parallel: bool) -> None:
     """ValueError naming the field unless ``cfg.moe.dispatch`` suits the run: an
-    expert-parallel run (``train --workers W``, its workers) needs one of
-    EXPERT_PARALLEL_DISPATCH; a one-process run with ``efficientmoe.enabled`` needs "static"
-    (its EfficientMoE plans per-expert capacities, which the other dispatches do not have, and
-    one device has no placement to change)."""
+    expert-parallel run (``train --workers W``, its workers) needs "balanced" (EfficientMoE's
+    two levels, the one expert-parallel layer); a one-process run with
+    ``efficientmoe.enabled`` needs "static" (its EfficientMoE plans per-expert capacities,
+    which the other dispatches do not have, and one device has no placement to change)."""
     dispatch = cfg.moe.dispatch
-    balanced = dispatch == "balanced"
-    if expert_parallel and cfg.moe.expert_kind != "mlp" and not balanced:
-        _fail("moe.expert_kind", cfg.moe.expert_kind,
-              f"'mlp' for an expert-parallel run with moe.dispatch {dispatch!r}: gated "
-              f"experts run expert-parallel with moe.dispatch 'balanced'")
-    if expert_parallel and cfg.moe.shared_experts and not balanced:
-        _fail("moe.shared_experts", cfg.moe.shared_experts,
-              f"0 for an expert-parallel run with moe.dispatch {dispatch!r}: shared experts "
-              f"run expert-parallel with moe.dispatch 'balanced'")
     if expert_parallel and dispatch not in EXPERT_PARALLEL_DISPATCH:
         _fail("moe.dispatch", dispatch,
-              f"one of {list(EXPERT_PARALLEL_DISPATCH)} for an expert-parallel run (train "
-              f"--workers W); 'static' (per-expert capacities) is for one-process runs")
+              f"'balanced' for an expert-parallel run (train --workers W: EfficientMoE's two "
+              f"levels over the ranks); 'static' and 'grouped' are one-process dispatches")
     if not expert_parallel and dispatch != "static" and cfg.efficientmoe.enabled:
         _fail("efficientmoe.enabled", True,
               f"false for a one-process run with moe.dispatch {dispatch!r} (the one-process "
@@ -163,27 +154,22 @@ class MoEConfig:
     # The batch's tokens are recorded as this many groups ("source ranks") in the routing
     # trace, as data-parallel ranks would each see batch_size / trace_ranks samples.
     trace_ranks: int = 1
-    # How tokens reach the experts, one name for one-process and expert-parallel runs
-    # (DISPATCH_NAMES; `plan moe --dispatch` takes the same names):
+    # How tokens reach the experts (DISPATCH_NAMES; `plan moe --dispatch` takes the same
+    # names):
     #   "static"   per-expert capacities (capacity_factor; padded, may drop; EfficientMoE
     #              plans them when enabled). One-process runs only.
     #   "grouped"  rows permuted by expert, each expert on its own rows (grouped matmul, no
     #              padding). One process: no capacity, no drops (moe.layer module doc).
-    #              `train --workers W`: ExpertParallelMoE with static send blocks, full or
-    #              empty, one row buffer per device.
-    #   "counts"   `train --workers W`: the same blocks as upper bounds, only the kept rows
-    #              travel (ops.AlltoAllVC on Ascend; on CPU the blocks are exchanged, same
-    #              values). `plan moe --dispatch auto` says whether it or grouped fits a trace.
     #   "balanced" `train --workers W`: EfficientMoE's two levels (BalancedExpertParallelMoE):
     #              a fixed layout (home experts, slots_per_device minus ceil(E / W) spare
     #              slots, receive buffers) balanced every step from that step's exact counts,
-    #              hot experts copied into spare slots.
-    # One process has no exchange, so "counts" and "balanced" run there as "grouped" (the same
-    # rows; `layer_dispatch`). Fixed for a run: each is a different graph.
+    #              hot experts copied into spare slots. The one expert-parallel dispatch.
+    # One process has no exchange, so "balanced" runs there as "grouped" (the same rows;
+    # `layer_dispatch`). Fixed for a run: each is a different graph.
     dispatch: str = "static"
     # Expert-parallel runs (`ms-efficient train --workers W`): weight slots every rank compiles
-    # for its experts (ExpertParallelMoE's slots_per_device); 0 = ceil(num_experts / W) + 1,
-    # one spare slot for a replica an online re-plan may add.
+    # for its experts, ceil(num_experts / W) home slots and the rest spare slots for the fast
+    # level's per-step copies; 0 = ceil(num_experts / W) + 1, one spare slot.
     slots_per_device: int = 0
     # moe.dispatch "balanced": how the fast level runs inside the compiled step
     # (FAST_LEVEL_IMPLS): "host" the numpy function as a host op (CPU only), "aot" the same
@@ -227,8 +213,8 @@ class MoEConfig:
     @property
     def layer_dispatch(self) -> str:
         """The dispatch of a one-process MoE layer (MoEFeedForward) for ``dispatch``: "static"
-        stays "static"; "grouped", "counts" and "balanced" are "grouped" (one device has no
-        exchange, so they compute the same rows, dropless)."""
+        stays "static"; "grouped" and "balanced" are "grouped" (one device has no exchange,
+        so they compute the same rows, dropless)."""
         return "static" if self.dispatch == "static" else "grouped"
 
 
@@ -236,11 +222,10 @@ class MoEConfig:
 class EfficientMoEConfig:
     """EfficientMoE during training (``enabled``): sample the routing, forecast it and re-plan.
     What a re-plan changes depends on ``moe.dispatch``: one-process "static" layers get new
-    per-expert capacities (a recompile, when it pays); expert-parallel "grouped"/"counts"
-    layers a new placement inside their compiled buffers; "balanced" layers a new home table
-    (the slow level; the fast level balances every step either way). No re-plan of an
-    expert-parallel run changes a compiled shape; a one-process run with a dispatch other than
-    "static" has nothing to re-plan (:func:`check_dispatch` refuses it)."""
+    per-expert capacities (a recompile, when it pays); expert-parallel ("balanced") layers a
+    new home table (the slow level; the fast level balances every step either way). No
+    re-plan of an expert-parallel run changes a compiled shape; a one-process run with a
+    dispatch other than "static" has nothing to re-plan (:func:`check_dispatch` refuses it)."""
 
     enabled: bool = False
     # Steps run with the static `moe.capacity_factor` capacity before the first plan, so the
@@ -279,8 +264,9 @@ class EfficientMoEConfig:
     # >= 3 rows the first plan is made before the first compilation (no warm-up steps at the
     # static `capacity_factor`); "" = none.
     history: str = ""
-    # Expert-parallel runs: adopt the planner's placement after this many steps even when the
-    # re-plan rule finds no gain worth it (0 = never force), so a short run shows a re-plan.
+    # Expert-parallel runs: adopt the slow level's home table after this many steps even when
+    # the re-plan rule finds no gain worth it (0 = never force), so a short run shows a
+    # re-plan.
     force_replan_step: int = 0
     # With `enabled`, a moe.dispatch "balanced" run also re-places its home experts during the
     # run (the slow level): every `replan_every` steps after `warmup_steps`, when the new home table's
@@ -519,8 +505,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
         raise ValueError(f"'efficientmoe.dispatch' ({data['dispatch']!r}) is now "
                          f"'moe.dispatch', one of {list(DISPATCH_NAMES)} for every run: move "
                          f"it there (a config run both ways keeps moe.dispatch for its "
-                         f"expert-parallel runs; one process runs 'counts' and 'balanced' as "
-                         f"'grouped').")
+                         f"expert-parallel runs; one process runs 'balanced' as 'grouped').")
     if unknown:
         where = f"'{path}.{unknown[0]}'" if path else f"'{unknown[0]}'"
         raise ValueError(f"Unknown config key {where}; allowed keys"
@@ -578,18 +563,26 @@ def _migrate_saved_dispatch(data: Dict[str, Any], expert_parallel: bool, path: s
     """A run folder's config.yaml saved before ``moe.dispatch`` named every run's dispatch
     holds ``efficientmoe.dispatch`` (the expert-parallel exchange) beside ``moe.dispatch``
     (the one-process layers): the run used the first if it was expert-parallel, the second
-    otherwise. Rewrites ``data`` to the one key, in place."""
+    otherwise. A folder of the retired one-level "counts" layer reads as "grouped" (the rows
+    it computed; ``checkpoint export`` and a one-process resume read it so, and a
+    ``--workers`` resume is refused: expert-parallel runs are "balanced"). Rewrites ``data``
+    in place."""
     section = data.get("efficientmoe")
-    if not isinstance(section, dict) or "dispatch" not in section:
-        return
-    old = section.pop("dispatch")
-    if expert_parallel:
-        if not isinstance(data.get("moe"), dict):
-            data["moe"] = {}
-        data["moe"]["dispatch"] = old
-    logger.info("%s: read the older key efficientmoe.dispatch (%r) as %s", path, old,
-                f"moe.dispatch {old!r}" if expert_parallel else
-                "unused (a one-process run: moe.dispatch was its dispatch)")
+    if isinstance(section, dict) and "dispatch" in section:
+        old = section.pop("dispatch")
+        if expert_parallel:
+            if not isinstance(data.get("moe"), dict):
+                data["moe"] = {}
+            data["moe"]["dispatch"] = old
+        logger.info("%s: read the older key efficientmoe.dispatch (%r) as %s", path, old,
+                    f"moe.dispatch {old!r}" if expert_parallel else
+                    "unused (a one-process run: moe.dispatch was its dispatch)")
+    moe = data.get("moe")
+    if isinstance(moe, dict) and moe.get("dispatch") == "counts":
+        # the retired one-level "counts" layer computed the rows "grouped" computes
+        moe["dispatch"] = "grouped"
+        logger.info("%s: read the retired moe.dispatch 'counts' as 'grouped' (the same rows; "
+                    "an expert-parallel run now runs 'balanced')", path)
 
 
 def load_config(path: str, overrides: Optional[Dict[str, Any]] = None,

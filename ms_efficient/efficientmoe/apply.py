@@ -7,7 +7,7 @@ trainer) can record the routing trace with it:
     cb = RoutingTraceCallback(network, "trace.npz")
     Model(network, optimizer=opt).train(epochs, dataset, callbacks=[cb])
 
-Every MoE layer of the package (``MoEFeedForward``, ``ExpertParallelMoE``) assigns the counts
+Every MoE layer of the package (``MoEFeedForward``, ``BalancedExpertParallelMoE``) assigns the counts
 of its last forward to its ``routing_counts`` buffer (int32 [R, E], R = its ``trace_ranks``);
 at the end of each training step the callback copies those buffers to the host, stacks them
 as one trace row [layer, src_rank, expert] and keeps it in a :class:`RoutingSampler`. The file,
@@ -29,11 +29,8 @@ package's trainer and the trace replay use (a check every ``replan_every`` steps
 as the drop monitor fires: each step's drops are each expert's count beyond its capacity,
 exactly the layer's rule). When the planner adopts new per-expert capacities it sets them on
 every ``MoEFeedForward`` and makes the running train network compile a new graph on its next
-step (``backend.recompile_on_next_call``). On a network of expert-parallel layers
-(``ExpertParallelMoE`` with grouped dispatch, every rank running the callback) it re-places
-the experts instead, through ``set_plan`` within the compiled row buffers: no recompilation
-(:class:`~ms_efficient.efficientmoe.ep_replanner.ExpertParallelReplanner`, the expert-parallel trainer's
-loop). On balanced expert-parallel layers (``BalancedExpertParallelMoE``: what
+step (``backend.recompile_on_next_call``). On expert-parallel layers
+(``BalancedExpertParallelMoE``: what
 ``train --workers`` builds with dispatch "balanced" and what ``adopt_moe(...,
 expert_parallel=True)`` puts in a user's network) it runs the slow level of the two levels:
 every ``replan_every`` steps :class:`~ms_efficient.efficientmoe.ep_replanner.HomeReplanner`
@@ -146,10 +143,10 @@ class EfficientMoECallback(RoutingTraceCallback):
         path, save_every: as for :class:`RoutingTraceCallback` (the trace is kept too).
 
     ``plans`` lists every adopted plan: ``{"step", "capacities" [layer][expert],
-    "rows_before", "rows_after", "expected_drop_rate"}``; on a network of grouped
-    ``ExpertParallelMoE`` layers (every rank runs the callback) the re-placements instead:
-    ``{"kind": "replan", "step", "moved_slots", "moved_bytes", "recompiled"}``; on balanced
-    layers the home re-placements (the same fields and the modelled gain and migration), and
+    "rows_before", "rows_after", "expected_drop_rate"}``; on balanced expert-parallel layers
+    (every rank runs the callback) the home re-placements instead: ``{"kind": "replan",
+    "step", "moved_slots", "moved_bytes", "recompiled"}`` and the modelled gain and
+    migration, and
     ``checks`` every verdict of the slow level, adopted or not, with its reason. Raises
     ValueError when the network has no layer whose capacities or placement can be set.
     """
@@ -181,19 +178,11 @@ class EfficientMoECallback(RoutingTraceCallback):
 
             self.layers = balanced
             self._pending = None
-            self.expert_parallel = False
             self._replanner = HomeReplanner(
                 balanced, em, balanced_cost_model(
                     balanced, cluster if isinstance(config, RunConfig) else None))
             return
-        # expert-parallel layers (grouped ExpertParallelMoE): placements through set_plan
-        ep_layers = [c for c in self.layers if getattr(c, "grouped", False)
-                     and hasattr(c, "set_plan")]
-        self.expert_parallel = bool(ep_layers)
         self._replanner, self._pending = None, None
-        if ep_layers:
-            self.layers = ep_layers
-            return
         self.layers = [c for c in self.layers if hasattr(c, "set_capacities")
                        and getattr(c, "dispatch", "static") == "static"]
         if not self.layers:
@@ -216,9 +205,6 @@ class EfficientMoECallback(RoutingTraceCallback):
         super().on_train_step_end(run_context)
         if self.balanced:
             self._balanced_step(run_context)
-            return
-        if self.expert_parallel:
-            self._expert_parallel_step(run_context)
             return
         seen = len(self.steps)
         em = self.cfg
@@ -253,33 +239,6 @@ class EfficientMoECallback(RoutingTraceCallback):
                            "reason": decision.reason if decision else "first plan"})
         logger.info("step %d: EfficientMoE re-planned capacities %d -> %d slot rows; the "
                     "next step recompiles", self.steps[-1], int(current.sum()), int(caps.sum()))
-
-    def _expert_parallel_step(self, run_context) -> None:
-        """ExpertParallelMoE layers: every rank's counts (a host AllReduce: every rank's
-        callback calls it at every step), then the re-planner of the package's expert-parallel
-        trainer; an adopted plan is applied through ``set_plan`` on every layer, the
-        optimizer's slot state moved with it, and its record (``moved_slots``,
-        ``moved_bytes``, ``recompiled`` measured on the next step) appended to ``plans``."""
-        from ms_efficient.efficientmoe.ep_replanner import (ExpertParallelReplanner, compiled_graphs,
-                                                  rank_counts)
-
-        args = run_context.original_args()
-        network = getattr(args, "train_network", None)
-        self._settle_pending(network)
-        counts_LWE = rank_counts(self.layers)
-        if self._replanner is None:
-            tokens = int(counts_LWE[0].sum()) // int(self.layers[0].top_k)
-            self._replanner = ExpertParallelReplanner(self.layers, self.cfg, self.cluster,
-                                                      tokens)
-        # the layers keep no drop counter for callbacks: the drop monitor sees none (a plan
-        # built on the dropless buffers of efficientmoe.ep_replanner.dropless_plans drops nothing)
-        self._replanner.observe(counts_LWE, np.zeros(len(self.layers)))
-        optimizer = _optimizer_of(args, network)
-        record = self._replanner.maybe_replan(len(self.steps), optimizer)
-        if record is not None:
-            record["step"] = self.steps[-1]
-            self.plans.append(record)
-            self._pending = (record, compiled_graphs(network))
 
     def _settle_pending(self, network) -> None:
         """The last applied re-plan's ``recompiled``: whether the step after it compiled a

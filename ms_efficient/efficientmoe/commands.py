@@ -1,7 +1,7 @@
-"""EfficientMoE: expert replication, placement and per-replica capacities from routing traces.
+"""EfficientMoE from routing traces: the two-level layout (home experts, spare slots, buffers).
 
-    ms-efficient plan moe --trace FILE.npz [--cluster NAME] [--slots N]
-                          [--dispatch static|grouped|counts|balanced|auto] --out plan.yaml
+    ms-efficient plan moe --trace FILE.npz [--cluster NAME] [--slots N] [--last N]
+                          --out plan.yaml
     ms-efficient bench moe [--quick] [--trace FILE.npz ...] [--cluster NAME] --json OUT
                            [--config CONFIG] [--steps N] [--init-from RUN_DIR]
                            [--no-measured | --no-simulated]
@@ -20,7 +20,6 @@ import tempfile
 import time
 
 from ms_efficient.core.argtypes import positive_int
-from ms_efficient.core.config import DISPATCH_NAMES
 
 __all__ = ["add_plan_arguments", "run_plan", "add_bench_arguments", "run_bench"]
 
@@ -36,29 +35,18 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, help="routing trace (.npz, see docs/formats.md)")
     parser.add_argument("--cluster", help="cluster preset (default: 8-chip Ascend 910B nodes, "
                                           "as many as the trace's ranks need)")
-    parser.add_argument("--dispatch", choices=DISPATCH_NAMES + ("auto",),
-                        default="balanced",
-                        help="moe.dispatch's names (docs/usage.md); "
-                             "balanced (default): EfficientMoE's two levels, a layout (home "
-                             "experts, spare slots, fixed buffers) balanced every step from "
-                             "the step's counts; the one-level plans of earlier rounds: "
-                             "grouped: padding-free grouped expert compute, one row "
-                             "buffer per device; counts: the same with a count-driven "
-                             "exchange (Ascend only); static: per-rank, per-slot capacities; "
-                             "auto: grouped or counts, whichever's plans the cost model "
-                             "predicts cheaper (printed)")
     parser.add_argument("--last", type=positive_int, metavar="N",
                         help="plan from the trace's last N steps only (default: all). A trace "
                              "recorded from initialisation holds the router's early, volatile "
-                             "steps, which widen the forecast errors and so the send blocks")
+                             "steps")
     parser.add_argument("--slots", type=int, default=1, metavar="N",
-                        help="balanced: expert slots per device beyond ceil(E / W), for "
-                             "redundant home replicas or per-step copies (default 1)")
+                        help="expert slots per device beyond ceil(E / W), for redundant "
+                             "home replicas or per-step copies (default 1)")
     parser.add_argument("--out", required=True, help="plan YAML to write")
 
 
 def _plan_balanced(trace, cluster, args) -> int:
-    """``plan moe --dispatch balanced``: the slow level's layout, written as YAML, with the
+    """``plan moe``: the slow level's layout, written as YAML, with the
     fast level's replay on the trace's last rows printed (simulated)."""
     from ms_efficient.efficientmoe.cost import CostModel
     from ms_efficient.efficientmoe.layout import LayoutConfig, plan_layout, replay_cost_s, save_layout
@@ -95,8 +83,6 @@ def _plan_balanced(trace, cluster, args) -> int:
 
 def run_plan(args: argparse.Namespace) -> int:
     from ms_efficient.core.cluster import get_cluster
-    from ms_efficient.efficientmoe.replay import ReplayConfig, plan_trace, trace_dispatch_choice
-    from ms_efficient.moe.plan import save_plans
     from ms_efficient.moe.trace import load_trace
 
     trace = load_trace(args.trace)
@@ -108,34 +94,7 @@ def run_plan(args: argparse.Namespace) -> int:
                                     steps=None if trace.steps is None
                                     else trace.steps[-args.last:])
     cluster = get_cluster(args.cluster) if args.cluster else None
-    if args.dispatch == "balanced":
-        return _plan_balanced(trace, cluster, args)
-    if args.dispatch == "auto":
-        choice = trace_dispatch_choice(trace, cluster, ReplayConfig())
-        plans = choice.proposal.plans
-        print(f"dispatch: {choice.dispatch} (predicted MoE time per step: " + ", ".join(
-            f"{d} {1e3 * t:.4g} ms" for d, t in choice.predicted_s.items()) + ")")
-    else:
-        plans = plan_trace(trace, cluster, ReplayConfig(dispatch=args.dispatch))
-    save_plans(args.out, plans, trace.num_experts,
-               extra={"trace": os.path.basename(args.trace), "cluster": args.cluster or "auto"})
-    for layer, plan in enumerate(plans):
-        if plan.grouped:
-            sent_R = plan.send_rows(trace.num_ranks).sum(axis=1)
-            routed = trace.counts[-1, layer].sum(axis=1)
-            verb = "sends" if plan.dispatch == "grouped" else "sends at most"
-            rows = (f"each rank {verb} {int(sent_R.min())}-{int(sent_R.max())} rows per "
-                    f"exchange (it routed {int(routed.min())}-{int(routed.max())} in the "
-                    f"trace's last step), device buffers "
-                    f"{sorted(set(plan.device_rows()[plan.slot_device].tolist()))}")
-            if plan.drop_target is not None:
-                rows += (f", per-pair drop target {100 * plan.drop_target:.3g}% "
-                         f"(expected drops {100 * plan.expected_drop_rate:.3g}%)")
-        else:
-            rows = f"{int(plan.slot_capacity.sum())} capacity rows"
-        print(f"layer {layer}: {plan.num_slots} slots for {trace.num_experts} experts, {rows}")
-    print(f"plan written to {args.out}")
-    return 0
+    return _plan_balanced(trace, cluster, args)
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:

@@ -3,10 +3,11 @@
 Pre-LayerNorm blocks (Radford et al. 2019): x + Attn(LN(x)), then x + FFN(LN(x)), where FFN is
 a :class:`~ms_efficient.moe.layer.MoEFeedForward` in every ``moe_every``-th block and a dense
 FFN elsewhere. Learned positions, tied input/output embeddings, byte-level vocabulary.
-With ``plans`` (one :class:`~ms_efficient.moe.plan.ExpertPlan` per MoE block) the MoE FFNs are
-:class:`~ms_efficient.moe.ep_layer.ExpertParallelMoE` layers instead, each holding this rank's
-experts (an expert-parallel run: ``ms_efficient.train.expert_parallel``), and the
-load-balancing loss is that of every rank's tokens (:class:`GlobalRouterAux`), as in one process.
+With ``plans`` (one :class:`~ms_efficient.moe.balance.BalancedSpec` per MoE block) the MoE FFNs
+are :class:`~ms_efficient.moe.balanced_ep.BalancedExpertParallelMoE` layers instead, each
+holding this rank's experts (an expert-parallel run: ``ms_efficient.train.expert_parallel``),
+and the load-balancing loss is that of every rank's tokens (:class:`GlobalRouterAux`), as in
+one process.
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from ms_efficient.core.config import ModelConfig, MoEConfig
 from ms_efficient.models.dropout import StepDropout
 from ms_efficient.moe.balance import BalancedSpec
 from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE
-from ms_efficient.moe.ep_layer import ExpertParallelMoE
 from ms_efficient.moe.layer import MoEFeedForward, TopKArrival, make_gelu
 from ms_efficient.moe.experts import SharedExpert
 from ms_efficient.moe.split import switch_capacity
@@ -150,7 +150,7 @@ class GPTMoE(nn.Cell):
     """
 
     def __init__(self, model: ModelConfig, moe: MoEConfig, batch_size: int,
-                 trace_ranks: int = 1, plans=None, slots_per_device=None,
+                 trace_ranks: int = 1, plans=None,
                  dropout_seed: int = 0, sample_offset: int = 0):
         super().__init__()
         if batch_size % trace_ranks:
@@ -168,26 +168,20 @@ class GPTMoE(nn.Cell):
         blocks = []
         moe_layers = []
         num_moe = sum((i + 1) % moe.moe_every == 0 for i in range(model.num_layers))
-        if plans is not None and len(plans) != num_moe:
-            raise ValueError(f"'plans' must give one expert plan per MoE block ({num_moe}), "
-                             f"but got {len(plans)}.")
+        if plans is not None and (len(plans) != num_moe or not all(
+                isinstance(p, BalancedSpec) for p in plans)):
+            raise ValueError(f"'plans' must give one BalancedSpec per MoE block ({num_moe}), "
+                             f"but got {[type(p).__name__ for p in plans]}.")
         for i in range(model.num_layers):
             shared = (SharedExpert(h, moe.shared_experts * model.ffn_hidden_size,
                                    kind=moe.expert_kind, init_std=std)
                       if moe.shared_experts and (i + 1) % moe.moe_every == 0 else None)
-            if (i + 1) % moe.moe_every == 0 and isinstance(plans, (list, tuple)) and \
-                    isinstance(plans[len(moe_layers)], BalancedSpec):
+            if (i + 1) % moe.moe_every == 0 and plans is not None:
                 ffn = BalancedExpertParallelMoE.from_spec(
                     h, model.ffn_hidden_size, moe.num_experts, moe.top_k,
                     plans[len(moe_layers)], trace_ranks=trace_ranks, init_std=std,
                     seed=len(moe_layers), fast_level=moe.fast_level,
                     expert_kind=moe.expert_kind, shared=shared)
-                moe_layers.append(i)
-            elif (i + 1) % moe.moe_every == 0 and plans is not None:
-                ffn = ExpertParallelMoE(h, model.ffn_hidden_size, moe.num_experts, moe.top_k,
-                                        plans[len(moe_layers)], trace_ranks=trace_ranks,
-                                        init_std=std, seed=len(moe_layers),
-                                        slots_per_device=slots_per_device)
                 moe_layers.append(i)
             elif (i + 1) % moe.moe_every == 0:
                 ffn = MoEFeedForward(h, model.ffn_hidden_size, moe.num_experts, moe.top_k,
@@ -199,8 +193,7 @@ class GPTMoE(nn.Cell):
                 ffn = DenseFeedForward(h, model.ffn_hidden_size, moe.num_experts, trace_ranks,
                                        std)
             aux = (GlobalRouterAux(moe.num_experts, moe.top_k, ffn.world)
-                   if isinstance(ffn, (ExpertParallelMoE, BalancedExpertParallelMoE))
-                   and ffn.world > 1 else None)
+                   if isinstance(ffn, BalancedExpertParallelMoE) and ffn.world > 1 else None)
             blocks.append(Block(h, model.num_heads, model.seq_length, ffn, std, model.dropout,
                                 aux, i, dropout_seed, sample_offset))
         self.blocks = nn.CellList(blocks)
@@ -234,14 +227,13 @@ class GPTMoE(nn.Cell):
 
 
 def build_model(model: ModelConfig, moe: MoEConfig, batch_size: int, plans=None,
-                slots_per_device=None, dropout_seed: int = 0, sample_offset: int = 0) -> GPTMoE:
+                dropout_seed: int = 0, sample_offset: int = 0) -> GPTMoE:
     """The reference network for a config (float32 master weights).
 
     plans: None for the one-process network (``MoEFeedForward``, ``moe.trace_ranks`` trace
-    groups); one ``BalancedSpec`` per MoE block: ``BalancedExpertParallelMoE`` layers (the
-    two-level EfficientMoE); else one "grouped" ExpertPlan per MoE block: ``ExpertParallelMoE`` layers over
-    the initialised world group (``batch_size`` is then this rank's batch, one trace group
-    per rank) with ``slots_per_device`` weight slots each. Their initial weights come from
+    groups); else one ``BalancedSpec`` per MoE block: ``BalancedExpertParallelMoE`` layers
+    (the two-level EfficientMoE) over the initialised world group (``batch_size`` is then
+    this rank's batch, one trace group per rank). Their initial weights come from
     ``init_expert_weights``; load the one-process network's with ``set_weights`` to start
     from the same point (``ms_efficient.train.expert_parallel`` does).
     dropout_seed (``context.seed``) and sample_offset (rank x ``batch_size``; 0 in one
@@ -250,5 +242,4 @@ def build_model(model: ModelConfig, moe: MoEConfig, batch_size: int, plans=None,
     if plans is None:
         return GPTMoE(model, moe, batch_size, moe.trace_ranks, dropout_seed=dropout_seed,
                       sample_offset=sample_offset)
-    return GPTMoE(model, moe, batch_size, 1, plans, slots_per_device, dropout_seed,
-                  sample_offset)
+    return GPTMoE(model, moe, batch_size, 1, plans, dropout_seed, sample_offset)

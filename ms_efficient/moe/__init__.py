@@ -1,8 +1,8 @@
 """MoE runtime: the Cells and the formats they execute (no planning here).
 
 ``layer`` (router + top-k MoE FFN: static per-expert capacities, or padding-free grouped
-compute), ``ep_layer`` and ``ep_routing`` (expert-parallel layer over replicas, static or
-grouped dispatch, and its tables), ``ep_migration`` and ``ep_replan`` (what a re-plan
+compute), ``balanced_ep`` (the expert-parallel layer: EfficientMoE's two levels),
+``ep_routing`` (expert-parallel slot tables), ``ep_migration`` and ``ep_replan`` (what a re-plan
 moves, numpy, and moving those rows with their optimizer state), ``alltoall`` (All-to-All /
 AlltoAllV and the count exchange: native on Ascend, exact emulation elsewhere), ``kernels``
 (padding-free permute / combine, ``ops.Custom`` aot on CPU), ``grouped_matmul`` (the grouped

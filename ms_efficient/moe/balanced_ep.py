@@ -39,7 +39,7 @@ charges), and the compiled graph runs on unchanged. Per step, on this rank's tok
 
 Gradients: a token's gradient reaches whichever slot computed it; a copy's weight gradient
 returns to its source and is summed into the home expert; redundant home replicas (several
-home slots of one expert) are tied by :class:`~ms_efficient.moe.ep_layer.ReplicaGradSum`.
+home slots of one expert) are tied by :class:`ReplicaGradSum`.
 So the layer computes the function of the unbalanced layer: every expert's output for a token
 is that expert's FFN wherever it ran (tests: equal to the one-process MoE).
 """
@@ -56,7 +56,6 @@ from ms_efficient.core.params import write_parameter
 from ms_efficient.moe.alltoall import CountExchange
 from ms_efficient.moe.balance import BalancedSpec, home_plan
 from ms_efficient.moe.counted_alltoall import CountedAllToAllV
-from ms_efficient.moe.ep_layer import ReplicaGradSum
 from ms_efficient.moe.ep_migration import migrate_rows, row_layout
 from ms_efficient.moe.ep_replan import move_rows, record, weight_states
 from ms_efficient.moe.ep_routing import (init_expert_weights, pad_rows, replica_sync,
@@ -73,10 +72,44 @@ __all__ = ["BalancedExpertParallelMoE", "BalancedSpec", "FastLevel", "fast_level
            "home_plan"]
 
 
+class ReplicaGradSum(nn.Cell):
+    """``construct(w, first_L, cross_L, pick_L) -> w``: identity on a local weight table
+    [S_b, ...]; its backward gives every local row the gradient of its logical expert summed
+    over all replicas in the group. The int32 [S_b] tables of
+    :func:`~ms_efficient.moe.ep_routing.replica_sync` are inputs (data, zero gradient).
+
+    Backward, for dout [S_b, ...]:
+      1. per local expert: the sum of its rows' gradients, at its first row (first_L);
+      2. if ``num_cross`` (X_b) > 0: the cross experts' sums scattered into a [X_b, ...]
+         table (cross_L; zeros elsewhere) and AllReduce-summed over the group;
+      3. every row takes its expert's sum: row pick_L of concat(table, local sums).
+    """
+
+    def __init__(self, num_cross: int, group: Optional[str] = None):
+        super().__init__()
+        self.num_cross = int(num_cross)
+        if self.num_cross:
+            self.all_reduce = ops.AllReduce(op=ops.ReduceOp.SUM,
+                                            group=group or backend.world_group())
+
+    def construct(self, w, first_L, cross_L, pick_L):
+        return w
+
+    def bprop(self, w, first_L, cross_L, pick_L, out, dout):
+        """Gradient of the tied replicas: the per-expert sum, given to every replica."""
+        local_L = ops.unsorted_segment_sum(dout, first_L, dout.shape[0])
+        if self.num_cross:
+            table_X = ops.unsorted_segment_sum(local_L, cross_L, self.num_cross + 1)
+            table_X = self.all_reduce(table_X[:self.num_cross])
+            local_L = ops.concat((table_X, local_L), 0)
+        return (ops.gather(local_L, pick_L, 0), ops.zeros_like(first_L),
+                ops.zeros_like(cross_L), ops.zeros_like(pick_L))
+
+
 class BalancedExpertParallelMoE(nn.Cell):
     """Expert-parallel MoE FFN balanced every step (module docstring):
     ``construct(x_BSH) -> (y_BSH, aux_loss, counts_RE, dropped)``, the interface of
-    :class:`~ms_efficient.moe.ep_layer.ExpertParallelMoE`; the step's fast-level figures go
+    :class:`~ms_efficient.moe.layer.MoEFeedForward`; the step's fast-level figures go
     to the ``balance_stats`` Parameter.
 
     Args:
@@ -89,8 +122,9 @@ class BalancedExpertParallelMoE(nn.Cell):
         devices_per_node: for the fast level's same-node round.
         copy_cost_WW: float [W, W] an expert copy's weight transfer in rows of expert
             compute (the fast level's threshold; None: copies free).
-        trace_ranks, init_std, seed: as :class:`~ms_efficient.moe.ep_layer.ExpertParallelMoE`
-            (weights from :func:`init_expert_weights`, the same on every rank).
+        trace_ranks: ranks whose counts the routing trace keeps apart (``counts_RE``'s R).
+        init_std, seed: the experts' initial weights (:func:`init_expert_weights`, the
+            same on every rank).
         sync_rows: rows of the replica-gradient table all-reduced every step (the layout's:
             the most experts a home table of the run replicates across ranks; ``set_plan``
             refuses more); None: as many as any home table of these shapes could.

@@ -2,36 +2,39 @@
 
 Every rank runs this module's :class:`ExpertParallelTrainer` (started by msrun, see
 :mod:`ms_efficient.train.ep_launch` and :mod:`ms_efficient.train.ep_worker`); the MoE FFNs are
-:class:`~ms_efficient.moe.ep_layer.ExpertParallelMoE` layers holding the experts the plan puts
-on the rank, everything else is replicated (data-parallel):
+:class:`~ms_efficient.moe.balanced_ep.BalancedExpertParallelMoE` layers (EfficientMoE's two
+levels) holding the rank's home experts and spare slots, everything else is replicated
+(data-parallel):
 
     global batch [B, S] (train.batch_size rows)  -> rank r takes rows [r B/W, (r+1) B/W)
     forward/backward on the local rows            -> local loss_r, grads
     dense + router grads: one flat AllReduce, / W (the gradient of the mean of the ranks'
         losses); expert grads: / W only (the All-to-All's backward already summed every
-        rank's contribution: ep_layer's "Gradient scale");
+        rank's contribution into the slot that computed it: ``train.optim``);
     clipping by the global norm: dense norm^2 + AllReduce of the local expert norm^2, every
         slot weighted by 1 / (replicas of its expert), so replicas count once;
     AdamWeightDecay (as the one-process trainer), logged loss = mean over ranks.
 
 The initial weights are the one-process model's (the same seed builds it on every rank, its
-values are copied in: dense by name, experts through ``set_weights``), so with the dropless
-initial plan (:func:`~ms_efficient.efficientmoe.ep_replanner.dropless_plans`) the run computes what the
-one-process run with a dropless MoE computes on the same global batch. Each
-``ExpertParallelMoE`` returns the router's load-balancing loss of its own tokens; the model
+values are copied in: dense by name, experts through ``set_weights``), so the run computes
+what the one-process run with a dropless MoE computes on the same global batch (no row
+dropped while the fast level fits every step in its buffers). Each expert-parallel layer
+returns the router's load-balancing loss of its own tokens; the model
 replaces it by that of every rank's tokens (``models.gpt_moe.GlobalRouterAux``, one AllReduce
 of the [2, E] routing fractions and mean probabilities per MoE block), so ``loss`` and its
 gradient are the one-process run's too. (With the per-rank term instead, the mean over ranks
 differs from the global one by E x a covariance over ranks, at most ``aux_loss_coef`` x E / 2
-for W = 2; on ``configs/gpt_moe_ep2.yaml`` that alone let the trajectories drift apart by 1 %
-after 10 steps at learning rate 2e-3.)
+for W = 2; on the reference model that alone let the trajectories drift apart by 1 % after 10
+steps at learning rate 2e-3.)
 
 Run folder (``out_dir``) as the one-process trainer's, plus per-rank checkpoints::
 
     ckpt/rank_{r}/step_N.ckpt   rank r's network (its experts and plan tables) + optimizer
     state.json                  {"step", "world_size": W, "checkpoint": "ckpt/rank_{rank}/...",
-                                 "plans": [ExpertPlan dict per MoE layer], "replan": {...}}
-    metrics.jsonl               train / val rows, and {"kind": "replan", "step", "moved_slots",
+                                 "plans": [home table per MoE layer, as an ExpertPlan dict],
+                                 "replan": {...}}
+    metrics.jsonl               train / val rows (with the fast level's figures), the slow
+                                 level's checks, and {"kind": "replan", "step", "moved_slots",
                                  "moved_bytes", "recompiled": false, ...} per re-plan
     trace.npz                   routing counts [step, MoE layer, rank, expert] of every rank
 
@@ -61,15 +64,11 @@ from ms_efficient.core.params import write_parameter
 from ms_efficient.models.dropout import dropout_cells, set_dropout_step
 from ms_efficient.models.gpt_moe import build_model
 from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE
-from ms_efficient.moe.ep_layer import ExpertParallelMoE
-from ms_efficient.moe.exchange import slot_rows_by_device
-from ms_efficient.moe.split import split_tokens
 from ms_efficient.moe.trace import layer_balance, load_trace, save_trace
 from ms_efficient.train import checkpoint as run_ckpt
 from ms_efficient.train.data import load_corpus
 from ms_efficient.train.relayout import resumed_counts
-from ms_efficient.efficientmoe.ep_replanner import (ExpertParallelReplanner, HomeReplanner,
-                                                    compiled_graphs, dropless_plans,
+from ms_efficient.efficientmoe.ep_replanner import (HomeReplanner, compiled_graphs,
                                                     load_plans_state, slot_budget)
 from ms_efficient.train.optim import GradReducer, is_scratch as _is_scratch, make_optimizer
 from ms_efficient.train.trainer import _fmt_eta
@@ -109,31 +108,21 @@ class ExpertParallelTrainer:
                    build_model(mc, moe, tr.batch_size).get_parameters()}  # one-process init
         num_moe = sum((i + 1) % moe.moe_every == 0 for i in range(mc.num_layers))
         budget = slot_budget(moe.num_experts, self.world, moe.slots_per_device)
-        self.balanced = moe.dispatch == "balanced"
-        if self.balanced:
-            plans = self._balanced_specs(num_moe, budget)
-        else:
-            plans = dropless_plans(num_moe, moe.num_experts, self.world, moe.top_k,
-                                   self.tokens_per_step, moe.dispatch)
+        plans = self._balanced_specs(num_moe, budget)
         # model.dropout > 0: masks of the GLOBAL row (this rank's first is rank x local
         # batch), so every world size draws the one-process masks (models/dropout.py)
-        self.net = build_model(mc, moe, self.local_batch, plans, budget,
+        self.net = build_model(mc, moe, self.local_batch, plans,
                                dropout_seed=cfg.context.seed,
                                sample_offset=self.rank * self.local_batch)
         self.dropouts = dropout_cells(self.net)
         self.layers = [c for _, c in self.net.cells_and_names()
-                       if isinstance(c, (ExpertParallelMoE, BalancedExpertParallelMoE))]
+                       if isinstance(c, BalancedExpertParallelMoE)]
         _load_initial(self.net, self.layers, initial)
         self.optimizer = make_optimizer(self.net, tr)
         params = self.optimizer.parameters
         self.reducer = GradReducer(params, self.layers, self.world, tr.grad_clip)
-        if not cfg.efficientmoe.enabled:
-            self.replanner = None
-        elif self.balanced:
-            self.replanner = HomeReplanner(self.layers, cfg.efficientmoe, self._cost_model())
-        else:
-            self.replanner = ExpertParallelReplanner(self.layers, cfg.efficientmoe,
-                                                     self._cluster(), self.tokens_per_step)
+        self.replanner = (HomeReplanner(self.layers, cfg.efficientmoe, self._cost_model())
+                          if cfg.efficientmoe.enabled else None)
         self._build_steps()
         self.step, self.metrics, self.counts = 0, [], []
         self.trace_start = 0                         # steps before the trace's first row
@@ -204,27 +193,18 @@ class ExpertParallelTrainer:
                         self.world, self.world)
         return grown
 
-    def _device_rows(self, counts_LWE: np.ndarray) -> np.ndarray:
+    def _device_rows(self) -> np.ndarray:
         """Rows every device computed in the last step, int64 [L, W]: the fast level's own
-        count (balanced layers), else the plan's split of the step's counts
-        (``moe.split.split_tokens``, what the grouped and counts layers assign)."""
+        count."""
         out = np.zeros((len(self.layers), self.world), dtype=np.int64)
         for j, layer in enumerate(self.layers):
-            if self.balanced:
-                out[j] = layer.balance_stats.asnumpy().astype(np.int64)[3:]
-            else:
-                assigned_RS, _ = split_tokens(layer.plan, counts_LWE[j], range(self.world),
-                                              layer.devices_per_node)
-                out[j] = slot_rows_by_device(assigned_RS, layer.plan.slot_device,
-                                             self.world).sum(axis=0)
+            out[j] = layer.balance_stats.asnumpy().astype(np.int64)[3:]
         return out
 
     def _balance_row(self) -> List[Dict]:
         """Per MoE layer, the fast level's figures of the last step: copies made, the bytes
         the dispatch sent (all ranks, float32 here) and the copies' part of them, the fixed
         buffers, rows dropped."""
-        if not self.balanced:
-            return []
         rows = []
         for j, layer in enumerate(self.layers):
             stats = layer.balance_stats.asnumpy().astype(int)
@@ -523,11 +503,9 @@ class ExpertParallelTrainer:
                 row = {"kind": "train", "step": self.step, "loss": round(loss, 5),
                        "ce": round(ce, 5), "tokens_per_s": round(tps, 1),
                        "drop_rate": round(1.0 - kept / max(1, assigned), 5)}
-                row["balance"] = layer_balance(counts_LWE, dropped_L,
-                                               self._device_rows(counts_LWE))
-                if self.balanced:           # the fast level's figures of the last step
-                    for entry, fast in zip(row["balance"], self._balance_row()):
-                        entry.update(fast)
+                row["balance"] = layer_balance(counts_LWE, dropped_L, self._device_rows())
+                for entry, fast in zip(row["balance"], self._balance_row()):
+                    entry.update(fast)      # the fast level's figures of the last step
                 self.metrics.append(row)
                 logger.info("step %d/%d  loss %.4f  ce %.4f  %.0f tok/s  ETA %s", self.step,
                             tr.steps, loss, ce, tps, _fmt_eta((tr.steps - self.step) * elapsed
@@ -549,12 +527,13 @@ class ExpertParallelTrainer:
         return self.step
 
 
-def _load_initial(net, layers: List[ExpertParallelMoE], initial: Dict[str, np.ndarray]) -> None:
+def _load_initial(net, layers: List[BalancedExpertParallelMoE],
+                  initial: Dict[str, np.ndarray]) -> None:
     """The one-process network's initial values: dense parameters by name, every MoE layer's
     router and experts through ``set_weights`` (each rank keeps its own slots)."""
     prefixes = {}
     for name, cell in net.cells_and_names():
-        if isinstance(cell, (ExpertParallelMoE, BalancedExpertParallelMoE)):
+        if isinstance(cell, BalancedExpertParallelMoE):
             prefixes[id(cell)] = name + "."
     for layer in layers:
         pre = prefixes[id(layer)]

@@ -31,13 +31,12 @@ from mindspore.ops import composite as C, functional as F
 from ms_efficient.core import backend
 from ms_efficient.core.params import write_parameter
 from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE
-from ms_efficient.moe.ep_layer import ExpertParallelMoE
 from ms_efficient.moe.layer import ROUTING_COUNTS
 
 __all__ = ["lr_schedule", "make_optimizer", "is_scratch", "GradReducer", "TrainOneStepCell",
            "expert_parallel_layers"]
 
-EP_LAYERS = (ExpertParallelMoE, BalancedExpertParallelMoE)
+EP_LAYERS = (BalancedExpertParallelMoE,)
 
 
 def lr_schedule(peak: float, warmup: int, total: int, floor: float = 0.1) -> List[float]:
@@ -126,7 +125,8 @@ class GradReducer(nn.Cell):
     of the 8.4 CPU-s of a W = 1 train-step compile (scripts/time_test_compiles.py at commit
     a7f48c6). With one rank nothing is reduced."""
 
-    def __init__(self, params, layers: List[ExpertParallelMoE], world: int, clip: float):
+    def __init__(self, params, layers: List[BalancedExpertParallelMoE], world: int,
+                 clip: float):
         super().__init__()
         owner = {}
         for j, layer in enumerate(layers):
@@ -149,7 +149,7 @@ class GradReducer(nn.Cell):
         if world > 1:
             self.all_reduce = ops.AllReduce(op=ops.ReduceOp.SUM)
 
-    def set_plans(self, layers: List[ExpertParallelMoE]) -> None:
+    def set_plans(self, layers: List[BalancedExpertParallelMoE]) -> None:
         """Slot weights of the layers' current plans (call after every ``set_plan``)."""
         for layer, weight in zip(layers, self.weights):
             local = np.asarray(layer.local_experts)

@@ -4,9 +4,8 @@ An expert-parallel rank r of a run holds, for every MoE layer, weight tables of 
 (``moe.slots_per_device``, the slot budget): row i < S_l is plan slot ``rank_slots(plan, r)[i]``
 (the plan's slots on r, ascending slot id) holding logical expert ``plan.slot_expert`` of that
 slot; rows S_l..S_b - 1 are empty (zeros). That is the layout of
-:class:`~ms_efficient.moe.ep_layer.ExpertParallelMoE` and, with the plan
-:func:`~ms_efficient.moe.balance.home_plan` of its home table, of
-:class:`~ms_efficient.moe.balanced_ep.BalancedExpertParallelMoE`. Every tensor that follows the
+:class:`~ms_efficient.moe.balanced_ep.BalancedExpertParallelMoE` with the plan
+:func:`~ms_efficient.moe.balance.home_plan` of its home table. Every tensor that follows the
 weight rows (w1, b1, w2, b2 and Adam's two moments of each) has this layout.
 
 The logical layout is the one-process model's: an [E, ...] table, row e = expert e.

@@ -18,8 +18,7 @@ import os
 import sys
 
 # The order they run in: check_collectives' data-parallel context last (it is reset anyway).
-CHECKS = ("check_ep_moe", "check_ep_migration", "check_ep_callback", "check_balanced_ep",
-          "check_collectives")
+CHECKS = ("check_balanced_ep", "check_collectives")
 
 
 def main(out_dir, names=CHECKS, mode="graph"):
