@@ -7,6 +7,7 @@ start (tests/workers.py: most of their time is msrun start-ups and the ranks' co
 the test reads what they left and then checks in this process that a resume of the
 expert-parallel run refuses a --steps it has reached before msrun starts.
 """
+import json
 import os
 
 import pytest
@@ -48,11 +49,13 @@ def test_expert_parallel_commands_and_msrun_run_as_written(quick_start_ep, monke
     assert len(quick_start.outputs) == sum(c["tool"] == "ms-efficient" for c in picked)
     monkeypatch.chdir(quick_start.cwd)
     quick_start.capsys = capsys
-    # an expert-parallel run resumed on its 2 ranks (and in one process): refused alike
-    ep_runs = [f for f, _ in quick_start.runs.items()
-               if os.path.isfile(os.path.join(f, "ckpt", "rank_1", "state.json"))
-               and f not in {_option(c["argv"], "--resume") for c in picked}]
+    # an expert-parallel run (the README resizes it to 4 ranks) resumed on its ranks, on 2
+    # and in one process: refused alike
+    ep_runs = [f for f in quick_start.runs
+               if json.loads((quick_start.cwd / f / "state.json").read_text()).get(
+                   "world_size", 1) > 1]
     assert ep_runs, quick_start.runs
     run = ep_runs[0]
     _check_refusals(quick_start, run, quick_start.runs[run][1])
     _check_refusals(quick_start, run, quick_start.runs[run][1], extra=("--workers", "2"))
+    _check_refusals(quick_start, run, quick_start.runs[run][1], extra=("--workers", "1"))

@@ -76,8 +76,8 @@ def check_dispatch(cfg: "RunConfig", expert_parallel: bool) -> None:
     dispatch = cfg.moe.dispatch
     if expert_parallel and dispatch not in EXPERT_PARALLEL_DISPATCH:
         _fail("moe.dispatch", dispatch,
-              f"'balanced' for an expert-parallel run (train --workers W: EfficientMoE's two "
-              f"levels over the ranks); 'static' and 'grouped' are one-process dispatches")
+              "'balanced' for an expert-parallel run (train --workers W: EfficientMoE's two "
+              "levels over the ranks); 'static' and 'grouped' are one-process dispatches")
     if not expert_parallel and dispatch != "static" and cfg.efficientmoe.enabled:
         _fail("efficientmoe.enabled", True,
               f"false for a one-process run with moe.dispatch {dispatch!r} (the one-process "

@@ -86,7 +86,7 @@ class RoutingTraceCallback(Callback):
         if not self.layers:
             raise ValueError(f"'network' ({type(network).__name__}) has no MoE layer with a "
                              f"'{ROUTING_COUNTS}' buffer (MoEFeedForward, MoEMLP, "
-                             f"ExpertParallelMoE).{adopt_hint(network)}")
+                             f"BalancedExpertParallelMoE).{adopt_hint(network)}")
         self.path = path
         self.save_every = save_every
         self.sampler = RoutingSampler()

@@ -24,7 +24,7 @@ For a layer with plan ``plan`` (:class:`ms_efficient.moe.plan.ExpertPlan`) and r
                   static_blocks="exact" (default): as exactly those rows (an AlltoAllV whose
                     per-peer counts are compile-time constants, ``mindspore.ops.AlltoAllV``
                     with tuple counts: still static shapes, no padding to the largest block;
-                    what ms_efficient.moe.ep_layer sends);
+                    what the retired one-level layer sent);
                   static_blocks="equal": as C_send rows to every device of the group, C_send
                     the largest number of rows any rank owns on any one device (an
                     equal-split AlltoAll of a [W, C_send, H] buffer, as GShard, whose blocks
@@ -275,7 +275,7 @@ def count_exchange_time_s(num_ranks: int, counts_per_rank: int, model: CostModel
 def sync_time_s(rows: int, model: CostModel, devices: Sequence[int]) -> float:
     """Seconds of the replicas' gradient sync of one layer-step: an all-reduce over the
     group's ``devices`` of a table of ``rows`` experts' parameters (``model.grad_bytes``
-    each), what :class:`~ms_efficient.moe.ep_layer.ReplicaGradSum` sends
+    each), what :class:`~ms_efficient.moe.balanced_ep.ReplicaGradSum` sends
     (:func:`~ms_efficient.moe.ep_routing.sync_rows`); 0 without rows or when
     ``model.sync_replica_grads`` is off."""
     if rows <= 0 or not model.sync_replica_grads or len(devices) < 2:

@@ -11,7 +11,7 @@ horizon_steps: training steps the new plan is expected to serve (until the next 
 migration_s: time to copy the weights and optimizer state of every expert copy that is new on
     its device, over the cluster's links (an uneven all-to-all of those bytes). The rows are
     those of :func:`~ms_efficient.moe.ep_migration.plan_migration`, the function
-    ``ExpertParallelMoE.set_plan`` moves them by, so the charge is what a re-plan sends.
+    a layer's ``set_plan`` moves them by, so the charge is what a re-plan sends.
 recompile_s: graph compilation of the changed network, seconds; only when a compiled shape
     changes (:func:`recompiles`): a "grouped" plan's shapes are its devices' row buffers and
     the slot budget, so moving or replicating experts within unchanged buffers costs the
@@ -98,7 +98,7 @@ class ReplanCosts:
         Default: :func:`recompile_time_s` of one MoE layer (1.2 s); the planner passes the
         figure of the layers it plans (module docstring for the model and its measurement).
     bytes_per_param: bytes of one element of a migrated expert's weights, and of each of its
-        optimizer state tensors: 4 (float32, what ``ExpertParallelMoE`` trains in).
+        optimizer state tensors: 4 (float32, what the expert-parallel layers train in).
     horizon_steps: training steps a new plan is expected to serve, >= 1.
     max_drop_rate: predicted drop rate of the current plan above which a candidate is adopted
         regardless of cost (None: never forced).

@@ -241,7 +241,7 @@ class BalancedExpertParallelMoE(nn.Cell):
         self.lower_SS = Tensor(np.tril(np.ones((self.spare, self.spare), np.int32), -1))
         # weights: this rank's home slots; replicas tied by ReplicaGradSum
         local = home[self.rank][home[self.rank] >= 0]
-        self.budget, self.local_experts = self.slots_home, local      # as ExpertParallelMoE
+        self.budget, self.local_experts = self.slots_home, local      # what GradReducer reads
         # the replica-gradient table: the layout's rows (a re-plan keeps within them), by
         # default as many experts as any home table of these shapes can replicate
         self.num_cross = (table_rows(self.plan, num_experts, self.world, self.slots_home)

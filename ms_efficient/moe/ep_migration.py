@@ -25,7 +25,7 @@ What moves with a row: the expert's weights and, when the optimizer keeps state 
 (Adam's two moments, Momentum's one), that state, so a step after the move equals the step
 without it. :func:`migration_bytes_WW` charges bytes = rows x bytes per row x (1 + optimizer
 state tensors per weight); ``efficientmoe.schedule`` prices re-plans with it and
-``ExpertParallelMoE.set_plan`` moves exactly these rows.
+``BalancedExpertParallelMoE.set_plan`` moves exactly these rows.
 No MindSpore import here.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Moving expert rows and their optimizer state for ``BalancedExpertParallelMoE.set_plan`` (MindSpore
+"""Moving expert rows and their optimizer state for a layer's ``set_plan`` (MindSpore
 side of :mod:`~ms_efficient.moe.ep_migration`, which says what moves).
 
 Notation: W ranks, S_b weight rows (budget slots) per rank, X floats in one row of the moved

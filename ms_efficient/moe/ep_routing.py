@@ -10,8 +10,9 @@ B_d = ``plan.device_rows(W)[d]`` device d's row buffer, S_b the slot budget per 
 One pass builds a layer: :func:`layer_tables` takes the plan, the rank, the world and the
 routing options once and returns :class:`LayerTables`, every table below computed once
 (the plan's per-source rows, buffers, blocks and split weights each read from the plan one
-time and passed on as arrays); the layer's constructor and its re-plan
-(``ExpertParallelMoE.set_plan``) call it and nothing else here for their tables.
+time and passed on as arrays); the retired one-level layer's constructor and re-plan called
+it, and the one-level cost model still reads its tables; the balanced layer uses the replica
+tables (:func:`replica_sync`, :func:`sync_rows`) and :func:`init_expert_weights`.
 
 Static dispatch, in three tables:
 
@@ -339,7 +340,7 @@ def cross_budget(num_experts: int, world: int, budget: int) -> int:
 
 def sync_rows(plan: ExpertPlan, num_experts: int, world: int,
               budget: Optional[int] = None) -> int:
-    """Rows X of the gradient table :class:`~ms_efficient.moe.ep_layer.ReplicaGradSum`
+    """Rows X of the gradient table :class:`~ms_efficient.moe.balanced_ep.ReplicaGradSum`
     all-reduces over the whole group in every backward step (each row one expert's
     parameters; a rank adds zeros for the experts it does not hold), whatever the step routed:
 
@@ -464,7 +465,7 @@ def check_replan(plan: ExpertPlan, num_experts: int, buffer_D: np.ndarray,
 
 @dataclass(frozen=True)
 class LayerTables:
-    """Every table one rank of an :class:`~ms_efficient.moe.ep_layer.ExpertParallelMoE`
+    """Every table one rank of the retired one-level expert-parallel layer
     needs, from one pass over its plan (:func:`layer_tables`); numpy.
 
     plan: the plan the graph runs: the given one for "grouped" / "counts"; for the others

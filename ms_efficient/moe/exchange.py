@@ -3,12 +3,11 @@
 One function, :func:`exchange_rows`, answers it for every dispatch mode of an
 :class:`~ms_efficient.moe.plan.ExpertPlan`, and the cost model
 (:mod:`ms_efficient.efficientmoe.cost`) charges it. The expert-parallel layer
-(:class:`~ms_efficient.moe.ep_layer.ExpertParallelMoE`) sizes its AlltoAllV Cells with the
+(the retired one-level ``ExpertParallelMoE``) sized its AlltoAllV Cells with the
 same rules in its one pass over the plan (:func:`~ms_efficient.moe.ep_routing.layer_tables`:
 the static rows summed by :func:`slot_rows_by_device`, the grouped blocks
 ``plan.send_rows``), so the simulated traffic is the traffic the layer's graph sends
-(``tests/test_moe_exchange.py`` and ``tests/test_ep_layer.py`` check the Cells' counts
-against this function):
+(``tests/test_moe_exchange.py`` checks the rules):
 
     "static"     rank r sends, to device d, every row it owns in d's slots
                  (:func:`~ms_efficient.moe.split.source_rows`, summed over d's slots), full or

@@ -12,8 +12,8 @@ expert hold identical weights; their gradients are summed.
 How tokens reach the slots is part of the plan (``dispatch``), because it decides both which
 tokens are dropped and what the All-to-All carries:
 
-    "static"     what a static graph runs (this package's expert-parallel layer,
-                 ``ms_efficient.moe.ep_layer``, and GShard / Switch / MindFormers): every
+    "static"     what a static graph runs (this package's retired one-level
+                 expert-parallel layer, and GShard / Switch / MindFormers): every
                  source rank owns, before compilation, a fixed number of rows of every slot
                  (:func:`~ms_efficient.moe.split.source_rows`: each expert's capacity shared
                  among the ranks, equally or in proportion to ``rank_share``, then attributed
@@ -23,7 +23,7 @@ tokens are dropped and what the All-to-All carries:
                  rank left rows of the same slot empty. Every owned row travels, full or
                  empty (zero rows included): GShard / Switch send equal blocks of a
                  [W, C, H] buffer (Lepikhin et al., "GShard", 2020, sec. 2.2 and Algorithm 1;
-                 Fedus et al., "Switch Transformers", JMLR 2022, sec. 2.1); ep_layer sends each
+                 Fedus et al., "Switch Transformers", JMLR 2022, sec. 2.1); that layer sent each
                  peer exactly the rows it owns there, an AlltoAllV with compile-time counts.
     "alltoallv"  dynamic, counts first: every rank learns the step's routing counts [R, E] (an
                  AllGather of R x E integers), applies
@@ -32,7 +32,7 @@ tokens are dropped and what the All-to-All carries:
                  all ranks, so one rank's overflow can use another's unused rows. What
                  dynamic-shape systems run (FasterMoE's count exchange then token exchange); the
                  default, because ``split_tokens`` is also the rule that attributes static
-                 rows to replicas. The cost model charges it as such; ``ep_layer`` has static
+                 rows to replicas. The cost model charges it as such; that layer had static
                  shapes, so it runs an "alltoallv" plan's slots as a "static" plan.
     "grouped"    padding-free expert compute over one static row buffer per device
                  (MegaBlocks-style grouped matmul, group sizes are data) fed by a static
@@ -49,7 +49,7 @@ tokens are dropped and what the All-to-All carries:
                  so drops happen only where a pair's block overflows; a plan without
                  ``send_block`` lets every rank fill a whole buffer (C[r, d] = B_d), which
                  cannot drop more than the buffer but sends R x B_d rows to every device.
-                 Counts are exchanged before the rows: in ``ep_layer`` every rank
+                 Counts are exchanged before the rows: in that layer every rank
                  all-gathers its per-slot counts after the block cut over the slot budget
                  (int32 [R, R * S_b], S_b slots per device), from which every rank derives
                  what each device keeps (so senders know their drops and receivers their

@@ -20,7 +20,7 @@ __all__ = ["PipelinedMoE"]
 class PipelinedMoE(nn.Cell):
     """``construct(x_BSH) -> (y_BSH, aux_loss, counts_RE, dropped)`` of ``layer`` (an
     :class:`~ms_efficient.moe.layer.MoEFeedForward` or
-    :class:`~ms_efficient.moe.ep_layer.ExpertParallelMoE`) over ``chunks`` equal slices of
+    :class:`~ms_efficient.moe.balanced_ep.BalancedExpertParallelMoE`) over ``chunks`` equal slices of
     the batch B (B must be divisible by ``chunks``)."""
 
     def __init__(self, layer: nn.Cell, chunks: int):
