@@ -10,6 +10,7 @@ import pytest
 import mindspore as ms
 from mindspore import nn
 
+from moe_reference import E, F, H, K, WeightedOutput
 from ms_efficient.efficientmoe.cost import CostModel
 from ms_efficient.efficientmoe.replay import cluster_for_ranks
 from ms_efficient.efficientmoe.schedule import (ReplanCosts, decide_replan, migration_bytes_DD,
@@ -138,18 +139,7 @@ def test_the_schedule_charges_the_rows_of_the_migration_table_times_row_bytes():
 
 # --- the optimizer's state of the expert weights (what set_plan moves with them) ------------
 
-E, H, F, K = 4, 16, 32, 2
 LR = 1e-2
-
-
-class Loss(nn.Cell):
-    def __init__(self, layer):
-        super().__init__()
-        self.layer = layer
-
-    def construct(self, x, dy):
-        y, aux, _, _ = self.layer(x)
-        return (y * dy).sum() + 0.1 * aux
 
 
 def balanced_layer():
@@ -163,7 +153,7 @@ def test_weight_states_finds_adam_and_momentum_state_and_refuses_foreign_optimiz
     from ms_efficient.moe.balance import home_plan
 
     layer = balanced_layer()
-    net = Loss(layer)                       # names like "layer.w1"
+    net = WeightedOutput(layer)             # names like "layer.w1"
     weights_ = (layer.w1, layer.b1, layer.w2, layer.b2)
     adam = nn.Adam(net.trainable_params(), learning_rate=LR)
     found = weight_states(adam, weights_)
@@ -177,7 +167,7 @@ def test_weight_states_finds_adam_and_momentum_state_and_refuses_foreign_optimiz
     # built before a wrapper renamed the weights ("w1" -> "layer.w1"): found by position
     bare = balanced_layer()
     early = nn.Adam(bare.trainable_params(), learning_rate=LR)
-    Loss(bare)
+    WeightedOutput(bare)
     assert bare.w1.name == "layer.w1"
     assert [p.name for p in weight_states(early, (bare.w1, bare.b1, bare.w2, bare.b2))[1]] == [
         "moment2.w1", "moment2.b1", "moment2.w2", "moment2.b2"]
