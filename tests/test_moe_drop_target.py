@@ -105,32 +105,11 @@ def test_the_maximum_drop_rate_is_validated():
         PlacementConfig(2, max_block_drop_rate=-0.1)
 
 
-def test_plan_moe_counts_writes_counts_plans_and_prints_the_chosen_target(tmp_path, capsys):
-    from ms_efficient.cli import main
-    from ms_efficient.moe.plan import load_plans
-    from ms_efficient.moe.trace import save_trace, synthetic_trace
-
-    path = str(tmp_path / "trace.npz")
-    save_trace(synthetic_trace(steps=24, layers=1, ranks=4, experts=8, tokens_per_rank=256),
-               path)
-    out = str(tmp_path / "plan.yaml")
-    assert main(["plan", "moe", "--trace", path, "--dispatch", "counts", "--out", out]) == 0
-    printed = capsys.readouterr().out
-    plans, _ = load_plans(out)
-    assert plans[0].dispatch == "counts"
-    # a counts plan pays no padding: the lowest of the targets tried (0.01% of 0.1%)
-    assert plans[0].drop_target == pytest.approx(0.0001)
-    assert 0 <= plans[0].expected_drop_rate <= 0.0001 + 1e-12
-    assert "sends at most" in printed and "per-pair drop target 0.01%" in printed
-
-
 def test_plan_moe_last_plans_from_the_recent_steps_only(tmp_path, capsys):
     # 20 volatile early steps (every rank's 4096 tokens x top-2 on two experts, which two
-    # changes each step) then 40 steady ones, at a size where padding costs (hidden 4096):
-    # the whole trace's forecast errors put every block at its cap (4 x 8192 rows a rank),
-    # the steady tail alone sizes blocks near the 8192 rows a rank routes
+    # changes each step) then 40 steady ones: the layout planned from the steady tail alone
+    # says it read those 40 rows; --last beyond the trace is refused
     from ms_efficient.cli import main
-    from ms_efficient.moe.plan import load_plans
     from ms_efficient.moe.trace import RoutingTrace, save_trace
 
     rng = np.random.default_rng(0)
@@ -141,17 +120,9 @@ def test_plan_moe_last_plans_from_the_recent_steps_only(tmp_path, capsys):
     path = str(tmp_path / "trace.npz")
     save_trace(RoutingTrace(np.concatenate([early, steady]), top_k=2, hidden=4096,
                             tokens_per_rank=4096), path)
-    sent = {}
-    for last in (None, 40):
-        out = str(tmp_path / f"plan{last}.yaml")
-        extra = [] if last is None else ["--last", str(last)]
-        assert main(["plan", "moe", "--trace", path, "--cluster", "ascend910b-1x8", *extra,
-                     "--dispatch", "grouped", "--out", out]) == 0
-        plans, _ = load_plans(out)
-        sent[last] = plans[0].send_rows(4).sum(axis=1)
-    assert sent[None].tolist() == [4 * 8192] * 4
-    assert np.all(sent[40] < 1.2 * 8192)
-    capsys.readouterr()
+    assert main(["plan", "moe", "--trace", path, "--cluster", "ascend910b-1x8", "--last",
+                 "40", "--out", str(tmp_path / "plan.yaml")]) == 0
+    assert "layout written to" in capsys.readouterr().out
     assert main(["plan", "moe", "--trace", path, "--last", "61", "--out",
                  str(tmp_path / "x.yaml")]) == 2
     assert "'--last' must be in [2, 60] (the trace's steps), but got 61" in capsys.readouterr().err

@@ -191,15 +191,3 @@ def test_auto_dispatch_takes_counts_where_padding_outweighs_the_dynamic_shape_ov
     assert all(p.dispatch == expected for p in choice.proposal.plans)
     assert plan_trace(trace, None, dataclasses.replace(config, dispatch="auto"))[0] \
         .dispatch == expected
-
-
-def test_cli_plan_moe_auto_prints_the_choice_and_both_predictions(tmp_path, capsys):
-    from ms_efficient.cli import main
-    from ms_efficient.moe.trace import save_trace
-    path = str(tmp_path / "t.npz")
-    save_trace(skewed_trace(steps=8, layers=1, seed=3, skew=1.0, hidden=256), path)
-    rc = main(["plan", "moe", "--trace", path, "--dispatch", "auto",
-               "--out", str(tmp_path / "p.yaml")])
-    out = capsys.readouterr().out
-    assert rc == 0 and "dispatch: grouped (predicted MoE time per step: grouped" in out
-    assert load_plans(str(tmp_path / "p.yaml"))[0][0].dispatch == "grouped"
