@@ -28,6 +28,7 @@ import numpy as np
 from ms_efficient.efficientmoe.cost import CostModel
 from ms_efficient.efficientmoe.layout import (Layout, LayoutConfig, decide_home,
                                               migration_time_s)
+from ms_efficient.efficientmoe.placement import default_slots_per_device
 from ms_efficient.moe.balance import home_plan
 from ms_efficient.moe.plan import ExpertPlan
 
@@ -45,7 +46,7 @@ def slot_budget(num_experts: int, world: int, configured: int = 0) -> int:
     if configured and configured < least:
         raise ValueError(f"'moe.slots_per_device' ({configured}) must be >= ceil(num_experts "
                          f"/ workers) = {least} (or 0 for automatic).")
-    return int(configured or least + 1)
+    return int(configured or default_slots_per_device(num_experts, world))
 
 
 def compiled_graphs(cell=None) -> Optional[int]:
