@@ -21,7 +21,8 @@ rows) and ``commands`` (its ``ms-efficient plan|bench`` sub-commands)):
     moe/           MoE runtime: layer Cells, expert-parallel layer, All-to-All, dispatch
                    kernels, the ExpertPlan and routing-trace formats
     models/        the reference GPT-MoE network and the exported benchmark graphs (zoo)
-    efficientmoe/  load sampler, predictor, capacity, placement, re-plan schedule, replay
+    efficientmoe/  the two levels: slow-level layout and its re-plans, the balanced step's
+                   cost, the replay of ours and every baseline; static capacities from a trace
     mpipe/         chunked All-to-All / expert-compute overlap and activation reuse
     memopt/        dual-agent RL keep/recompute/swap planner and its MILP baselines
     shard/         minimal-redundancy sharding ILP and the Megatron / ZeRO baselines

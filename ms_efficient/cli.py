@@ -67,8 +67,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         saved = saved_world_size(args.resume)
         if workers == 1 and is_expert_parallel_run(args.resume):
             # the one-process trainer continues it: its moe.dispatch (balanced) runs as
-            # dropless grouped experts there, which have no capacities for EfficientMoE to
-            # plan
+            # dropless grouped experts there, and one device has no experts to place
             logger.info("resuming the %d-rank run %s in one process (grouped experts, "
                         "efficientmoe off)", saved, args.resume)
             transient["efficientmoe.enabled"] = False     # not recorded in config.yaml
@@ -263,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace the run already in the output folder (without it, a "
                         "non-empty folder is refused)")
     p.add_argument("--efficientmoe", choices=("on", "off"),
-                   help="override efficientmoe.enabled: online per-expert capacities")
+                   help="override efficientmoe.enabled: the slow level's home re-placement "
+                        "during an expert-parallel run (--workers W; refused on one process)")
     p.add_argument("--workers", type=_positive_int, metavar="W",
                    help="expert-parallel ranks started with msrun on this machine (>= 2; "
                         "on --resume of an expert-parallel run, 1 continues it in one "

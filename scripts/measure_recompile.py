@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Measure how a recompile's cost grows with the MoE layers of a graph (the model of
-``ms_efficient.efficientmoe.schedule.recompile_time_s``).
+``ms_efficient.mpipe.planner.recompile_time_s``).
 
 For each layer count L, a fresh process builds L stacked ``MoEFeedForward`` layers (H=64,
 F=128, 8 experts, top-2, capacity 16: the small CPU layer the recompile figure was first

@@ -2,7 +2,7 @@
 
     python scripts/time_fast_level.py [--trace TRACE.npz] [--steps 20] [--json out.json]
 
-The layout is the slow level's own (``efficientmoe.layout.plan_layout`` on the trace's first
+The layout is the slow level's own (``efficientmoe.planner.plan_layout`` on the trace's first
 16 rows, the 910B cluster ``bench moe`` prices that many ranks on, its default slots): the
 home table, spare slots, buffers and copy costs a run would compile. Layer 0 of the next
 ``--steps`` rows then goes through the ``host`` twin (the numpy ``balance_step`` itself, what
@@ -27,7 +27,7 @@ def planned(trace, steps: int):
     devices per node) as a dict."""
     from ms_efficient.efficientmoe.balanced_cost import copy_cost_rows_WW
     from ms_efficient.efficientmoe.cost import CostModel
-    from ms_efficient.efficientmoe.layout import plan_layout
+    from ms_efficient.efficientmoe.planner import plan_layout
     from ms_efficient.efficientmoe.replay import cluster_for_ranks
 
     counts = np.asarray(trace.counts, dtype=np.int64)          # [T, L, R, E]

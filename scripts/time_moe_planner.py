@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Time EfficientMoE's slow level (``efficientmoe.layout.plan_layout``: one re-plan of every
+"""Time EfficientMoE's slow level (``efficientmoe.planner.plan_layout``: one re-plan of every
 layer, its buffers priced by replaying the fast level on the last window of rows), and one
-re-plan check during a run (``efficientmoe.layout.decide_home``: the new home table of the
+re-plan check during a run (``efficientmoe.planner.decide_home``: the new home table of the
 last rows and the replayed gain against the layout of the trace's first half, what a
 balanced training run's slow level does every ``efficientmoe.replan_every`` steps) on:
 
@@ -36,7 +36,7 @@ CHILD = r"""
 import hashlib, json, resource, sys, time
 import numpy as np
 from ms_efficient.efficientmoe.cost import CostModel
-from ms_efficient.efficientmoe.layout import LayoutConfig, decide_home, plan_layout
+from ms_efficient.efficientmoe.planner import LayoutConfig, decide_home, plan_layout
 from ms_efficient.efficientmoe.replay import cluster_for_ranks
 from ms_efficient.moe.trace import load_trace, synthetic_trace
 case = sys.argv[1]

@@ -79,17 +79,12 @@ def test_an_unwritable_output_names_the_output(tmp_path, capsys):
 
 def test_plan_files_with_missing_fields_name_the_file(tmp_path):
     from ms_efficient.memopt.apply import load_plan as load_memopt
-    from ms_efficient.moe.plan import load_plans
     from ms_efficient.place.apply import load_plan as load_place
 
     place = tmp_path / "place.yaml"
     place.write_text(yaml.safe_dump({"kind": "place", "version": 1, "method": "tga"}))
     with pytest.raises(ValueError, match="place.yaml: placement plan is missing .*'graph'"):
         load_place(str(place))
-    moe = tmp_path / "moe.yaml"
-    moe.write_text(yaml.safe_dump({"expert_plan": {"layers": []}}))
-    with pytest.raises(ValueError, match="moe.yaml': 'expert_plan' is missing \\['num_experts'\\]"):
-        load_plans(str(moe))
     mem = tmp_path / "mem.yaml"
     mem.write_text(yaml.safe_dump({"kind": "memopt", "layers": "all"}))
     with pytest.raises(ValueError, match="mem.yaml: 'layers' must be a list"):

@@ -10,7 +10,7 @@ import workers
 from conftest import assert_within_float32_bound
 from moe_reference import (E, F, H, K, T, WeightedOutput, batch, dense_layer, grads,
                            moe_float32_bounds, reference, reference_bounds, weights)
-from ms_efficient.efficientmoe.layout import migration_bytes_WW
+from ms_efficient.efficientmoe.planner import migration_bytes_WW
 from ms_efficient.moe.balance import balance_step, home_plan
 from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE, fast_level_tables
 

@@ -157,8 +157,9 @@ def test_measured_moe_rows_train_each_method_in_its_own_process(tmp_path, text_d
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(tiny_config_dict(text_dir, str(tmp_path / "unused"))))
     cfg = load_config(str(path))
+    kept = str(tmp_path / "trace.npz")
     rows = bench.run_measured(cfg, methods=["dropless-static", "grouped-kernel-1proc"],
-                              steps=3, workload="tiny")
+                              steps=3, workload="tiny", keep_trace=kept)
     by = {r["method"]: r for r in rows}
     assert set(by) == {"dropless-static", "grouped-kernel-1proc"}
     for r in rows:
@@ -170,6 +171,10 @@ def test_measured_moe_rows_train_each_method_in_its_own_process(tmp_path, text_d
     assert by["grouped-kernel-1proc"]["final_val_loss"] == pytest.approx(
         by["dropless-static"]["final_val_loss"], rel=1e-4)
     assert by["dropless-static"]["step_time_vs_dropless"] == 1.0
+    # the dropless grouped run's routing is kept for the simulated rows: 3 steps, 2 layers
+    from ms_efficient.moe.trace import load_trace
+
+    assert load_trace(kept).counts.shape[:2] == (3, 2)
 
 
 def test_plan_bundle_writes_into_a_folder_while_file_outputs_refuse_one(tmp_path):

@@ -179,8 +179,7 @@ def test_a_one_process_run_of_a_balanced_config_runs_grouped_experts_and_says_so
         tmp_path, text_dir, caplog):
     """One process has one device and no exchange: a moe.dispatch balanced config runs
     there as dropless grouped experts (logged); with efficientmoe.enabled it is refused,
-    naming the field (one device has no placement to change, and capacity planning would drop
-    tokens and break the one-process reference); with static experts the planner runs."""
+    naming the field (one device has no placement to change), whatever its dispatch."""
     import logging
 
     from ms_efficient.core.config import load_config
@@ -189,14 +188,14 @@ def test_a_one_process_run_of_a_balanced_config_runs_grouped_experts_and_says_so
     config = _config(tmp_path, text_dir, moe={"dispatch": "balanced"},
                      efficientmoe={"enabled": True})
     with pytest.raises(ValueError, match=r"'efficientmoe.enabled' must be false for a "
-                                         r"one-process run with moe.dispatch 'balanced'"):
+                                         r"one-process run \(EfficientMoE places experts"):
         Trainer(load_config(config), str(tmp_path / "one"))
     with caplog.at_level(logging.INFO, logger="ms_efficient"):
         trainer = Trainer(load_config(config, {"efficientmoe.enabled": False}),
                           str(tmp_path / "one"))
-    assert trainer.planner is None
     assert [layer.dispatch for layer in trainer.moe_layers] == ["grouped", "grouped"]
     assert "moe.dispatch 'balanced' names an expert-parallel exchange" in caplog.text
     plain = _config(tmp_path, text_dir, moe={"dispatch": "static"},
                     efficientmoe={"enabled": True})
-    assert Trainer(load_config(plain), str(tmp_path / "two")).planner is not None
+    with pytest.raises(ValueError, match=r"'efficientmoe.enabled' must be false"):
+        Trainer(load_config(plain), str(tmp_path / "two"))

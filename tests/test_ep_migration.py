@@ -1,5 +1,5 @@
-"""Re-plans move only what moved: the migration table (ep_migration), the schedule's charge
-built from it, and the optimizer state a layer's ``set_plan`` moves with the weights
+"""Re-plans move only what moved: the migration table (ep_migration; the slow level's charge
+built from it is in test_moe_balance), and the optimizer state a layer's ``set_plan`` moves with the weights
 (``ep_replan.weight_states``). A balanced layer's ``set_plan`` training on exactly is in
 test_balanced_ep (one process) and test_ep_balanced_train (2 and 4 workers).
 """
@@ -11,11 +11,7 @@ import mindspore as ms
 from mindspore import nn
 
 from moe_reference import E, F, H, K, WeightedOutput
-from ms_efficient.efficientmoe.cost import CostModel
-from ms_efficient.efficientmoe.replay import cluster_for_ranks
-from ms_efficient.efficientmoe.schedule import (ReplanCosts, decide_replan, migration_bytes_DD,
-                                                migration_time_s)
-from ms_efficient.moe.ep_migration import migration_bytes_WW, plan_migration, row_layout
+from ms_efficient.moe.ep_migration import migrate_rows, migration_bytes_WW, row_layout
 from ms_efficient.moe.ep_replan import weight_states
 from ms_efficient.moe.plan import ExpertPlan
 
@@ -27,6 +23,12 @@ def plan(rows_per_rank, **kwargs):
     experts = [e for rows in rows_per_rank for e in rows]
     devices = [d for d, rows in enumerate(rows_per_rank) for _ in rows]
     return ExpertPlan(experts, devices, [8] * len(experts), **kwargs)
+
+
+def plan_migration(old, new, budget, world, devices_per_node=None):
+    """The migration between two plans laid out over ``budget`` rows of ``world`` ranks."""
+    return migrate_rows(row_layout(old, budget, world), row_layout(new, budget, world),
+                        devices_per_node)
 
 
 # --- the migration table (numpy) ---------------------------------------------------------------
@@ -108,33 +110,6 @@ def test_bad_migrations_raise_value_errors_naming_the_value():
         row_layout(plan([[0], [1], [2]]), 1, 2)
     with pytest.raises(ValueError, match=r"'optimizer_states' must be >= 0, but got 1.0 and -1"):
         migration_bytes_WW(np.zeros((2, 2)), 1.0, -1)
-
-
-def test_the_schedule_charges_the_rows_of_the_migration_table_times_row_bytes():
-    """Two layers on 4 devices of one node: bytes [src, dst] = the sum over layers of
-    plan_migration's rows x expert_params x bytes_per_param x (1 + optimizer states)."""
-    cluster = cluster_for_ranks(4)
-    model = CostModel(cluster, 64, 256)
-    old = [plan([[0, 1], [2], [3], [4]]), plan([[0], [1], [2], [3, 4]])]
-    new = [plan([[0], [2, 1], [3], [4, 1]]), plan([[4], [1], [2, 0], [3, 0]])]
-    num_devices = cluster.num_devices                  # the node's 8 chips, 4 used
-    rows = [plan_migration(a, b, 2, num_devices, cluster.devices_per_node).rows_WW
-            for a, b in zip(old, new)]
-    assert rows[0][:4, :4].tolist() == [[0, 1, 0, 1], [0] * 4, [0] * 4, [0] * 4]
-    assert rows[1][:4, :4].tolist() == [[0, 0, 1, 1], [0] * 4, [0] * 4, [1, 0, 0, 0]]
-    assert rows[0].sum() + rows[1].sum() == 5
-    for states, per_param in ((2, 12.0), (0, 4.0), (1, 8.0)):
-        got = migration_bytes_DD(old, new, model, 4.0, states)
-        expected = (rows[0] + rows[1]) * model.expert_params * per_param
-        np.testing.assert_array_equal(got, expected)
-        np.testing.assert_array_equal(
-            got, sum(migration_bytes_WW(r, model.expert_params * 4.0, states) for r in rows))
-    decision = decide_replan(1.0, 0.5, old, new, model, ReplanCosts())   # float32 + Adam
-    assert decision.migration_bytes == 5 * model.expert_params * 12.0
-    assert decision.migration_s == pytest.approx(migration_time_s(old, new, model))
-    assert migration_bytes_DD(old, old, model).sum() == 0
-    with pytest.raises(ValueError, match="optimizer_states >= 0"):
-        ReplanCosts(optimizer_states=-1)
 
 
 # --- the optimizer's state of the expert weights (what set_plan moves with them) ------------

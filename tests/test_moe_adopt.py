@@ -83,7 +83,7 @@ def test_the_gating_choice_is_checked_not_assumed():
 
 
 def test_adopted_layers_are_planned_by_the_moe_passes_and_callbacks_and_train(tmp_path):
-    from ms_efficient.efficientmoe.apply import EfficientMoECallback
+    from ms_efficient.moe.layer import MoEFeedForward
 
     net, inputs = user_moe_with_loss("stacked")
     for name in ("efficientmoe", "mpipe"):                 # before: a hint how to adopt
@@ -93,11 +93,12 @@ def test_adopted_layers_are_planned_by_the_moe_passes_and_callbacks_and_train(tm
     net, _ = adopt_moe(net, tokens=TOKENS)
     trace = _record_trace(net, inputs, tmp_path / "trace.npz")     # RoutingTraceCallback
     assert trace.counts.shape[1:] == (2, 1, 4) and trace.top_k == 2
-    assert EfficientMoECallback(net, config_from_dict({})).capacities().tolist() == \
-        [[TOKENS] * 4] * 2
+    assert [list(c.capacities) for _, c in net.cells_and_names()
+            if isinstance(c, MoEFeedForward)] == [[TOKENS] * 4] * 2
     cfg = config_from_dict({
         "optimize": {"passes": ["efficientmoe", "mpipe"]},
-        "efficientmoe": {"history": str(tmp_path / "trace.npz"), "capacity_multiple": 1},
+        "efficientmoe": {"history": str(tmp_path / "trace.npz"), "capacity_multiple": 1,
+                         "drop_target": 0.0},
         "cluster": {"preset": "ascend910b-1x8",
                     "intra_link": {"bandwidth_Bps": 1e7, "latency_s": 1e-6}}})
     net, plans = ms_efficient.optimize(net, cfg, sample_inputs=inputs)
@@ -109,6 +110,10 @@ def test_adopted_layers_are_planned_by_the_moe_passes_and_callbacks_and_train(tm
         assert all(c >= n for c, n in zip(em[path]["capacities"], load[i]))
     rows = plans["efficientmoe"]
     assert rows["rows_after"] < rows["rows_before"] == 2 * 4 * TOKENS     # dropless before
+    # the same batch every step and no drops allowed: every expert gets exactly its load
+    # (at least one row: a capacity is a multiple >= 1)
+    assert rows["rows_after"] == np.maximum(load, 1).sum()
+    assert rows["drop_rate_on_trace"] == 0.0
     cells = dict(net.cells_and_names())
     for path, plan in plans["mpipe"]["cells"].items():
         assert path in layers and type(cells[path]).__name__ == "PipelinedMoE"

@@ -12,7 +12,7 @@ from ms_efficient.moe.balance import (balance_step, holders_of, home_split, pair
 from ms_efficient.moe.split import proportional_split
 from ms_efficient.efficientmoe.balanced_cost import balanced_cost, copy_cost_rows_WW
 from ms_efficient.efficientmoe.cost import CostModel
-from ms_efficient.efficientmoe.layout import (LayoutConfig, migration_bytes_WW, place_home,
+from ms_efficient.efficientmoe.planner import (LayoutConfig, migration_bytes_WW, place_home,
                                               plan_layout, refine_home, uniform_home)
 from ms_efficient.moe.trace import skewed_trace
 
@@ -360,7 +360,7 @@ def test_moonep_gives_every_rank_exactly_its_share_on_random_skewed_counts(seed)
     """MoonEP's promise: every rank receives exactly S x K rows whatever the skew; every row
     is computed where its expert is held (home or copy, each copy from a home holder), and
     the copies number at most the surplus pieces + W - 1 (one split per deficit)."""
-    from ms_efficient.efficientmoe.layout import uniform_home
+    from ms_efficient.efficientmoe.planner import uniform_home
     from ms_efficient.efficientmoe.baselines import moonep_balance
 
     rng = np.random.default_rng(seed)
@@ -455,7 +455,7 @@ def test_fixed_home_never_replans_and_runs_ours_layout_until_ours_replans():
 
 def test_plan_moe_writes_the_balanced_layout_by_default(tmp_path, capsys):
     from ms_efficient.cli import main
-    from ms_efficient.efficientmoe.layout import load_layout
+    from ms_efficient.efficientmoe.planner import load_layout
     from ms_efficient.moe.trace import save_trace
 
     trace = skewed_trace(steps=10, layers=2)
@@ -554,7 +554,7 @@ def test_a_home_replan_is_adopted_only_when_its_gain_over_the_horizon_pays_the_m
     slow level's candidate saves time per step on the new rows; the rule adopts it exactly
     when that gain times the horizon exceeds the migration's modelled seconds, and a forced
     check adopts it whatever the gain."""
-    from ms_efficient.efficientmoe.layout import decide_home, migration_time_s
+    from ms_efficient.efficientmoe.planner import decide_home, migration_time_s
 
     model = CostModel(NODE_2x8, 256, 1024)
     first = skewed_trace(steps=8, layers=2, seed=1).counts
@@ -583,7 +583,7 @@ def test_the_replicas_gradient_sync_is_charged_as_the_layers_send_it():
     expert over its holders."""
     from ms_efficient.core.collectives import allreduce_time_s
     from ms_efficient.efficientmoe.balanced_cost import home_sync_time_L
-    from ms_efficient.efficientmoe.cost import _sync_time_D
+    from ms_efficient.efficientmoe.cost import sync_time_s
     from ms_efficient.moe.ep_routing import replica_sync, sync_rows
     from ms_efficient.moe.plan import ExpertPlan
 
@@ -598,22 +598,16 @@ def test_the_replicas_gradient_sync_is_charged_as_the_layers_send_it():
         assert sync.tolist() == [allreduce_time_s(2 * row_bytes, 2, link)] * 2
     # S_h = 2 leaves no room for a replica: no table
     assert home_sync_time_L(np.array([[[0, 1], [2, 3]]]), 4, model).tolist() == [0.0]
-    # one-level: a static layer all-reduces its cross experts (here expert 0, on devices 0
-    # and 1), a grouped layer a table for any plan of its slot budget (2: min(2, 4 - 2) rows)
+    # a fixed plan (a baseline's placement) all-reduces its cross experts (here expert 0, on
+    # devices 0 and 1); a table built for any plan of a slot budget (2: min(2, 4 - 2) rows)
     static = ExpertPlan([0, 0, 1], [0, 1, 1], [10, 10, 20])
-    grouped = ExpertPlan([0, 0, 1], [0, 1, 1], [10, 10, 20], dispatch="grouped")
     assert sync_rows(static, 2, 2) == replica_sync(static, 0).num_cross == 1
-    assert sync_rows(grouped, 2, 2, budget=2) == 2
-    ranks = np.array([0, 1])
-    assert _sync_time_D(static, 2, model, ranks)[:2].tolist() == \
-        [allreduce_time_s(row_bytes, 2, link)] * 2
-    assert _sync_time_D(grouped, 2, model, ranks)[:2].tolist() == \
-        [allreduce_time_s(2 * row_bytes, 2, link)] * 2
-    assert _sync_time_D(grouped, 2, model, ranks)[2:].sum() == 0.0
+    assert sync_rows(static, 2, 2, budget=2) == 2
+    assert sync_time_s(1, model, [0, 1]) == allreduce_time_s(row_bytes, 2, link)
 
 
 def test_the_layout_sizes_the_replica_table_and_re_plans_keep_within_it(tmp_path):
-    from ms_efficient.efficientmoe.layout import (cross_experts_L, load_layout, replan_home,
+    from ms_efficient.efficientmoe.planner import (cross_experts_L, load_layout, replan_home,
                                                   save_layout)
 
     # E = 4 on W = 2 with one redundant slot each: 2 extra slots. EPLB's rule gives them to
@@ -647,21 +641,3 @@ def test_the_layout_sizes_the_replica_table_and_re_plans_keep_within_it(tmp_path
         load_layout(str(bad))
 
 
-def test_a_grouped_layers_slot_budget_sizes_the_table_the_model_charges():
-    """A grouped layer built with more slots per device than its plan fills (the trainer
-    builds them with ceil(E / W) + 1) all-reduces a table for any plan of that budget; the
-    cost model, told the budget, charges that table."""
-    from ms_efficient.core.collectives import allreduce_time_s
-    from ms_efficient.efficientmoe.cost import _sync_time_D
-    from ms_efficient.moe.ep_routing import layer_tables
-    from ms_efficient.moe.plan import ExpertPlan
-
-    plan = ExpertPlan([0, 1, 2, 3], [0, 0, 1, 1], [8, 8, 8, 8], dispatch="grouped")
-    built = layer_tables(plan, 4, 0, 2, budget=3).sync.num_cross      # min(4, 2 * 3 - 4)
-    assert built == 2
-    ranks = np.array([0, 1])
-    plain = CostModel(NODE_2x8, 256, 1024)
-    assert _sync_time_D(plan, 4, plain, ranks).sum() == 0.0              # budget 2: no table
-    model = CostModel(NODE_2x8, 256, 1024, slot_budget=3)
-    assert _sync_time_D(plan, 4, model, ranks)[:2].tolist() == \
-        [allreduce_time_s(built * model.grad_bytes, 2, NODE_2x8.intra_link)] * 2

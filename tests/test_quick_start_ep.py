@@ -8,7 +8,6 @@ the test reads what they left and then checks in this process that a resume of t
 expert-parallel run refuses a --steps it has reached before msrun starts.
 """
 import json
-import os
 
 import pytest
 

@@ -119,84 +119,34 @@ def test_a_run_killed_with_sigkill_loses_at_most_one_checkpoint_interval(sigkill
     assert vb[1] == pytest.approx(va[1], abs=2e-3)
 
 
-def test_efficientmoe_replans_capacities_and_resume_keeps_them(tmp_path, text_dir):
-    """With EfficientMoE on, the trainer re-plans per-expert capacities, recompiles, records
-    the plan, and a resumed run compiles with the planned capacities."""
+def test_a_one_process_run_refuses_efficientmoe_and_keeps_capacities_it_was_given(tmp_path,
+                                                                                   text_dir):
+    """EfficientMoE places experts over ranks: a one-process run with it on is refused, naming
+    the field, before its folder is written. Capacities set before the run (what the
+    efficientmoe pass sizes from a trace) are what it computes, and a resume compiles them."""
     from ms_efficient.core.config import load_config
     from ms_efficient.train.trainer import Trainer
 
-    config = _write_config(tmp_path, text_dir, steps=12, save_every=12, eval_every=12,
-                           log_every=4)
-    cfg = load_config(config, {"efficientmoe.enabled": True, "efficientmoe.warmup_steps": 4,
-                               "efficientmoe.replan_every": 4, "efficientmoe.window": 4,
-                               "efficientmoe.capacity_multiple": 4,
-                               "efficientmoe.drop_target": 0.0})
+    config = _write_config(tmp_path, text_dir, steps=2, save_every=2, eval_every=2)
+    with pytest.raises(ValueError, match=r"'efficientmoe.enabled' must be false for a "
+                                         r"one-process run \(EfficientMoE places experts"):
+        Trainer(load_config(config, {"efficientmoe.enabled": True}), str(tmp_path / "no"))
+    assert not os.path.exists(tmp_path / "no")
+    with pytest.raises(ValueError, match="'efficientmoe.history' must be"):
+        load_config(config, {"efficientmoe.history": str(tmp_path / "missing.npz")})
+    with pytest.raises(ValueError, match=r"'efficientmoe.predictor' belonged to the retired "
+                                         r"one-process capacity planner"):
+        load_config(config, {"efficientmoe.predictor": "ema"})
+    cfg = load_config(config)
     out = str(tmp_path / "run")
     trainer = Trainer(cfg, out)
-    start = trainer.capacities()
-    assert start.tolist() == [[80, 80, 80, 80]] * 2       # ceil(1.25 * 128 * 2 / 4)
+    assert trainer.capacities().tolist() == [[80, 80, 80, 80]] * 2    # ceil(1.25 * 128 * 2 / 4)
+    sized = np.array([[96, 64, 64, 32], [64, 64, 64, 64]])
+    trainer.set_capacities(sized)
     trainer.run()
-    with open(os.path.join(out, "metrics.jsonl")) as fh:
-        rows = [json.loads(line) for line in fh]
-    plans = [r for r in rows if r["kind"] == "plan"]
-    # plans are considered at steps 4 and 8 (not at the last step); drop_target 0 forces
-    # adoption whenever the static capacities dropped anything
-    assert [p["step"] for p in plans] and all(p["step"] in (4, 8) for p in plans)
-    final = trainer.capacities()
-    assert final.tolist() == plans[-1]["capacities"]
-    assert np.all(final % 4 == 0) and np.all(final <= 128)
+    assert trainer.totals["rows"] == 2 * sized.sum()
     with open(os.path.join(out, "state.json")) as fh:
-        assert json.load(fh)["capacities"] == final.tolist()
+        assert json.load(fh)["capacities"] == sized.tolist()
     resumed = Trainer(cfg, out, resume=True)
     resumed._restore()
-    assert resumed.capacities().tolist() == final.tolist()
-
-
-def _history(tmp_path, per_rank_E, layers=2, ranks=2, steps=6):
-    from ms_efficient.moe.trace import RoutingTrace, save_trace
-
-    counts = np.broadcast_to(np.asarray(per_rank_E, np.int64),
-                             (steps, layers, ranks, len(per_rank_E))).copy()
-    path = str(tmp_path / "history.npz")
-    save_trace(RoutingTrace(counts, top_k=2), path)
-    return path
-
-
-def test_efficientmoe_history_plans_before_the_first_step(tmp_path, text_dir):
-    """A routing history (the run these weights continue) gives the first plan before the
-    first compilation: no step runs at the static capacity factor."""
-    from ms_efficient.core.config import load_config
-    from ms_efficient.train.trainer import Trainer
-
-    config = _write_config(tmp_path, text_dir, steps=3, save_every=3, eval_every=3)
-    # every step of the history routes [64, 32, 16, 16] per rank: [128, 64, 32, 32] per layer
-    history = _history(tmp_path, [64, 32, 16, 16])
-    cfg = load_config(config, {"efficientmoe.enabled": True, "efficientmoe.history": history,
-                               "efficientmoe.predictor": "last-value",
-                               "efficientmoe.replan_every": 100, "efficientmoe.window": 4,
-                               "efficientmoe.capacity_multiple": 4,
-                               "efficientmoe.capacity_levels": 4})
-    trainer = Trainer(cfg, str(tmp_path / "run"))
-    assert trainer.capacities().tolist() == [[80, 80, 80, 80]] * 2    # capacity_factor 1.25
-    trainer.run()
-    with open(os.path.join(str(tmp_path / "run"), "metrics.jsonl")) as fh:
-        plans = [r for r in map(json.loads, fh) if r["kind"] == "plan"]
-    # a steady history is forecast exactly: capacities equal the loads (multiples of 4)
-    assert [p["step"] for p in plans] == [0]
-    assert plans[0]["capacities"] == [[128, 64, 32, 32]] * 2
-    # every one of the 3 steps computed 2 layers x 256 rows, not the static 2 x 320
-    assert trainer.totals["rows"] == 3 * 2 * 256
-
-
-def test_efficientmoe_history_of_another_model_is_refused(tmp_path, text_dir):
-    from ms_efficient.core.config import load_config
-    from ms_efficient.train.trainer import Trainer
-
-    config = _write_config(tmp_path, text_dir, steps=3)
-    wrong = _history(tmp_path, [32, 32, 16, 16, 16, 16])          # 6 experts, model has 4
-    cfg = load_config(config, {"efficientmoe.enabled": True, "efficientmoe.history": wrong})
-    with pytest.raises(ValueError, match="efficientmoe.history.*6"):
-        Trainer(cfg, str(tmp_path / "run"))
-    with pytest.raises(ValueError, match="'efficientmoe.history' must be"):
-        load_config(config, {"efficientmoe.enabled": True,
-                             "efficientmoe.history": str(tmp_path / "missing.npz")})
+    assert resumed.capacities().tolist() == sized.tolist()

@@ -215,7 +215,8 @@ def test_all_passes_together_plan_a_llama_moe_then_it_still_trains(tmp_path):
     cfg = config_from_dict({
         "optimize": {"passes": ["efficientmoe", "mpipe", "shard", "memopt"],
                      "memory_budget": "95%"},
-        "efficientmoe": {"history": str(tmp_path / "trace.npz"), "capacity_multiple": 1},
+        "efficientmoe": {"history": str(tmp_path / "trace.npz"), "capacity_multiple": 1,
+                         "drop_target": 0.0},
         "cluster": {"preset": "ascend910b-1x8",
                     "intra_link": {"bandwidth_Bps": 1e7, "latency_s": 1e-6}}})
     net, plans = ms_efficient.optimize(net, cfg, sample_inputs=inputs)
@@ -227,7 +228,10 @@ def test_all_passes_together_plan_a_llama_moe_then_it_still_trains(tmp_path):
         assert all(c >= n for c, n in zip(em[path]["capacities"], load[i]))
     assert plans["efficientmoe"]["rows_before"] == 3 * 4 * MOE["capacity"]
     assert plans["efficientmoe"]["rows_after"] == sum(sum(em[p]["capacities"]) for p in em)
-    assert plans["efficientmoe"]["expected_drop_rate"] == 0.0     # the trace repeats one batch
+    # the trace repeats one batch and drops none: every expert gets exactly its load (at
+    # least one row: a capacity is a multiple >= 1)
+    assert [em[p]["capacities"] for p in experts] == np.maximum(load, 1).tolist()
+    assert plans["efficientmoe"]["drop_rate_on_trace"] == 0.0
     # mpipe: the layers are wrapped in PipelinedMoE with a chunk's capacities
     cells = dict(net.cells_and_names())
     for path in plans["mpipe"]["cells"]:

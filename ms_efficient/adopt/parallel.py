@@ -38,7 +38,7 @@ from ms_efficient.core import backend
 from ms_efficient.core.cluster import ClusterSpec, for_ranks, get_cluster
 from ms_efficient.core.fileio import atomic_write_with
 from ms_efficient.efficientmoe.cost import CostModel
-from ms_efficient.efficientmoe.layout import training_specs
+from ms_efficient.efficientmoe.planner import training_specs
 from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE
 
 __all__ = ["expert_parallel_layer", "logical_tables", "ep_cluster", "UserExperts",

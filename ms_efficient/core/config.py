@@ -70,24 +70,21 @@ EXPERT_PARALLEL_DISPATCH = ("balanced",)
 def check_dispatch(cfg: "RunConfig", expert_parallel: bool) -> None:
     """ValueError naming the field unless ``cfg.moe.dispatch`` suits the run: an
     expert-parallel run (``train --workers W``, its workers) needs "balanced" (EfficientMoE's
-    two levels, the one expert-parallel layer); a one-process run with
-    ``efficientmoe.enabled`` needs "static" (its EfficientMoE plans per-expert capacities,
-    which the other dispatches do not have, and one device has no placement to change)."""
+    two levels, the one expert-parallel layer); a one-process run cannot have
+    ``efficientmoe.enabled`` (EfficientMoE places experts over devices, and one process has
+    one)."""
     dispatch = cfg.moe.dispatch
     if expert_parallel and dispatch not in EXPERT_PARALLEL_DISPATCH:
         _fail("moe.dispatch", dispatch,
               "'balanced' for an expert-parallel run (train --workers W: EfficientMoE's two "
               "levels over the ranks); 'static' and 'grouped' are one-process dispatches")
-    if not expert_parallel and dispatch != "static" and cfg.efficientmoe.enabled:
+    if not expert_parallel and cfg.efficientmoe.enabled:
         _fail("efficientmoe.enabled", True,
-              f"false for a one-process run with moe.dispatch {dispatch!r} (the one-process "
-              f"EfficientMoE plans per-expert capacities, which only 'static' has; run it with "
-              f"--efficientmoe off, or expert-parallel with --workers W)")
-
-
-# Load predictors `efficientmoe.predictor` may name (ms_efficient.efficientmoe.predictor
-# implements exactly these; a test checks they agree).
-PREDICTOR_NAMES = ("last-value", "ema", "ar-ridge")
+              "false for a one-process run (EfficientMoE places experts over the ranks of "
+              "an expert-parallel run, train --workers W; one device has nothing to place. "
+              "Run it with --efficientmoe off: moe.dispatch 'grouped' computes every routed "
+              "row without padding or drops, and the efficientmoe pass sizes 'static' "
+              "capacities from a recorded trace)")
 
 
 def _fail(path: str, value: Any, allowed: str) -> None:
@@ -220,49 +217,30 @@ class MoEConfig:
 
 @dataclass
 class EfficientMoEConfig:
-    """EfficientMoE during training (``enabled``): sample the routing, forecast it and re-plan.
-    What a re-plan changes depends on ``moe.dispatch``: one-process "static" layers get new
-    per-expert capacities (a recompile, when it pays); expert-parallel ("balanced") layers a
-    new home table (the slow level; the fast level balances every step either way). No
-    re-plan of an expert-parallel run changes a compiled shape; a one-process run with a
-    dispatch other than "static" has nothing to re-plan (:func:`check_dispatch` refuses it)."""
+    """EfficientMoE during an expert-parallel run (``enabled``, ``train --workers W`` with
+    ``moe.dispatch`` "balanced"): the slow level re-places each layer's home experts when it
+    pays (the fast level balances every step either way); no re-plan changes a compiled
+    shape. A one-process run has one device and nothing to place: :func:`check_dispatch`
+    refuses ``enabled`` there. ``history``, ``drop_target`` and ``capacity_multiple`` also
+    serve the ``efficientmoe`` pass, which sizes a one-process network's "static" capacities
+    from a recorded trace before compiling."""
 
     enabled: bool = False
-    # Steps run with the static `moe.capacity_factor` capacity before the first plan, so the
-    # predictor has a history to fit.
+    # Steps before the slow level's first check (the counts it plans from).
     warmup_steps: int = 20
     # A re-plan is considered every this many steps (and adopted only when it pays).
     replan_every: int = 25
-    # History rows the predictor and the capacity model look at.
+    # Trace rows the slow level's forecast (their mean) and replays look at.
     window: int = 16
-    predictor: str = "ar-ridge"
-    # Expected share of assignments dropped that the capacities aim to stay under.
+    # The efficientmoe pass: the share of a recorded trace's assignments its static
+    # capacities may drop (the fewest rows that drop no more on that trace).
     drop_target: float = 0.005
-    # Expert-parallel (grouped / counts) plans: the most expected drops (share of assignments)
-    # their send blocks may cause; the planner picks the per-pair target within it that
-    # costs least (block padding against forced re-plans) and reports it in the plan.
-    max_block_drop_rate: float = 0.001
     # Capacities are multiples of this many tokens (16x16 cube tiles on Ascend).
     capacity_multiple: int = 16
-    # At most this many distinct capacities per layer: experts of equal capacity share one
-    # batched matmul, so fewer levels mean fewer kernels (at the price of a little padding).
-    capacity_levels: int = 2
-    # Seconds one recompilation costs, weighed against the compute a new plan saves. Unset
-    # (null): efficientmoe.schedule.recompile_time_s, 0.8 s + 0.4 s per MoE layer (measured for
-    # small CPU layers; see its module docstring). A config value rather than a live
-    # measurement so that the same seed gives the same plans; the trainer logs the measured
-    # first-step compile time (`compile_s`) to set it from.
-    recompile_cost_s: Optional[float] = None
-    # A layer whose recent one-step load forecasts erred by more than this (rms, relative) is
-    # planned dropless until its loads settle (chosen on held-out traces, docs/results.md).
-    max_forecast_error: float = 0.75
-    # A check also happens as soon as the current capacities dropped more than 1% of the
-    # tokens over at least this many steps.
-    monitor_steps: int = 5
     # Routing history to plan from before the first step: a trace .npz (`bench moe --trace`
-    # format) or a run folder holding trace.npz, e.g. the run these weights continue. With
-    # >= 3 rows the first plan is made before the first compilation (no warm-up steps at the
-    # static `capacity_factor`); "" = none.
+    # format) or a run folder holding trace.npz, e.g. the run these weights continue.
+    # Expert-parallel runs price their receive buffers from it (efficientmoe.planner); the
+    # efficientmoe pass sizes static capacities from it. "" = none.
     history: str = ""
     # Expert-parallel runs: adopt the slow level's home table after this many steps even when
     # the re-plan rule finds no gain worth it (0 = never force), so a short run shows a
@@ -271,12 +249,12 @@ class EfficientMoEConfig:
     # With `enabled`, a moe.dispatch "balanced" run also re-places its home experts during the
     # run (the slow level): every `replan_every` steps after `warmup_steps`, when the new home table's
     # modelled gain over the next `replan_every` steps pays for moving the changed experts'
-    # weights and Adam moments (efficientmoe.layout.decide_home, the rule `bench moe`'s
+    # weights and Adam moments (efficientmoe.planner.decide_home, the rule `bench moe`'s
     # `efficientmoe` row replays); no shape changes, no recompile. Without it the home table
     # is the first compile's for the whole run (`bench moe`'s `efficientmoe-fixed-home`).
     # moe.dispatch "balanced" runs: each device's receive buffer is its mean share x
     # (1 + buffer_slack), fixed at the first compile (no history trace); with `history`, priced from that trace
-    # (efficientmoe.layout). Rows above every holder's buffer are dropped and counted.
+    # (efficientmoe.planner). Rows above every holder's buffer are dropped and counted.
     buffer_slack: float = 0.5
 
     def validate(self, path: str) -> None:
@@ -290,22 +268,19 @@ class EfficientMoEConfig:
             _fail(f"{path}.history", self.history,
                   "a routing trace .npz or a run folder holding trace.npz")
 
-        for name in ("warmup_steps", "replan_every", "window", "capacity_multiple",
-                     "capacity_levels", "monitor_steps"):
+        for name in ("warmup_steps", "replan_every", "window", "capacity_multiple"):
             if getattr(self, name) < 1:
                 _fail(f"{path}.{name}", getattr(self, name), "a positive integer")
         if self.window < 3:
             _fail(f"{path}.window", self.window, ">= 3")
-        if self.predictor not in PREDICTOR_NAMES:
-            _fail(f"{path}.predictor", self.predictor, f"one of {list(PREDICTOR_NAMES)}")
         if not 0.0 <= self.drop_target < 1.0:
             _fail(f"{path}.drop_target", self.drop_target, "in [0, 1)")
-        if not 0.0 <= self.max_block_drop_rate < 1.0:
-            _fail(f"{path}.max_block_drop_rate", self.max_block_drop_rate, "in [0, 1)")
-        if self.recompile_cost_s is not None and not 0 <= self.recompile_cost_s < math.inf:
-            _fail(f"{path}.recompile_cost_s", self.recompile_cost_s, "a finite number >= 0")
-        if not 0 < self.max_forecast_error < math.inf:
-            _fail(f"{path}.max_forecast_error", self.max_forecast_error, "a finite number > 0")
+
+
+# efficientmoe keys of the retired one-process capacity planner: a run folder's saved config
+# drops them when read (logged); a user's config naming one is refused with this reason
+RETIRED_EFFICIENTMOE_KEYS = ("predictor", "max_block_drop_rate", "capacity_levels",
+                             "recompile_cost_s", "max_forecast_error", "monitor_steps")
 
 
 @dataclass
@@ -501,6 +476,11 @@ def _build(cls: type, data: Any, path: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(names))
+    retired = [k for k in unknown if k in RETIRED_EFFICIENTMOE_KEYS]
+    if path == "efficientmoe" and retired:
+        raise ValueError(f"'efficientmoe.{retired[0]}' belonged to the retired one-process "
+                         f"capacity planner (online per-expert capacities): remove it; "
+                         f"allowed keys in 'efficientmoe': {names}.")
     if path == "efficientmoe" and "dispatch" in unknown:        # the key of older configs
         raise ValueError(f"'efficientmoe.dispatch' ({data['dispatch']!r}) is now "
                          f"'moe.dispatch', one of {list(DISPATCH_NAMES)} for every run: move "
@@ -565,9 +545,22 @@ def _migrate_saved_dispatch(data: Dict[str, Any], expert_parallel: bool, path: s
     (the one-process layers): the run used the first if it was expert-parallel, the second
     otherwise. A folder of the retired one-level "counts" layer reads as "grouped" (the rows
     it computed; ``checkpoint export`` and a one-process resume read it so, and a
-    ``--workers`` resume is refused: expert-parallel runs are "balanced"). Rewrites ``data``
-    in place."""
+    ``--workers`` resume is refused: expert-parallel runs are "balanced"). The retired
+    one-process capacity planner's keys (``RETIRED_EFFICIENTMOE_KEYS``) are dropped, and a
+    one-process run that had it on resumes with it off (its capacities are in its
+    checkpoints). Rewrites ``data`` in place."""
     section = data.get("efficientmoe")
+    if isinstance(section, dict):
+        retired = [k for k in RETIRED_EFFICIENTMOE_KEYS if section.pop(k, None) is not None]
+        if retired:
+            logger.info("%s: dropped the retired one-process planner's keys %s", path,
+                        ["efficientmoe." + k for k in retired])
+        if not expert_parallel and section.get("enabled"):
+            # its one-process capacities stay in its checkpoints; nothing re-plans them
+            section["enabled"] = False
+            logger.info("%s: a one-process run with the retired online capacity planner "
+                        "resumes with efficientmoe.enabled false (its capacities are kept)",
+                        path)
     if isinstance(section, dict) and "dispatch" in section:
         old = section.pop("dispatch")
         if expert_parallel:

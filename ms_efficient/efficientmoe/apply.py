@@ -22,22 +22,16 @@ no sink, for every step); and in an expert-parallel run each rank's layers count
 tokens only, so give every rank its own ``path`` (e.g. with the rank id in it). Reused across
 several ``Model.train`` calls, the callback keeps numbering steps upwards.
 
-:class:`EfficientMoECallback` is the whole online EfficientMoE for a user's ``Model.train``
-loop: it samples like the trace callback and, from ``warmup_steps`` on, polls the
-:class:`~ms_efficient.efficientmoe.planner.ReplanLoop` and ``EfficientMoEPlanner`` the
-package's trainer and the trace replay use (a check every ``replan_every`` steps, and as soon
-as the drop monitor fires: each step's drops are each expert's count beyond its capacity,
-exactly the layer's rule). When the planner adopts new per-expert capacities it sets them on
-every ``MoEFeedForward`` and makes the running train network compile a new graph on its next
-step (``backend.recompile_on_next_call``). On expert-parallel layers
-(``BalancedExpertParallelMoE``: what
-``train --workers`` builds with dispatch "balanced" and what ``adopt_moe(...,
-expert_parallel=True)`` puts in a user's network) it runs the slow level of the two levels:
-every ``replan_every`` steps :class:`~ms_efficient.efficientmoe.ep_replanner.HomeReplanner`
-decides from the all-gathered counts (each layer's ``world_counts``, the same on every rank)
-whether new home tables pay for their move, and applies them with ``set_plan`` (weights and
-optimizer moments move, no recompilation), then tells the package's ``TrainOneStepCell`` the
-new plans.
+:class:`EfficientMoECallback` is EfficientMoE's slow level for a user's ``Model.train`` loop on
+expert-parallel layers (``BalancedExpertParallelMoE``: what ``train --workers`` builds with
+dispatch "balanced" and what ``adopt_moe(..., expert_parallel=True)`` puts in a user's
+network): it samples like the trace callback and every ``replan_every`` steps
+:class:`~ms_efficient.efficientmoe.ep_replanner.HomeReplanner` decides from the all-gathered
+counts (each layer's ``world_counts``, the same on every rank) whether new home tables pay
+for their move, and applies them with ``set_plan`` (weights and optimizer moments move, no
+recompilation), then tells the package's ``TrainOneStepCell`` the new plans. A one-process
+network has one device and nothing to place: the callback refuses it; its "static"
+capacities are sized before compiling by the ``efficientmoe`` pass from a recorded trace.
 """
 from __future__ import annotations
 
@@ -49,13 +43,9 @@ import numpy as np
 from mindspore import nn
 from mindspore.train import Callback
 
-from ms_efficient.core import backend
 from ms_efficient.core.config import EfficientMoEConfig, RunConfig, history_trace_path
 from ms_efficient.core.registry import PassRefused, register_pass
-from ms_efficient.efficientmoe.planner import (EfficientMoEPlanner, capacities_LE,
-                                               one_device_counts, one_device_planner,
-                                               single_device_plans)
-from ms_efficient.efficientmoe.planner import ReplanLoop
+from ms_efficient.efficientmoe.capacity import static_capacities
 from ms_efficient.efficientmoe.sampler import RoutingSampler
 from ms_efficient.adopt.replace import adopt_hint
 from ms_efficient.moe.layer import ROUTING_COUNTS
@@ -133,22 +123,21 @@ class RoutingTraceCallback(Callback):
 
 
 class EfficientMoECallback(RoutingTraceCallback):
-    """Sample, predict and re-plan per-expert capacities inside ``Model.train``.
+    """EfficientMoE's slow level inside ``Model.train`` on balanced expert-parallel layers.
 
     Args:
-        network: the Cell being trained; its ``MoEFeedForward`` layers (also those inside
-            ``MoEMLP`` and those ``adopt_moe`` put in place of a user's MoE) are re-planned.
-        config: a RunConfig (its ``efficientmoe`` section and ``cluster``, whose FLOP/s price a
-            slot row) or an EfficientMoEConfig (priced on the ``cpu-local`` preset).
+        network: the Cell being trained; its ``BalancedExpertParallelMoE`` layers (also those
+            ``adopt_moe(..., expert_parallel=True)`` put in place of a user's MoE blocks)
+            are re-placed.
+        config: a RunConfig (its ``efficientmoe`` section and ``cluster``, whose links price
+            a move) or an EfficientMoEConfig (priced on the ``cpu-local`` preset).
         path, save_every: as for :class:`RoutingTraceCallback` (the trace is kept too).
 
-    ``plans`` lists every adopted plan: ``{"step", "capacities" [layer][expert],
-    "rows_before", "rows_after", "expected_drop_rate"}``; on balanced expert-parallel layers
-    (every rank runs the callback) the home re-placements instead: ``{"kind": "replan",
-    "step", "moved_slots", "moved_bytes", "recompiled"}`` and the modelled gain and
-    migration, and
-    ``checks`` every verdict of the slow level, adopted or not, with its reason. Raises
-    ValueError when the network has no layer whose capacities or placement can be set.
+    ``plans`` lists every adopted home re-placement (every rank runs the callback):
+    ``{"kind": "replan", "step", "moved_slots", "moved_bytes", "recompiled"}`` and the
+    modelled gain and migration; ``checks`` every verdict of the slow level, adopted or not,
+    with its reason. Raises ValueError when the network has no balanced expert-parallel
+    layer (one-process layers have one device and nothing to place).
     """
 
     def __init__(self, network: nn.Cell, config, path: Optional[str] = None,
@@ -164,81 +153,29 @@ class EfficientMoECallback(RoutingTraceCallback):
             raise TypeError(f"'config' must be a RunConfig or an EfficientMoEConfig, but got "
                             f"{type(config).__name__}.")
         self.cfg, self.cluster = em, cluster
-        self.planner: Optional[EfficientMoEPlanner] = None
-        self.loop: Optional[ReplanLoop] = None
         self.plans: List[dict] = []
         self.checks: List[dict] = []
-        # balanced expert-parallel layers: home tables through set_plan (the slow level)
         balanced = [c for c in self.layers if hasattr(c, "home_table")
                     and hasattr(c, "world_counts")]
-        self.balanced = bool(balanced)
-        if balanced:
-            from ms_efficient.efficientmoe.ep_replanner import (HomeReplanner,
-                                                                 balanced_cost_model)
+        if not balanced:
+            raise ValueError(
+                f"'network' ({type(network).__name__}) has no expert-parallel MoE layer "
+                f"(BalancedExpertParallelMoE) to re-place: EfficientMoE places experts over "
+                f"the ranks of an msrun job (adopt_moe(network, tokens=T, expert_parallel="
+                f"True) after mindspore.communication.init()). One-process layers have one "
+                f"device: use RoutingTraceCallback to record their routing, and size 'static' "
+                f"capacities before compiling with the efficientmoe pass.")
+        from ms_efficient.efficientmoe.ep_replanner import HomeReplanner, balanced_cost_model
 
-            self.layers = balanced
-            self._pending = None
-            self._replanner = HomeReplanner(
-                balanced, em, balanced_cost_model(
-                    balanced, cluster if isinstance(config, RunConfig) else None))
-            return
-        self._replanner, self._pending = None, None
-        self.layers = [c for c in self.layers if hasattr(c, "set_capacities")
-                       and getattr(c, "dispatch", "static") == "static"]
-        if not self.layers:
-            raise ValueError("'network' has no MoE layer with per-expert capacities "
-                             "(MoEFeedForward with dispatch 'static') to re-plan; a grouped "
-                             "layer on one device computes only its routed rows and has no "
-                             "capacity to plan.")
-
-    def capacities(self) -> np.ndarray:
-        """int64 [layer, expert] capacities the layers are set to."""
-        return np.array([layer.capacities for layer in self.layers], np.int64)
-
-    def _planner(self, tokens: int) -> EfficientMoEPlanner:
-        first = self.layers[0]
-        return one_device_planner(self.cfg, self.cluster, int(first.hidden_size),
-                                  int(first.ffn_hidden_size), int(first.num_experts),
-                                  int(first.top_k), tokens, len(self.layers))
+        self.layers = balanced
+        self._pending = None
+        self._replanner = HomeReplanner(
+            balanced, em, balanced_cost_model(
+                balanced, cluster if isinstance(config, RunConfig) else None))
 
     def on_train_step_end(self, run_context) -> None:
         super().on_train_step_end(run_context)
-        if self.balanced:
-            self._balanced_step(run_context)
-            return
-        seen = len(self.steps)
-        em = self.cfg
-        if seen < max(em.warmup_steps, 3):
-            return
-        load = self.sampler.expert_load()                    # [t, layer, expert]
-        current = self.capacities()
-        top_k = int(self.layers[0].top_k)
-        tokens = int(load[0, 0].sum()) // top_k
-        if self.planner is None:
-            self.planner = self._planner(tokens)
-            self.loop = ReplanLoop(self.planner, em.monitor_steps)
-        # the step that just ran: each expert drops its count beyond its capacity
-        self.loop.observe(np.maximum(load[-1] - current, 0).sum(axis=1), load[-1].sum(axis=1))
-        polled = self.loop.poll(seen, one_device_counts(load),
-                                single_device_plans(current, top_k, tokens))
-        if polled is None:
-            return
-        decision, cand = polled
-        caps = capacities_LE(cand.plans, current.shape[1])
-        if (decision is not None and not decision.replan) or np.array_equal(caps, current):
-            logger.info("step %d: EfficientMoE keeps capacities (%d rows): %s", self.steps[-1],
-                        int(current.sum()), decision.reason if decision else "same plan")
-            return
-        for layer, row in zip(self.layers, caps):
-            layer.set_capacities([int(c) for c in row])
-        backend.recompile_on_next_call(run_context.original_args().train_network)
-        drop = self.planner.expected_drop_rate(cand.plans, cand.predicted_LRE, cand.rel_KLRE)
-        self.plans.append({"step": self.steps[-1], "capacities": caps.tolist(),
-                           "rows_before": int(current.sum()), "rows_after": int(caps.sum()),
-                           "expected_drop_rate": float(drop),
-                           "reason": decision.reason if decision else "first plan"})
-        logger.info("step %d: EfficientMoE re-planned capacities %d -> %d slot rows; the "
-                    "next step recompiles", self.steps[-1], int(current.sum()), int(caps.sum()))
+        self._balanced_step(run_context)
 
     def _settle_pending(self, network) -> None:
         """The last applied re-plan's ``recompiled``: whether the step after it compiled a
@@ -309,58 +246,55 @@ def _optimizer_of(args, network):
 
 @register_pass("efficientmoe")
 def efficientmoe_pass(network: nn.Cell, context) -> tuple:
-    """The ``efficientmoe`` pass: per-expert capacities of every ``MoEFeedForward`` of the
-    network (under any attribute names; the layer inside a drop-in ``MoEMLP`` and the layers
-    ``ms_efficient.adopt_moe`` put in place of a user's own MoE blocks too), planned
-    before compilation from the routing trace ``efficientmoe.history`` by the planner the trainer and :class:`EfficientMoECallback` use.
-    Raises PassRefused (a ValueError) without MoE layers, with 'grouped' ones, or when the
-    layers already have the planned capacities; ValueError without a history or for a trace
-    of other shapes (config errors)."""
+    """The ``efficientmoe`` pass on a one-process network: per-expert capacities of every
+    "static" ``MoEFeedForward`` (under any attribute names; the layer inside a drop-in
+    ``MoEMLP`` and the layers ``ms_efficient.adopt_moe`` put in place of a user's own MoE
+    blocks too), sized before compilation from the routing trace ``efficientmoe.history``:
+    per layer the fewest rows whose drops over the trace's last ``efficientmoe.window`` rows
+    stay within ``efficientmoe.drop_target``, in multiples of ``capacity_multiple``
+    (:func:`~ms_efficient.efficientmoe.capacity.static_capacities`). Raises PassRefused (a
+    ValueError) without MoE layers, with 'grouped' ones, or when the layers already have
+    those capacities; ValueError without a history or for a trace of other shapes (config
+    errors)."""
     from ms_efficient.moe.layer import MoEFeedForward
 
     layers = [(p, c) for p, c in network.cells_and_names() if isinstance(c, MoEFeedForward)]
     if not layers:
         raise PassRefused(f"efficientmoe: found no MoEFeedForward layer in the network; the pass "
-                          f"plans the capacities of the package's MoE layer (MoEFeedForward, "
+                          f"sizes the capacities of the package's MoE layer (MoEFeedForward, "
                           f"or MoEMLP around one).{adopt_hint(network)}")
     grouped = [p for p, c in layers if c.dispatch == "grouped"]
     if grouped:
         raise PassRefused(f"efficientmoe: MoE layers {grouped} use dispatch 'grouped': on one "
                           f"device they compute only their routed rows and have no capacities "
-                          f"to plan; plan replicas and row buffers for an expert-parallel run "
-                          f"with `ms-efficient plan moe --dispatch grouped`.")
+                          f"to size; plan an expert-parallel run's layout with "
+                          f"`ms-efficient plan moe`.")
     em = context.config.efficientmoe
     if not em.history:
-        raise ValueError("efficientmoe: the pass plans capacities before compilation from a "
+        raise ValueError("efficientmoe: the pass sizes capacities before compilation from a "
                          "routing trace: set efficientmoe.history (a trace.npz written by "
-                         "RoutingTraceCallback); to plan while training, pass "
-                         "EfficientMoECallback(network, config) to Model.train instead.")
+                         "RoutingTraceCallback or `ms-efficient train`).")
     path = history_trace_path(em.history)
     load = load_trace(path).counts.sum(axis=2)                     # [t, layer, expert]
     want = (len(layers), layers[0][1].num_experts)
-    if load.shape[1:] != want or len(load) < 3:
+    if load.shape[1:] != want or len(load) < 1:
         raise ValueError(f"efficientmoe: trace {path} has {len(load)} rows of [layer, expert] "
-                         f"= {list(load.shape[1:])}; the network needs >= 3 rows of "
+                         f"= {list(load.shape[1:])}; the network needs >= 1 row of "
                          f"{list(want)}.")
     first = layers[0][1]
     tokens = int(load[-1, 0].sum()) // int(first.top_k)
-    cluster = context.config.cluster_spec()
-    planner = one_device_planner(em, cluster, int(first.hidden_size), int(first.ffn_hidden_size),
-                                 int(first.num_experts), int(first.top_k), tokens, len(layers))
-    cand = planner.propose(one_device_counts(load))
-    caps_LE = capacities_LE(cand.plans, want[1])
+    recent = load[-em.window:]
+    sized = static_capacities(recent, em.drop_target, em.capacity_multiple, max_load=tokens)
+    caps_LE = sized.capacity_LE
     current = np.array([c.capacities for _, c in layers], np.int64)
     if np.array_equal(current, caps_LE):
-        raise PassRefused("efficientmoe: the MoE layers already have the planned capacities; "
-                          "nothing to change.")
+        raise PassRefused("efficientmoe: the MoE layers already have the capacities the trace "
+                          "gives; nothing to change.")
     for (_, layer), caps in zip(layers, caps_LE):
         layer.set_capacities([int(c) for c in caps])
-    drop = planner.expected_drop_rate(cand.plans, cand.predicted_LRE, cand.rel_KLRE)
-    pad = planner.expected_padding_fraction(cand.plans, cand.predicted_LRE)
-    return network, {"kind": "efficientmoe", "history": path,
+    return network, {"kind": "efficientmoe", "history": path, "trace_rows": int(len(recent)),
                      "rows_before": int(current.sum()), "rows_after": int(caps_LE.sum()),
-                     "expected_drop_rate": float(drop),
-                     "expected_padding_fraction": float(pad.mean()),
-                     "dropless_layers": int(cand.dropless_L.sum()),
+                     "drop_rate_on_trace": sized.drop_rate,
+                     "padding_fraction_on_trace": sized.padding_fraction,
                      "cells": {p: {"capacities": [int(c) for c in caps]}
                                for (p, _), caps in zip(layers, caps_LE)}}

@@ -28,7 +28,7 @@ moonep_balance   MoonEP (MoonshotAI/MoonEP README, 2026; no code read), the ``mo
                  K top-k, into a fixed buffer of S x K rows); a few redundant experts planned
                  online from the step's router outputs and prefetched before the expert
                  compute, their gradients reduced to the home ranks in backward; static homes
-                 (the uniform table of :func:`~ms_efficient.efficientmoe.layout.uniform_home`,
+                 (the uniform table of :func:`~ms_efficient.efficientmoe.planner.uniform_home`,
                  no forecast). Its planning kernel ("near-optimal") is not described; this one
                  takes each rank's target (the step's assignments / W, the remainder one row
                  each to the lower ranks), keeps every rank's home rows up to it, cuts each

@@ -8,17 +8,18 @@ Measured (``evidence: "measured"``): :func:`run_measured` trains the reference m
 CPU under each capacity policy, each method in a fresh child process (its graphs and memory
 pool end with it). Every method trains the same network from the same seed on the same
 batches for the same number of steps; only the expert capacities differ. Rows report
-the median step time (MindSpore GRAPH_MODE on CPU, excluding the compiling first step and
-any recompiling step) AND the total wall time of all steps with those compiles included
-(``total_wall_s``; ``compile_s`` = what the skipped steps took beyond the median), the
+the median step time (MindSpore GRAPH_MODE on CPU, excluding the compiling first step) AND
+the total wall time of all steps with that compile included (``total_wall_s``; ``compile_s``
+= what the first step took beyond the median), the
 padding fraction (computed slot rows that held no token / computed
 slot rows) and the drop rate (assignments that found no slot / assignments), both over the
 whole run.
 
-Methods that differ only in where experts live on several devices (FasterMoE shadowing, EPLB,
-MindSpeed placement, the oracle, EfficientMoE's grouped planner) have nothing to change on one
-CPU process; they appear in the simulated rows only. The measured ``grouped-kernel-1proc`` row
-is the padding-free grouped layer on one process: the kernel, not a planner.
+Methods that differ only in where experts live on several devices (EfficientMoE's two levels,
+FasterMoE shadowing, EPLB, MoonEP, the bound) have nothing to change on one CPU process; they
+appear in the simulated rows only (EfficientMoE's measured multi-device runs are ``train
+--workers``). The measured ``grouped-kernel-1proc`` row is the padding-free grouped layer on
+one process: the kernel, not a planner.
 """
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ import numpy as np
 from ms_efficient.core.cluster import ClusterSpec, get_cluster
 from ms_efficient.core.config import RunConfig
 from ms_efficient.efficientmoe.capacity import static_capacity_limit
-from ms_efficient.efficientmoe.predictor import PREDICTOR_NAMES, evaluate_predictors, get_predictor
 from ms_efficient.efficientmoe.replay import (DEFAULT_METHODS, ReplayConfig, cluster_for_ranks,
                                              replay)
 from ms_efficient.moe.trace import RoutingTrace, load_trace
@@ -70,8 +70,8 @@ def _truncate(trace: RoutingTrace, rows: int, layers: int) -> RoutingTrace:
     (the router is still moving fast: on the demo run, expert loads change several-fold from
     one step to the next during the first ~50 of 300 steps, while a real run lasts 10^4-10^5
     steps whose routing drifts slowly). The tail is the steady state that the bulk of a long
-    run looks like, and it keeps consecutive rows, so the predictors see the trace's own
-    stride. A full (non-quick) run replays every row, the early phase included.
+    run looks like, and it keeps consecutive rows, so the slow level's window sees the
+    trace's own stride. A full (non-quick) run replays every row, the early phase included.
     """
     steps = None if trace.steps is None else trace.steps[-rows:]
     return RoutingTrace(counts=trace.counts[-rows:, :layers], top_k=trace.top_k,
@@ -89,8 +89,7 @@ def run_simulated(traces: Sequence[TraceInput], cluster: Union[None, str, Cluste
         (:func:`_truncate` says why the last rows).
     Method rows: {"evidence": "simulated", "workload", "method", "cluster", iteration_time_s,
     a2a_time_s, max_over_mean_load, padding_fraction, drop_rate, replans, replan_overhead_s}.
-    Predictor rows: {"evidence", "workload", "method": predictor name, "mape" (percent, mean
-    over layers), "mape_per_layer"}. Static-limit rows (a yardstick for the padding target):
+    Static-limit rows (a yardstick for the padding target):
     {"method": "static-limit", "window_rows", "padding_fraction", "drop_rate"}, the least
     padding at ``config.drop_target`` drops of any static-capacity plan re-planned every
     ``window_rows`` trace rows, capacities chosen knowing the loads
@@ -114,13 +113,6 @@ def run_simulated(traces: Sequence[TraceInput], cluster: Union[None, str, Cluste
             pad, drop = static_capacity_limit(loads, config.drop_target, window)
             rows.append({"evidence": "simulated", "workload": name, "method": "static-limit",
                          "window_rows": window, "padding_fraction": pad, "drop_rate": drop})
-        mape = evaluate_predictors(trace.expert_load(),
-                                   [get_predictor(p) for p in PREDICTOR_NAMES],
-                                   warmup=min(config.warmup, trace.num_steps - 1))
-        for pred_name, per_layer in mape.items():
-            rows.append({"evidence": "simulated", "workload": name, "method": pred_name,
-                         "mape": float(per_layer.mean()),
-                         "mape_per_layer": [round(float(v), 3) for v in per_layer]})
     return rows
 
 
@@ -143,7 +135,7 @@ def markdown_table(rows: Sequence[Dict[str, object]], reference: str = REFERENCE
     """Markdown tables: methods (time in ms, speed-up over ``reference``, efficientmoe's
     speed-up over the method, All-to-All ms and its share of the layer time (count exchange
     included), imbalance, padding, drops, re-plans, what the row was charged per layer-step
-    for the fast level and per count-driven exchange) and predictors (MAPE %)."""
+    for the fast level and per count-driven exchange) and the static-limit yardstick."""
     timed = [r for r in rows if "iteration_time_s" in r]
     ref = {r["workload"]: float(r["iteration_time_s"]) for r in timed if r["method"] == reference}
     ours = {r["workload"]: float(r["iteration_time_s"]) for r in timed
@@ -177,13 +169,6 @@ def markdown_table(rows: Sequence[Dict[str, object]], reference: str = REFERENCE
         lines += [f"| {r['workload']} | {r['window_rows']} | "
                   f"{100 * float(r['padding_fraction']):.1f} | "
                   f"{100 * float(r['drop_rate']):.2f} |" for r in limits]
-    predicted = [r for r in rows if "mape" in r]
-    if predicted:
-        lines += ["", "| workload | predictor | MAPE % (mean over layers) | per layer |",
-                  "|---|---|---:|---|"]
-        lines += [f"| {r['workload']} | {r['method']} | {float(r['mape']):.2f} | "
-                  f"{', '.join(f'{v:.1f}' for v in r.get('mape_per_layer', []))} |"
-                  for r in predicted]
     return "\n".join(lines)
 
 
@@ -237,22 +222,22 @@ def targets_table(rows: Sequence[Dict[str, object]], method: str = "efficientmoe
 
 
 # ---- measured rows (MindSpore on this CPU) ----------------------------------------------
-# method label -> (moe.capacity_factor, efficientmoe.enabled, moe.dispatch)
+# method label -> (moe.capacity_factor, moe.dispatch)
 MEASURED_METHODS = {
-    "switch-cf1.0": (1.0, False, "static"),
-    "switch-cf1.25": (1.25, False, "static"),
-    "switch-cf2.0": (2.0, False, "static"),
+    "switch-cf1.0": (1.0, "static"),
+    "switch-cf1.25": (1.25, "static"),
+    "switch-cf2.0": (2.0, "static"),
     # capacity = tokens per step: the only static capacity that can never drop for any routing
-    "dropless-static": (0.0, False, "static"),
+    "dropless-static": (0.0, "static"),
     # The padding-free grouped layer on one process: the grouped-matmul kernel against the
     # padded BatchMatMul layers, NOT EfficientMoE's planner (one device has no replicas to
     # place and one buffer of all assignments, so no planner runs); also what a MegaBlocks-
     # style dropless grouped layer is on one device. EfficientMoE's multi-device figures
     # are the simulated rows and the `train --workers` run.
-    "grouped-kernel-1proc": (0.0, False, "grouped"),
-    # the per-expert static mode: warm-up at CF 1.25, then capacities planned online
-    "efficientmoe-static": (1.25, True, "static"),
+    "grouped-kernel-1proc": (0.0, "grouped"),
 }
+# the run whose routing trace ``run_measured(keep_trace=...)`` keeps: nothing dropped
+TRACED_METHOD = "grouped-kernel-1proc"
 
 
 def quick_config(cfg: RunConfig) -> RunConfig:
@@ -262,8 +247,6 @@ def quick_config(cfg: RunConfig) -> RunConfig:
     cfg.model.num_layers, cfg.model.seq_length = 2, 64
     cfg.train.batch_size, cfg.train.steps = 8, 20
     cfg.moe.trace_ranks = 4
-    cfg.efficientmoe.warmup_steps, cfg.efficientmoe.replan_every = 6, 7   # plans at 6 and 13
-    cfg.efficientmoe.window = 6
     return cfg
 
 
@@ -275,7 +258,7 @@ def _run_one(cfg: RunConfig, out_dir: str, init_from: Optional[str],
     lingers into the next nor sets its step times (in one process the six methods of the
     tiny config held 10.4 GB at the end, 10 steps each). MindSpore's graph pipeline is off in
     the child, as the CLI's ``train`` runs (``core.backend.run_json_child``). Returns the
-    child's {"result": TrainResult fields, "rows", "step_times", "replans", "totals"};
+    child's {"result": TrainResult fields, "rows", "step_times", "totals"};
     RuntimeError with its stderr tail if it fails."""
     from ms_efficient.core import backend
 
@@ -305,7 +288,6 @@ def _child(spec: str) -> None:
     # the child's answer to run_json_child on its stdout (the protocol, not a log line)
     sys.stdout.write(json.dumps({"result": dataclasses.asdict(result), "rows": rows,
                                  "step_times": [float(t) for t in trainer.step_times],
-                                 "replans": [r["step"] for r in rows if r["kind"] == "plan"],
                                  "totals": {k: int(v) for k, v in trainer.totals.items()}})
                      + "\n")
     sys.stdout.flush()
@@ -316,8 +298,8 @@ def run_measured(base: RunConfig, methods: Optional[List[str]] = None, steps: Op
                  keep_trace: Optional[str] = None) -> List[Dict]:
     """Train ``base`` once per method; returns benchmark rows (evidence "measured").
 
-    keep_trace: copy the routing trace of the ``efficientmoe-static`` run (the one whose
-        capacities follow its routing) to this path.
+    keep_trace: copy the routing trace of the ``TRACED_METHOD`` run (dropless: the
+        routing, nothing cut) to this path.
     init_from: a run folder whose last checkpoint every method starts from (routing of a
     trained model is steadier than at initialisation, which is where static capacities are
     decided in practice); its learning rate continues at the schedule's floor (10% of peak)
@@ -329,42 +311,35 @@ def run_measured(base: RunConfig, methods: Optional[List[str]] = None, steps: Op
         if method not in MEASURED_METHODS:
             raise ValueError(f"measured method must be one of {list(MEASURED_METHODS)}, "
                              f"but got {method!r}.")
-        cf, online, dispatch = MEASURED_METHODS[method]
+        cf, dispatch = MEASURED_METHODS[method]
         cfg = copy.deepcopy(base)
         cfg.moe.capacity_factor = cf
         cfg.moe.dispatch = dispatch
-        cfg.efficientmoe.enabled = online
+        cfg.efficientmoe.enabled = False
         cfg.train.eval_every = cfg.train.steps = steps or cfg.train.steps
         cfg.train.save_every = cfg.train.steps
         if init_from:
             cfg.train.warmup_steps = 0
             cfg.train.learning_rate = 0.1 * base.train.learning_rate
-            if online and not cfg.efficientmoe.history and os.path.isfile(
-                    os.path.join(init_from, "trace.npz")):
-                # the continued run's routing: plan before the first compilation
-                cfg.efficientmoe.history = init_from
         with tempfile.TemporaryDirectory(prefix=f"bench-{method}-") as out:
             logger.info("measured run: %s (%d steps)", method, cfg.train.steps)
             run = _run_one(cfg, out, init_from)
-            if keep_trace and method == "efficientmoe-static":
+            if keep_trace and method == TRACED_METHOD:
                 shutil.copyfile(os.path.join(out, "trace.npz"), keep_trace)
         times = np.array(run["step_times"])
-        # drop the compiling first step and every step right after a recompilation
-        skip = {0} | set(run["replans"])
-        steady = [t for i, t in enumerate(times) if i not in skip] or list(times)
+        steady = list(times[1:]) or list(times)          # the compiling first step out
         tot = run["totals"]
         median = float(np.median(steady))
         rows.append({
             "evidence": "measured", "workload": workload, "method": method,
             "step_time_s": median,
-            # every step, the compiling first one and the recompiling ones included
+            # every step, the compiling first one included
             "total_wall_s": float(times.sum()),
-            "compile_s": float(sum(max(0.0, times[i] - median) for i in skip
-                                   if i < len(times))),
+            "compile_s": float(max(0.0, times[0] - median)) if len(times) else 0.0,
             "padding_fraction": 1.0 - tot["kept"] / max(1, tot["rows"]),
             "drop_rate": 1.0 - tot["kept"] / max(1, tot["assigned"]),
             "final_val_loss": run["result"]["final_val_loss"],
-            "steps": cfg.train.steps, "replans": len(run["replans"])})
+            "steps": cfg.train.steps})
     dropless = [r for r in rows if r["method"] == "dropless-static"]
     for r in rows:
         if dropless:

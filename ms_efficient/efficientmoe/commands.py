@@ -8,8 +8,8 @@
 
 The bench runs two kinds of evidence, never mixed in one number: measured rows (the reference
 model trained on this CPU under each capacity policy, see ``bench.run_measured``) and simulated
-rows (traces replayed on an Ascend cluster preset, see ``bench`` and ``simulate``). The trace
-written by the measured EfficientMoE run is replayed too.
+rows (traces replayed on an Ascend cluster preset, see ``bench`` and ``simulate``). The
+routing trace of the measured dropless run is replayed too.
 """
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ __all__ = ["add_plan_arguments", "run_plan", "add_bench_arguments", "run_bench"]
 
 
 DEFAULT_CONFIG = "configs/gpt_moe_tiny.yaml"
-MEASURED_STEPS = 40     # per measured method: past EfficientMoE's 20 warm-up steps and its plan
+MEASURED_STEPS = 40     # per measured method
 MEASURED_COLUMNS = ("workload", "method", "step_time_s", "step_time_vs_dropless",
                     "total_wall_s", "wall_vs_dropless", "compile_s", "padding_fraction",
-                    "drop_rate", "final_val_loss", "steps", "replans")
+                    "drop_rate", "final_val_loss", "steps")
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +49,7 @@ def _plan_balanced(trace, cluster, args) -> int:
     """``plan moe``: the slow level's layout, written as YAML, with the
     fast level's replay on the trace's last rows printed (simulated)."""
     from ms_efficient.efficientmoe.cost import CostModel
-    from ms_efficient.efficientmoe.layout import LayoutConfig, plan_layout, replay_cost_s, save_layout
+    from ms_efficient.efficientmoe.planner import LayoutConfig, plan_layout, replay_cost_s, save_layout
     from ms_efficient.efficientmoe.replay import check_trace_fits, cluster_for_ranks
 
     if args.slots < 0:
@@ -107,12 +107,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="model for the measured rows")
     parser.add_argument("--steps", type=int,
                         help=f"training steps per measured method (default {MEASURED_STEPS}; "
-                             f"--quick: 20). With the default, the six measured methods "
-                             f"(each in its own process) and the simulated rows took 9.1 "
-                             f"minutes on 2 cores (7.4 of them training), 7.7 GB at most in "
-                             f"one process; the config's own train.steps (300 for the default "
-                             f"config) would take about 17 minutes for the measured rows "
-                             f"alone")
+                             f"--quick: 20). With the default, the measured methods (each in "
+                             f"its own process) and the simulated rows took about 9 minutes "
+                             f"on 2 cores (most of it training); the config's own "
+                             f"train.steps (300 for the default config) would take far "
+                             f"longer")
     parser.add_argument("--init-from", help="run folder whose checkpoint every measured "
                                             "method starts from (e.g. runs/demo)")
     parser.add_argument("--no-measured", action="store_true",
@@ -220,7 +219,7 @@ def run_bench(args: argparse.Namespace) -> int:
                                  workload=os.path.splitext(os.path.basename(args.config))[0],
                                  keep_trace=trace_path)
             if os.path.isfile(trace_path):
-                traces.insert(0, ("measured-efficientmoe-trace", load_trace(trace_path)))
+                traces.insert(0, ("measured-routing-trace", load_trace(trace_path)))
     synthetic = synthetic_trace(steps=40 if args.quick else 128)   # --quick: under a minute
     traces.append(("synthetic-32r", synthetic))
     for skew in args.skew:

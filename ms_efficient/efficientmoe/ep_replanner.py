@@ -5,7 +5,7 @@ expert-parallel layers are re-planned (used by ``ms_efficient.train.expert_paral
 Balanced layers (:class:`~ms_efficient.moe.balanced_ep.BalancedExpertParallelMoE`) read their
 home table as data and balance every step inside fixed buffers (the fast level).
 :class:`HomeReplanner` runs the slow level beside them: every ``efficientmoe.replan_every``
-steps it asks :func:`~ms_efficient.efficientmoe.layout.decide_home` (the rule the simulator's
+steps it asks :func:`~ms_efficient.efficientmoe.planner.decide_home` (the rule the simulator's
 ``efficientmoe`` row replays) whether a new home table for the recent routing pays for moving
 the changed slots' weights and Adam moments over the check interval, both priced by the cost
 model of the run's cluster; adopted, every layer switches through its ``set_plan`` (no shape
@@ -26,9 +26,8 @@ from typing import Deque, Dict, List, Optional, Sequence
 import numpy as np
 
 from ms_efficient.efficientmoe.cost import CostModel
-from ms_efficient.efficientmoe.layout import (Layout, LayoutConfig, decide_home,
+from ms_efficient.efficientmoe.planner import (Layout, LayoutConfig, decide_home,
                                               migration_time_s)
-from ms_efficient.efficientmoe.placement import default_slots_per_device
 from ms_efficient.moe.balance import home_plan
 from ms_efficient.moe.plan import ExpertPlan
 
@@ -46,7 +45,7 @@ def slot_budget(num_experts: int, world: int, configured: int = 0) -> int:
     if configured and configured < least:
         raise ValueError(f"'moe.slots_per_device' ({configured}) must be >= ceil(num_experts "
                          f"/ workers) = {least} (or 0 for automatic).")
-    return int(configured or default_slots_per_device(num_experts, world))
+    return int(configured or least + 1)
 
 
 def compiled_graphs(cell=None) -> Optional[int]:
@@ -69,7 +68,7 @@ def load_plans_state(entries: Sequence[Dict]) -> List[ExpertPlan]:
 # ---------------------------------------------------------------- balanced layers
 
 def layout_of(layers: Sequence) -> Layout:
-    """The :class:`~ms_efficient.efficientmoe.layout.Layout` the balanced ``layers`` run now:
+    """The :class:`~ms_efficient.efficientmoe.planner.Layout` the balanced ``layers`` run now:
     their home tables [L, W, S_h], spare slots and buffers; ``redundant`` = S_h - ceil(E / W)
     (the home slots beyond plain expert parallelism, which a re-plan keeps); ``sync_rows``
     the rows of their replica-gradient table (a re-plan replicates at most that many

@@ -33,29 +33,23 @@ Methods:
 Re-plans (efficientmoe, and EPLB's schedule in ablation-eplb-split and eplb-alltoallv) are
 charged as they happen, amortised over the training steps the replay covers:
     iteration_time_s = mean step time + total re-plan seconds / (rows * stride).
-:func:`plan_trace` gives the one-level plans that ``plan moe --dispatch grouped|counts|static``
-writes for the ``grouped``/``counts``/``static`` layers (:mod:`planner`).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import numpy as np
 
 from ms_efficient.core.cluster import PRESETS, ClusterSpec, get_cluster
 from ms_efficient.efficientmoe.cost import FAST_LEVEL_S, CostModel
-from ms_efficient.efficientmoe.planner import (DispatchChoice, EfficientMoEPlanner, PlannerConfig,
-                                               choose_dispatch)
 from ms_efficient.efficientmoe.two_level import (BASELINE_ROWS, LOWER_BOUND, TWO_LEVEL_METHODS,
                                                  replay_lower_bound, replay_two_level)
-from ms_efficient.moe.plan import GROUPED_DISPATCH, ExpertPlan
 from ms_efficient.moe.trace import RoutingTrace
 
 __all__ = ["METHODS", "DEFAULT_METHODS", "ReplayConfig", "ReplayResult", "cluster_for_ranks",
-           "check_trace_fits", "replay", "plan_trace", "trace_dispatch_choice"]
+           "check_trace_fits", "replay"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,30 +62,17 @@ DEFAULT_METHODS = ("efficientmoe", "efficientmoe-fixed-home", "moonep", "ablatio
 
 @dataclass(frozen=True)
 class ReplayConfig:
-    """Replay and planner settings (units in the names).
+    """Replay settings (units in the names).
 
-    slots_per_device: expert slots per device (None: ceil(E / D) + 1, one spare for replicas).
-    capacity_multiple: capacity rounding, tokens (Ascend cube tile: 16).
-    drop_target: expected drop rate the capacity model aims at.
+    slots_per_device: expert slots per device (None: ceil(E / D) + 1, one spare for copies).
+    drop_target: the drop rate of the static-limit yardstick rows (``bench``).
     warmup: rows used as history only before metrics start (>= 2).
-    residual_window: forecast-error origins the capacity model looks at.
+    residual_window: trace rows the slow level's forecast and replays look at.
     check_every_steps: training steps between re-plan checks, also the re-plan horizon.
     hidden: H (None: the trace's ``hidden``, else 1024). ffn_hidden: F (None: 4 H).
-    dtype: activation/weight dtype. predictor: our load predictor's name.
-    recompile_s: seconds to recompile after a plan change (see ReplanCosts).
-    max_forecast_error: our planner treats a layer as unpredictable, and plans it dropless
-        (every slot sized for all tokens of a step), while the root mean square of its recent
-        one-step relative forecast errors is above this (PlannerConfig: chosen on held-out
-        traces, docs/results.md).
+    dtype: activation/weight dtype.
     sync_replica_grads: charge the all-reduce of replicated experts' gradients (False: assume
         it is hidden behind other layers' backward).
-    dispatch: what ``plan moe --dispatch`` (:func:`plan_trace`) plans for with the one-level
-        planner of the ``grouped``/``counts``/``static`` layers, "grouped", "counts",
-        "static" or "auto" (grouped or counts, the one predicted cheaper:
-        :func:`planner.choose_dispatch`); the replay's methods each keep their own.
-    max_block_drop_rate: the most expected drops the send blocks of the one-level
-        "grouped"/"counts" plans may cause; the per-pair target within it is chosen by cost
-        (PlannerConfig, placement.choose_blocks).
     fast_level_s: the two-level methods' fast-level time per layer-step (CostModel;
         default ``FAST_LEVEL_S``, measured).
     expert_kind: "mlp" (two matrices) or "glu" (gated: Mixtral, DeepSeek); expert_bias:
@@ -99,7 +80,6 @@ class ReplayConfig:
     """
 
     slots_per_device: Optional[int] = None
-    capacity_multiple: int = 16
     drop_target: float = 0.005
     warmup: int = 16
     residual_window: int = 8
@@ -107,25 +87,10 @@ class ReplayConfig:
     hidden: Optional[int] = None
     ffn_hidden: Optional[int] = None
     dtype: str = "bf16"
-    predictor: str = "ar-ridge"
-    recompile_s: Optional[float] = None     # None: schedule.recompile_time_s (PlannerConfig)
-    max_forecast_error: float = 0.75
     sync_replica_grads: bool = True
-    dispatch: str = "grouped"
-    max_block_drop_rate: float = 0.001
     fast_level_s: float = FAST_LEVEL_S
     expert_kind: str = "mlp"
     expert_bias: bool = True
-
-    def planner_config(self) -> PlannerConfig:
-        """The settings of our planner (the same class the trainer builds from its config)."""
-        return PlannerConfig(slots_per_device=self.slots_per_device,
-                             capacity_multiple=self.capacity_multiple,
-                             drop_target=self.drop_target,
-                             residual_window=self.residual_window, predictor=self.predictor,
-                             max_forecast_error=self.max_forecast_error,
-                             recompile_s=self.recompile_s, dispatch=self.dispatch,
-                             max_block_drop_rate=self.max_block_drop_rate)
 
 
 @dataclass
@@ -219,46 +184,3 @@ def replay(trace: RoutingTrace, method: str, cluster: Optional[ClusterSpec] = No
     check_rows = max(1, round(config.check_every_steps / stride))
     return ReplayResult(**replay_two_level(trace, method, model, config.warmup, check_rows,
                                            stride, extra, config.residual_window))
-
-
-def _planners(trace: RoutingTrace, cluster: Optional[ClusterSpec], config: ReplayConfig,
-              dispatches) -> dict:
-    """The one-level planner of each dispatch in ``dispatches`` for the step after the
-    trace's last row (what ``plan moe --dispatch`` uses)."""
-    cluster = cluster or cluster_for_ranks(trace.num_ranks)
-    check_trace_fits(trace, cluster)
-    if trace.num_steps < 2:
-        raise ValueError(f"planning needs a trace of >= 2 steps, but got {trace.num_steps}.")
-    config = dataclasses.replace(config, warmup=min(max(2, config.warmup), trace.num_steps - 1))
-    model = _model(trace, cluster, config)
-    stride = _stride(trace)
-    if trace.tokens_per_rank and trace.top_k:
-        tokens_per_step: Optional[int] = trace.tokens_per_rank * trace.num_ranks
-    else:
-        tokens_per_step = (int(trace.counts.sum(axis=(2, 3)).max()) // trace.top_k
-                           if trace.top_k else None)
-    return {d: EfficientMoEPlanner(dataclasses.replace(config, dispatch=d).planner_config(),
-                                   model, trace.num_experts, np.arange(trace.num_ranks),
-                                   trace.top_k, tokens_per_step,
-                                   max(1, round(config.check_every_steps / stride)), stride,
-                                   trace.num_layers)
-            for d in dispatches}
-
-
-def plan_trace(trace: RoutingTrace, cluster: Optional[ClusterSpec] = None,
-               config: ReplayConfig = ReplayConfig()) -> List[ExpertPlan]:
-    """One-level EfficientMoE plans (one per layer) for the step after the trace's last row,
-    for ``config.dispatch`` ("auto": :func:`trace_dispatch_choice`'s): what ``ms-efficient
-    plan moe --dispatch grouped|counts|static|auto`` writes. Needs a trace of >= 2 rows."""
-    if config.dispatch == "auto":
-        return trace_dispatch_choice(trace, cluster, config).proposal.plans
-    planner = _planners(trace, cluster, config, (config.dispatch,))[config.dispatch]
-    return planner.propose(trace.counts, None).plans
-
-
-def trace_dispatch_choice(trace: RoutingTrace, cluster: Optional[ClusterSpec] = None,
-                          config: ReplayConfig = ReplayConfig()) -> DispatchChoice:
-    """Grouped or counts for the step after the trace's last row
-    (:func:`planner.choose_dispatch` over the whole trace), with the chosen plans."""
-    planners = _planners(trace, cluster, config, GROUPED_DISPATCH)
-    return choose_dispatch(planners, trace.counts)

@@ -1,10 +1,11 @@
 """Routing sampler: the per-step routing counts every MoE planner reads.
 
-The trainer, the ``EfficientMoECallback`` and the measured bench record one row per step
+The trainer, the ``RoutingTraceCallback`` and the measured bench record one row per step
 (int [layer, source rank, expert], tokens each source rank sent to each expert, top-k
-counted k times) and hand the history to :class:`~ms_efficient.efficientmoe.planner.
-EfficientMoEPlanner` as ``counts_TLRE`` (int [step, layer, source rank, expert]); the same
-history is saved as the run's routing trace (:class:`~ms_efficient.moe.trace.RoutingTrace`).
+counted k times); the history ``counts_TLRE`` (int [step, layer, source rank, expert]) is
+saved as the run's routing trace (:class:`~ms_efficient.moe.trace.RoutingTrace`), which the
+slow level's layout (``plan moe``, ``efficientmoe.history``) and the ``efficientmoe`` pass
+plan from.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Replay a routing trace under the two-level methods (a slow-level layout, :mod:`layout`,
+"""Replay a routing trace under the two-level methods (a slow-level layout, :mod:`planner`,
 with the fast level, :mod:`balance`, every step) and under the baseline rows: every row
 is a :class:`~ms_efficient.moe.balance.Balance` per step, costed by :mod:`balanced_cost`.
 
@@ -53,7 +53,7 @@ import numpy as np
 from ms_efficient.efficientmoe.balanced_cost import (balanced_cost, copy_cost_rows_WW,
                                                      home_sync_time_L)
 from ms_efficient.efficientmoe.cost import CostModel
-from ms_efficient.efficientmoe.layout import LayoutConfig, decide_home, plan_layout, uniform_home
+from ms_efficient.efficientmoe.planner import LayoutConfig, decide_home, plan_layout, uniform_home
 from ms_efficient.efficientmoe.baselines import fastermoe_balance, moonep_balance, switch_balance
 from ms_efficient.moe.balance import balance_step
 from ms_efficient.moe.split import switch_capacity

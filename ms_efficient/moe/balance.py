@@ -1,6 +1,6 @@
 """EfficientMoE's fast level: balance every step's exact routing counts inside fixed buffers.
 
-The slow level (:mod:`ms_efficient.efficientmoe.layout`) fixes, once per run, what a compiled
+The slow level (:mod:`ms_efficient.efficientmoe.planner`) fixes, once per run, what a compiled
 graph needs to know: each device's home slots (which logical expert each holds; a re-plan
 may change this table, it is data), its number of spare slots, and its receive buffer. Every
 step and MoE layer, from that step's all-gathered counts, this module decides where every

@@ -8,7 +8,7 @@ R = ceil(X / H) the rows one copy takes, M = sum_w (P_w + R S_s) (this rank's se
 without copies, W = 1 or S_s = 0: sum_w P_w), J = sum_src (P_me + R S_s) (the dispatch's
 receive layout), I = sum_src P_me (its token rows).
 
-The layout's shapes (home slots, spare slots, buffers; :mod:`ms_efficient.efficientmoe.layout`)
+The layout's shapes (home slots, spare slots, buffers; :mod:`ms_efficient.efficientmoe.planner`)
 are fixed when the Cell is built. The home table is a non-trainable Parameter (data, read by
 the fast level every step): :meth:`BalancedExpertParallelMoE.set_plan` re-places the home
 experts between steps, moving the changed slots' weights and optimizer state

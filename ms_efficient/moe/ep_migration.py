@@ -1,10 +1,9 @@
 """Expert migration of a re-plan: which weight rows move where (numpy; the one source of truth
-for what a re-plan sends and for what the re-plan schedule charges).
+for what a home re-plan sends and for what the slow level charges for it).
 
 Notation: W ranks (= devices of the plans), S_b weight rows (budget slots) per rank, B = S_b.
 Row i of rank d holds the i-th slot of d in the plan, in ascending slot id, and rows past d's
-slots are empty (the layout of :func:`~ms_efficient.moe.ep_routing.grouped_dispatch`, and of a
-static layer's S_l rows). Going from an old plan to a new one, every new row of every rank is
+slots are empty (:func:`row_layout`; the balanced layer's home table). Going from an old plan to a new one, every new row of every rank is
 
   kept     it holds the same expert in the same row before and after (nothing to do), or it
            is empty in the new plan (its values become zeros, no copy);
@@ -24,8 +23,8 @@ order of the first new row of d that needs each (both sides derive it from the s
 What moves with a row: the expert's weights and, when the optimizer keeps state per weight
 (Adam's two moments, Momentum's one), that state, so a step after the move equals the step
 without it. :func:`migration_bytes_WW` charges bytes = rows x bytes per row x (1 + optimizer
-state tensors per weight); ``efficientmoe.schedule`` prices re-plans with it and
-``BalancedExpertParallelMoE.set_plan`` moves exactly these rows.
+state tensors per weight); the slow level (``efficientmoe.planner``) prices re-plans with
+it and ``BalancedExpertParallelMoE.set_plan`` moves exactly these rows.
 No MindSpore import here.
 """
 from __future__ import annotations
@@ -37,7 +36,7 @@ import numpy as np
 
 from ms_efficient.moe.plan import ExpertPlan
 
-__all__ = ["Migration", "plan_migration", "migrate_rows", "migration_bytes_WW", "row_layout"]
+__all__ = ["Migration", "migrate_rows", "migration_bytes_WW", "row_layout"]
 
 
 def row_layout(plan: ExpertPlan, budget: int, world: int) -> np.ndarray:
@@ -139,30 +138,13 @@ class Migration:
         return index_B
 
 
-def plan_migration(old: ExpertPlan, new: ExpertPlan, budget: int, world: int,
-                   devices_per_node: Optional[int] = None) -> Migration:
-    """The migration from ``old`` to ``new`` over ``budget`` (S_b) weight rows on each of
-    ``world`` (W) ranks (module docstring).
-
-    devices_per_node: when given, a remote copy comes from a rank on the destination's node
-        (rank // devices_per_node) if one holds the expert; otherwise (and among those) the
-        lowest rank.
-    Raises ``ValueError`` when a plan does not fit the rows, or an expert of ``new`` has no
-    copy in ``old`` to come from.
-    """
-    if world < 1 or budget < 1:
-        raise ValueError(f"'world' and 'budget' must be >= 1, but got {world} and {budget}.")
-    return migrate_rows(row_layout(old, budget, world), row_layout(new, budget, world),
-                        devices_per_node)
-
-
 def migrate_rows(old_WB: np.ndarray, new_WB: np.ndarray,
                  devices_per_node: Optional[int] = None) -> Migration:
     """The migration from row table ``old_WB`` to ``new_WB`` (int [W, S_b], the expert of
     every weight row of every rank, -1 empty; :func:`row_layout` of a plan, or the home
     table of a :class:`~ms_efficient.moe.balanced_ep.BalancedExpertParallelMoE`), module
-    docstring. What :func:`plan_migration` computes once the plans are laid out in rows, and
-    what the slow level's simulator charges for a home re-plan.
+    docstring: what ``set_plan`` moves and the slow level's simulator charges for a home
+    re-plan.
 
     Raises ``ValueError`` when the tables differ in shape, or an expert of ``new_WB`` has no
     copy in ``old_WB`` to come from.

@@ -58,8 +58,7 @@ __all__ = ["MoEFeedForward", "LAYER_DISPATCH", "TopKArrival", "TanhGELU", "routi
 # ms_efficient.efficientmoe.apply.RoutingTraceCallback, never checkpointed (not model state)
 ROUTING_COUNTS = "routing_counts"
 # MoEFeedForward's dispatch: per-expert capacities / padding-free grouped rows (moe.dispatch
-# "counts" and "balanced" build "grouped" layers in one process: MoEConfig.layer_dispatch;
-# an expert-parallel plan's modes are moe.plan.DISPATCH_MODES)
+# "balanced" builds "grouped" layers in one process: MoEConfig.layer_dispatch)
 LAYER_DISPATCH = ("static", "grouped")
 
 
@@ -135,8 +134,7 @@ def group_tables(tables, groups, total: int):
     gets the tables themselves; otherwise they are unstacked once and each group's members
     stacked, so the backward is a stack plus an unstack per group. Gathering each group's
     rows instead scatters a full-size gradient per group and adds them up, which on this CPU
-    made more than two capacity levels markedly slower (``scripts/bench_capacity_levels.py``
-    shows what levels cost end to end).
+    made more than two capacity levels markedly slower.
     """
     if len(groups) == 1 and tuple(groups[0]) == tuple(range(total)):
         return (tuple(tables),)

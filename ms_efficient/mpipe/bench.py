@@ -22,7 +22,7 @@ recompile each time its chunk count changes (a static graph compiles its chunks)
 Rows: {"evidence": "simulated", "workload", "method", "layer_time_s" (mean over rows,
 forward + backward of one layer), "speedup_vs_no_pipeline", "exposed_comm_fraction",
 "chunk_changes", "recompile_s" (seconds: changes x
-:func:`~ms_efficient.efficientmoe.schedule.recompile_time_s` of the workload's layers),
+:func:`~ms_efficient.mpipe.planner.recompile_time_s` of the workload's layers),
 "memory_bytes" (keep strategy, at the mean chunk count), "chunks_mean"}; reuse rows:
 {"method": "reuse", "budget_bytes", "chunks", "strategy", "layer_time_s", "memory_bytes"}.
 """
@@ -34,10 +34,9 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from ms_efficient.core.cluster import ClusterSpec, get_cluster
-from ms_efficient.efficientmoe.schedule import recompile_time_s
 from ms_efficient.mpipe.planner import (CHUNK_CANDIDATES, ChunkSelector, MoELayerShape,
-                                        choose_chunks, choose_reuse, reuse_memory_bytes,
-                                        rows_per_step, simulate_layer)
+                                        choose_chunks, choose_reuse, recompile_time_s,
+                                        reuse_memory_bytes, rows_per_step, simulate_layer)
 
 __all__ = ["MPipeWorkload", "WORKLOADS", "POLICIES", "policy_rows", "reuse_rows",
            "STEPS_PER_ROW"]

@@ -48,7 +48,18 @@ from ms_efficient.sim import Simulator
 
 __all__ = ["MoELayerShape", "LayerTiming", "REUSE_STRATEGIES", "CHUNK_CANDIDATES",
            "simulate_layer", "choose_chunks", "choose_reuse", "reuse_memory_bytes",
-           "ChunkSelector", "rows_per_step"]
+           "ChunkSelector", "rows_per_step", "recompile_time_s"]
+
+# Seconds one recompile of a network of L MoE layers costs: RECOMPILE_FIXED_S +
+# RECOMPILE_PER_LAYER_S * L (what a static graph pays each time its chunk count changes).
+# Source: scripts/measure_recompile.py compiles the forward+backward graph of L stacked
+# MoEFeedForward layers (H=64, F=128, 8 experts, top-2, capacity 16, MindSpore 2.10
+# GRAPH_MODE, CPU) in fresh processes after a warm-up compile; L = 1, 2, 4, 8 gave minima of
+# 1.13, 1.45, 2.18, 3.39 s over 5 runs on a loaded 2-core machine, a line of 0.82 s + 0.32 s
+# * L, rounded to 0.8 s + 0.4 s * L. Whole transformer blocks cost more (the 4-layer
+# reference GPT-MoE logged 4.5-9.5 s per recompile there), so this is a lower bound.
+RECOMPILE_FIXED_S = 0.8
+RECOMPILE_PER_LAYER_S = 0.4
 
 REUSE_STRATEGIES = ("keep", "recomm", "recompute", "both")
 CHUNK_CANDIDATES = (1, 2, 4, 8, 16)
@@ -245,3 +256,11 @@ def rows_per_step(counts_SRE: np.ndarray, devices: int) -> np.ndarray:
     load_SE = counts.sum(axis=1)
     return load_SE.reshape(load_SE.shape[0], devices, experts // devices).sum(axis=2).max(axis=1)
 
+
+def recompile_time_s(num_layers: int = 1) -> float:
+    """Seconds one recompilation of a network of ``num_layers`` MoE layers costs:
+    RECOMPILE_FIXED_S + RECOMPILE_PER_LAYER_S * num_layers (measured; see the constants)."""
+    if num_layers < 1:
+        raise ValueError(f"'num_layers' must be >= 1, but got {num_layers}.")
+    # rounded to the nanosecond: 0.8 + 0.4 is 1.2000000000000002 in binary floats
+    return round(RECOMPILE_FIXED_S + RECOMPILE_PER_LAYER_S * num_layers, 9)

@@ -130,12 +130,12 @@ class ExpertParallelTrainer:
         self.saved_steps: List[Dict] = []            # state.json's "steps" (save())
 
     def _balanced_specs(self, num_moe: int, budget: int):
-        """The layout of a "balanced" run (:func:`~ms_efficient.efficientmoe.layout.
+        """The layout of a "balanced" run (:func:`~ms_efficient.efficientmoe.planner.
         training_specs`): from ``efficientmoe.history`` when given, else plain expert
         parallelism with the extra slots as spares and buffers of the mean share x
         (1 + ``efficientmoe.buffer_slack``)."""
         from ms_efficient.core.config import history_trace_path
-        from ms_efficient.efficientmoe.layout import training_specs
+        from ms_efficient.efficientmoe.planner import training_specs
 
         cfg, moe = self.cfg, self.cfg.moe
         em = cfg.efficientmoe

@@ -537,15 +537,6 @@ def write_report(run_dir: str, summaries: bool = True) -> str:
                   f"{_or_dash(c.get('modelled_migration_ms'))} | {c['reason']} |"
                   for c in checks]
         lines.append("")
-    plans = [m for m in rows if m["kind"] == "plan"]
-    if plans:
-        lines += ["## EfficientMoE re-plans", "",
-                  "| step | slot rows before | after | expected drop | expected padding |",
-                  "|---:|---:|---:|---:|---:|"]
-        lines += [f"| {p['step']} | {p['rows_before']} | {p['rows_after']} | "
-                  f"{p['expected_drop_rate']:.4f} | {p['expected_padding_fraction']:.3f} |"
-                  for p in plans]
-        lines.append("")
     trace_path = os.path.join(run_dir, "trace.npz")
     if os.path.isfile(trace_path):
         trace = load_trace(trace_path)

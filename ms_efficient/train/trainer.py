@@ -32,12 +32,8 @@ import mindspore as ms
 from mindspore import Tensor, ops
 
 from ms_efficient.core import backend
-from ms_efficient.core.config import (RunConfig, check_dispatch, history_trace_path, load_config,
-                                      save_config)
+from ms_efficient.core.config import RunConfig, check_dispatch, load_config, save_config
 from ms_efficient.core.fileio import atomic_write_text
-from ms_efficient.efficientmoe.planner import (capacities_LE, one_device_counts,
-                                               one_device_planner, single_device_plans)
-from ms_efficient.efficientmoe.planner import ReplanLoop
 from ms_efficient.efficientmoe.sampler import RoutingSampler
 from ms_efficient.models.dropout import dropout_cells, set_dropout_step
 from ms_efficient.models.gpt_moe import build_model
@@ -107,15 +103,6 @@ class Trainer:
         # kept assignments and computed slot rows, summed over MoE layers
         self.step_times: List[float] = []
         self.totals = {"assigned": 0, "kept": 0, "rows": 0}
-        tokens = tr.batch_size * cfg.model.seq_length
-        mc, em = cfg.model, cfg.efficientmoe
-        self.tokens_per_step = tokens
-        self.planner = (one_device_planner(em, cfg.cluster_spec(), mc.hidden_size,
-                                           mc.ffn_hidden_size, cfg.moe.num_experts,
-                                           cfg.moe.top_k, tokens, len(self.moe_layers))
-                        if em.enabled else None)
-        self.replan_loop = ReplanLoop(self.planner, em.monitor_steps) if self.planner else None
-        self.history_LE = self._load_history(tokens) if self.planner else None
 
     # ------------------------------------------------------------------ capacities
     def capacities(self) -> np.ndarray:
@@ -132,75 +119,11 @@ class Trainer:
         return int(self.capacities().sum())
 
     def set_capacities(self, capacity_LE: np.ndarray) -> None:
-        """Apply per-expert capacities to every MoE layer and recompile the step functions."""
+        """Apply per-expert capacities to every MoE layer and recompile the step functions
+        (a resumed run's saved capacities, e.g. those the efficientmoe pass sized)."""
         for layer, caps in zip(self.moe_layers, np.asarray(capacity_LE)):
             layer.set_capacities([int(c) for c in caps])
         self._build_steps()
-
-    def _load_history(self, tokens_per_step: int) -> np.ndarray:
-        """int64 [t, moe layer, expert] loads of ``efficientmoe.history`` ([0, L, E] if none)."""
-        em, mc = self.cfg.efficientmoe, self.cfg.moe
-        shape = (len(self.moe_layers), mc.num_experts)
-        if not em.history:
-            return np.zeros((0,) + shape, np.int64)
-        path = history_trace_path(em.history)
-        load = load_trace(path).counts.sum(axis=2)
-        if load.shape[1:] != shape:
-            raise ValueError(f"'efficientmoe.history' trace {path} has loads of shape "
-                             f"[layer, expert] = {list(load.shape[1:])}, but this model has "
-                             f"{list(shape)}.")
-        routed = int(load[-1, 0].sum())
-        if routed != tokens_per_step * mc.top_k:
-            raise ValueError(f"'efficientmoe.history' trace {path} routes {routed} assignments "
-                             f"per layer and step, but this run routes "
-                             f"{tokens_per_step * mc.top_k} (batch x seq_length x top_k).")
-        logger.info("EfficientMoE: %d history steps from %s", len(load), path)
-        return load
-
-    def _first_plan_step(self) -> int:
-        """0 when the history can fit the predictor (>= 3 rows), else ``warmup_steps``."""
-        return 0 if len(self.history_LE) >= 3 else self.cfg.efficientmoe.warmup_steps
-
-    def _maybe_replan(self) -> None:
-        """Ask the EfficientMoE loop (the planner the callback and the replay use) before the
-        next step; apply and recompile when it adopts new capacities."""
-        if self.planner is None or self.step < self._first_plan_step():
-            return
-        if self.step >= self.cfg.train.steps:
-            return
-        load = self.history_LE
-        if len(self.sampler):
-            load = np.concatenate([load, self.sampler.expert_load()])
-        current = self.capacities()
-        mc = self.cfg.moe
-        polled = self.replan_loop.poll(
-            self.step, one_device_counts(load),
-            single_device_plans(current, mc.top_k, self.tokens_per_step),
-            compiled=self.step > 0, max_horizon_steps=self.cfg.train.steps - self.step)
-        if polled is None:
-            return
-        decision, cand = polled
-        caps = capacities_LE(cand.plans, mc.num_experts)
-        if (decision is not None and not decision.replan) or np.array_equal(caps, current):
-            logger.info("step %d: EfficientMoE keeps capacities (%d rows): %s", self.step,
-                        int(current.sum()), decision.reason if decision else "same plan")
-            return
-        drop = self.planner.expected_drop_rate(cand.plans, cand.predicted_LRE, cand.rel_KLRE)
-        pad = float(self.planner.expected_padding_fraction(cand.plans,
-                                                           cand.predicted_LRE).mean())
-        self.set_capacities(caps)
-        self.metrics.append({
-            "kind": "plan", "step": self.step, "capacities": caps.tolist(),
-            "rows_before": int(current.sum()), "rows_after": int(caps.sum()),
-            "expected_drop_rate": round(float(drop), 5),
-            "expected_padding_fraction": round(pad, 5),
-            "dropless_layers": int(cand.dropless_L.sum()),
-            "horizon_steps": int(cand.horizon_steps),
-            "reason": decision.reason if decision else "first plan, before compiling"})
-        logger.info("step %d: EfficientMoE re-planned capacities: %d -> %d slot rows "
-                    "(expected drop %.4f, padding %.3f; %s); recompiling", self.step,
-                    int(current.sum()), int(caps.sum()), drop, pad,
-                    decision.reason if decision else "first plan")
 
     # ------------------------------------------------------------------ compiled functions
     def _build_steps(self) -> None:
@@ -353,8 +276,6 @@ class Trainer:
         tr, mc = self.cfg.train, self.cfg.model
         total = tr.steps
         save_config(self.saved_cfg, os.path.join(self.out_dir, "config.yaml"))
-        if self.step == 0:
-            self._maybe_replan()          # plans from efficientmoe.history before compiling
         if not any(m["kind"] == "val" and m["step"] == 0 for m in self.metrics):
             self._log_val()
         moe_index = list(self.net.moe_index)
@@ -386,8 +307,6 @@ class Trainer:
             sample_s += time.perf_counter() - t1
             dropped_L = dropped.asnumpy()[moe_index]
             step_dropped = int(dropped_L.sum())
-            if self.replan_loop is not None:          # per layer: any layer may force a check
-                self.replan_loop.observe(dropped_L, counts.sum(axis=(1, 2)))
             assigned += int(counts.sum())
             kept += int(counts.sum()) - step_dropped
             step_rows = self.computed_rows(int(counts.sum()))
@@ -416,7 +335,6 @@ class Trainer:
                 window_start, window_steps = time.perf_counter(), 0
             if self.step % tr.eval_every == 0 or self.step == total:
                 self._log_val()
-            self._maybe_replan()
             if self.step % tr.save_every == 0 or self.step == total:
                 self.save()
         vals = [m["val_loss"] for m in self.metrics if m["kind"] == "val"]
@@ -445,7 +363,7 @@ def train(config_path: str, out_dir: Optional[str] = None, steps: Optional[int] 
     steps: the total step count the run trains to (``train.steps``), on ``resume`` too:
     not steps to add; a total the resumed run has already reached is refused (ValueError),
     before anything is written.
-    overrides: dotted config keys to set, e.g. ``{"efficientmoe.enabled": True}``.
+    overrides: dotted config keys to set, e.g. ``{"moe.dispatch": "grouped"}``.
     overwrite: replace an earlier run in the output folder (else a non-empty one is refused).
     The folder is locked and checked before the model is built.
     On CPU it turns MindSpore's graph pipeline off in this process's environment, as
