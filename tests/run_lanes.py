@@ -25,9 +25,8 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 LANE_B = ("test_cli.py", "test_dropout.py", "test_example_ep.py", "test_fast_level.py",
           "test_graph.py", "test_graph_size.py", "test_grouped_matmul.py", "test_kernels.py",
           "test_memopt.py", "test_moe_adopt_modern.py", "test_moe_balance.py",
-          "test_moe_callback.py", "test_moe_counts.py", "test_moe_exchange.py",
-          "test_moe_gated.py", "test_moe_grouped.py", "test_moe_grouped_plan.py",
-          "test_moe_layer.py", "test_moe_planners.py", "test_mpipe.py",
+          "test_moe_callback.py", "test_moe_capacity.py", "test_moe_counts.py",
+          "test_moe_gated.py", "test_moe_grouped.py", "test_moe_layer.py", "test_moe_planners.py", "test_mpipe.py",
           "test_place_same_devices.py", "test_place_stages.py", "test_quick_start_ep.py",
           "test_routers.py", "test_run_folder.py",
           "test_shard_apply.py", "test_shard_ilp.py", "test_train.py", "test_zoo.py")

@@ -10,7 +10,7 @@ import workers
 from conftest import assert_within_float32_bound
 from moe_reference import (E, F, H, K, T, WeightedOutput, batch, dense_layer, grads,
                            moe_float32_bounds, reference, reference_bounds, weights)
-from ms_efficient.efficientmoe.planner import migration_bytes_WW
+from ms_efficient.efficientmoe.planner import home_move_bytes_WW
 from ms_efficient.moe.balance import balance_step, home_plan
 from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE, fast_level_tables
 
@@ -179,7 +179,7 @@ def test_w_workers_with_per_step_copies_equal_one_process(balanced_layer_runs, w
     home, after = wk.home_table(world), wk.home_after(world)
     # the re-plan moved every slot across ranks, as the simulator charges it
     slots = home.size
-    charged = migration_bytes_WW(home[None], after[None], 1.0)
+    charged = home_move_bytes_WW(home[None], after[None], 1.0)
     for r in res:
         assert r["home_after"].tolist() == after.tolist()
         moved_slots, sent_rows, moved_bytes, row_bytes = r["migration"]

@@ -12,7 +12,7 @@ from ms_efficient.moe.balance import (balance_step, holders_of, home_split, pair
 from ms_efficient.moe.split import proportional_split
 from ms_efficient.efficientmoe.balanced_cost import balanced_cost, copy_cost_rows_WW
 from ms_efficient.efficientmoe.cost import CostModel
-from ms_efficient.efficientmoe.planner import (LayoutConfig, migration_bytes_WW, place_home,
+from ms_efficient.efficientmoe.planner import (LayoutConfig, home_move_bytes_WW, place_home,
                                               plan_layout, refine_home, uniform_home)
 from ms_efficient.moe.trace import skewed_trace
 
@@ -323,7 +323,7 @@ def test_eplb_rows_keep_eplbs_placement_and_ours_refines_it():
 def test_migration_moves_only_the_home_slots_that_change():
     old = np.array([[[0, 1], [2, 3]]])
     new = np.array([[[0, 2], [1, 3]]])                          # experts 1 and 2 swap
-    assert migration_bytes_WW(old, new, 10.0).tolist() == [[0, 10], [10, 0]]
+    assert home_move_bytes_WW(old, new, 10.0).tolist() == [[0, 10], [10, 0]]
 
 
 def test_the_layout_is_deterministic_and_its_buffers_cover_the_mean():
@@ -543,10 +543,10 @@ def test_a_moved_home_slot_is_fetched_from_the_destinations_node_first():
     new = np.array([[[0, 1], [2, 3], [0, 4], [5, 0]]])
     expected = np.zeros((4, 4))
     expected[2, 3] = 7.0
-    assert migration_bytes_WW(old, new, 7.0, devices_per_node=2).tolist() == expected.tolist()
+    assert home_move_bytes_WW(old, new, 7.0, devices_per_node=2).tolist() == expected.tolist()
     expected = np.zeros((4, 4))
     expected[0, 3] = 7.0                                    # one level: the lowest id
-    assert migration_bytes_WW(old, new, 7.0).tolist() == expected.tolist()
+    assert home_move_bytes_WW(old, new, 7.0).tolist() == expected.tolist()
 
 
 def test_a_home_replan_is_adopted_only_when_its_gain_over_the_horizon_pays_the_move():

@@ -63,7 +63,7 @@ from ms_efficient.moe.balance import (BalancedSpec, balance_step, holders_of, ho
 
 __all__ = ["Layout", "LayoutConfig", "plan_layout", "place_home", "refine_home", "uniform_home",
            "cross_experts_L",
-           "replan_home", "migration_bytes_WW", "migration_time_s", "HomeDecision",
+           "replan_home", "home_move_bytes_WW", "migration_time_s", "HomeDecision",
            "decide_home", "size_buffers", "replay_cost_s",
            "save_layout", "load_layout", "training_specs"]
 
@@ -498,7 +498,7 @@ def plan_layout(history_TLRE: np.ndarray, model: CostModel,
                   slack_L=slack, redundant=redundant, method=method, sync_rows=sync_rows)
 
 
-def migration_bytes_WW(old_LWS: np.ndarray, new_LWS: np.ndarray, bytes_per_slot: float,
+def home_move_bytes_WW(old_LWS: np.ndarray, new_LWS: np.ndarray, bytes_per_slot: float,
                        devices_per_node: Optional[int] = None) -> np.ndarray:
     """Bytes to move from home table ``old`` to ``new``: float64 [W, W] [src, dst], summed over
     layers. Per layer, the rows :func:`~ms_efficient.moe.ep_migration.migrate_rows` moves
@@ -521,7 +521,7 @@ def migration_time_s(old: Layout, new: Layout, model: CostModel, bytes_per_param
     (float32 weights plus ``optimizer_states`` tensors per parameter, as the trainer keeps
     them), all layers at once over the cluster's links (one uneven All-to-All)."""
     per_slot = model.expert_params * bytes_per_param * (1 + optimizer_states)
-    moved = migration_bytes_WW(old.home_LWS, new.home_LWS, per_slot,
+    moved = home_move_bytes_WW(old.home_LWS, new.home_LWS, per_slot,
                                model.cluster.devices_per_node)
     full = np.zeros((model.cluster.num_devices,) * 2)
     full[:moved.shape[0], :moved.shape[1]] = moved
