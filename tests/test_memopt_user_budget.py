@@ -111,9 +111,10 @@ def test_a_sequential_network_without_repeated_blocks_plans_its_layers():
     assert mem["simulated"]["fits"] and mem["simulated"]["peak_bytes"] <= mem["budget_bytes"]
 
 
-def test_the_readme_optimize_example_runs_as_written(capsys):
+def test_the_readme_optimize_example_runs_as_written(capsys, tmp_path, monkeypatch):
     """The README's first Python block, executed with the smallest fill-ins: a 2-layer LLaMA
-    with the package's MoE layer as its MLP, one batch, one epoch."""
+    with the package's MoE layer as its MLP, one batch, one epoch (in a fresh folder: the
+    block records the routing trace there)."""
     import os
     import re
 
@@ -136,7 +137,12 @@ def test_the_readme_optimize_example_runs_as_written(capsys):
              "opt": nn.Adam(backbone.trainable_params(), 1e-3), "epochs": 1,
              "dataset": GeneratorDataset(lambda: iter([(ids, labels)] * 2),
                                          ["ids", "labels"], shuffle=False)}
+    monkeypatch.chdir(tmp_path)
     exec(compile(block, "README.md", "exec"), scope)          # noqa: S102 - the README's code
     plans = scope["plans"]
+    from ms_efficient.moe.trace import load_trace
+
+    # two steps of the two MoE layers, the input for plan moe and the efficientmoe pass
+    assert load_trace(str(tmp_path / "trace.npz")).counts.shape[:2] == (2, 2)
     assert plans["memopt"]["cells"] and plans["memopt"]["simulated"]["fits"]
     assert str(plans["memopt"]["cells"]) in capsys.readouterr().out

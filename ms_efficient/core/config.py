@@ -6,7 +6,7 @@ defaults below::
     context:  {mode: GRAPH_MODE, device_target: CPU, seed: 1234}
     model:    {vocab_size: 256, seq_length: 128, hidden_size: 256, num_layers: 4, ...}
     moe:      {num_experts: 8, top_k: 2, capacity_factor: 1.25, dispatch: static, ...}
-    efficientmoe: {enabled: false, replan_every: 25, ...}   # online per-expert capacities
+    efficientmoe: {enabled: false, replan_every: 25, ...}   # the slow level of an expert-parallel run
     data:     {path: stdlib, val_fraction: 0.05, ...}
     train:    {steps: 300, batch_size: 16, learning_rate: 1.0e-3, ...}
     cluster:  {preset: cpu-local}           # or a preset plus overrides, see cluster.py
