@@ -539,7 +539,7 @@ def read_yaml(path: str, allow_empty: bool = True) -> Dict[str, Any]:
     return data
 
 
-def _migrate_saved_dispatch(data: Dict[str, Any], expert_parallel: bool, path: str) -> None:
+def _migrate_saved_config(data: Dict[str, Any], expert_parallel: bool, path: str) -> None:
     """A run folder's config.yaml saved before ``moe.dispatch`` named every run's dispatch
     holds ``efficientmoe.dispatch`` (the expert-parallel exchange) beside ``moe.dispatch``
     (the one-process layers): the run used the first if it was expert-parallel, the second
@@ -585,11 +585,11 @@ def load_config(path: str, overrides: Optional[Dict[str, Any]] = None,
     An empty file is refused (it would silently mean "all defaults").
     saved_expert_parallel: set when ``path`` is a run folder's own config.yaml (True for a
     ``train --workers`` run): a folder saved with the older ``efficientmoe.dispatch`` key
-    then loads as the run it was (:func:`_migrate_saved_dispatch`); a config a user writes
+    then loads as the run it was (:func:`_migrate_saved_config`); a config a user writes
     with that key is refused, naming where it went."""
     data = read_yaml(path, allow_empty=False)
     if saved_expert_parallel is not None and isinstance(data, dict):
-        _migrate_saved_dispatch(data, saved_expert_parallel, path)
+        _migrate_saved_config(data, saved_expert_parallel, path)
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, leaf = dotted.split(".")

@@ -110,10 +110,9 @@ def static_capacities(load_TLE: np.ndarray, drop_target: float, multiple: int,
     caps = np.maximum(caps, multiple)
     if max_load is not None:
         caps = np.minimum(caps, int(max_load))
-    dropped = float(np.maximum(0.0, load - caps[None]).sum())
-    rows = float(caps.sum()) * load.shape[0]
-    padding = float(np.maximum(0.0, caps[None] - load).sum())
-    return StaticCapacities(caps, dropped / max(float(load.sum()), 1.0), padding / max(rows, 1.0))
+    # every (layer, expert) as one column: the rates over all layers' rows at once
+    drop, pad = expected_drop_and_padding(caps.ravel(), load.reshape(load.shape[0], -1))
+    return StaticCapacities(caps, drop, pad)
 
 
 def static_capacity_limit(loads_TLE: np.ndarray, drop_target: float,
