@@ -110,3 +110,21 @@ def test_a_run_folder_saved_with_the_older_dispatch_key_loads_as_the_run_it_was(
 def test_every_shipped_training_config_loads_and_validates(name):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     load_config(os.path.join(root, "configs", name))
+
+
+def test_a_saved_run_of_the_retired_planner_loads_and_a_user_config_naming_its_keys_is_refused(
+        tmp_path):
+    """A run folder saved while the one-process capacity planner existed: its retired keys are
+    dropped and its one-process EfficientMoE is off on resume (nothing left to re-plan); an
+    expert-parallel run keeps its own value. A user's config naming such a key is refused."""
+    saved = RunConfig().to_dict()
+    saved["efficientmoe"].update(enabled=True, predictor="ar-ridge", capacity_levels=2,
+                                 recompile_cost_s=None, monitor_steps=5)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(saved))
+    one = load_config(str(path), saved_expert_parallel=False)
+    assert one.efficientmoe.enabled is False
+    assert load_config(str(path), saved_expert_parallel=True).efficientmoe.enabled is True
+    with pytest.raises(ValueError, match=r"'efficientmoe.capacity_levels' belonged to the "
+                                         r"retired one-process capacity planner"):
+        load_config(str(path))
