@@ -1,6 +1,7 @@
 """Time one layer-step of EfficientMoE's fast level, both twins, on this CPU (measured).
 
     python scripts/time_fast_level.py [--trace TRACE.npz] [--steps 20] [--json out.json]
+                                      [--count-ops]
 
 The layout is the slow level's own (``efficientmoe.planner.plan_layout`` on the trace's first
 16 rows, the 910B cluster ``bench moe`` prices that many ranks on, its default slots): the
@@ -12,6 +13,12 @@ per-call time of 9 chained calls less one call, over 8) and the ``ops`` twin
 (``FastLevelOps`` compiled in GRAPH mode, what Ascend would compile). Without ``--trace`` the Zipf 1.45 16-rank trace of ``bench moe``
 (``moe.trace.skewed_trace``). It checks that every twin gives the same tables and prints a
 table of milliseconds per layer-step (compile time apart); ``--json`` writes the rows.
+
+``--count-ops`` also counts, with MindSpore's profiler, the kernels the ops twin launches over
+those layer-steps: each kernel's launches equal the calls (the fixed part) or one loop's
+iterations (``Balance.trips_L4``: home-split water-fills, copy attempts, devices over their
+buffer, pieces visited), which gives the kernels per iteration of each loop
+(``balance.OPS_TWIN_LAUNCHES``, what a 910B preset charges at ``op_launch_s`` each).
 """
 from __future__ import annotations
 
@@ -113,6 +120,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="")
+    parser.add_argument("--count-ops", action="store_true",
+                        help="count the ops twin's launched kernels per loop (profiler)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, but got {args.steps}")
@@ -186,9 +195,55 @@ def main(argv=None):
     print(markdown_table(rows, ["workload", "method", "ms_per_layer_step", "replicated_experts",
                                 "copies_per_step", "dropped_rows"]))
     print(f"ops twin compile: {compile_s:.2f} s")
+    meta = {"trace": args.trace, "ops_compile_s": compile_s}
+    if args.count_ops:
+        meta["launches"] = count_launches(world, experts, spare, buffers, cost, dpn, counts,
+                                          home)
     if args.json:
-        write_bench_json(args.json, "fast_level", rows,
-                         meta={"trace": args.trace, "ops_compile_s": compile_s})
+        write_bench_json(args.json, "fast_level", rows, meta=meta)
+
+
+PARTS = ("fixed", "home-split water-fill", "copy attempt", "device over its buffer",
+         "piece visited")
+
+
+def count_launches(world, experts, spare, buffers, cost, dpn, counts, home) -> dict:
+    """Profile the ops twin on every step of ``counts`` and print the kernels of each part
+    (module docstring) against ``balance.OPS_TWIN_LAUNCHES``; returns them as a dict."""
+    import tempfile
+
+    from mindspore import Tensor
+
+    from ms_efficient.core.benchio import markdown_table
+    from ms_efficient.moe.balance import OPS_TWIN_LAUNCHES
+    from ms_efficient.moe.fast_level import FastLevelOps, profiled_launches
+
+    twin = FastLevelOps(world, experts, spare, buffers, cost, dpn, trips=True)
+    inputs = [(Tensor(step.astype(np.int32)), Tensor(home.astype(np.int32)))
+              for step in counts]
+    twin(*inputs[0])
+    trips = sum(twin(*args)[6].asnumpy().astype(np.int64) for args in inputs)
+    with tempfile.TemporaryDirectory() as folder:
+        per_op = profiled_launches(twin, inputs, folder)
+    totals = [len(inputs)] + trips.tolist()
+    kernels = [0] * len(PARTS)
+    other = 0
+    for launches in per_op.values():
+        if launches in totals:                    # ambiguous totals go to the first match
+            kernels[totals.index(launches)] += 1
+        else:                                     # a loop condition that short-circuits
+            other += launches
+    rows = [{"part": part, "iterations": total, "kernels_each": k, "charged_each": c}
+            for part, total, k, c in zip(PARTS, totals, kernels, OPS_TWIN_LAUNCHES)]
+    launched = sum(per_op.values())
+    charged = int(np.dot(totals, OPS_TWIN_LAUNCHES))
+    print(f"\nops twin launches over {len(inputs)} layer-steps, MindSpore's profiler "
+          f"(measured on this CPU; conditions of other iteration counts: {other} launches):")
+    print(markdown_table(rows, ["part", "iterations", "kernels_each", "charged_each"]))
+    print(f"launched {launched}, charged {charged} ({charged / launched - 1:+.1%}); "
+          f"{launched / len(inputs):.0f} per layer-step")
+    return {"per_step": launched / len(inputs), "charged": charged, "launched": launched,
+            "trips": totals, "kernels_each": kernels}
 
 
 if __name__ == "__main__":

@@ -192,6 +192,20 @@ def test_link_between_same_node_cross_node_and_self():
         spec.node_of(32)
 
 
+def test_a_kernel_launch_figure_is_carried_by_the_910b_presets_and_checked():
+    """The 910B presets carry the per-kernel launch charge (19 us, cited in the preset);
+    cpu-local has none (its fast level is one compiled kernel); a YAML override is read and
+    a bad one names the field."""
+    assert get_cluster("ascend910b-4x8").op_launch_s == 19e-6
+    assert get_cluster("cpu-local").op_launch_s is None
+    spec = ClusterSpec.from_dict({"preset": "ascend910b-1x8", "op_launch_s": 5e-6})
+    assert spec.op_launch_s == 5e-6 and spec.to_dict()["op_launch_s"] == 5e-6
+    assert ClusterSpec.from_dict(spec.to_dict()) == spec
+    with pytest.raises(ValueError, match=r"ClusterSpec 'op_launch_s' must be a finite number "
+                                         r"of seconds >= 0 or null, but got -1e-06"):
+        ClusterSpec.from_dict({"preset": "ascend910b-1x8", "op_launch_s": -1e-6})
+
+
 def test_compute_time_divides_flops_by_peak_and_efficiency():
     spec = get_cluster("ascend910b-1x8")
     # 313 TFLOP at 30 % (the preset's cited MFU) of 313 TFLOP/s

@@ -9,7 +9,9 @@ import pytest
 import mindspore as ms
 from mindspore import Tensor
 
-from ms_efficient.moe.fast_level import FastLevel, FastLevelOps, fast_level_tables
+from ms_efficient.moe.balance import OPS_TWIN_LAUNCHES, balance_step
+from ms_efficient.moe.fast_level import (FastLevel, FastLevelOps, fast_level_tables,
+                                         profiled_launches)
 
 ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
 
@@ -57,16 +59,19 @@ def test_the_compiled_twins_give_the_numpy_fast_level_tables(world, experts, slo
     if cost is not None:
         np.fill_diagonal(cost, 0.0)
     buffer_W = rng.integers(*buf, world)
-    twins = (FastLevelOps(world, experts, spare, buffer_W, cost, dpn),
+    twins = (FastLevelOps(world, experts, spare, buffer_W, cost, dpn, trips=True),
              FastLevel(world, experts, spare, buffer_W, cost, dpn, impl="aot"))
     seen = np.zeros(4, dtype=int)           # copies, drops, replicated experts, empty experts
     for i in range(24):
         home = random_home(rng, world, experts, slots)
         counts = random_counts(rng, i % 3, world, experts)
         want = fast_level_tables(counts, home, spare, buffer_W, cost, dpn)
+        # the ops twin's loops run the iterations balance_step reports (what it is charged by)
+        want_trips = balance_step(counts[None], home[None], np.full(world, spare),
+                                  buffer_W[None], cost, devices_per_node=dpn).trips_L4[0]
         for twin in twins:
             got = twin(Tensor(counts.astype(np.int32)), Tensor(home.astype(np.int32)))
-            for name, a, b in zip(NAMES, want, got):
+            for name, a, b in zip(NAMES + ("trips",), want + (want_trips,), got):
                 assert b.asnumpy().tolist() == a.tolist(), (type(twin).__name__, name,
                                                             home.tolist(), counts.tolist())
         seen += [want[5][0] > 0, want[5][1] > 0,
@@ -76,6 +81,28 @@ def test_the_compiled_twins_give_the_numpy_fast_level_tables(world, experts, slo
     assert seen[1] > 0 and seen[3] > 0
     assert (seen[0] > 0) == (spare > 0)
     assert (seen[2] > 0) == (world * slots > experts)
+
+
+def test_the_ops_twin_launches_the_kernels_its_loop_iterations_are_charged(tmp_path):
+    """MindSpore's profiler counts the kernels the compiled ops twin launches over six
+    layer-steps with water-fills, copies and buffer moves; balance.OPS_TWIN_LAUNCHES over the
+    loop iterations the twin reports (Balance.trips_L4) gives that count within 2 % (the
+    loops' conditions short-circuit on data: a few launches either way)."""
+    world, experts, slots, spare, dpn = 8, 16, 3, 1, 4
+    rng = np.random.default_rng(5)
+    cost = rng.uniform(0, 30, (world, world))
+    np.fill_diagonal(cost, 0.0)
+    twin = FastLevelOps(world, experts, spare, rng.integers(40, 60, world), cost, dpn,
+                        trips=True)
+    inputs = [(Tensor(random_counts(rng, i % 3, world, experts).astype(np.int32)),
+               Tensor(random_home(rng, world, experts, slots).astype(np.int32)))
+              for i in range(6)]
+    twin(*inputs[0])                                                   # compile
+    trips = sum(twin(*args)[6].asnumpy().astype(np.int64) for args in inputs)
+    assert (trips > 0).all(), trips                        # every loop ran
+    launches = sum(profiled_launches(twin, inputs, str(tmp_path)).values())
+    charged = OPS_TWIN_LAUNCHES[0] * len(inputs) + trips @ np.array(OPS_TWIN_LAUNCHES[1:])
+    assert abs(launches - charged) <= 0.02 * launches, (launches, charged, trips.tolist())
 
 
 def test_a_hand_sized_step_copies_the_hot_expert_and_drops_nothing():

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from ms_efficient.core.cluster import get_cluster
-from ms_efficient.moe.balance import (balance_step, holders_of, home_split, pair_rows,
-                                      water_fill)
+from ms_efficient.moe.balance import (OPS_TWIN_LAUNCHES, balance_step, holders_of,
+                                      home_split, pair_rows, water_fill)
 from ms_efficient.moe.split import proportional_split
 from ms_efficient.efficientmoe.balanced_cost import balanced_cost, copy_cost_rows_WW
 from ms_efficient.efficientmoe.cost import CostModel
@@ -223,15 +223,15 @@ def test_the_cost_charges_copied_weights_both_ways():
     counts[0, :, 0] = 512                                   # every rank routes to expert 0
     home = uniform_home(1, 16, 16)
     none = balance_step(counts, home, np.zeros(16, int), devices_per_node=8)
-    some = balance_step(counts, home, np.ones(16, int), copy_cost_rows_WW(model, 16),
-                        devices_per_node=8)
+    some = balance_step(counts, home, np.ones(16, int),
+                        copy_cost_rows_WW=copy_cost_rows_WW(model, 16), devices_per_node=8)
     assert some.copies_L[0] > 0
     cost = balanced_cost(some, model, np.zeros(1))
     # a copy rides the dispatch as whole rows of H: 2 x 256 x 1024 + 1024 + 256 = 525,568
     # values = 2053 rows of 256 (the last one padded), bf16
     assert model.copy_bytes == 2053 * 256 * 2
     assert cost.weight_bytes_L[0] == some.copies_L[0] * 2053 * 256 * 2
-    assert cost.compute_L[0] < balanced_cost(none, model, np.zeros(1)).compute_L[0] / 4
+    assert cost.compute_L[0] < balanced_cost(none, model, np.zeros(1)).compute_L[0] / 3
 
 
 def test_the_fast_level_time_is_charged_once_per_layer_and_only_where_it_runs():
@@ -239,7 +239,17 @@ def test_the_fast_level_time_is_charged_once_per_layer_and_only_where_it_runs():
     counts = np.zeros((2, 16, 16), dtype=np.int64)
     counts[:, :, 0] = 512
     bal = balance_step(counts, uniform_home(2, 16, 16), np.ones(16, int), devices_per_node=8)
-    assert model.fast_level_s == 0.75e-3           # charged by default: cost.FAST_LEVEL_S
+    # one home per expert (no water-fill), free copies: expert 0 goes to all 15 other
+    # devices, so 16 copy attempts (the cap, W x S_s), no buffer
+    assert bal.trips_L4.tolist() == [[0, 16, 0, 0]] * 2
+    # by default a 910B preset compiles the ops twin: its launched kernels x op_launch_s
+    assert model.fast_level_s is None and NODE_2x8.op_launch_s == 19e-6
+    launches = OPS_TWIN_LAUNCHES[0] + 16 * OPS_TWIN_LAUNCHES[2]
+    np.testing.assert_allclose(balanced_cost(bal, model, np.zeros(2)).fast_L,
+                               [launches * 19e-6] * 2, rtol=1e-12)
+    # a target running one host kernel (no op_launch_s): the measured FAST_LEVEL_S
+    host = CostModel(NODE_2x8.with_overrides(op_launch_s=None), 256, 1024)
+    np.testing.assert_allclose(balanced_cost(bal, host, np.zeros(2)).fast_L, [0.75e-3] * 2)
     free = balanced_cost(bal, dataclasses.replace(model, fast_level_s=0.0), np.zeros(2))
     timed = dataclasses.replace(model, fast_level_s=2e-3)
     charged = balanced_cost(bal, timed, np.zeros(2))
@@ -389,7 +399,9 @@ def test_steady_load_two_level_replay_is_exact_hand_computed():
     so no copy, no drop, no padding; each of the 4 chips computes 1024 rows, the [4, 8]
     counts are all-gathered once, and each rank sends 2 x 128 rows to each of 3 peers in
     each of the 4 All-to-Alls, each count-driven (the dynamic-shape overhead), after the
-    fast level (its measured time)."""
+    fast level: on the 910B the ops twin's launched kernels at 19 us each, its fixed part
+    and, for ours (whose layout keeps spare slots), one copy attempt that finds the busiest
+    device at the mean and stops; MoonEP's rule is charged the fixed part alone."""
     from ms_efficient.efficientmoe.replay import ReplayConfig, replay
     from ms_efficient.moe.trace import RoutingTrace
 
@@ -397,13 +409,15 @@ def test_steady_load_two_level_replay_is_exact_hand_computed():
     counts = np.full((24, 1, 4, 8), 128)
     trace = RoutingTrace(counts=counts, top_k=2, hidden=256, tokens_per_rank=512,
                          steps=np.arange(1, 25))
-    for method in ("efficientmoe", "moonep"):
+    fixed, _, per_attempt, _, _ = OPS_TWIN_LAUNCHES
+    for method, launches in (("efficientmoe", fixed + per_attempt), ("moonep", fixed)):
         ours = replay(trace, method, node, ReplayConfig(warmup=8))
         assert ours.padding_fraction == 0.0 and ours.drop_rate == 0.0
         assert ours.extra["copies_per_step"] == 0.0 and ours.extra["recompiles"] == 0
         intra = node.intra_link
         exchange = node.collective_time_s("allgather", 4 * 8 * 4, [0, 1, 2, 3])
-        step = (exchange + 4 * 363e-6 + 0.75e-3
+        assert ours.extra["fast_level_launches"] == launches
+        step = (exchange + 4 * 363e-6 + launches * 19e-6
                 + 4 * 3 * (intra.latency_s + 256 * 512 / intra.bandwidth_Bps)
                 + 1024 * 3 * 4 * 256 * 1024 / (0.3 * 313e12))
         assert ours.iteration_time_s == pytest.approx(step)
@@ -437,9 +451,11 @@ def test_with_one_home_per_expert_and_no_spare_slot_the_fast_level_is_the_drople
     np.testing.assert_array_equal(ours.rows_LEW, theirs.rows_LEW)
     np.testing.assert_array_equal(ours.sent_LRW, theirs.sent_LRW)
     ours_cost = balanced_cost(ours, model, np.zeros(2), dynamic=True)
-    np.testing.assert_allclose(ours_cost.time_L, theirs_cost.time_L + model.fast_level_s,
+    # the ops twin's loop-free kernels alone (no replica to water-fill, no spare slot)
+    assert ours.trips_L4.tolist() == [[0, 0, 0, 0]] * 2
+    np.testing.assert_allclose(ours_cost.fast_L, OPS_TWIN_LAUNCHES[0] * 19e-6, rtol=1e-12)
+    np.testing.assert_allclose(ours_cost.time_L, theirs_cost.time_L + ours_cost.fast_L,
                                rtol=1e-12)
-    assert model.fast_level_s > 0
 
 
 def test_fixed_home_never_replans_and_runs_ours_layout_until_ours_replans():
@@ -556,7 +572,8 @@ def test_a_home_replan_is_adopted_only_when_its_gain_over_the_horizon_pays_the_m
     check adopts it whatever the gain."""
     from ms_efficient.efficientmoe.planner import decide_home, migration_time_s
 
-    model = CostModel(NODE_2x8, 256, 1024)
+    # the fast level a constant here: the rule weighs the balance it buys
+    model = CostModel(NODE_2x8, 256, 1024, fast_level_s=0.75e-3)
     first = skewed_trace(steps=8, layers=2, seed=1).counts
     later = first[..., ::-1]                      # the same loads on other experts
     config = LayoutConfig(window=8)

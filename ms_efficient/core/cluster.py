@@ -114,6 +114,12 @@ class ClusterSpec:
         moves B bytes takes at least B / hbm_bandwidth_Bps (:meth:`memory_time_s`), the
         roofline's memory side; the MoE cost model charges each expert GEMM the larger of
         its compute and memory times.
+    op_launch_s: seconds one launched kernel of a kernel-by-kernel graph costs beyond its
+        work (launch and its share of stream synchronisation), or None (not modelled: the
+        target runs such work as one compiled host kernel, e.g. the CPU's aot ops). What a
+        chain of many tiny kernels costs: the MoE cost model charges the fast level's
+        MindSpore-ops twin its launched-kernel count times this
+        (:meth:`~ms_efficient.efficientmoe.cost.CostModel.fast_level_time_L`).
     """
 
     name: str
@@ -127,6 +133,7 @@ class ClusterSpec:
     compute_efficiency: float = 1.0
     matmul_tile_rows: int = 16
     hbm_bandwidth_Bps: Any = None
+    op_launch_s: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -154,6 +161,11 @@ class ClusterSpec:
         if hbm is not None and (isinstance(hbm, bool) or not isinstance(hbm, (int, float))
                                 or not 0 < hbm < math.inf):
             _fail("hbm_bandwidth_Bps", hbm, "a positive finite number of bytes/s or null")
+        launch = self.op_launch_s
+        if launch is not None and (isinstance(launch, bool)
+                                   or not isinstance(launch, (int, float))
+                                   or not 0 <= launch < math.inf):
+            _fail("op_launch_s", launch, "a finite number of seconds >= 0 or null")
 
     def memory_time_s(self, nbytes) -> Any:
         """Seconds to move ``nbytes`` (a number or an array) through device memory:
@@ -272,8 +284,8 @@ class ClusterSpec:
         mappings (``peak_flops``, ``*_link``) update the preset's entries key by key, so
         ``{preset: ascend910b-1x8, inter_link: {bandwidth_Bps: 12.5e9}}`` keeps the latency.
         The preset's ``name`` is kept unless ``name`` is given.
-        Without ``preset`` every field except ``compute_efficiency``, ``matmul_tile_rows``
-        and ``hbm_bandwidth_Bps`` is required.
+        Without ``preset`` every field except ``compute_efficiency``, ``matmul_tile_rows``,
+        ``hbm_bandwidth_Bps`` and ``op_launch_s`` is required.
         """
         if not isinstance(d, Mapping):
             raise ValueError(f"cluster config must be a mapping, but got {d!r}.")
@@ -304,7 +316,7 @@ class ClusterSpec:
             if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
                 value = {**merged[key], **value}
             elif key in ("device_memory_bytes", "compute_efficiency") or (
-                    key == "hbm_bandwidth_Bps" and value is not None):
+                    key in ("hbm_bandwidth_Bps", "op_launch_s") and value is not None):
                 value = _as_number(key, value)
             merged[key] = value
         for key in _LINK_FIELDS:
@@ -395,6 +407,13 @@ def _ascend910b(nodes: int) -> ClusterSpec:
         # HBM2e per 910B: ~1.6 TB/s (approx., public material; the 910's HBM2 gives
         # 1.2 TB/s). Only the memory side of the expert GEMMs' roofline reads it.
         hbm_bandwidth_Bps=1.6e12,
+        # One small vector kernel (gelu / relu / sigmoid of 256-16384 elements) launched and
+        # its stream synchronised on an Ascend 910B3, CANN 8.5: 0.019-0.031 ms wall-clock,
+        # median of 10 (ascend-rs, "Appendix F: Performance Benchmarks", ascend-rs.org); the
+        # smallest is taken. It includes one synchronisation per kernel: chained kernels
+        # without one may cost less each, while a loop whose condition is a tensor pays a
+        # device-to-host read every iteration. Not measured here (no Ascend hardware).
+        op_launch_s=19e-6,
     )
 
 

@@ -7,10 +7,12 @@ CostModel` of the other MoE rows):
     exchange   AllGather of the int32 routing counts [R, E] (static shape), once per step;
                a dynamic-shape system (``dynamic=True``) also pays ``dynamic_exchange_s``
                per count-driven All-to-All, as every data-sized exchange in this package.
-    fast       the fast level's own computation of the tables, ``model.fast_level_s`` per
-               layer-step (default 0: a fused device kernel taken as free; ``fast_level=
-               False`` for EPLB's even split, which computes no per-step tables beyond a
-               division); not part of the exchange's share.
+    fast       the fast level's own computation of the tables per layer-step,
+               :meth:`~ms_efficient.efficientmoe.cost.CostModel.fast_level_time_L` of the
+               step's loop iterations (the ops twin's launched kernels on a 910B preset, the
+               measured host kernel on CPU; ``fast_level=False`` for EPLB's even split,
+               which computes no per-step tables beyond a division); not part of the
+               exchange's share.
     a2a        four All-to-Alls of the per-pair rows (dispatch and combine, forward and
                backward; :func:`~ms_efficient.efficientmoe.cost.uneven_alltoall_time_s`):
                the forward dispatch also carries the step's expert copies (each
@@ -117,7 +119,7 @@ def balanced_cost(balance: Balance, model: CostModel, sync_L: np.ndarray,
                   count_exchange: bool = True) -> BalancedCost:
     """The cost of one balanced step (module docstring). sync_L: :func:`home_sync_time_L` of
     the layout; dynamic: charge the dynamic-shape overhead of count-driven exchanges;
-    fast_level: charge ``model.fast_level_s`` per layer for the fast level's tables;
+    fast_level: charge the fast level's tables per layer (``model.fast_level_time_L``);
     count_exchange: charge the counts' AllGather (False for a static-shape layer that sends
     fixed blocks, e.g. GShard's, whose ``sent_LRW`` are then the padded rows)."""
     cluster = model.cluster
@@ -127,7 +129,8 @@ def balanced_cost(balance: Balance, model: CostModel, sync_L: np.ndarray,
                 if count_exchange else 0.0)
     if dynamic and num_ranks > 1:
         exchange += model.a2a_passes * model.dynamic_exchange_s
-    fast_L = np.full(num_layers, model.fast_level_s if fast_level else 0.0)
+    fast_L = (model.fast_level_time_L(balance.trips_L4, num_layers) if fast_level
+              else np.zeros(num_layers))
     tokens = _embed(balance.sent_LRW * float(model.bytes_per_token), cluster.num_devices)
     dispatch = _embed(dispatch_bytes_LWW(balance, model).astype(np.float64),
                       cluster.num_devices)

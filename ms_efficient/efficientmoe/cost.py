@@ -19,11 +19,12 @@ No MindSpore import here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from ms_efficient.core.cluster import ClusterSpec
+from ms_efficient.moe.balance import ops_twin_launches_L
 
 __all__ = ["CostModel", "DYNAMIC_EXCHANGE_S", "FAST_LEVEL_S", "uneven_alltoall_time_s",
            "count_exchange_time_s", "sync_time_s"]
@@ -39,16 +40,15 @@ COUNT_BYTES = 4   # one routing count in the exchange: int32
 # measured here): a lower bound there.
 DYNAMIC_EXCHANGE_S = 363e-6
 # Seconds the balanced layer's fast level (the per-step tables from the all-gathered counts)
-# is charged per layer-step. What scripts/time_fast_level.py measures (layer 0 of the real
-# 16-rank x 32-expert trace, the shared 2-core CPU machine) for the compiled C++ kernel
-# (kernels/cpu/fast_level.cc, ``moe.fast_level: aot``): 0.08-0.14 ms called directly,
-# 0.12-0.18 ms per call inside one GRAPH-mode graph (9 chained calls less one, / 8: what
-# the layer pays in its train step), 1.1-1.8 ms as a one-op graph of its own (a whole
-# graph's launch). 0.75 ms (an earlier session's one-op figure) is charged: several times
-# the in-graph cost. On Ascend the layer compiles the MindSpore-ops twin (13-21 ms per call
-# on this CPU, its data-dependent loops; not measured on Ascend), so a 910B row's fast level
-# may cost more than charged; the default of every preset, overridden by
-# ``bench moe --fast-level-ms``.
+# is charged per layer-step where it runs as one compiled host kernel (a cluster without
+# ``op_launch_s``: this CPU, ``moe.fast_level: aot``). What scripts/time_fast_level.py
+# measures (layer 0 of the real 16-rank x 32-expert trace, the shared 2-core CPU machine)
+# for kernels/cpu/fast_level.cc: 0.08-0.14 ms called directly, 0.12-0.18 ms per call inside
+# one GRAPH-mode graph (9 chained calls less one, / 8: what the layer pays in its train
+# step), 1.1-1.8 ms as a one-op graph of its own (a whole graph's launch). 0.75 ms (an
+# earlier session's one-op figure) is charged: several times the in-graph cost. On a cluster
+# with ``op_launch_s`` (the 910B presets) the layer compiles the MindSpore-ops twin, charged
+# by its launched kernels instead (:meth:`CostModel.fast_level_time_L`).
 FAST_LEVEL_S = 0.75e-3
 
 
@@ -64,8 +64,9 @@ class CostModel:
     dynamic_exchange_s: seconds each count-driven AlltoAllV costs beyond its rows
         (``DYNAMIC_EXCHANGE_S``, measured).
     fast_level_s: seconds the fast level's tables take per balanced layer-step (between the
-        counts' AllGather and the dispatch; :mod:`balanced_cost`); ``FAST_LEVEL_S`` (measured
-        on CPU, in a graph) unless given (``bench moe --fast-level-ms``).
+        counts' AllGather and the dispatch; :mod:`balanced_cost`), or None (the default):
+        what the twin the cluster's target compiles costs (:meth:`fast_level_time_L`);
+        ``bench moe --fast-level-ms`` gives a number.
     expert_kind: "mlp" (two matrices, 4 H F FLOPs per row) or "glu" (gated: gate and up
         projections and down, 6 H F); the balanced layer's ``expert_kind``.
     expert_bias: whether the experts carry biases (what a copy sends:
@@ -80,7 +81,7 @@ class CostModel:
     a2a_passes: int = 4
     sync_replica_grads: bool = True
     dynamic_exchange_s: float = DYNAMIC_EXCHANGE_S
-    fast_level_s: float = FAST_LEVEL_S
+    fast_level_s: Optional[float] = None
     expert_kind: str = "mlp"
     expert_bias: bool = True
 
@@ -88,7 +89,7 @@ class CostModel:
         if self.expert_kind not in ("mlp", "glu"):
             raise ValueError(f"'expert_kind' must be one of ['mlp', 'glu'], but got "
                              f"{self.expert_kind!r}.")
-        if not 0.0 <= self.fast_level_s < float("inf"):
+        if self.fast_level_s is not None and not 0.0 <= self.fast_level_s < float("inf"):
             raise ValueError(f"'fast_level_s' must be a finite number >= 0 seconds, but got "
                              f"{self.fast_level_s!r}.")
         if not self.dynamic_exchange_s >= 0:
@@ -100,6 +101,18 @@ class CostModel:
         if self.dtype not in _DTYPE_BYTES:
             raise ValueError(f"'dtype' must be one of {sorted(_DTYPE_BYTES)}, but got "
                              f"{self.dtype!r}.")
+
+    def fast_level_time_L(self, trips_L4: Optional[np.ndarray], num_layers: int) -> np.ndarray:
+        """Seconds of the fast level per layer-step, float64 [L]: ``fast_level_s`` when given;
+        else, on a cluster with ``op_launch_s`` (a target compiling the MindSpore-ops twin,
+        kernel by kernel), the twin's launched kernels for the step's loop iterations
+        (:func:`~ms_efficient.moe.balance.ops_twin_launches_L` of ``trips_L4``) times
+        ``op_launch_s``; else ``FAST_LEVEL_S`` (the compiled host kernel, measured)."""
+        if self.fast_level_s is not None:
+            return np.full(num_layers, float(self.fast_level_s))
+        if self.cluster.op_launch_s is None:
+            return np.full(num_layers, FAST_LEVEL_S)
+        return ops_twin_launches_L(trips_L4, num_layers) * float(self.cluster.op_launch_s)
 
     @property
     def dtype_bytes(self) -> int:

@@ -43,7 +43,7 @@ from typing import Dict, Optional
 import numpy as np
 
 from ms_efficient.core.cluster import PRESETS, ClusterSpec, get_cluster
-from ms_efficient.efficientmoe.cost import FAST_LEVEL_S, CostModel
+from ms_efficient.efficientmoe.cost import CostModel
 from ms_efficient.efficientmoe.two_level import (BASELINE_ROWS, LOWER_BOUND, TWO_LEVEL_METHODS,
                                                  replay_lower_bound, replay_two_level)
 from ms_efficient.moe.trace import RoutingTrace
@@ -73,8 +73,8 @@ class ReplayConfig:
     dtype: activation/weight dtype.
     sync_replica_grads: charge the all-reduce of replicated experts' gradients (False: assume
         it is hidden behind other layers' backward).
-    fast_level_s: the two-level methods' fast-level time per layer-step (CostModel;
-        default ``FAST_LEVEL_S``, measured).
+    fast_level_s: the two-level methods' fast-level time per layer-step, or None (the
+        default: what the cluster's target compiles costs, ``CostModel.fast_level_time_L``).
     expert_kind: "mlp" (two matrices) or "glu" (gated: Mixtral, DeepSeek); expert_bias:
         whether the experts carry biases (CostModel: FLOPs per row, a copy's bytes).
     """
@@ -88,7 +88,7 @@ class ReplayConfig:
     ffn_hidden: Optional[int] = None
     dtype: str = "bf16"
     sync_replica_grads: bool = True
-    fast_level_s: float = FAST_LEVEL_S
+    fast_level_s: Optional[float] = None
     expert_kind: str = "mlp"
     expert_bias: bool = True
 

@@ -55,7 +55,7 @@ from ms_efficient.efficientmoe.balanced_cost import (balanced_cost, copy_cost_ro
 from ms_efficient.efficientmoe.cost import CostModel
 from ms_efficient.efficientmoe.planner import LayoutConfig, decide_home, plan_layout, uniform_home
 from ms_efficient.efficientmoe.baselines import fastermoe_balance, moonep_balance, switch_balance
-from ms_efficient.moe.balance import balance_step
+from ms_efficient.moe.balance import balance_step, ops_twin_launches_L
 from ms_efficient.moe.split import switch_capacity
 
 __all__ = ["TWO_LEVEL_METHODS", "BASELINE_ROWS", "TERMS", "layout_config_for", "replay_two_level",
@@ -146,7 +146,7 @@ def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_ro
     step_times, a2a_times, imbalance, copies, weights = [], [], [], [], []
     most_copies = 0                                 # copies one device held in one step
     terms = {name: 0.0 for name in TERMS}
-    computed = dropped = 0
+    computed = dropped = launches = 0
     replans, overhead = 0, 0.0
     for t in range(warmup, trace.num_steps):
         if (not baseline and config.forecast_home and method != "efficientmoe-fixed-home"
@@ -175,6 +175,9 @@ def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_ro
             # on Ascend): each of its passes pays the dynamic-shape overhead, ours included
             cost = balanced_cost(bal, model, sync, dynamic=True, fast_level=not unbounded)
             weight_L = cost.weight_bytes_L
+            if not unbounded and model.fast_level_s is None \
+                    and model.cluster.op_launch_s is not None:
+                launches += int(ops_twin_launches_L(bal.trips_L4, trace.num_layers).sum())
         step_times.append(float(cost.time_L.sum() + np.sum(shadow_L)))
         for name, part in zip(TERMS, (cost.exchange_L, cost.a2a_L - cost.copies_L,
                                       cost.copies_L + shadow_L, cost.compute_L, cost.sync_L,
@@ -192,9 +195,10 @@ def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_ro
     rows = trace.num_steps - warmup
     routed = int(counts[warmup:].sum())
     kept = routed - dropped
+    layer_steps = len(step_times) * trace.num_layers
     charged = {"terms_ms": {n: 1e3 * v / len(step_times) for n, v in terms.items()},
-               "fast_level_s": (model.fast_level_s if not baseline and not unbounded
-                                else 0.0),
+               "fast_level_s": terms["fast_level"] / layer_steps,
+               "fast_level_launches": (launches / layer_steps if launches else 0.0),
                "dynamic_exchange_s": (0.0 if method.startswith("switch-cf")
                                       else model.dynamic_exchange_s),
                "copies_per_step": float(np.mean(copies)),

@@ -55,9 +55,16 @@ from ms_efficient.moe.plan import ExpertPlan
 from ms_efficient.moe.split import first_n, proportional_split
 
 SPLIT_ROUNDS = 16     # home_split's rounds at most (it stops when a round changes nothing)
+# Kernels the MindSpore-ops twin (:class:`~ms_efficient.moe.fast_level.FastLevelOps`) launches
+# per layer-step: a fixed part, then per iteration of each of its loops (``Balance.trips_L4``:
+# home-split water-fill, copy attempt, device over its buffer, expert piece visited), each
+# loop's condition included. Counted by MindSpore's profiler on its compiled CPU graph
+# (``python scripts/time_fast_level.py --count-ops``: every kernel's launches, grouped by
+# which loop's iterations they equal; tests/test_fast_level.py holds the count to 2 %).
+OPS_TWIN_LAUNCHES = (146, 65, 134, 46, 41)
 
 __all__ = ["Balance", "BalancedSpec", "balance_step", "home_plan", "home_split", "water_fill",
-           "holders_of", "pair_rows"]
+           "holders_of", "pair_rows", "ops_twin_launches_L", "OPS_TWIN_LAUNCHES"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,11 @@ class Balance:
     dropped_L: int64 [L] rows dropped (over every holder's buffer).
     sent_LREW: int64 [L, R, E, W] the same rows per expert (what the layer's send rows
         follow), when asked for (``balance_step(..., by_expert=True)``), else None.
+    trips_L4: int64 [L, 4] the iterations the per-layer twins' loops run for this step
+        (:class:`~ms_efficient.moe.fast_level.FastLevelOps` reports the same): home-split
+        water-fills (replicated experts x rounds), copy attempts, devices over their buffer,
+        and expert pieces those visit; what the ops twin's launched-op count grows with
+        (:func:`ops_twin_launches_L`).
     """
 
     rows_LEW: np.ndarray
@@ -101,6 +113,7 @@ class Balance:
     sent_LRW: np.ndarray
     dropped_L: np.ndarray
     sent_LREW: Optional[np.ndarray] = None
+    trips_L4: Optional[np.ndarray] = None
 
     @property
     def load_LW(self) -> np.ndarray:
@@ -111,6 +124,16 @@ class Balance:
     def copies_L(self) -> np.ndarray:
         """Copies made per layer, int64 [L]."""
         return self.copied_LE.sum(axis=1)
+
+
+def ops_twin_launches_L(trips_L4: Optional[np.ndarray], num_layers: int) -> np.ndarray:
+    """Kernels the ops twin launches per layer-step, int64 [L]: ``OPS_TWIN_LAUNCHES`` over
+    the loop iterations ``trips_L4`` (``Balance.trips_L4``); None (a rule with no such
+    loops): the fixed part alone."""
+    fixed, per_trip = OPS_TWIN_LAUNCHES[0], np.asarray(OPS_TWIN_LAUNCHES[1:], dtype=np.int64)
+    if trips_L4 is None:
+        return np.full(num_layers, fixed, dtype=np.int64)
+    return fixed + np.asarray(trips_L4, dtype=np.int64) @ per_trip
 
 
 def home_plan(home_WS: np.ndarray, num_experts: int) -> ExpertPlan:
@@ -295,6 +318,11 @@ def _even_split(counts_E: np.ndarray, held: np.ndarray) -> np.ndarray:
 
 
 def home_split(counts_E: np.ndarray, held: np.ndarray, rounds: int = SPLIT_ROUNDS) -> np.ndarray:
+    """Step 1: rows_LEW from the home holders (:func:`_home_split`)."""
+    return _home_split(counts_E, held, rounds)[0]
+
+
+def _home_split(counts_E: np.ndarray, held: np.ndarray, rounds: int = SPLIT_ROUNDS):
     """Step 1: rows_LEW from the home holders (module docstring). From the even split, each
     replicated expert, largest first, is water-filled again over its holders given the
     others' rows; rounds of that repeat, on the layers whose rows a round changed, at most
@@ -302,7 +330,8 @@ def home_split(counts_E: np.ndarray, held: np.ndarray, rounds: int = SPLIT_ROUND
     of its holders, the rest stay), so the result is never worse than EPLB's even split;
     each round moves it toward the least largest load the holders allow (coordinate
     descent: experts that share devices pass load along chains of holders, one link a
-    round)."""
+    round). Returns (rows int64 [L, E, W], rounds int64 [L]: the rounds each layer ran,
+    the last one changing nothing unless ``rounds`` ran out)."""
     num_layers, num_experts, num_devices = held.shape
     rows = _even_split(counts_E, held)
     load = rows.sum(axis=1)
@@ -324,9 +353,11 @@ def home_split(counts_E: np.ndarray, held: np.ndarray, rounds: int = SPLIT_ROUND
         device = np.argsort(~held_e, axis=1, kind="stable")[:, :width]     # [L, H]
         on = np.take_along_axis(held_e, device, axis=1) & shared[layers, e][:, None]
         picks.append((e, device, on))
+    ran = np.zeros(num_layers, dtype=np.int64)
     for _ in range(rounds):
         if not active.any():
             break
+        ran += active
         changed = np.zeros(num_layers, dtype=bool)
         for e, device, on in picks:
             live = on & active[:, None]                                      # [L, H]
@@ -337,7 +368,7 @@ def home_split(counts_E: np.ndarray, held: np.ndarray, rounds: int = SPLIT_ROUND
             load[layers[:, None], device] += add - old                      # distinct columns
             changed |= (add != old).any(axis=1)
         active &= changed
-    return rows
+    return rows, ran
 
 
 def _copies(counts_E, rows, held, spare_W, copy_cost_rows_WW, max_copies, buffer_LW=None):
@@ -391,15 +422,19 @@ def _copies(counts_E, rows, held, spare_W, copy_cost_rows_WW, max_copies, buffer
     return copies, copied, source_of
 
 
-def _fit_buffers(rows: np.ndarray, held: np.ndarray, buffer_LW: np.ndarray) -> np.ndarray:
+def _fit_buffers(rows: np.ndarray, held: np.ndarray, buffer_LW: np.ndarray):
     """Step 3: move each device's rows above its buffer to other holders of the same expert
-    with room (least loaded first); drop the rest. Mutates rows; returns dropped_L."""
+    with room (least loaded first); drop the rest. Mutates rows; returns (dropped_L,
+    visited_L: the expert pieces of over-buffer devices looked at, largest first, until
+    the excess was placed)."""
     num_layers = rows.shape[0]
     dropped = np.zeros(num_layers, dtype=np.int64)
+    visited = np.zeros(num_layers, dtype=np.int64)
     load = rows.sum(axis=1)
     for layer, device in zip(*np.nonzero(load > buffer_LW)):
         excess = int(load[layer, device] - buffer_LW[layer, device])
         for e in np.argsort(-rows[layer, :, device], kind="stable"):
+            visited[layer] += 1
             while excess > 0 and rows[layer, e, device] > 0:
                 room = np.where(held[layer, e], buffer_LW[layer] - load[layer], 0)
                 room[device] = 0
@@ -423,7 +458,7 @@ def _fit_buffers(rows: np.ndarray, held: np.ndarray, buffer_LW: np.ndarray) -> n
                 if excess == 0:
                     break
             load[layer, device] = buffer_LW[layer, device]
-    return dropped
+    return dropped, visited
 
 
 def balance_step(counts_LRE: np.ndarray, home_LWS: np.ndarray, spare_W: np.ndarray,
@@ -466,7 +501,11 @@ def balance_step(counts_LRE: np.ndarray, home_LWS: np.ndarray, spare_W: np.ndarr
         raise ValueError(f"'spare_W' must be [{num_devices}] integers >= 0, but got "
                          f"{spare.tolist()}.")
     # Step 1: home split
-    rows = _even_split(counts_E, held) if even_split else home_split(counts_E, held)
+    if even_split:
+        rows, rounds = _even_split(counts_E, held), np.zeros(num_layers, dtype=np.int64)
+    else:
+        rows, rounds = _home_split(counts_E, held)
+    home_fills = (held.sum(axis=2) > 1).sum(axis=1) * rounds       # before copies join ``held``
     # Step 2: copies into spare slots
     cost = (np.zeros((num_devices, num_devices)) if copy_cost_rows_WW is None
             else np.asarray(copy_cost_rows_WW, dtype=np.float64))
@@ -480,14 +519,23 @@ def balance_step(counts_LRE: np.ndarray, home_LWS: np.ndarray, spare_W: np.ndarr
             None if buffer_LW is None else np.asarray(buffer_LW, dtype=np.int64))
     # Step 3: fixed buffers
     if buffer_LW is None:
-        dropped = np.zeros(num_layers, dtype=np.int64)
+        dropped = over = visited = np.zeros(num_layers, dtype=np.int64)
     else:
-        dropped = _fit_buffers(rows, held, np.asarray(buffer_LW, dtype=np.int64))
+        buffers = np.asarray(buffer_LW, dtype=np.int64)
+        if buffers.shape != (num_layers, num_devices):
+            raise ValueError(f"'buffer_LW' must be [{num_layers}, {num_devices}] rows (or None), "
+                             f"but got shape {np.shape(buffer_LW)}.")
+        over = (rows.sum(axis=1) > buffers).sum(axis=1)
+        dropped, visited = _fit_buffers(rows, held, buffers)
     # Step 4: per-pair rows
     per_expert = (pair_rows(counts, rows, devices_per_node, by_expert=True)
                   if by_expert else None)
     sent = (per_expert.sum(axis=2) if by_expert
             else pair_rows(counts, rows, devices_per_node))
+    # the per-layer twins' loops: a copy attempt that keeps nothing ends the copies
+    attempts = (np.zeros(num_layers, dtype=np.int64) if even_split or not spare.any()
+                or num_devices < 2 else np.minimum(copied.sum(axis=1) + 1, spare.sum()))
+    trips = np.stack([home_fills, attempts, over, visited], axis=1)
     return Balance(rows_LEW=rows, holder_LEW=held, copies_LWW=copies, copied_LE=copied,
                    source_LEW=source_of, sent_LRW=sent, dropped_L=dropped,
-                   sent_LREW=per_expert)
+                   sent_LREW=per_expert, trips_L4=trips)

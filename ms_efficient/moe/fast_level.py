@@ -31,7 +31,7 @@ cannot be built, e.g. without g++) and the ops twin on any other target. Shapes:
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Dict, Optional
 
 import numpy as np
 import mindspore as ms
@@ -41,7 +41,8 @@ from ms_efficient.core import backend
 from ms_efficient.core.config import FAST_LEVEL_IMPLS
 from ms_efficient.moe.balance import SPLIT_ROUNDS, balance_step
 
-__all__ = ["FastLevel", "FastLevelOps", "fast_level_tables", "FAST_LEVEL_IMPLS"]
+__all__ = ["FastLevel", "FastLevelOps", "fast_level_tables", "profiled_launches",
+           "FAST_LEVEL_IMPLS"]
 
 logger = logging.getLogger(__name__)
 
@@ -171,11 +172,15 @@ class FastLevelOps(nn.Cell):
     :func:`fast_level_tables`, equal to them entry for entry.
 
     Args: world W, num_experts E, spare S_s, buffer_W int [W] rows, copy_cost_WW float [W, W]
-    rows of expert compute per copy (None: free), devices_per_node (None: no node round)."""
+    rows of expert compute per copy (None: free), devices_per_node (None: no node round),
+    trips: also return int32 [4], the iterations its loops ran (``Balance.trips_L4``'s row:
+    what its launched-op count grows with; the layer leaves it off)."""
 
     def __init__(self, world: int, num_experts: int, spare: int, buffer_W: np.ndarray,
-                 copy_cost_WW: Optional[np.ndarray], devices_per_node: Optional[int]):
+                 copy_cost_WW: Optional[np.ndarray], devices_per_node: Optional[int],
+                 trips: bool = False):
         super().__init__()
+        self.trips = bool(trips)
         self.world, self.num_experts, self.spare = int(world), int(num_experts), int(spare)
         w, e = self.world, self.num_experts
         buffers, cost = _checked_layout(w, e, self.spare, buffer_W, copy_cost_WW)
@@ -203,9 +208,9 @@ class FastLevelOps(nn.Cell):
         match_WES = home.expand_dims(1) == self.arange_E.reshape(1, e, 1)
         held = match_WES.any(axis=2).transpose(1, 0)                           # [E, W]
         counts_E = counts.sum(axis=0)
-        rows = self._home_split(counts_E, held)
-        rows, held_all, source_of = self._copies(counts_E, rows, held)
-        rows, dropped = self._fit_buffers(rows, held_all)
+        rows, fills = self._home_split(counts_E, held)
+        rows, held_all, source_of, attempts = self._copies(counts_E, rows, held)
+        rows, dropped, over, visited = self._fit_buffers(rows, held_all)
         sent = self._pair_rows(counts, rows)                                   # [R, E, W]
         # slot tables
         index_S = ops.arange(slots_home, dtype=I64).reshape(1, 1, -1)
@@ -228,12 +233,16 @@ class FastLevelOps(nn.Cell):
         copies = is_copy.astype(I64).sum()
         stats = ops.concat((ops.stack((copies, dropped, load.sum())), load))
         i32 = ms.int32
-        return (sent.astype(i32), slot.astype(i32), spare_WS.astype(i32),
-                source_WS.astype(i32), home_slot.astype(i32), stats.astype(i32))
+        tables = (sent.astype(i32), slot.astype(i32), spare_WS.astype(i32),
+                  source_WS.astype(i32), home_slot.astype(i32), stats.astype(i32))
+        if self.trips:
+            return tables + (ops.stack((fills, attempts, over, visited)).astype(i32),)
+        return tables
 
     def _home_split(self, counts_E, held):
         """Step 1: EPLB's even split, then water-filling of every replicated expert, largest
-        first, in rounds until a round changes nothing (at most SPLIT_ROUNDS)."""
+        first, in rounds until a round changes nothing (at most SPLIT_ROUNDS); returns (rows,
+        the water-fills run: every round ends on a wrap, so rounds x replicated experts)."""
         held_i = held.astype(I64)
         holders = held_i.sum(axis=1)
         base = ops.floor_divide(counts_E, ops.maximum(holders, 1))
@@ -266,15 +275,16 @@ class FastLevelOps(nn.Cell):
             go = ops.select(wrap, changed, go)
             changed = changed & ~wrap
             k = ops.select(wrap, ops.zeros_like(k), k)
-        return rows
+        return rows, rnd * n_shared
 
     def _copies(self, counts_E, rows, held):
         """Step 2: per-step copies into spare slots; returns (rows, holders with the copies,
-        source_of [E, W]: the home holder sending each copy's weights, -1 elsewhere)."""
+        source_of [E, W]: the home holder sending each copy's weights, -1 elsewhere, the
+        copy attempts made)."""
         w = self.world
         source_of = ops.full(held.shape, -1, dtype=I64)
         if self.spare == 0 or w < 2:
-            return rows, held, source_of
+            return rows, held, source_of, Tensor(0, I64)
         home = held
         free = ops.full((w,), self.spare, dtype=I64)
         total = counts_E.sum()
@@ -319,17 +329,19 @@ class FastLevelOps(nn.Cell):
             free = free - (at_target & keep).astype(I64)
             go = keep
             it = it + 1
-        return rows, held, source_of
+        return rows, held, source_of, it
 
     def _fit_buffers(self, rows, held):
         """Step 3: a device over its buffer moves its excess to other holders of the same
         expert with room (its largest pieces first, least-loaded holders first), and drops
-        what still does not fit (largest pieces first); returns (rows, dropped rows)."""
+        what still does not fit (largest pieces first); returns (rows, dropped rows, devices
+        over their buffer, pieces visited)."""
         w, e = self.world, self.num_experts
         buf = self.buffer_W
         load = rows.sum(axis=0)
         dropped = Tensor(0, I64)
         it = Tensor(0, I64)
+        visited = Tensor(0, I64)
         while (load > buf).any() and it < w:
             d = _first(load > buf, self.arange_W, w)
             at_d = self.eye_W[d] > 0
@@ -357,6 +369,8 @@ class FastLevelOps(nn.Cell):
                 load = load + delta
                 excess = excess - amount
                 k = k + 1
+            if self.trips:                       # a constant: the layer's graph has no add
+                visited = visited + k
             # what no holder had room for: cut from the largest pieces
             piece = (rows * at_d_i).sum(axis=1)
             ahead = _ahead(piece, self.lower_EE, True)
@@ -367,7 +381,7 @@ class FastLevelOps(nn.Cell):
             load = load - at_d_i * excess
             dropped = dropped + excess
             it = it + 1
-        return rows, dropped
+        return rows, dropped, it, visited
 
     def _pair_rows(self, counts, rows):
         """Step 4 (:func:`~ms_efficient.moe.balance.pair_rows`, ``by_expert``): int64
@@ -392,6 +406,30 @@ class FastLevelOps(nn.Cell):
             left = left - c_take.reshape(w, e)
             rest = rest - r_take.transpose(1, 0, 2).reshape(e, w)
         return out + _cut(left.expand_dims(0), rest.expand_dims(0))[0]
+
+
+def profiled_launches(cell: nn.Cell, inputs, folder: str) -> Dict[str, int]:
+    """Kernels a compiled CPU Cell launches, counted by MindSpore's profiler: ``cell`` is
+    called on every tuple of ``inputs`` (compile it first: a first call outside) inside one
+    profiling session written under ``folder``; returns {kernel's full name: launches}. A
+    loop's kernels launch once per iteration, so the counts show what each loop costs
+    (``scripts/time_fast_level.py --count-ops``, ``balance.OPS_TWIN_LAUNCHES``)."""
+    import csv
+    import glob
+    import os
+
+    from mindspore import Profiler
+
+    profiler = Profiler(output_path=folder)
+    for args in inputs:
+        cell(*args)
+    profiler.analyse()
+    found = glob.glob(os.path.join(folder, "*", "FRAMEWORK", "cpu_op_detail_info_*.csv"))
+    if len(found) != 1:
+        raise RuntimeError(f"MindSpore's profiler left {len(found)} op tables under {folder}; "
+                           f"expected one (a CPU run).")
+    with open(found[0], newline="") as fh:
+        return {row["full_op_name"]: int(row["op_occurrences"]) for row in csv.DictReader(fh)}
 
 
 class FastLevel(nn.Cell):
