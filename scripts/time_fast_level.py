@@ -215,14 +215,15 @@ def count_launches(world, experts, spare, buffers, cost, dpn, counts, home) -> d
     from mindspore import Tensor
 
     from ms_efficient.core.benchio import markdown_table
-    from ms_efficient.moe.balance import OPS_TWIN_LAUNCHES
+    from ms_efficient.moe.balance import OPS_TWIN_LAUNCHES, ops_twin_launches_L
     from ms_efficient.moe.fast_level import FastLevelOps, profiled_launches
 
     twin = FastLevelOps(world, experts, spare, buffers, cost, dpn, trips=True)
     inputs = [(Tensor(step.astype(np.int32)), Tensor(home.astype(np.int32)))
               for step in counts]
     twin(*inputs[0])
-    trips = sum(twin(*args)[6].asnumpy().astype(np.int64) for args in inputs)
+    trips_N4 = np.stack([twin(*args)[6].asnumpy() for args in inputs])
+    trips = trips_N4.sum(axis=0).astype(np.int64)
     with tempfile.TemporaryDirectory() as folder:
         per_op = profiled_launches(twin, inputs, folder)
     totals = [len(inputs)] + trips.tolist()
@@ -236,7 +237,7 @@ def count_launches(world, experts, spare, buffers, cost, dpn, counts, home) -> d
     rows = [{"part": part, "iterations": total, "kernels_each": k, "charged_each": c}
             for part, total, k, c in zip(PARTS, totals, kernels, OPS_TWIN_LAUNCHES)]
     launched = sum(per_op.values())
-    charged = int(np.dot(totals, OPS_TWIN_LAUNCHES))
+    charged = int(ops_twin_launches_L(trips_N4, len(inputs)).sum())
     print(f"\nops twin launches over {len(inputs)} layer-steps, MindSpore's profiler "
           f"(measured on this CPU; conditions of other iteration counts: {other} launches):")
     print(markdown_table(rows, ["part", "iterations", "kernels_each", "charged_each"]))

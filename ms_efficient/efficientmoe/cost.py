@@ -108,11 +108,16 @@ class CostModel:
         kernel by kernel), the twin's launched kernels for the step's loop iterations
         (:func:`~ms_efficient.moe.balance.ops_twin_launches_L` of ``trips_L4``) times
         ``op_launch_s``; else ``FAST_LEVEL_S`` (the compiled host kernel, measured)."""
-        if self.fast_level_s is not None:
-            return np.full(num_layers, float(self.fast_level_s))
-        if self.cluster.op_launch_s is None:
-            return np.full(num_layers, FAST_LEVEL_S)
-        return ops_twin_launches_L(trips_L4, num_layers) * float(self.cluster.op_launch_s)
+        if self.fast_level_by_launches:
+            return ops_twin_launches_L(trips_L4, num_layers) * float(self.cluster.op_launch_s)
+        return np.full(num_layers, FAST_LEVEL_S if self.fast_level_s is None
+                       else float(self.fast_level_s))
+
+    @property
+    def fast_level_by_launches(self) -> bool:
+        """Whether the fast level is charged by the ops twin's launched kernels (no
+        ``fast_level_s`` given, a cluster with ``op_launch_s``)."""
+        return self.fast_level_s is None and self.cluster.op_launch_s is not None
 
     @property
     def dtype_bytes(self) -> int:

@@ -175,8 +175,7 @@ def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_ro
             # on Ascend): each of its passes pays the dynamic-shape overhead, ours included
             cost = balanced_cost(bal, model, sync, dynamic=True, fast_level=not unbounded)
             weight_L = cost.weight_bytes_L
-            if not unbounded and model.fast_level_s is None \
-                    and model.cluster.op_launch_s is not None:
+            if not unbounded:
                 launches += int(ops_twin_launches_L(bal.trips_L4, trace.num_layers).sum())
         step_times.append(float(cost.time_L.sum() + np.sum(shadow_L)))
         for name, part in zip(TERMS, (cost.exchange_L, cost.a2a_L - cost.copies_L,
@@ -198,7 +197,9 @@ def replay_two_level(trace, method: str, model: CostModel, warmup: int, check_ro
     layer_steps = len(step_times) * trace.num_layers
     charged = {"terms_ms": {n: 1e3 * v / len(step_times) for n, v in terms.items()},
                "fast_level_s": terms["fast_level"] / layer_steps,
-               "fast_level_launches": (launches / layer_steps if launches else 0.0),
+               # kernels per layer-step, where that is what the fast level is charged by
+               "fast_level_launches": (launches / layer_steps if launches
+                                       and model.fast_level_by_launches else None),
                "dynamic_exchange_s": (0.0 if method.startswith("switch-cf")
                                       else model.dynamic_exchange_s),
                "copies_per_step": float(np.mean(copies)),

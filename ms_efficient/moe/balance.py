@@ -424,13 +424,14 @@ def _copies(counts_E, rows, held, spare_W, copy_cost_rows_WW, max_copies, buffer
 
 def _fit_buffers(rows: np.ndarray, held: np.ndarray, buffer_LW: np.ndarray):
     """Step 3: move each device's rows above its buffer to other holders of the same expert
-    with room (least loaded first); drop the rest. Mutates rows; returns (dropped_L,
-    visited_L: the expert pieces of over-buffer devices looked at, largest first, until
-    the excess was placed)."""
+    with room (least loaded first); drop the rest. Mutates rows; returns (dropped_L, over_L:
+    the devices over their buffer, visited_L: the expert pieces of those looked at, largest
+    first, until the excess was placed)."""
     num_layers = rows.shape[0]
     dropped = np.zeros(num_layers, dtype=np.int64)
     visited = np.zeros(num_layers, dtype=np.int64)
     load = rows.sum(axis=1)
+    over = (load > buffer_LW).sum(axis=1)
     for layer, device in zip(*np.nonzero(load > buffer_LW)):
         excess = int(load[layer, device] - buffer_LW[layer, device])
         for e in np.argsort(-rows[layer, :, device], kind="stable"):
@@ -458,7 +459,7 @@ def _fit_buffers(rows: np.ndarray, held: np.ndarray, buffer_LW: np.ndarray):
                 if excess == 0:
                     break
             load[layer, device] = buffer_LW[layer, device]
-    return dropped, visited
+    return dropped, over, visited
 
 
 def balance_step(counts_LRE: np.ndarray, home_LWS: np.ndarray, spare_W: np.ndarray,
@@ -525,8 +526,7 @@ def balance_step(counts_LRE: np.ndarray, home_LWS: np.ndarray, spare_W: np.ndarr
         if buffers.shape != (num_layers, num_devices):
             raise ValueError(f"'buffer_LW' must be [{num_layers}, {num_devices}] rows (or None), "
                              f"but got shape {np.shape(buffer_LW)}.")
-        over = (rows.sum(axis=1) > buffers).sum(axis=1)
-        dropped, visited = _fit_buffers(rows, held, buffers)
+        dropped, over, visited = _fit_buffers(rows, held, buffers)
     # Step 4: per-pair rows
     per_expert = (pair_rows(counts, rows, devices_per_node, by_expert=True)
                   if by_expert else None)
