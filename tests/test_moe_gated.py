@@ -264,3 +264,34 @@ def test_the_config_names_the_expert_kinds_the_layer_builds():
         dataclasses.replace(MoEConfig(), expert_kind=kind).validate("moe")
     with pytest.raises(ValueError, match=r"'moe.expert_kind' must be one of \['mlp', 'glu'\]"):
         dataclasses.replace(MoEConfig(), expert_kind="swiglu").validate("moe")
+
+
+def test_the_gated_unit_is_swiglu_as_mindspore_documents_it_and_fused_only_on_ascend(
+        pynative, monkeypatch):
+    """``GatedActivation`` runs Ascend's ``ops.swiglu(h, -1)`` for a SiLU gate on Ascend and
+    its split form elsewhere. The fused kernel cannot run here (MindSpore 2.10: Ascend only),
+    so the test holds the boundary: the split form equals the documented formula of
+    ``ops.swiglu`` (Swish of the FIRST half times the second: the [gate | up] order of the
+    fused projection), the choice of form by target and activation, and the refusal of a
+    fused non-SiLU gate. Tolerance: float32 elementwise ops against a float64 formula, one
+    rounding per op on values below 10 (rtol 1e-6 of |out| plus 1e-6)."""
+    from ms_efficient.core import backend
+    from ms_efficient.moe.experts import GatedActivation, swiglu_reference, uses_fused_swiglu
+
+    h = np.random.default_rng(0).normal(0, 2, (5, 8)).astype(np.float32)
+    unit = GatedActivation(nn.SiLU())
+    assert not unit.fused                                                  # CPU: split form
+    out = unit(Tensor(h)).asnumpy()
+    want = swiglu_reference(h)
+    assert out.shape == (5, 4)
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+    # the halves swapped (up first) is a different function: the order is what is checked
+    assert np.abs(swiglu_reference(np.concatenate([h[:, 4:], h[:, :4]], 1)) - want).max() > 0.1
+    assert uses_fused_swiglu(nn.SiLU(), backend.ASCEND)
+    assert not uses_fused_swiglu(nn.GELU(), backend.ASCEND)
+    assert not uses_fused_swiglu(nn.SiLU(), backend.CPU)
+    monkeypatch.setattr(backend, "device_target", lambda: backend.ASCEND)
+    assert GatedActivation(nn.SiLU()).fused
+    assert not GatedActivation(nn.GELU(approximate=True)).fused
+    with pytest.raises(ValueError, match="SiLU gates only, but the activation is GELU"):
+        GatedActivation(nn.GELU(), fused=True)

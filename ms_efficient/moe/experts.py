@@ -20,7 +20,10 @@ import mindspore as ms
 from mindspore import nn, ops
 from mindspore.common.initializer import Normal
 
-__all__ = ["TanhGELU", "make_gelu", "GatedActivation", "SharedExpert", "EXPERT_KINDS"]
+from ms_efficient.core import backend
+
+__all__ = ["TanhGELU", "make_gelu", "GatedActivation", "uses_fused_swiglu", "swiglu_reference",
+           "SharedExpert", "EXPERT_KINDS"]
 
 # the experts' FFN: "mlp" w2(act(x w1)), "glu" w2(act(x w_gate) * (x w_up)) (Shazeer 2020,
 # "GLU Variants Improve Transformer": SwiGLU with SiLU, GeGLU with GELU)
@@ -75,18 +78,45 @@ class GatedActivation(nn.Cell):
     the gate projection's F columns, then the up projection's), out [N, F].
 
     ``act`` is the gate's activation: ``nn.SiLU()`` gives SwiGLU (Mixtral, DeepSeek, Qwen-MoE,
-    LLaMA), a GELU GeGLU (Shazeer 2020, eq. 6). Written as a split and two elementwise ops on
-    every target; Ascend's fused ``ops.swiglu`` computes the same function for SiLU in one
-    kernel and would be the drop-in there (not wired: no Ascend hardware here to check it
-    against this form)."""
+    LLaMA), a GELU GeGLU (Shazeer 2020, eq. 6). On CPU (and for any other activation) it is a
+    split and two elementwise ops. With SiLU on Ascend it is ``ops.swiglu(h, -1)``, Ascend's
+    fused kernel (one kernel forward and one backward instead of a split, a SiLU and a
+    product, and no [N, F] temporaries): MindSpore 2.10 documents it, Ascend only, as
+    Swish(a) * b with a the first half of ``h`` along ``dim`` and b the second, which is this
+    Cell's [gate | up] order (:func:`swiglu_reference`; tests/test_moe_gated.py holds the
+    split form equal to that formula; no Ascend hardware here ran the kernel itself).
 
-    def __init__(self, act: nn.Cell):
+    Args: act, the gate's activation Cell; fused: use ``ops.swiglu`` (default: SiLU on
+    Ascend, :func:`uses_fused_swiglu`)."""
+
+    def __init__(self, act: nn.Cell, fused: Optional[bool] = None):
         super().__init__()
         self.act = act
+        self.fused = uses_fused_swiglu(act) if fused is None else bool(fused)
+        if self.fused and not isinstance(act, nn.SiLU):
+            raise ValueError(f"'fused' (ops.swiglu) computes SiLU gates only, but the "
+                             f"activation is {type(act).__name__}.")
 
     def construct(self, h):
+        if self.fused:
+            return ops.swiglu(h, -1)
         gate, up = ops.split(h, h.shape[-1] // 2, -1)
         return self.act(gate) * up
+
+
+def uses_fused_swiglu(act: nn.Cell, target: Optional[str] = None) -> bool:
+    """Whether :class:`GatedActivation` runs Ascend's fused ``ops.swiglu``: a SiLU gate on
+    Ascend (``target``, default this process's device target)."""
+    return isinstance(act, nn.SiLU) and backend.is_ascend(target)
+
+
+def swiglu_reference(h):
+    """``ops.swiglu(h, -1)`` as MindSpore 2.10 documents it, numpy: with a, b the first and
+    second halves of the last axis, Swish(a) * b = a * sigmoid(a) * b."""
+    import numpy as np
+
+    a, b = np.split(np.asarray(h, dtype=np.float64), 2, axis=-1)
+    return a / (1.0 + np.exp(-a)) * b
 
 
 class SharedExpert(nn.Cell):
