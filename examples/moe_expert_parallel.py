@@ -25,8 +25,9 @@ tables pay for moving the experts (``--force-replan-step S`` moves them at step 
 the gain: the run goes on equal to one process). Each rank writes ``losses_rank<r>.json``
 (its loss, the copies made and the rows dropped per step, the home re-plans and every check's
 verdict) into ``--out``, and ``model.ckpt`` there, the trained network in its own
-layout and names (``ms_efficient.save_moe_checkpoint``): ``--load`` it to continue on any
-number of ranks (the optimizer starts afresh).
+layout and names with the optimizer's state in the names it has on the original network
+(``ms_efficient.save_moe_checkpoint(net, path, optimizer)``): ``--load`` it to continue on any
+number of ranks (``ms_efficient.load_moe_optimizer_state`` after the optimizer is built).
 """
 import argparse
 import json
@@ -205,6 +206,8 @@ def train(args) -> None:
         net, report = ms_efficient.adopt_moe(net, tokens=local * SEQ, dispatch="grouped")
     optimizer = nn.AdamWeightDecay(net.trainable_params(), learning_rate=args.lr,
                                    weight_decay=0.0)
+    if args.load:                        # its optimizer state: the moments and the step count
+        ms_efficient.load_moe_optimizer_state(net, optimizer, args.load)
     step = (ms_efficient.TrainOneStepCell(net, optimizer) if distributed
             else nn.TrainOneStepCell(net, optimizer))
     layer = next(c for _, c in net.cells_and_names() if hasattr(c, "routing_counts"))
@@ -242,9 +245,9 @@ def train(args) -> None:
     os.makedirs(args.out, exist_ok=True)
     checkpoint = os.path.join(args.out, "model.ckpt")
     if distributed:
-        ms_efficient.save_moe_checkpoint(net, checkpoint)      # collective; rank 0 writes
-    else:
-        ms.save_checkpoint(net, checkpoint)
+        ms_efficient.save_moe_checkpoint(net, checkpoint, optimizer)  # collective; rank 0 writes
+    else:                                    # the network's Parameters and the optimizer's
+        ms.save_checkpoint(step, checkpoint)
     path = os.path.join(args.out, f"losses_rank{rank}.json")
     with open(path + ".tmp", "w") as fh:
         json.dump({"world": world, "model": args.model, "steps": rows,

@@ -31,7 +31,7 @@ rows) and ``commands`` (its ``ms-efficient plan|bench`` sub-commands)):
                    for networks with expert-parallel MoE layers
     adopt/         adopt_moe(): a user's own MoE blocks replaced by the package's layer
                    (expert-parallel too: adopt_moe(..., expert_parallel=True),
-                   save_moe_checkpoint)
+                   save_moe_checkpoint, load_moe_optimizer_state)
     parallel/      parallelize(): the plans as MindSpore's AutoParallel; the launch bundle
     verify/        the compile-time check of the plans (optimize(..., verify=True))
     passes.py      optimize(): runs the configured passes on a network
@@ -59,7 +59,8 @@ def adopt_moe(network, tokens, **kwargs):
 
 def __getattr__(name):
     """``ms_efficient.TrainOneStepCell`` (``ms_efficient.train.optim``),
-    ``ms_efficient.save_moe_checkpoint`` (``ms_efficient.adopt.parallel``) and
+    ``ms_efficient.save_moe_checkpoint`` and ``load_moe_optimizer_state``
+    (``ms_efficient.adopt.parallel``) and
     ``ms_efficient.EfficientMoECallback`` (``ms_efficient.efficientmoe.apply``), imported on
     first use so that ``import ms_efficient`` stays free of MindSpore."""
     if name == "EfficientMoECallback":
@@ -70,14 +71,14 @@ def __getattr__(name):
         from ms_efficient.train.optim import TrainOneStepCell
 
         return TrainOneStepCell
-    if name == "save_moe_checkpoint":
-        from ms_efficient.adopt.parallel import save_moe_checkpoint
+    if name in ("save_moe_checkpoint", "load_moe_optimizer_state"):
+        from ms_efficient.adopt import parallel
 
-        return save_moe_checkpoint
+        return getattr(parallel, name)
     raise AttributeError(f"module 'ms_efficient' has no attribute {name!r}")
 
 
 __all__ = ["optimize", "parallelize", "adopt_moe", "TrainOneStepCell", "save_moe_checkpoint",
-           "EfficientMoECallback",
+           "load_moe_optimizer_state", "EfficientMoECallback",
            "load_config", "config_from_dict", "register_pass", "registered_passes",
            "PassRefused", "__version__"]

@@ -134,7 +134,8 @@ def test_the_w_worker_checkpoint_is_the_original_network_trained_as_in_one_proce
     """``model.ckpt`` of the W-rank run (``save_moe_checkpoint``: the experts gathered from
     every rank, in the user's layout and names) loads into the example's original network,
     as the one-process run's does, and both give the loss of the next batch within 1e-3 and
-    every Parameter within 1e-3 of its scale: the run continues from it at any size."""
+    every Parameter within 1e-3 of its scale: the run continues from it at any size. Its
+    optimizer state (``save_moe_checkpoint(..., optimizer)``) is the one-process run's too."""
     import importlib.util
 
     import mindspore as ms
@@ -162,4 +163,21 @@ def test_the_w_worker_checkpoint_is_the_original_network_trained_as_in_one_proce
     for name, ref in values[0].items():
         np.testing.assert_allclose(values[1][name], ref, rtol=0,
                                    atol=1e-3 * max(float(np.abs(ref).max()), 1e-6),
+                                   err_msg=name)
+    # the optimizer's state, the experts' gathered from every rank: the one-process run's
+    # AdamWeightDecay state under the same names (its moments within 1e-3 of their scale,
+    # the same step count)
+    kinds = {"adam_m", "adam_v", "global_step", "learning_rate"}
+    saved = [ms.load_checkpoint(str(example_ep_runs[model, w] / "model.ckpt"))
+             for w in (1, world)]
+    states = [{n: v.asnumpy() for n, v in each.items() if n.split(".", 1)[0] in kinds}
+              for each in saved]
+    assert sorted(states[0]) == sorted(states[1])
+    assert set(saved[1]) == set(values[0]) | set(states[1])     # nothing of the package's
+    assert {n.split(".", 1)[1] for n in states[0] if n.startswith("adam_m.")} == {
+        p.name for p in net.trainable_params()}
+    assert int(states[1]["global_step"].ravel()[0]) == STEPS
+    for name, ref in states[0].items():
+        np.testing.assert_allclose(states[1][name], ref, rtol=0,
+                                   atol=1e-3 * max(float(np.abs(ref).max()), 1e-12),
                                    err_msg=name)

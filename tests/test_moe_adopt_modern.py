@@ -406,3 +406,57 @@ def test_save_moe_checkpoint_writes_the_original_network_back_in_its_own_names(b
     fresh, _ = _net(block, seed=1)                       # other initial values
     assert not ms.load_param_into_net(fresh, ms.load_checkpoint(path))[0]   # nothing left out
     assert float(fresh(*inputs).asnumpy()) == pytest.approx(loss0, rel=1e-6)
+
+
+@pytest.mark.parametrize("block, adam", [(MixtralSparseMoeBlock, "AdamWeightDecay"),
+                                         (StackedMixtralBlock, "Adam"),
+                                         (DeepseekV3MoE, "Adam")])
+def test_a_checkpoint_with_the_optimizer_state_continues_the_run_where_it_stopped(block, adam,
+                                                                                 tmp_path):
+    """``save_moe_checkpoint(net, path, optimizer)`` after 3 expert-parallel steps holds the
+    original network's Parameters AND the state of the same optimizer built on the original
+    network, under exactly its names and shapes (that optimizer loads it whole). A fresh
+    network loaded from it, adopted again, with ``load_moe_optimizer_state``, continues with
+    the losses of the unbroken run (same process, same kernels: 1e-6); without the state
+    (Adam's moments and step restarting) the losses differ. An optimizer of another kind
+    is refused, naming the state it misses."""
+    from ms_efficient import TrainOneStepCell, load_moe_optimizer_state, save_moe_checkpoint
+
+    def adopted(seed, load=None, state=True):
+        net, _ = _net(block, seed)
+        if load is not None:
+            assert not ms.load_param_into_net(net, ms.load_checkpoint(load))[0]
+        adopt_moe(net, tokens=16, expert_parallel=True)
+        opt = getattr(nn, adam)(net.trainable_params(), learning_rate=1e-2)
+        if load is not None and state:
+            load_moe_optimizer_state(net, opt, load)
+        return net, opt, TrainOneStepCell(net, opt)
+
+    _, inputs = _net(block, 0)
+    net, opt, step = adopted(0)
+    for _ in range(3):
+        step(*inputs)
+    path = str(tmp_path / "run.ckpt")
+    save_moe_checkpoint(net, path, opt)
+    after = [float(step(*inputs).asnumpy()) for _ in range(3)]
+
+    original, _ = _net(block, 0)
+    own = getattr(nn, adam)(original.trainable_params(), learning_rate=1e-2)
+    saved = ms.load_checkpoint(path)
+    want = {p.name: tuple(p.shape) for p in
+            list(original.get_parameters()) + list(own.get_parameters())}
+    assert {n: tuple(v.shape) for n, v in saved.items()} == want
+    assert not ms.load_param_into_net(own, saved)[0]
+    assert float(saved["global_step"].asnumpy().ravel()[0]) == 3
+
+    _, _, resumed_step = adopted(1, load=path)
+    resumed = [float(resumed_step(*inputs).asnumpy()) for _ in range(3)]
+    np.testing.assert_allclose(resumed, after, rtol=1e-6)
+    _, _, fresh_step = adopted(1, load=path, state=False)
+    fresh = [float(fresh_step(*inputs).asnumpy()) for _ in range(3)]
+    assert np.abs(np.array(fresh) - after).max() > 1e-4 * abs(after[0])
+
+    other, _, _ = adopted(2)
+    momentum = nn.Momentum(other.trainable_params(), learning_rate=1e-2, momentum=0.9)
+    with pytest.raises(ValueError, match=r"the checkpoint has no optimizer state '?\[?'moments\."):
+        load_moe_optimizer_state(other, momentum, path)

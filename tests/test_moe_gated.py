@@ -183,19 +183,34 @@ def test_bad_expert_kinds_are_refused_naming_the_field():
         SharedExpert(16, 8, kind="gated")
 
 
-def test_deepseek_v3_router_in_the_layer_and_its_bias_update(pynative):
-    """A DeepSeek-V3-style layer (sigmoid scores, 4 groups of 2 with the best 2 kept, top-2,
-    renormalised x 2.5, the expert bias on): the output is the numpy reference's routing
-    (moe.routing.route_reference with the bias before the step) through gated experts, and
-    a training forward moves the bias by exactly +-gamma, toward the less loaded experts."""
+@pytest.mark.parametrize("e, k, groups, kept, mode", [
+    (8, 2, 4, 2, ms.PYNATIVE_MODE),
+    (256, 8, 8, 4, ms.GRAPH_MODE)])                    # DeepSeek-V3's routing shape, compiled
+def test_deepseek_v3_router_in_the_layer_and_its_bias_update(e, k, groups, kept, mode):
+    """A DeepSeek-V3-style layer (sigmoid scores, ``groups`` groups with the best ``kept``
+    kept, top-k, renormalised x 2.5, the expert bias on): the output is the numpy
+    reference's routing (moe.routing.route_reference with the bias before the step) through
+    gated experts, and a training forward moves the bias by exactly +-gamma, toward the less
+    loaded experts. At 8 experts top-2 eagerly; at V3's 256 experts top-8 (8 groups, 4
+    kept) in a compiled graph."""
     from ms_efficient.moe.routing import RouterConfig, route_reference
 
-    h, f, e, k = 16, 8, 8, 2
-    config = RouterConfig(score="sigmoid", scaling_factor=2.5, num_groups=4, topk_groups=2,
-                          bias_update_speed=1e-3)
+    h, f = 16, 8
+    config = RouterConfig(score="sigmoid", scaling_factor=2.5, num_groups=groups,
+                          topk_groups=kept, bias_update_speed=1e-3)
+    before = ms.get_context("mode")
+    ms.set_context(mode=mode)
+    try:
+        _deepseek_layer_check(h, f, e, k, config, route_reference)
+    finally:
+        ms.set_context(mode=before)
+
+
+def _deepseek_layer_check(h, f, e, k, config, route_reference):
     layer = MoEFeedForward(h, f, e, k, 64, dispatch="grouped", expert_kind="glu",
                            has_bias=False, router_config=config)
-    bias = np.array([0.3, -0.2, 0.0, 0.1, -0.3, 0.2, 0.0, -0.1], np.float32)
+    bias = (np.array([0.3, -0.2, 0.0, 0.1, -0.3, 0.2, 0.0, -0.1], np.float32) if e == 8
+            else np.random.default_rng(3).uniform(-0.3, 0.3, e).astype(np.float32))
     layer.expert_bias.set_data(Tensor(bias))
     layer.set_train(True)
     x = _x(h=h, seed=5)

@@ -42,7 +42,7 @@ from ms_efficient.efficientmoe.planner import training_specs
 from ms_efficient.moe.balanced_ep import BalancedExpertParallelMoE
 
 __all__ = ["expert_parallel_layer", "logical_tables", "ep_cluster", "UserExperts",
-           "save_moe_checkpoint"]
+           "save_moe_checkpoint", "load_moe_optimizer_state"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,13 +147,15 @@ def expert_parallel_layer(spec: BlockSpec, tokens: int, activation: nn.Cell,
     return layer
 
 
-def gathered_tables(layer: BalancedExpertParallelMoE) -> Tuple[np.ndarray, ...]:
-    """Every expert's weights from the ranks' home slots, float32 numpy [E, ...] per
-    :attr:`expert_names` (collective when W > 1: one AllGather per table; every rank gets
+def gathered_tables(layer: BalancedExpertParallelMoE,
+                    params: Optional[Tuple[Parameter, ...]] = None) -> Tuple[np.ndarray, ...]:
+    """Every expert's rows of ``params`` (default the layer's weights; or an optimizer's state
+    of them, in the same :attr:`expert_names` order) from the ranks' home slots, float32
+    numpy [E, ...] each (collective when W > 1: one AllGather per table; every rank gets
     them)."""
     home = layer.home_table.asnumpy()                      # [W, S_h]
     tables = []
-    for param in layer.expert_params():
+    for param in params if params is not None else layer.expert_params():
         local = param.asnumpy()
         if layer.world > 1:
             rows = ops.AllGather()(Tensor(local)).asnumpy()
@@ -167,10 +169,13 @@ def gathered_tables(layer: BalancedExpertParallelMoE) -> Tuple[np.ndarray, ...]:
     return tuple(tables)
 
 
-def user_arrays(layer: BalancedExpertParallelMoE) -> Dict[str, np.ndarray]:
-    """{the user's expert Parameter name: its value} of an adopted layer (collective)."""
+def user_arrays(layer: BalancedExpertParallelMoE, tables: Optional[Tuple[np.ndarray, ...]] = None,
+                prefix: str = "") -> Dict[str, np.ndarray]:
+    """{prefix + the user's expert Parameter name: its value} of an adopted layer, from
+    ``tables`` (logical, :attr:`expert_names` order; default the weights, gathered: collective)."""
     info: UserExperts = layer.user_experts
-    tables = dict(zip(layer.expert_names, gathered_tables(layer)))
+    tables = dict(zip(layer.expert_names, tables if tables is not None
+                      else gathered_tables(layer)))
     gated = layer.expert_kind == "glu"
     ffn = tables["w2"].shape[1]
     parts = {"w1": tables["w1"][:, :, :ffn] if gated else tables["w1"], "w2": tables["w2"]}
@@ -187,23 +192,82 @@ def user_arrays(layer: BalancedExpertParallelMoE) -> Dict[str, np.ndarray]:
         value = parts[role]
         if info.layout == "list":            # Dense layout: weights [out, in], biases [out]
             for e, each in enumerate(name):
-                out[each] = value[e].T.copy() if value.ndim == 3 else value[e].copy()
+                out[prefix + each] = value[e].T.copy() if value.ndim == 3 else value[e].copy()
         else:
-            out[name] = value.reshape(info.shapes[role])
+            out[prefix + name] = value.reshape(info.shapes[role])
     return out
 
 
-def save_moe_checkpoint(network: nn.Cell, path: str) -> Dict[str, np.ndarray]:
+def _user_tables(layer: BalancedExpertParallelMoE, arrays: Dict[str, np.ndarray],
+                 prefix: str) -> Tuple[np.ndarray, ...]:
+    """The inverse of :func:`user_arrays`: the logical tables (:attr:`expert_names` order)
+    from ``arrays`` holding prefix + every user expert name; KeyError naming a missing one."""
+    info: UserExperts = layer.user_experts
+    e = layer.num_experts
+    parts = {}
+    for role, name in info.names.items():
+        if info.layout == "list":
+            values = [np.asarray(arrays[prefix + each], np.float32) for each in name]
+            parts[role] = np.stack([v.T if v.ndim == 2 else v for v in values])
+        else:                                 # stacked: the logical tables, reshaped
+            h, f = layer.hidden_size, layer.w2.shape[1]
+            shape = {"w1": (h, f), "w3": (h, f), "w2": (f, h)}.get(role, (-1,))
+            parts[role] = np.asarray(arrays[prefix + name], np.float32).reshape(e, *shape)
+    w1 = parts["w1"] if "w3" not in parts else np.concatenate((parts["w1"], parts["w3"]), 2)
+    if not layer.has_bias:
+        return w1, parts["w2"]
+    b1 = parts["b1"] if "b3" not in parts else np.concatenate((parts["b1"], parts["b3"]), 1)
+    return w1, b1.reshape(e, 1, -1), parts["w2"], parts["b2"].reshape(e, 1, -1)
+
+
+def _adopted_layers(network: nn.Cell):
+    return [c for _, c in network.cells_and_names()
+            if isinstance(c, BalancedExpertParallelMoE) and hasattr(c, "user_experts")]
+
+
+def _expert_states(optimizer, layer: BalancedExpertParallelMoE):
+    """[(state name prefix, the state Parameters in expert_names order)] of ``optimizer`` for
+    the layer's expert weights (``moe.ep_replan.weight_states``; the prefix as the optimizer
+    names them: ``adam_m``, ``moment1``, ...)."""
+    from ms_efficient.moe.ep_replan import weight_states
+
+    weights = layer.expert_params()
+    out = []
+    for kind in weight_states(optimizer, weights):
+        prefix = {s.name[:-len(w.name)] for s, w in zip(kind, weights)
+                  if s.name.endswith("." + w.name)}
+        if len(prefix) != 1:
+            raise ValueError(f"save_moe_checkpoint: the optimizer's state "
+                             f"{[s.name for s in kind]} is not named '<kind>.<weight name>'; "
+                             f"the checkpoint could not name it for the original network.")
+        out.append((prefix.pop(), kind))
+    return out
+
+
+def _optimizer_split(network: nn.Cell, optimizer, layers):
+    """(the expert states per layer, every other optimizer Parameter: the dense Parameters'
+    state and the scalars, by name)."""
+    experts = [_expert_states(optimizer, layer) for layer in layers]
+    taken = {id(p) for states in experts for _, kind in states for p in kind}
+    taken |= {id(p) for p in network.get_parameters()}
+    others = {p.name: p for p in optimizer.get_parameters() if id(p) not in taken}
+    return experts, others
+
+
+def save_moe_checkpoint(network: nn.Cell, path: str, optimizer=None) -> Dict[str, np.ndarray]:
     """Write ``network`` (adopted with ``expert_parallel=True``) as ONE checkpoint of the
     user's original network: its own Parameters under their names (the router, shared expert
     and gate bias as trained; dense ones from this rank, the same on every rank) and every
-    expert in the user's layout and names, read from the ranks' home slots. Collective: every
-    rank calls it; rank 0 writes ``path`` (atomically), every rank returns the arrays. Load it
-    into the original network (``mindspore.load_checkpoint`` + ``load_param_into_net``)
-    before ``adopt_moe`` to continue at any number of ranks. The optimizer's state is not in
-    it."""
-    layers = [c for _, c in network.cells_and_names()
-              if isinstance(c, BalancedExpertParallelMoE) and hasattr(c, "user_experts")]
+    expert in the user's layout and names, read from the ranks' home slots. With
+    ``optimizer`` (the one training ``network``: nn.Adam, AdamWeightDecay, Momentum, ...)
+    its state too, named as that optimizer built on the ORIGINAL network names it
+    (``adam_m.<user's expert weight name>``, ``moment1.<router weight name>``, its step and
+    scalars), the experts' state gathered like their weights. Collective: every rank calls
+    it; rank 0 writes ``path`` (atomically), every rank returns the arrays. To continue at
+    any number of ranks: load it into the original network (``mindspore.load_checkpoint`` +
+    ``load_param_into_net``), ``adopt_moe`` again, build the optimizer, then
+    :func:`load_moe_optimizer_state`."""
+    layers = _adopted_layers(network)
     if not layers:
         raise ValueError("save_moe_checkpoint: the network has no layer adopted with "
                          "adopt_moe(..., expert_parallel=True).")
@@ -211,7 +275,55 @@ def save_moe_checkpoint(network: nn.Cell, path: str) -> Dict[str, np.ndarray]:
     arrays = {p.name: p.asnumpy() for p in network.get_parameters() if p.name in original}
     for layer in layers:
         arrays.update(user_arrays(layer))
+    if optimizer is not None:
+        experts, others = _optimizer_split(network, optimizer, layers)
+        for layer, states in zip(layers, experts):
+            for prefix, kind in states:
+                arrays.update(user_arrays(layer, gathered_tables(layer, kind), prefix))
+        arrays.update({name: p.asnumpy() for name, p in others.items()})
     if backend.group_size() == 1 or backend.group_rank() == 0:
         entries = [{"name": n, "data": Tensor(v)} for n, v in arrays.items()]
         atomic_write_with(path, lambda tmp: ms.save_checkpoint(entries, tmp), suffix=".ckpt")
     return arrays
+
+
+def load_moe_optimizer_state(network: nn.Cell, optimizer, checkpoint) -> None:
+    """Fill ``optimizer`` (built after ``adopt_moe(..., expert_parallel=True)`` on
+    ``network``) from a :func:`save_moe_checkpoint` written with an optimizer of the same kind,
+    at any number of ranks: the experts' state of this rank's home slots from the user-named
+    entries, every other state Parameter (the dense Parameters', the step, the scalars) by
+    name. ``checkpoint``: its path, or the dict ``mindspore.load_checkpoint`` returns.
+    A network without adopted expert-parallel layers loads everything by name. Checks every
+    entry before writing any: a missing name or a wrong shape is a ValueError naming it, and
+    nothing is written."""
+    from ms_efficient.core.params import write_parameter
+
+    raw = ms.load_checkpoint(checkpoint) if isinstance(checkpoint, str) else checkpoint
+    arrays = {n: (v.asnumpy() if hasattr(v, "asnumpy") else np.asarray(v))
+              for n, v in raw.items()}
+    layers = _adopted_layers(network)
+    experts, others = _optimizer_split(network, optimizer, layers)
+    writes = []
+    for layer, states in zip(layers, experts):
+        for prefix, kind in states:
+            try:
+                tables = _user_tables(layer, arrays, prefix)
+            except KeyError as err:
+                raise ValueError(f"load_moe_optimizer_state: the checkpoint has no optimizer "
+                                 f"state {err.args[0]!r}; it must be written by "
+                                 f"save_moe_checkpoint(..., optimizer=) with an optimizer of "
+                                 f"the same kind.") from None
+            writes += [(p, layer.home_rows(t)) for p, t in zip(kind, tables)]
+    missing = sorted(n for n in others if n not in arrays)
+    if missing:
+        raise ValueError(f"load_moe_optimizer_state: the checkpoint has no optimizer state "
+                         f"{missing[:6]}{'...' if len(missing) > 6 else ''}; it must be written "
+                         f"by save_moe_checkpoint(..., optimizer=) with an optimizer of the "
+                         f"same kind.")
+    writes += [(p, arrays[n]) for n, p in others.items()]
+    for param, value in writes:
+        if tuple(np.shape(value)) != tuple(param.shape):
+            raise ValueError(f"load_moe_optimizer_state: '{param.name}' is {tuple(param.shape)}"
+                             f" but the checkpoint holds {tuple(np.shape(value))}.")
+    for param, value in writes:
+        write_parameter(param, value)

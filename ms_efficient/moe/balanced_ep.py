@@ -322,10 +322,15 @@ class BalancedExpertParallelMoE(nn.Cell):
                              f"{len(tables_E)} tables.")
         if router_EH is not None:
             write_parameter(self.router.weight, np.asarray(router_EH, np.float32))
-        home = self.home_table.asnumpy()[self.rank]
         for param, table in zip(self.expert_params(), tables_E):
-            rows = np.asarray(table, np.float32)[home[home >= 0]]
-            write_parameter(param, pad_rows(rows, self.slots_home))
+            write_parameter(param, self.home_rows(table))
+
+    def home_rows(self, table_E) -> np.ndarray:
+        """This rank's home-slot rows of a logical table (numpy [E, ...], one row per
+        expert): float32 [S_h, ...], zeros in empty slots (what :meth:`set_weights` writes,
+        and what an expert weight's optimizer state holds)."""
+        home = self.home_table.asnumpy()[self.rank]
+        return pad_rows(np.asarray(table_E, np.float32)[home[home >= 0]], self.slots_home)
 
     def set_plan(self, plan, optimizer=None) -> None:
         """Re-place the home experts between steps, without recompiling: ``plan`` is an
