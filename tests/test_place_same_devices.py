@@ -226,3 +226,39 @@ def test_on_two_nodes_each_stage_all_reduces_inside_a_node():
                    if r["dp"] == 2 and r["layout"] == "each copy on neighbouring devices"]
     assert consecutive[0]["step_time_s"] == pytest.approx(6.825 * MS, rel=1e-6)
     assert plan.reason == "faster" and plan.ratio < 1
+
+
+def test_a_batch_share_prices_the_devices_on_that_share_of_the_batch():
+    """After shard, each device of place's cluster stands for one shard mesh whose dp rows
+    split the batch (``place.apply`` passes batch_share = 1 / dp). Data parallel over 2 on
+    half the batch, by hand: compute 18 ms x 1/2 / 2 = 4.5 ms, activations 6 x 1 MB x 1/4
+    per device beside the unchanged 4 x 6 x 4e5 B of state. And the share is the batch: the
+    plan (baseline, pipeline, stage memory, step) of the blocks with share 1/2 is the plan of
+    blocks with half the times, activations and transfers at share 1 (measured times: no
+    launch overhead keeps its size)."""
+    act = 1_000_000
+    g, order, groups, names = _blocks(param_bytes=400_000, act_bytes=act)
+    cluster = _cluster(4)
+    half = replica_plan(g, cluster, 2, 0, batch_share=0.5)
+    assert half.compute_s == pytest.approx(4.5 * MS, rel=1e-12)
+    assert half.memory_bytes == pytest.approx(4 * 6 * 400_000 + 6 * act / 4, rel=1e-12)
+    with pytest.raises(ValueError, match=r"'batch_share' must be in \(0, 1\], but got 0"):
+        replica_plan(g, cluster, 2, batch_share=0)
+
+    h, *_ = _blocks(param_bytes=400_000, act_bytes=act // 2)
+    for node in h:
+        node.forward_time_s, node.backward_time_s = 0.5 * MS, 1 * MS
+    shared = plan_same_devices(g, order, groups, names, cluster, 8, None, FAST, max_copies=1,
+                               batch_share=0.5)
+    scaled = plan_same_devices(h, order, groups, names, cluster, 8, None, FAST, max_copies=1)
+    assert shared.baseline.step_time_s == pytest.approx(scaled.baseline.step_time_s, rel=1e-12)
+    assert shared.baseline.memory_bytes == pytest.approx(scaled.baseline.memory_bytes,
+                                                         rel=1e-12)
+    a, b = shared.pipeline, scaled.pipeline
+    assert a.device_of_block == b.device_of_block and a.micro_batches == b.micro_batches
+    assert a.step_time_s == pytest.approx(b.step_time_s, rel=1e-12)
+    assert [s["memory_bytes"] for s in a.stages] == pytest.approx(
+        [s["memory_bytes"] for s in b.stages], rel=1e-12)
+    full = plan_same_devices(g, order, groups, names, cluster, 8, None, FAST, max_copies=1)
+    assert max(s["memory_bytes"] for s in full.pipeline.stages) > \
+        max(s["memory_bytes"] for s in a.stages)

@@ -333,11 +333,15 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
                  f"{shard['mesh']['dp']}x{mp}")
         batch_dp = int(shard["mesh"]["dp"])
         batch = batch // batch_dp if batch % batch_dp == 0 else batch
+    # shard's dp rows split the batch: every slot runs 1 / dp of it (its compute and the
+    # activations it keeps), the micro-batches it tries divide that share
+    share = 1.0 / int(shard["mesh"]["dp"]) if shard is not None else 1.0
     decision = plan_same_devices(graph, units.order, groups, units.units, slots, batch,
                                  micro or None,
                                  TGAConfig(seed=0, max_evaluations=PLACE_PASS_EVALUATIONS,
                                            time_budget_s=PLACE_PASS_TIME_S),
-                                 max_copies=1 if shard is not None else None)
+                                 max_copies=1 if shard is not None else None,
+                                 batch_share=share)
     stage_plan = decision.pipeline
     nodes = list(graph)
     device_of = np.asarray(stage_plan.device_of_block)[groups]

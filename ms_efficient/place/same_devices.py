@@ -147,23 +147,29 @@ class ReplicaPlan:
 
 
 def replica_plan(graph: OpGraph, cluster: ClusterSpec, devices: int, zero: int = 0,
-                 prices=None) -> ReplicaPlan:
+                 prices=None, batch_share: float = 1.0) -> ReplicaPlan:
     """Price the network ``graph`` (train-step or forward graph) replicated over devices
     ``0 .. devices-1`` of ``cluster`` at ZeRO level ``zero`` (module docstring).
-    prices: ``op_prices(graph, cluster)`` when the caller has it (they are the same)."""
+    prices: ``op_prices(graph, cluster)`` when the caller has it (they are the same).
+    batch_share: the share of the graph's batch these devices run together, in (0, 1] (1 /
+    the data-parallel rows of a shard mesh that each device stands for): compute apart from
+    launch overheads and activations scale by it, parameters do not."""
     from ms_efficient.place.stages import op_prices
 
     if isinstance(devices, bool) or not isinstance(devices, int) or \
             not 1 <= devices <= cluster.num_devices:
         raise ValueError(f"'devices' must be an int in [1, {cluster.num_devices}] (the devices "
                          f"of {cluster.name!r}), but got {devices!r}.")
+    if not 0 < batch_share <= 1:
+        raise ValueError(f"'batch_share' must be in (0, 1], but got {batch_share!r}.")
     p = prices if prices is not None else op_prices(graph, cluster)
     on = p.forward
     h = p.overhead_s[on]
-    compute = float((((p.forward_s[on] - h) + (p.backward_s[on] - h)) / devices + 2 * h).sum())
+    share = batch_share / devices
+    compute = float((((p.forward_s[on] - h) + (p.backward_s[on] - h)) * share + 2 * h).sum())
     params = float(p.param_bytes[on].sum())
     memory = (state_bytes_per_device(params, p.param_state_factor, devices, zero)
-              + float(p.output_bytes[on].sum()) / devices)
+              + float(p.output_bytes[on].sum()) * share)
     if zero == 3 and devices > 1:        # one operator's weights gathered whole while it runs
         memory += float(p.param_bytes[on].max(initial=0.0)) * (1.0 - 1.0 / devices)
     sync = gradient_sync_time_s(cluster, range(devices), params, zero)
@@ -172,10 +178,10 @@ def replica_plan(graph: OpGraph, cluster: ClusterSpec, devices: int, zero: int =
 
 
 def replica_plans(graph: OpGraph, cluster: ClusterSpec,
-                  batch: Optional[int] = None) -> List[ReplicaPlan]:
+                  batch: Optional[int] = None, batch_share: float = 1.0) -> List[ReplicaPlan]:
     """Every non-pipeline plan on ``cluster``: ``n`` replicas for each n in 1..D that divides
     ``batch`` (every n when the batch is not known), at each ZeRO level (level > 0 only for
-    n > 1)."""
+    n > 1); ``batch_share`` as for :func:`replica_plan`."""
     from ms_efficient.place.stages import op_prices
 
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int)
@@ -187,7 +193,7 @@ def replica_plans(graph: OpGraph, cluster: ClusterSpec,
         if batch is not None and batch % n:
             continue
         for zero in ZERO_LEVELS if n > 1 else (0,):
-            out.append(replica_plan(graph, cluster, n, zero, prices))
+            out.append(replica_plan(graph, cluster, n, zero, prices, batch_share))
     return out
 
 
@@ -282,12 +288,14 @@ class SameDevicesPlan:
 def pipeline_candidates(graph: OpGraph, order: Sequence[int], groups: np.ndarray,
                         names: Sequence[str], cluster: ClusterSpec, batch: Optional[int],
                         micro_batches: Optional[int] = None,
-                        tga_config: Optional[TGAConfig] = None, max_copies: Optional[int] = None):
+                        tga_config: Optional[TGAConfig] = None, max_copies: Optional[int] = None,
+                        batch_share: float = 1.0):
     """(plans, rows): the best pipeline for every data-parallel degree dp with D // dp >= 2
     devices per copy and dp dividing ``batch`` (every dp when ``batch`` is None), and one row
     per dp tried. micro_batches: fix M per copy (a dp whose copy's batch M does not divide
     is skipped); None tries the divisors of the copy's batch (M = 1 without a batch).
-    max_copies: the largest dp to try (None: D // 2)."""
+    max_copies: the largest dp to try (None: D // 2). batch_share: the share of the graph's
+    batch the whole cluster runs (``plan_stages``)."""
     plans: List[StagePlan] = []
     rows: List[Dict[str, Any]] = []
     top = cluster.num_devices // 2 if max_copies is None else min(max_copies,
@@ -308,7 +316,7 @@ def pipeline_candidates(graph: OpGraph, order: Sequence[int], groups: np.ndarray
             try:
                 plan = plan_stages(graph, order, groups, names, copy, ms, tga_config,
                                    replicas=dp, whole=cluster, copy_device=copy_device,
-                                   layout=layout)
+                                   layout=layout, batch_share=batch_share)
             except PassRefused:
                 raise
             except ValueError as err:       # a copy's devices cannot hold the network at all
@@ -327,19 +335,23 @@ def plan_same_devices(graph: OpGraph, order: Sequence[int], groups: np.ndarray,
                       names: Sequence[str], cluster: ClusterSpec, batch: Optional[int],
                       micro_batches: Optional[int] = None,
                       tga_config: Optional[TGAConfig] = None,
-                      max_copies: Optional[int] = None) -> SameDevicesPlan:
+                      max_copies: Optional[int] = None,
+                      batch_share: float = 1.0) -> SameDevicesPlan:
     """Choose a pipeline (pp x dp) on ``cluster`` or refuse (module docstring).
 
     graph: the forward graph; order, groups, names: as for ``place.stages.plan_stages``.
     batch: the global batch (samples per step), or None when unknown (every split allowed).
     micro_batches: M per pipeline copy, or None to try the divisors of the copy's batch.
     max_copies: the largest dp of a pipeline (None: D // 2; 1: pipelines only, as when the
-    shard pass already splits every stage's batch over its own mesh).
+    shard pass already splits every stage's batch over its own mesh). batch_share: the
+    share of the graph's batch the cluster runs (1 / the data-parallel rows of shard's mesh
+    when each device of ``cluster`` stands for one mesh), for the baseline and every
+    pipeline alike.
     Raises PassRefused (a ValueError) when the best pipeline is not faster than the best
     non-pipeline plan that fits, or when no pipeline fits (naming what each needs)."""
-    baseline = best_replica_plan(replica_plans(graph, cluster, batch))
+    baseline = best_replica_plan(replica_plans(graph, cluster, batch, batch_share))
     plans, rows = pipeline_candidates(graph, order, groups, names, cluster, batch,
-                                      micro_batches, tga_config, max_copies)
+                                      micro_batches, tga_config, max_copies, batch_share)
     cap = usable_bytes(cluster)
     fits = [p for p in plans if p.feasible]
     if not fits:

@@ -188,7 +188,8 @@ def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
                 tga_config: Optional[TGAConfig] = None, replicas: int = 1,
                 whole: Optional[ClusterSpec] = None,
                 copy_device: Optional[Callable[[int, int], int]] = None,
-                layout: str = "each copy on neighbouring devices") -> StagePlan:
+                layout: str = "each copy on neighbouring devices",
+                batch_share: float = 1.0) -> StagePlan:
     """The fastest pipeline of >= 2 stages of the block groups on the devices of ``cluster``
     (see module docstring), run as ``replicas`` data-parallel copies.
 
@@ -199,7 +200,9 @@ def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
     all-reduce to the step. whole: the cluster the copies live on (default ``cluster``, whose
     links one copy sees). copy_device(d, r): the device of ``whole`` that is device d of copy
     r (default ``d + r * cluster.num_devices``: each copy on neighbouring devices); layout names
-    that arrangement in the plan.
+    that arrangement in the plan. batch_share: the share of the graph's batch all the copies
+    run together (1 / shard's data-parallel rows when each device is one shard mesh); a
+    copy runs batch_share / replicas of it.
     Plans within device memory win over plans beyond it (``feasible`` says which was
     found). Whether the pipeline pays, against one device or the same devices used without
     a pipeline, is for the caller (``place.same_devices``). Raises PassRefused (a
@@ -228,7 +231,8 @@ def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
         def copy_device(d: int, r: int) -> int:
             return d + r * stride
     cfg = tga_config or TGAConfig(seed=0, max_evaluations=300, time_budget_s=60.0)
-    one = build_problem(group_graph(graph, order, groups, names, cluster, 1), cluster,
+    one = build_problem(group_graph(graph, order, groups, names, cluster, 1,
+                                    batch_share=batch_share), cluster,
                         PlacementOptions(micro_batches=1, contiguous=True))
     one_cost = simulate_placement(one, np.zeros(len(names), dtype=np.int64))
 
@@ -243,7 +247,7 @@ def plan_stages(graph: OpGraph, order: Sequence[int], groups: np.ndarray, names:
     evaluations = 0
     for m in sorted(set(int(v) for v in micro_batches)):
         problem = build_problem(group_graph(graph, order, groups, names, cluster, m,
-                                            batch_share=1.0 / replicas), cluster,
+                                            batch_share=batch_share / replicas), cluster,
                                 PlacementOptions(micro_batches=m, contiguous=True))
         result = tga(problem, cfg)
         evaluations += result.evaluations
