@@ -32,12 +32,12 @@ class GatedMLP(nn.Cell):
     registered in ``order`` (Mixtral registers w1, w2, w3: gate, down, up)."""
 
     def __init__(self, hidden, ffn, names=("gate_proj", "up_proj", "down_proj"),
-                 order=(0, 1, 2)):
+                 order=(0, 1, 2), bias=False):
         super().__init__()
         self.names = names
         shapes = ((hidden, ffn), (hidden, ffn), (ffn, hidden))
         for i in order:
-            setattr(self, names[i], nn.Dense(*shapes[i], has_bias=False,
+            setattr(self, names[i], nn.Dense(*shapes[i], has_bias=bias,
                                              weight_init=Normal(0.3)))
         self.act_fn = nn.SiLU()
 
@@ -408,7 +408,17 @@ def test_save_moe_checkpoint_writes_the_original_network_back_in_its_own_names(b
     assert float(fresh(*inputs).asnumpy()) == pytest.approx(loss0, rel=1e-6)
 
 
+class BiasedMixtralBlock(MixtralSparseMoeBlock):
+    """Mixtral's block with biases on every expert projection (b1, b3, b2 in the layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.CellList([GatedMLP(H, F, ("w1", "w3", "w2"), order=(0, 2, 1),
+                                             bias=True) for _ in range(E)])
+
+
 @pytest.mark.parametrize("block, adam", [(MixtralSparseMoeBlock, "AdamWeightDecay"),
+                                         (BiasedMixtralBlock, "Adam"),
                                          (StackedMixtralBlock, "Adam"),
                                          (DeepseekV3MoE, "Adam")])
 def test_a_checkpoint_with_the_optimizer_state_continues_the_run_where_it_stopped(block, adam,

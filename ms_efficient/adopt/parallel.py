@@ -89,17 +89,30 @@ def logical_tables(spec: BlockSpec) -> Tuple[np.ndarray, ...]:
     """The block's experts as the balanced layer's logical tables, float32 numpy: (w1 [E, H,
     F1], b1 [E, 1, F1], w2 [E, F, H], b2 [E, 1, H]) or (w1, w2) without biases; F1 = 2F for
     gated experts (gate then up)."""
-    e = spec.num_experts
-    w1_raw, b1_raw, w2_raw, b2_raw = spec.weights
-    w1, w2 = _stacked(w1_raw, True), _stacked(w2_raw, True)
+    w1, b1, w2, b2 = spec.weights
+    parts = {"w1": _stacked(w1, True), "w2": _stacked(w2, True)}
     if spec.up is not None:
-        w1 = np.concatenate((w1, _stacked(spec.up[0], True)), axis=2)
-    if not spec.has_bias:
-        return w1, w2
-    b1 = _stacked(b1_raw, False).reshape(e, 1, -1)
-    if spec.up is not None:
-        b1 = np.concatenate((b1, _stacked(spec.up[1], False).reshape(e, 1, -1)), axis=2)
-    return w1, b1, w2, _stacked(b2_raw, False).reshape(e, 1, -1)
+        parts["w3"] = _stacked(spec.up[0], True)
+    if spec.has_bias:
+        parts.update(b1=_stacked(b1, False), b2=_stacked(b2, False))
+        if spec.up is not None:
+            parts["b3"] = _stacked(spec.up[1], False)
+    return _compose(parts, spec.num_experts, spec.has_bias)
+
+
+def _compose(parts: Dict[str, np.ndarray], num_experts: int,
+             has_bias: bool) -> Tuple[np.ndarray, ...]:
+    """The logical tables from the experts' parts by role (w1 [E, H, F] the gate or first
+    matrix, w3 the up projection of a gated expert, w2 [E, F, H]; biases b1, b3, b2 [E, n]):
+    w1 | w3 fused along F, biases as [E, 1, n]."""
+    e = num_experts
+    w1 = parts["w1"] if "w3" not in parts else np.concatenate((parts["w1"], parts["w3"]), 2)
+    if not has_bias:
+        return w1, parts["w2"]
+    b1 = parts["b1"].reshape(e, -1)
+    if "b3" in parts:
+        b1 = np.concatenate((b1, parts["b3"].reshape(e, -1)), 1)
+    return w1, b1.reshape(e, 1, -1), parts["w2"], parts["b2"].reshape(e, 1, -1)
 
 
 def ep_cluster(cluster, world: int) -> ClusterSpec:
@@ -213,11 +226,7 @@ def _user_tables(layer: BalancedExpertParallelMoE, arrays: Dict[str, np.ndarray]
             h, f = layer.hidden_size, layer.w2.shape[1]
             shape = {"w1": (h, f), "w3": (h, f), "w2": (f, h)}.get(role, (-1,))
             parts[role] = np.asarray(arrays[prefix + name], np.float32).reshape(e, *shape)
-    w1 = parts["w1"] if "w3" not in parts else np.concatenate((parts["w1"], parts["w3"]), 2)
-    if not layer.has_bias:
-        return w1, parts["w2"]
-    b1 = parts["b1"] if "b3" not in parts else np.concatenate((parts["b1"], parts["b3"]), 1)
-    return w1, b1.reshape(e, 1, -1), parts["w2"], parts["b2"].reshape(e, 1, -1)
+    return _compose(parts, e, layer.has_bias)
 
 
 def _adopted_layers(network: nn.Cell):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import numpy as np
 import mindspore as ms
 from mindspore import nn, ops
 from mindspore.common.initializer import Normal
@@ -113,8 +114,6 @@ def uses_fused_swiglu(act: nn.Cell, target: Optional[str] = None) -> bool:
 def swiglu_reference(h):
     """``ops.swiglu(h, -1)`` as MindSpore 2.10 documents it, numpy: with a, b the first and
     second halves of the last axis, Swish(a) * b = a * sigmoid(a) * b."""
-    import numpy as np
-
     a, b = np.split(np.asarray(h, dtype=np.float64), 2, axis=-1)
     return a / (1.0 + np.exp(-a)) * b
 

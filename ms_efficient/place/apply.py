@@ -309,7 +309,7 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
     if micro and batch % micro:
         raise ValueError(f"'optimize.micro_batches' must divide the batch size {batch} (or be 0 "
                          f"to let the place pass choose), but got {micro}.")
-    mesh, slots = 1, cluster
+    mesh, slots, share = 1, cluster, 1.0
     shard = context.plans.get("shard")
     if shard is not None:      # shard's dp x mp mesh runs every stage: place plans mesh slots
         from ms_efficient.place.same_devices import sub_cluster
@@ -331,11 +331,11 @@ def place_pass(network: Any, context: Any) -> Tuple[Any, Dict[str, Any]]:
             device_memory_bytes=cluster.device_memory_bytes * mp,
             name=f"{cluster.name} as {cluster.num_devices // mesh} meshes of "
                  f"{shard['mesh']['dp']}x{mp}")
+        # its dp rows split the batch: every slot runs 1 / dp of it (its compute and the
+        # activations it keeps), the micro-batches it tries divide that share
         batch_dp = int(shard["mesh"]["dp"])
         batch = batch // batch_dp if batch % batch_dp == 0 else batch
-    # shard's dp rows split the batch: every slot runs 1 / dp of it (its compute and the
-    # activations it keeps), the micro-batches it tries divide that share
-    share = 1.0 / int(shard["mesh"]["dp"]) if shard is not None else 1.0
+        share = 1.0 / batch_dp
     decision = plan_same_devices(graph, units.order, groups, units.units, slots, batch,
                                  micro or None,
                                  TGAConfig(seed=0, max_evaluations=PLACE_PASS_EVALUATIONS,
